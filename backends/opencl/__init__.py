@@ -1,0 +1,1 @@
+"""opencl backend (under construction)."""

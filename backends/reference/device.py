@@ -1,0 +1,123 @@
+"""Reference device: buffers are aligned NumPy arrays, kernels are NumPy.
+
+Clear rather than fast: every stateful primitive computes in float64 and
+rounds once when storing into the buffer's dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from statecache import __version__
+from statecache.backend import PRIMITIVES, Backend, Buffer, Caps, Device, DeviceKind
+from statecache.backends.reference import delta_net, rows, ssm_conv, ssm_scan
+from statecache.dtypes import STORAGE_DTYPES, DType
+from statecache.hostmem import aligned_empty, as_array
+
+
+class ReferenceDevice(Device):
+    def __init__(self) -> None:
+        self.id = "reference:0"
+        self.backend_name = "reference"
+        self.kind = DeviceKind.CPU
+        self.name = "NumPy reference (float64 math)"
+        try:
+            pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            self.memory_bytes: int | None = int(pages)
+        except (ValueError, OSError, AttributeError):
+            self.memory_bytes = None
+        self.caps = Caps(
+            ops=frozenset(PRIMITIVES),
+            storage_dtypes=STORAGE_DTYPES,
+            max_snapshots=64,
+            strided_inputs=True,
+            host_visible=True,
+            async_launch=False,
+        )
+
+    # memory
+    def _alloc(self, shape: tuple[int, ...], dtype: DType) -> Buffer:
+        n = int(np.prod(shape, dtype=np.int64))
+        return Buffer(self, aligned_empty(n, dtype), dtype, shape)
+
+    def _write(self, buffer: Buffer, host: np.ndarray) -> None:
+        as_array(buffer)[...] = host
+
+    def _read(self, buffer: Buffer) -> np.ndarray:
+        return np.array(as_array(buffer), copy=True)
+
+    # primitives
+    def _get_rows(self, src, rows_buf, dst, rows_host):  # type: ignore[no-untyped-def]
+        rows.get_rows(as_array(src), rows_host, as_array(dst))
+
+    def _set_rows(self, dst, rows_buf, src, rows_host):  # type: ignore[no-untyped-def]
+        rows.set_rows(as_array(dst), rows_host, as_array(src))
+
+    def _zero_rows(self, dst, rows_buf, rows_host):  # type: ignore[no-untyped-def]
+        rows.zero_rows(as_array(dst), rows_host)
+
+    def _copy_rows(self, src, src_rows, dst, dst_rows, src_host, dst_host):  # type: ignore[no-untyped-def]
+        rows.copy_rows(as_array(src), src_host, as_array(dst), dst_host)
+
+    def _ssm_conv(self, shp, pool, start_rows, dst_rows, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
+        ssm_conv.ssm_conv(
+            shp,
+            as_array(pool),
+            self.index_values(start_rows),
+            self.index_values(dst_rows),
+            as_array(x),
+            as_array(weight),
+            None if bias is None else as_array(bias),
+            as_array(y),
+            apply_silu,
+        )
+
+    def _ssm_scan(self, shp, pool, start_rows, dst_rows, x, dt, A, B, C, y):  # type: ignore[no-untyped-def]
+        ssm_scan.ssm_scan(
+            shp,
+            as_array(pool),
+            self.index_values(start_rows),
+            self.index_values(dst_rows),
+            as_array(x),
+            as_array(dt),
+            as_array(A),
+            as_array(B),
+            as_array(C),
+            as_array(y),
+        )
+
+    def _gated_delta_net(self, shp, pool, start_rows, dst_rows, q, k, v, g, beta, o, scale):  # type: ignore[no-untyped-def]
+        delta_net.gated_delta_net(
+            shp,
+            as_array(pool),
+            self.index_values(start_rows),
+            self.index_values(dst_rows),
+            as_array(q),
+            as_array(k),
+            as_array(v),
+            as_array(g),
+            as_array(beta),
+            as_array(o),
+            scale,
+        )
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    version = __version__
+    priority = 0  # chosen automatically only when nothing faster is usable
+    description = "NumPy reference implementation (always available, slow)"
+    provided_by = "statecache"
+
+    def __init__(self) -> None:
+        self._devices: list[Device] | None = None
+
+    def availability(self) -> tuple[bool, str]:
+        return True, ""
+
+    def devices(self) -> list[Device]:
+        if self._devices is None:
+            self._devices = [ReferenceDevice()]
+        return self._devices

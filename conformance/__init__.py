@@ -1,0 +1,1 @@
+"""The statecache conformance suite (pytest plugin + cases)."""

@@ -1,0 +1,1 @@
+"""pytest plugin entry point of the conformance suite (under construction)."""

@@ -1,0 +1,95 @@
+"""Every environment variable statecache reads, in one place, read lazily.
+
+The README documents the same table; a test checks the two agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str | None
+    meaning: str
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable(
+        "STATECACHE_DEVICE",
+        None,
+        "Device chosen when none is named, e.g. `cpu`, `opencl:1`, `cuda:0`, `reference`.",
+    ),
+    Variable(
+        "STATECACHE_BACKENDS",
+        None,
+        "Comma-separated allowlist of backend names to load (unset: all; empty: none).",
+    ),
+    Variable(
+        "STATECACHE_NUM_THREADS",
+        None,
+        "Threads used by the C CPU backend (default: the cores this process may use).",
+    ),
+    Variable(
+        "STATECACHE_CACHE_DIR",
+        None,
+        "Where built kernels (the CUDA library) are cached (default: the user cache dir).",
+    ),
+    Variable(
+        "STATECACHE_TRACE_PLUGINS",
+        None,
+        "When set to 1, print every plugin hook call and its result.",
+    ),
+)
+
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def get(name: str) -> str | None:
+    """The value of a documented variable (unknown names are a bug)."""
+    var = _BY_NAME[name]
+    return os.environ.get(name, var.default)
+
+
+def device() -> str | None:
+    value = get("STATECACHE_DEVICE")
+    return value.strip() or None if value is not None else None
+
+
+def backend_allowlist() -> frozenset[str] | None:
+    """``None`` when unset (load all); an empty set when set to ''."""
+    value = get("STATECACHE_BACKENDS")
+    if value is None:
+        return None
+    return frozenset(part.strip() for part in value.split(",") if part.strip())
+
+
+def num_threads() -> int:
+    value = get("STATECACHE_NUM_THREADS")
+    if value:
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"STATECACHE_NUM_THREADS must be a positive integer, got {value!r}") from None
+        if n < 1:
+            raise ValueError(f"STATECACHE_NUM_THREADS must be a positive integer, got {value!r}")
+        return n
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def cache_dir() -> str:
+    value = get("STATECACHE_CACHE_DIR")
+    if value:
+        return value
+    import platformdirs
+
+    return platformdirs.user_cache_dir("statecache")
+
+
+def trace_plugins() -> bool:
+    return get("STATECACHE_TRACE_PLUGINS") in ("1", "true", "yes")
