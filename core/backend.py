@@ -332,6 +332,21 @@ class Device(abc.ABC):
             data = rng.uniform(-1e3, 1e3, size=buffer.shape).astype(np.float32)
         self.write(buffer, data)
 
+    def copy_buffer(self, src: Buffer, dst: Buffer) -> None:
+        """Plain device-to-device copy of a whole contiguous buffer into another
+        of the same dtype and size.  Benchmarks use it as the memcpy bound;
+        backends override it with their native copy."""
+        self._check_own(src, "src")
+        self._check_own(dst, "dst")
+        if not (src.is_contiguous and dst.is_contiguous):
+            raise ArgumentError("src", "copy_buffer() needs contiguous buffers")
+        if src.dtype is not dst.dtype or src.size != dst.size:
+            raise ArgumentError("dst", f"{dst} does not match {src} in dtype and size")
+        if src.same_storage(dst):
+            raise ArgumentError("dst", "shares storage with src")
+        zero = self.indices([0])
+        self.copy_rows(src.view((1, src.size)), zero, dst.view((1, dst.size)), zero)
+
     def synchronize(self) -> None:
         """Wait until every queued launch and copy has finished."""
 
