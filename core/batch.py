@@ -1,0 +1,542 @@
+"""Batches, their validation, and the three ubatch splitters (spec §6).
+
+A :class:`Batch` is what a runtime submits: tokens (or embeddings), optional
+positions, sequence ids per token and output flags.  A
+:class:`BatchAllocator` validates it against a memory (§6.1), auto-fills what
+was left out, and then cuts it into :class:`UBatch` es with
+:meth:`~BatchAllocator.split_simple`, :meth:`~BatchAllocator.split_equal` or
+:meth:`~BatchAllocator.split_seq` (§6.3).  Every token is emitted exactly
+once; :attr:`BatchAllocator.out_ids` records the batch index of every output
+token in the order the ubatches emitted them, so a caller can put logits back
+in its own order.
+
+A *sequence set* is the set of sequence ids of one token.  Tokens that belong
+to more than one sequence *couple* those sequences.  Sets are kept as Python
+int bitmasks (bit ``s`` = sequence ``s``), which makes intersection tests one
+``&`` whatever ``n_seq_max`` is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from statecache.errors import BatchError
+
+#: Largest n_seq_max accepted (upstream's LLAMA_MAX_SEQ).
+MAX_SEQ = 256
+
+
+class PositionSource(Protocol):
+    """What batch validation needs from a memory."""
+
+    def seq_pos_min(self, seq: int) -> int: ...
+
+    def seq_pos_max(self, seq: int) -> int: ...
+
+
+@dataclasses.dataclass
+class Batch:
+    """A batch as submitted by a runtime.
+
+    ``tokens`` int [n] or ``embd`` float [n, n_embd] (exactly one of them);
+    ``pos`` int [n] or None (auto-filled); ``seq_ids`` one sequence of ids per
+    token or None (every token in sequence 0); ``output`` bool [n] or None
+    (only the last token, or every token when the allocator is asked for
+    all outputs).
+    """
+
+    tokens: Any = None
+    embd: Any = None
+    pos: Any = None
+    seq_ids: Sequence[Sequence[int]] | Sequence[int] | None = None
+    output: Any = None
+
+    @classmethod
+    def for_sequences(cls, tokens_by_seq: dict[int, Sequence[int]], *, output_all: bool = False) -> Batch:
+        """One batch holding, for each sequence, its tokens (positions auto-filled)."""
+        toks: list[int] = []
+        seqs: list[int] = []
+        outs: list[bool] = []
+        for s, ts in tokens_by_seq.items():
+            ts = list(ts)
+            toks.extend(ts)
+            seqs.extend([s] * len(ts))
+            outs.extend([output_all or i == len(ts) - 1 for i in range(len(ts))])
+        return cls(tokens=np.asarray(toks, dtype=np.int32), seq_ids=seqs, output=np.asarray(outs, dtype=bool))
+
+
+@dataclasses.dataclass
+class UBatch:
+    """One unit of work for a memory and a graph (spec §6.2).
+
+    For an equal split (``equal_seqs``) the tokens form ``n_seqs`` sets of
+    ``n_seq_tokens`` tokens each, set-major: token ``s * n_seq_tokens + t``
+    is token ``t`` of set ``s``, and ``set_seq_ids[s]`` are the set's
+    sequence ids (primary id first).  ``token_idx`` maps every token back to
+    its index in the batch.
+    """
+
+    equal_seqs: bool
+    n_seq_tokens: int
+    n_seqs: int
+    token_idx: np.ndarray
+    token: np.ndarray | None
+    embd: np.ndarray | None
+    pos: np.ndarray
+    seq_id: list[tuple[int, ...]]
+    output: np.ndarray
+    seq_id_unq: tuple[int, ...]
+    set_seq_ids: list[tuple[int, ...]]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_idx.size)
+
+    @property
+    def n_seqs_unq(self) -> int:
+        return len(self.seq_id_unq)
+
+    @property
+    def seq_idx(self) -> dict[int, int]:
+        """Sequence id -> index into ``seq_id_unq``."""
+        return {s: i for i, s in enumerate(self.seq_id_unq)}
+
+    @property
+    def primary(self) -> np.ndarray:
+        """Primary (first) sequence id of every token."""
+        return np.fromiter((ids[0] for ids in self.seq_id), dtype=np.int64, count=len(self.seq_id))
+
+    @classmethod
+    def empty(cls) -> UBatch:
+        z = np.zeros(0, dtype=np.int64)
+        return cls(False, 0, 0, z, None, None, z.astype(np.int32), [], z.astype(bool), (), [])
+
+    @classmethod
+    def reserve(cls, n_seq_tokens: int, seq_pos: Sequence[tuple[int, int]]) -> UBatch:
+        """A blank equal ubatch (no tokens): one set per ``(seq, last_pos)``
+        entry, ``n_seq_tokens`` tokens each, positions ending at last_pos.
+        Used when restoring state."""
+        n_s = len(seq_pos)
+        pos = np.concatenate(
+            [np.arange(p - n_seq_tokens + 1, p + 1, dtype=np.int32) for _, p in seq_pos]
+            or [np.zeros(0, dtype=np.int32)]
+        )
+        seq_id = [(s,) for s, _ in seq_pos for _ in range(n_seq_tokens)]
+        n = n_s * n_seq_tokens
+        return cls(
+            True,
+            n_seq_tokens,
+            n_s,
+            np.arange(n, dtype=np.int64),
+            None,
+            None,
+            pos,
+            seq_id,
+            np.zeros(n, dtype=bool),
+            tuple(sorted({s for s, _ in seq_pos})),
+            [(s,) for s, _ in seq_pos],
+        )
+
+
+def _mask(ids: Sequence[int]) -> int:
+    m = 0
+    for s in ids:
+        m |= 1 << s
+    return m
+
+
+class BatchAllocator:
+    """Validates a batch against a memory and splits it into ubatches."""
+
+    def __init__(self, n_seq_max: int) -> None:
+        if not 1 <= int(n_seq_max) <= MAX_SEQ:
+            raise BatchError(f"n_seq_max {n_seq_max} must be in [1, {MAX_SEQ}]", rule="n_seq_max")
+        self.n_seq_max = int(n_seq_max)
+        self.n_tokens = 0
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self.token: np.ndarray | None = None
+        self.embd: np.ndarray | None = None
+        self.pos = np.zeros(0, dtype=np.int32)
+        self.seq_id: list[tuple[int, ...]] = []
+        self.primary = np.zeros(0, dtype=np.int64)
+        self.output = np.zeros(0, dtype=bool)
+        self.has_coupled = False
+        self.seq_id_unq: tuple[int, ...] = ()
+        self._set_of_token = np.zeros(0, dtype=np.int64)
+        self._set_masks: list[int] = []
+        self._set_ids: list[tuple[int, ...]] = []
+        self._set_tokens: list[np.ndarray] = []
+        self.split_reset()
+
+    # -- validation (§6.1) ----------------------------------------------------
+    def init(
+        self,
+        batch: Batch,
+        memory: PositionSource | None = None,
+        *,
+        n_vocab: int | None = None,
+        n_embd: int | None = None,
+        output_all: bool = False,
+    ) -> None:
+        """Validate ``batch`` and auto-fill positions, sequence ids and outputs.
+
+        Raises :class:`BatchError` naming the token, the sequence and the
+        rule; on error the allocator is left empty.
+        """
+        self.n_tokens = 0
+        self._reset_state()
+        if (batch.tokens is None) == (batch.embd is None):
+            raise BatchError("a batch holds exactly one of tokens or embd", rule="payload")
+        if batch.tokens is not None:
+            token = np.asarray(batch.tokens)
+            if token.ndim != 1 or (token.size and not np.issubdtype(token.dtype, np.integer)):
+                raise BatchError(f"tokens must be a 1-D integer array, got shape {token.shape}", rule="payload")
+            token = token.astype(np.int32)
+            n = token.size
+            if n_vocab is not None and n:
+                bad = np.flatnonzero((token < 0) | (token >= n_vocab))
+                if bad.size:
+                    i = int(bad[0])
+                    raise BatchError(
+                        f"token {i}: id {int(token[i])} outside the vocabulary [0, {n_vocab})",
+                        token=i,
+                        rule="token_range",
+                    )
+            embd = None
+        else:
+            embd = np.asarray(batch.embd, dtype=np.float32)
+            if embd.ndim != 2 or (n_embd is not None and embd.shape[1] != n_embd):
+                raise BatchError(f"embd must be [n_tokens, n_embd={n_embd}], got shape {embd.shape}", rule="payload")
+            n = embd.shape[0]
+            token = None
+        if n == 0:
+            raise BatchError("empty batch", rule="empty")
+
+        # sequence ids
+        if batch.seq_ids is None:
+            seq_id = [(0,)] * n
+        else:
+            if len(batch.seq_ids) != n:
+                raise BatchError(f"seq_ids has {len(batch.seq_ids)} entries for {n} tokens", rule="seq_id_count")
+            seq_id = []
+            for i, ids in enumerate(batch.seq_ids):
+                t = (int(ids),) if isinstance(ids, int | np.integer) else tuple(int(s) for s in ids)
+                if not t:
+                    raise BatchError(f"token {i} belongs to no sequence", token=i, rule="seq_id_count")
+                if len(set(t)) != len(t):
+                    raise BatchError(f"token {i} lists a sequence twice: {t}", token=i, rule="seq_id_dup")
+                seq_id.append(t)
+        primary = np.fromiter((ids[0] for ids in seq_id), dtype=np.int64, count=n)
+        coupled = any(len(ids) > 1 for ids in seq_id)
+        all_ids = {s for ids in seq_id for s in ids} if coupled else set(np.unique(primary).tolist())
+        for s in all_ids:
+            if not 0 <= s < self.n_seq_max:
+                i = next(i for i, ids in enumerate(seq_id) if s in ids)
+                raise BatchError(
+                    f"token {i}: sequence id {s} outside [0, n_seq_max={self.n_seq_max})",
+                    token=i,
+                    seq=s,
+                    rule="seq_id_range",
+                )
+
+        # coupled sequences must agree in the memory
+        if coupled and memory is not None:
+            for i, ids in enumerate(seq_id):
+                if len(ids) < 2:
+                    continue
+                ref = (memory.seq_pos_min(ids[0]), memory.seq_pos_max(ids[0]))
+                for s in ids[1:]:
+                    got = (memory.seq_pos_min(s), memory.seq_pos_max(s))
+                    if got != ref:
+                        raise BatchError(
+                            f"token {i} couples sequences {ids[0]} and {s}, whose memory positions differ "
+                            f"({ref} vs {got})",
+                            token=i,
+                            seq=s,
+                            rule="coupled_pos",
+                        )
+
+        # positions
+        if batch.pos is None:
+            nxt = {s: (memory.seq_pos_max(s) + 1 if memory is not None else 0) for s in all_ids}
+            if not coupled:
+                pos = np.empty(n, dtype=np.int32)
+                order = np.argsort(primary, kind="stable")
+                ps = primary[order]
+                starts = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]])
+                rank = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
+                base = np.fromiter((nxt[int(s)] for s in ps), dtype=np.int64, count=n)
+                pos[order] = (base + rank).astype(np.int32)
+            else:
+                pos_l = []
+                for ids in seq_id:
+                    p = nxt[ids[0]]
+                    pos_l.append(p)
+                    for s in ids:
+                        nxt[s] = p + 1
+                pos = np.asarray(pos_l, dtype=np.int32)
+        else:
+            pos = np.asarray(batch.pos)
+            if pos.shape != (n,) or not np.issubdtype(pos.dtype, np.integer):
+                raise BatchError(f"pos must be an integer array of {n} entries, got shape {pos.shape}", rule="pos")
+            pos = pos.astype(np.int32)
+            if (pos < 0).any():
+                i = int(np.flatnonzero(pos < 0)[0])
+                raise BatchError(f"token {i}: negative position {int(pos[i])}", token=i, rule="pos_negative")
+
+        # per-sequence rules: start right after the memory, consecutive in batch order
+        if coupled:
+            tok_seq = np.fromiter((s for ids in seq_id for s in ids), dtype=np.int64)
+            tok_idx = np.repeat(np.arange(n), [len(ids) for ids in seq_id])
+        else:
+            tok_seq = primary
+            tok_idx = np.arange(n)
+        order = np.lexsort((tok_idx, tok_seq))
+        ss, ti = tok_seq[order], tok_idx[order]
+        pp = pos[ti].astype(np.int64)
+        new_seq = np.r_[True, ss[1:] != ss[:-1]]
+        starts = np.flatnonzero(new_seq)
+        for k in starts:
+            s = int(ss[k])
+            p_mem = memory.seq_pos_max(s) if memory is not None else -1
+            if p_mem >= 0 and pp[k] != p_mem + 1:
+                i = int(ti[k])
+                raise BatchError(
+                    f"token {i}: sequence {s} must continue at position {p_mem + 1} (the memory holds up to "
+                    f"{p_mem}), got {int(pp[k])}",
+                    token=i,
+                    seq=s,
+                    rule="pos_start",
+                )
+        step_bad = np.flatnonzero(~new_seq & (pp != np.r_[0, pp[:-1]] + 1))
+        if step_bad.size:
+            k = int(step_bad[0])
+            i, s = int(ti[k]), int(ss[k])
+            rule = "pos_order" if pp[k] <= pp[k - 1] else "pos_gap"
+            raise BatchError(
+                f"token {i}: sequence {s} jumps from position {int(pp[k - 1])} to {int(pp[k])} "
+                "(positions of a sequence must be consecutive in batch order)",
+                token=i,
+                seq=s,
+                rule=rule,
+            )
+
+        # outputs
+        if batch.output is None:
+            output = np.zeros(n, dtype=bool)
+            output[-1] = True
+        else:
+            output = np.asarray(batch.output, dtype=bool)
+            if output.shape != (n,):
+                raise BatchError(f"output must have {n} entries, got shape {output.shape}", rule="output")
+            output = output.copy()
+        if output_all:
+            output[:] = True
+
+        # sequence sets
+        if coupled:
+            masks = [_mask(ids) for ids in seq_id]
+            uniq: dict[int, int] = {}
+            set_of_token = np.empty(n, dtype=np.int64)
+            set_ids: list[tuple[int, ...]] = []
+            for i, m in enumerate(masks):
+                k = uniq.get(m)
+                if k is None:
+                    k = uniq[m] = len(set_ids)
+                    set_ids.append(seq_id[i])
+                set_of_token[i] = k
+            set_masks = list(uniq)
+        else:
+            uniq_seq, set_of_token = np.unique(primary, return_inverse=True)
+            set_ids = [(int(s),) for s in uniq_seq]
+            set_masks = [1 << int(s) for s in uniq_seq]
+        order = np.argsort(set_of_token, kind="stable")
+        bounds = np.r_[0, np.cumsum(np.bincount(set_of_token, minlength=len(set_ids)))]
+        self._set_tokens = [order[bounds[k] : bounds[k + 1]] for k in range(len(set_ids))]
+
+        self.token, self.embd, self.pos, self.seq_id, self.primary = token, embd, pos, seq_id, primary
+        self.output, self.has_coupled = output, coupled
+        self.seq_id_unq = tuple(sorted(all_ids))
+        self._set_of_token, self._set_masks, self._set_ids = set_of_token, set_masks, set_ids
+        self.n_tokens = n
+        self.split_reset()
+
+    # -- splitting (§6.3) -----------------------------------------------------
+    @property
+    def n_outputs(self) -> int:
+        return int(self.output.sum())
+
+    def split_reset(self) -> None:
+        self.n_used = 0
+        self._used = np.zeros(self.n_tokens, dtype=bool)
+        self._cursor = 0  # first possibly-unused token
+        self._set_cursor = [0] * len(self._set_tokens)
+        self.out_ids: list[int] = []
+
+    def _next_unused(self) -> int:
+        while self._cursor < self.n_tokens and self._used[self._cursor]:
+            self._cursor += 1
+        return self._cursor
+
+    def _set_remaining(self, k: int) -> np.ndarray:
+        toks = self._set_tokens[k]
+        c = self._set_cursor[k]
+        while c < toks.size and self._used[toks[c]]:
+            c += 1
+        self._set_cursor[k] = c
+        return toks[c:]
+
+    def _emit(self, idx: np.ndarray, equal: bool, n_seq_tokens: int, set_ids: list[tuple[int, ...]]) -> UBatch:
+        idx = np.asarray(idx, dtype=np.int64)
+        self._used[idx] = True
+        self.n_used += int(idx.size)
+        out = self.output[idx]
+        self.out_ids.extend(idx[out].tolist())
+        seq_id = [self.seq_id[i] for i in idx.tolist()]
+        if self.has_coupled:
+            unq = tuple(sorted({s for ids in seq_id for s in ids}))
+        else:
+            unq = tuple(np.unique(self.primary[idx]).tolist())
+        return UBatch(
+            equal_seqs=equal,
+            n_seq_tokens=n_seq_tokens,
+            n_seqs=len(set_ids) if equal else int(idx.size),
+            token_idx=idx,
+            token=None if self.token is None else self.token[idx],
+            embd=None if self.embd is None else self.embd[idx],
+            pos=self.pos[idx],
+            seq_id=seq_id,
+            output=out,
+            seq_id_unq=unq,
+            set_seq_ids=set_ids,
+        )
+
+    def split_simple(self, n_ubatch: int) -> UBatch:
+        """The next up to ``n_ubatch`` unused tokens in batch order."""
+        _check_n_ubatch(n_ubatch)
+        start = self._next_unused()
+        if start >= self.n_tokens:
+            return UBatch.empty()
+        free = np.flatnonzero(~self._used[start:])[:n_ubatch] + start
+        return self._emit(free, False, 1, [])
+
+    def split_equal(self, n_ubatch: int, sequential: bool = False, n_keep_tail: int = 0) -> UBatch:
+        """Equal-length sets of sequences, lock-step, never more than ``n_ubatch`` tokens.
+
+        Returns an empty ubatch when nothing is left, or (``sequential``) when
+        the batch couples sequences.  With ``n_keep_tail > 0`` every set's last
+        ``min(len, n_keep_tail)`` tokens end up in one ubatch.
+        """
+        _check_n_ubatch(n_ubatch)
+        if n_keep_tail < 0:
+            raise BatchError(f"n_keep_tail {n_keep_tail} must be >= 0", rule="n_keep_tail")
+        if n_keep_tail and n_ubatch <= n_keep_tail:
+            raise BatchError(
+                f"n_ubatch {n_ubatch} must exceed n_keep_tail {n_keep_tail} (the last n_rs_seq + 1 tokens of a "
+                "sequence must fit in one ubatch)",
+                rule="n_keep_tail",
+            )
+        if sequential and self.has_coupled:
+            return UBatch.empty()
+        start = self._next_unused()
+        if start >= self.n_tokens:
+            return UBatch.empty()
+
+        # 1. choose sets (capped at n_ubatch: every set needs at least one token)
+        chosen: list[int] = []
+        if sequential and not self.has_coupled:
+            # sets are single sequences; take consecutive ids from the first unused token's
+            k0 = int(self._set_of_token[start])
+            s0 = self._set_ids[k0][0]
+            seq_to_set = self._seq_to_set()
+            s = s0
+            while len(chosen) < n_ubatch:
+                k = seq_to_set.get(s)
+                if k is None or self._set_remaining(k).size == 0:
+                    break
+                chosen.append(k)
+                s += 1
+        else:
+            taken = 0
+            seen: set[int] = set()
+            for i in range(start, self.n_tokens):
+                if self._used[i]:
+                    continue
+                k = int(self._set_of_token[i])
+                if k in seen:
+                    continue
+                seen.add(k)
+                m = self._set_masks[k]
+                if m & taken:
+                    continue
+                if sequential and chosen and self._set_ids[k][0] != self._set_ids[chosen[-1]][0] + 1:
+                    continue
+                chosen.append(k)
+                taken |= m
+                if len(chosen) >= n_ubatch:
+                    break
+
+        # 2. lock-step expansion
+        remaining = [self._set_remaining(k) for k in chosen]
+        n_len = min(r.size for r in remaining)
+        n_len = min(n_len, n_ubatch // len(chosen))
+        take = [n_len] * len(chosen)
+
+        # 3. keep-tail rule: a set may be cut only where n_keep_tail tokens remain after the cut
+        if n_keep_tail > 0:
+            keep = 0
+            for r in remaining:
+                left = r.size - n_len
+                if left == 0 or left >= n_keep_tail:
+                    keep += 1
+                else:
+                    break
+            if keep == 0:
+                r0 = remaining[0]
+                # the whole remainder if it fits, else cut where n_keep_tail tokens stay behind
+                take = [int(r0.size) if r0.size <= n_ubatch else min(n_ubatch, int(r0.size) - n_keep_tail)]
+                chosen, remaining = chosen[:1], remaining[:1]
+            else:
+                chosen, remaining, take = chosen[:keep], remaining[:keep], take[:keep]
+
+        idx = np.concatenate([r[:t] for r, t in zip(remaining, take, strict=True)])
+        return self._emit(idx, True, take[0], [self._set_ids[k] for k in chosen])
+
+    def _seq_to_set(self) -> dict[int, int]:
+        cache = getattr(self, "_seq_to_set_cache", None)
+        if cache is None or cache[0] is not self._set_ids:
+            cache = (self._set_ids, {ids[0]: k for k, ids in enumerate(self._set_ids)})
+            self._seq_to_set_cache = cache
+        return cache[1]
+
+    def split_seq(self, n_ubatch: int) -> UBatch:
+        """One set per ubatch: from the first unused token, following unused tokens
+        whose set is a subset of the current (narrowing) set, up to ``n_ubatch``."""
+        _check_n_ubatch(n_ubatch)
+        start = self._next_unused()
+        if start >= self.n_tokens:
+            return UBatch.empty()
+        cur = self._set_masks[int(self._set_of_token[start])]
+        first_ids = self._set_ids[int(self._set_of_token[start])]
+        idx = [start]
+        for i in range(start + 1, self.n_tokens):
+            if len(idx) >= n_ubatch:
+                break
+            if self._used[i]:
+                continue
+            m = self._set_masks[int(self._set_of_token[i])]
+            if m & cur == m:
+                idx.append(i)
+                cur = m
+        return self._emit(np.asarray(idx), True, len(idx), [first_ids])
+
+
+def _check_n_ubatch(n_ubatch: int) -> None:
+    if not isinstance(n_ubatch, int | np.integer) or n_ubatch < 1:
+        raise BatchError(f"n_ubatch must be an integer >= 1, got {n_ubatch!r}", rule="n_ubatch")
