@@ -9,9 +9,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from statecache.backend import Backend, Buffer, Caps, Device, DeviceKind, Support  # noqa: E402
-from statecache.dtypes import DType  # noqa: E402
-from statecache.errors import (  # noqa: E402
+from statecache.backend import Backend, Buffer, Caps, Device, DeviceKind, Support
+from statecache.dtypes import DType
+from statecache.errors import (
     ArgumentError,
     BackendNotFoundError,
     BackendUnavailableError,
@@ -20,7 +20,7 @@ from statecache.errors import (  # noqa: E402
     StatecacheError,
     StateError,
 )
-from statecache.registry import BackendRegistry, default_registry, get_device  # noqa: E402
+from statecache.registry import BackendRegistry, default_registry, get_device
 
 __all__ = [
     "ArgumentError",

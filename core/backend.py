@@ -127,15 +127,15 @@ class Buffer:
     """
 
     __slots__ = (
-        "device",
-        "storage",
-        "dtype",
-        "shape",
-        "strides",
-        "offset",
-        "capacity",
-        "host_indices",
         "__weakref__",
+        "capacity",
+        "device",
+        "dtype",
+        "host_indices",
+        "offset",
+        "shape",
+        "storage",
+        "strides",
     )
 
     def __init__(
@@ -177,18 +177,19 @@ class Buffer:
 
     def view(self, shape: Sequence[int], strides: Sequence[int] | None = None, offset: int = 0) -> Buffer:
         """Another buffer over the same storage; bounds are checked here."""
-        shape = tuple(int(s) for s in shape)
-        strides = tuple(int(s) for s in strides) if strides is not None else _c_strides(shape)
-        if len(strides) != len(shape):
-            raise ArgumentError("view", f"strides {strides} do not match shape {shape}")
-        if any(s < 0 for s in strides) or offset < 0:
+        shape_t: tuple[int, ...] = tuple(int(s) for s in shape)
+        strides_t = tuple(int(s) for s in strides) if strides is not None else _c_strides(shape_t)
+        if len(strides_t) != len(shape_t):
+            raise ArgumentError("view", f"strides {strides_t} do not match shape {shape_t}")
+        if any(s < 0 for s in strides_t) or offset < 0:
             raise ArgumentError("view", "negative strides or offset are not supported")
         start = self.offset + int(offset)
-        last = start + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) if math.prod(shape) else start
-        if last >= self.capacity and math.prod(shape):
+        empty = any(n == 0 for n in shape_t)
+        last = start + sum((n - 1) * s for n, s in zip(shape_t, strides_t, strict=True))
+        if not empty and last >= self.capacity:
             raise ArgumentError("view", f"view reaches element {last} of a storage of {self.capacity}")
         out = Buffer(
-            self.device, self.storage, self.dtype, shape, strides=strides, offset=start, capacity=self.capacity
+            self.device, self.storage, self.dtype, shape_t, strides=strides_t, offset=start, capacity=self.capacity
         )
         return out
 
@@ -349,6 +350,8 @@ class Device(abc.ABC):
 
     def synchronize(self) -> None:
         """Wait until every queued launch and copy has finished."""
+        # Synchronous backends have nothing to wait for; queued ones override.
+        return None
 
     def index_values(self, buffer: Buffer) -> np.ndarray:
         """Host values of an int32 buffer (the shadow copy when there is one)."""
@@ -465,9 +468,7 @@ class Device(abc.ABC):
             n_snap=n_snap,
             plane_stride=plane_stride,
         )
-        self._require(
-            "ssm_conv", dtype=pool.dtype, n_snap=n_snap, strided=not x.is_contiguous, d_conv=shp.d_conv
-        )
+        self._require("ssm_conv", dtype=pool.dtype, n_snap=n_snap, strided=not x.is_contiguous, d_conv=shp.d_conv)
         self._ssm_conv(shp, pool, start_rows, dst_rows, x, weight, bias, y, apply_silu)
 
     def ssm_scan(

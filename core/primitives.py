@@ -139,9 +139,7 @@ def _distinct_storage(out: Buffer, out_name: str, *others: tuple[Buffer | None, 
 # -- rows ---------------------------------------------------------------------
 
 
-def check_rows_op(
-    dev: Device, op: str, *, src: Buffer, rows: Buffer, dst: Buffer, unique: bool = False
-) -> np.ndarray:
+def check_rows_op(dev: Device, op: str, *, src: Buffer, rows: Buffer, dst: Buffer, unique: bool = False) -> np.ndarray:
     src = _own(dev, src, "src")
     dst = _own(dev, dst, "dst")
     for b, n in ((src, "src"), (dst, "dst")):
@@ -273,9 +271,7 @@ def check_ssm_conv(
     if bias is not None:
         _input(dev, bias, "bias", (ch,))
     if pool.shape[1] != ch * (d_conv - 1):
-        raise ArgumentError(
-            "pool", f"row size {pool.shape[1]} must be channels * (d_conv - 1) = {ch * (d_conv - 1)}"
-        )
+        raise ArgumentError("pool", f"row size {pool.shape[1]} must be channels * (d_conv - 1) = {ch * (d_conv - 1)}")
     y = _output(dev, y, "y", (n_s, n_t, ch))
     _distinct_storage(y, "y", (pool, "pool"), (x, "x"), (weight, "weight"), (bias, "bias"))
     _state_rows(dev, pool, start_rows, dst_rows, n_s, n_t, n_snap, plane_stride)
