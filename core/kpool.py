@@ -1,0 +1,393 @@
+"""k-pool layout, new-pool tracking, graph inputs and stale marks of the
+indexer cache (``reference/kpool-spec.md``, sections K.1-K.7).
+
+An indexer layer stores per cell a row ``[per-token part | pooled slot]``.
+Groups of ``kpool`` cells of one sequence form a *pool*; its pooled key lives
+in the pooled slot of its last member (the *rep*).  This module decides which
+cells form which pools, which pools a ubatch must (re)compute, and fills the
+index/mask arrays the graph uses.  It is pure host logic: the cells come
+from the caller (the indexer KV cache of :mod:`statecache.hybrid_idx`).
+
+Array layouts are NumPy C order; the spec's ggml shapes are reversed
+(``pool_idxs`` ggml ``[kpool, n_pool]`` is NumPy ``(n_pool, kpool)``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from statecache.errors import ArgumentError
+
+#: A stale mark of "clean" (no pooled key of the sequence may be wrong).
+POS_CLEAN = 2**31 - 1
+#: Pool counts are padded to this multiple (graph shapes stay stable).
+POOL_PAD = 64
+
+
+def kpool_pad(n: int) -> int:
+    """Padded pool count: a multiple of 64, at least 64, always > ``n``."""
+    return max(POOL_PAD, -(-(n + 1) // POOL_PAD) * POOL_PAD)
+
+
+@dataclasses.dataclass
+class SeqLayout:
+    """Pools of one sequence (K.1): ``pools[k]`` indexes ``cells``."""
+
+    strm: int = 0
+    cells: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (pos, stream-local cell)
+    pos_min: int = 0
+    pools: list[int] = dataclasses.field(default_factory=list)
+    j_next: int = 0
+
+    def copy(self) -> SeqLayout:
+        return SeqLayout(self.strm, list(self.cells), self.pos_min, list(self.pools), self.j_next)
+
+
+def scan_pools(layout: SeqLayout, kpool: int, by_order: bool) -> None:
+    """Resume the pool scan at ``j_next`` (K.3); only complete pools exist."""
+    cells = layout.cells
+    j = layout.j_next
+    while j + kpool <= len(cells):
+        if by_order:
+            layout.pools.append(j)
+            j += kpool
+            continue
+        p0 = cells[j][0]
+        if (p0 - layout.pos_min) % kpool != 0:
+            j += 1
+            continue
+        if all(cells[j + k][0] == p0 + k for k in range(1, kpool)):
+            layout.pools.append(j)
+            j += kpool
+        else:
+            j += 1
+    layout.j_next = j
+
+
+def rebuild(pairs: Sequence[tuple[int, int]], strm: int, kpool: int, by_order: bool) -> SeqLayout:
+    """A layout computed from scratch (the reference the append path must match)."""
+    layout = SeqLayout(strm=strm, cells=list(pairs), pos_min=pairs[0][0] if pairs else 0)
+    scan_pools(layout, kpool, by_order)
+    return layout
+
+
+class StaleMarks:
+    """Per sequence, the lowest position from which pooled keys may be wrong (K.7)."""
+
+    def __init__(self, n_seq: int) -> None:
+        self.marks = np.full(n_seq, POS_CLEAN, dtype=np.int64)
+
+    def set(self, s: int, p: int) -> None:
+        """Lower the mark of ``s`` (all sequences when ``s < 0``) to ``p``."""
+        p = max(int(p), 0)
+        if s < 0:
+            np.minimum(self.marks, p, out=self.marks)
+        else:
+            if s >= self.marks.size:
+                raise ArgumentError("seq", f"sequence {s} out of range [0, {self.marks.size})")
+            self.marks[s] = min(int(self.marks[s]), p)
+
+    def clear(self) -> None:
+        self.marks[:] = POS_CLEAN
+
+    def is_clean(self, s: int) -> bool:
+        return bool(self.marks[s] == POS_CLEAN)
+
+    def copy(self) -> np.ndarray:
+        return self.marks.copy()
+
+
+def stale_pos(s: int, p0: int, pos_min_before: int) -> int:
+    """Where an edit starting at ``p0`` stales ``s`` (evaluated before the edit):
+    0 when it reaches the sequence's first position (re-aligning every pool)."""
+    return 0 if s < 0 or p0 <= pos_min_before else int(p0)
+
+
+@dataclasses.dataclass
+class KPoolState:
+    """What the current ubatch must pool (K.4)."""
+
+    n_pool_real: int
+    n_kpool: int
+    is_new: np.ndarray  # bool [n_pool_real], by global pool index ip
+    n_new: int
+    n_new_g: int
+
+
+@dataclasses.dataclass
+class KPoolInputs:
+    """The graph inputs of K.5, NumPy C order (see module docstring)."""
+
+    pool_cells: np.ndarray  # int32 (n_pool,)
+    pool_idxs: np.ndarray  # int32 (n_pool, kpool)
+    pool_mask: np.ndarray  # float32 (n_tokens, n_pool)
+    tail_idxs: np.ndarray  # int32 (n_tokens, kpool - 1)
+    new_pool_idxs: np.ndarray  # int32 (n_new_g, kpool)
+    new_pool_rep: np.ndarray  # int64 (n_new_g,)
+    sel_mask: np.ndarray | None = None  # float32 (n_tokens, n_sel)
+    new_pool_pos: np.ndarray | None = None  # int32 (4 * n_new_g,), section-major
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+    """A ubatch token as the k-pool needs it: position, sequence ids (the
+    first is the primary one), its own stream-local cell."""
+
+    pos: int
+    seqs: tuple[int, ...]
+    cell: int
+
+
+class KPoolLayout:
+    """Layouts of every sequence, updated at each ``apply()`` (K.3)."""
+
+    def __init__(self, kpool: int, by_order: bool, n_seq_max: int, kv_size: int, n_stream: int) -> None:
+        if kpool <= 1:
+            raise ArgumentError("kpool", f"must be > 1, got {kpool}")
+        if n_stream not in (1, n_seq_max):
+            raise ArgumentError("n_stream", f"must be 1 or n_seq_max ({n_seq_max}), got {n_stream}")
+        self.kpool = int(kpool)
+        self.by_order = bool(by_order)
+        self.n_seq_max = int(n_seq_max)
+        self.kv_size = int(kv_size)
+        self.n_stream = int(n_stream)
+        self.seqs = [SeqLayout() for _ in range(self.n_seq_max)]
+
+    @property
+    def n_pool_max(self) -> int:
+        return (self.kv_size // self.kpool) * self.n_seq_max
+
+    def g(self, s: int, cell: int) -> int:
+        return self.seqs[s].strm * self.kv_size + cell
+
+    def pool_start(self) -> list[int]:
+        out, acc = [], 0
+        for layout in self.seqs:
+            out.append(acc)
+            acc += len(layout.pools)
+        return out
+
+    @property
+    def n_pool_real(self) -> int:
+        return sum(len(layout.pools) for layout in self.seqs)
+
+    def members(self, s: int, k: int) -> list[tuple[int, int]]:
+        layout = self.seqs[s]
+        j = layout.pools[k]
+        return layout.cells[j : j + self.kpool]
+
+    def update(self, pairs_of: Callable[[int], tuple[int, list[tuple[int, int]]]], marks: StaleMarks) -> dict[int, int]:
+        """Bring every layout up to date with the cells (append-only when clean).
+
+        Returns extra stale positions: a clean sequence whose cells changed
+        other than by a suffix append (kpool-spec H1, e.g. a token inserted
+        below cached ones) is rebuilt *and* re-pooled from the first entry
+        that differs, where upstream would rebuild without re-pooling.
+        """
+        forced: dict[int, int] = {}
+        for s in range(self.n_seq_max):
+            strm, sp = pairs_of(s)
+            layout = self.seqs[s]
+            old = layout.cells
+            clean = marks.is_clean(s)
+            if clean and old and sp and layout.pos_min == sp[0][0] and strm == layout.strm:
+                cut = bisect.bisect_right(sp, old[-1])
+                if sp[:cut] == old:
+                    layout.cells = old + sp[cut:]
+                    scan_pools(layout, self.kpool, self.by_order)
+                    continue
+            if clean and old:
+                first_diff = next((k for k in range(min(len(old), len(sp))) if old[k] != sp[k]), min(len(old), len(sp)))
+                candidates = [x[first_diff][0] for x in (old, sp) if first_diff < len(x)]
+                if candidates:
+                    forced[s] = max(0, min(candidates))
+            self.seqs[s] = rebuild(sp, strm, self.kpool, self.by_order)
+        return forced
+
+    # -- per-ubatch state (K.4) ------------------------------------------------
+    def _rank(self, s: int, pos: int, cell: int) -> int:
+        cells = self.seqs[s].cells
+        r = bisect.bisect_left(cells, (pos, cell))
+        if r >= len(cells) or cells[r] != (pos, cell):
+            raise AssertionError(f"token at pos {pos} cell {cell} not in the layout of seq {s}")
+        return r
+
+    def _pool_of_pos(self, s: int, pos: int) -> int:
+        """Position mode: the pool holding ``pos``, or -1."""
+        layout = self.seqs[s]
+        firsts = [layout.cells[j][0] for j in layout.pools]
+        k = bisect.bisect_right(firsts, pos) - 1
+        if k < 0:
+            return -1
+        last = layout.cells[layout.pools[k] + self.kpool - 1][0]
+        return k if pos <= last else -1
+
+    def build_state(
+        self,
+        tokens: Sequence[Token],
+        stale_batch: np.ndarray | None,
+        n_seqs_unq: int,
+        *,
+        forced: dict[int, int] | None = None,
+        reserve: bool = False,
+    ) -> KPoolState:
+        """Which pools are new this ubatch.  ``stale_batch`` is the copy of the
+        marks taken when the batch was planned, given only for its first ubatch;
+        ``forced`` are the extra marks returned by :meth:`update`."""
+        starts = self.pool_start()
+        n_real = self.n_pool_real
+        if reserve:
+            n_real_r = max(n_real, self.n_pool_max)
+            return KPoolState(n_real_r, kpool_pad(n_real_r), np.ones(n_real, dtype=bool), n_real_r, max(n_real_r, 1))
+        is_new = np.zeros(n_real, dtype=bool)
+        seen_reps: set[int] = set()
+
+        def mark(s: int, k: int) -> None:
+            layout = self.seqs[s]
+            rep = self.g(s, layout.cells[layout.pools[k] + self.kpool - 1][1])
+            if rep not in seen_reps:  # shared pools (same rep row) are pooled once
+                seen_reps.add(rep)
+                is_new[starts[s] + k] = True
+
+        stale = np.full(self.n_seq_max, POS_CLEAN, dtype=np.int64) if stale_batch is None else stale_batch.copy()
+        for s, p in (forced or {}).items():
+            stale[s] = min(int(stale[s]), p)
+        for s in range(self.n_seq_max):
+            f = int(stale[s])
+            if f == POS_CLEAN:
+                continue
+            for k in range(len(self.seqs[s].pools)):
+                if self.members(s, k)[-1][0] >= f:
+                    mark(s, k)
+        for tok in tokens:
+            for s in tok.seqs:
+                if self.by_order:
+                    r = self._rank(s, tok.pos, tok.cell)
+                    if r // self.kpool < len(self.seqs[s].pools):
+                        mark(s, r // self.kpool)
+                else:
+                    k = self._pool_of_pos(s, tok.pos)
+                    if k >= 0:
+                        mark(s, k)
+        n_new = int(is_new.sum())
+        bound = len(tokens) // self.kpool + n_seqs_unq
+        n_new_g = max(n_new, 1, min(bound, kpool_pad(n_real) - 1, self.n_pool_max))
+        return KPoolState(n_real, kpool_pad(n_real), is_new, n_new, n_new_g)
+
+    # -- graph inputs (K.5) -----------------------------------------------------------
+    def build_inputs(
+        self,
+        state: KPoolState,
+        tokens: Sequence[Token],
+        n_kv: int,
+        *,
+        n_sel: int | None = None,
+        with_pos: bool = False,
+        ext_of: Callable[[int, int], tuple[int, int]] | None = None,
+    ) -> KPoolInputs:
+        """Fill the inputs.  ``ext_of(stream, cell)`` gives a cell's stored 2-D
+        position (for ``new_pool_pos``); ``n_sel`` enables ``sel_mask``."""
+        if not tokens:
+            raise ArgumentError("tokens", "a ubatch has at least one token")
+        kp = self.kpool
+        S = int(n_kv)
+        n_pool = state.n_kpool
+        starts = self.pool_start()
+        seqs_in_ub = {s for tok in tokens for s in tok.seqs}
+        first = tokens[0]
+        s0 = first.seqs[0]
+        dummy = next((self.g(s0, c) for p, c in self.seqs[s0].cells if p == first.pos), None)
+        if dummy is None:
+            raise AssertionError(f"no cell of seq {s0} at pos {first.pos} for the padded pools")
+
+        pool_cells = np.full(n_pool, dummy, dtype=np.int32)
+        pool_idxs = np.full((n_pool, kp), S, dtype=np.int32)
+        reps: list[int] = []
+        new_rows: list[list[int]] = []
+        new_reps: list[int] = []
+        new_first: list[tuple[int, int, int]] = []  # (pos, stream, cell) of each new entry's first member
+        for s, layout in enumerate(self.seqs):
+            inert = self.n_stream > 1 and s not in seqs_in_ub
+            for k in range(len(layout.pools)):
+                ip = starts[s] + k
+                assert ip + 1 < n_pool, "the last padded pool must never be real"
+                mem = self.members(s, k)
+                rep = self.g(s, mem[-1][1])
+                pool_cells[ip] = rep
+                reps.append(rep)
+                if not inert:
+                    pool_idxs[ip] = [c for _, c in mem]
+                if state.is_new[ip]:
+                    new_rows.append([self.g(s, c) for _, c in mem])
+                    new_reps.append(rep)
+                    new_first.append((mem[0][0], layout.strm, mem[0][1]))
+        assert len(new_rows) == state.n_new
+
+        n_tok = len(tokens)
+        pool_mask = np.full((n_tok, n_pool), -np.inf, dtype=np.float32)
+        tail_idxs = np.full((n_tok, kp - 1), S, dtype=np.int32)
+        nvs = np.zeros(n_tok, dtype=np.int64)
+        n_tails = np.zeros(n_tok, dtype=np.int64)
+        for i, tok in enumerate(tokens):
+            s = tok.seqs[0]
+            layout = self.seqs[s]
+            if self.by_order:
+                r = self._rank(s, tok.pos, tok.cell)
+                nv = min(len(layout.pools), (r + 1) // kp)
+                n_tail = (r + 1) % kp
+                for k in range(min(n_tail, kp - 1)):
+                    tail_idxs[i, k] = layout.cells[r - k][1]
+            else:
+                nv = sum(1 for k in range(len(layout.pools)) if self.members(s, k)[-1][0] <= tok.pos)
+                n_tail = (tok.pos - layout.pos_min + 1) % kp
+                first_at: dict[int, int] = {}
+                for p, c in layout.cells:
+                    first_at.setdefault(p, c)
+                for k in range(min(n_tail, kp - 1)):
+                    tail_idxs[i, k] = first_at.get(tok.pos - k, S)
+            pool_mask[i, starts[s] : starts[s] + nv] = 0.0
+            nvs[i] = nv
+            n_tails[i] = n_tail
+
+        # Pad scatter rows: distinct rows that are never a current rep.
+        real_reps = set(reps)
+        n_pad_new = state.n_new_g - state.n_new
+        pads: list[int] = []
+        counter = 0
+        for _ in range(n_pad_new):
+            while counter in real_reps:
+                counter += 1
+            pads.append(counter)
+            counter += 1
+        assert all(pc < self.kv_size * self.n_stream for pc in pads)
+        new_pool_idxs = np.array(new_rows + [[pc] * kp for pc in pads], dtype=np.int32).reshape(state.n_new_g, kp)
+        new_pool_rep = np.array(new_reps + pads, dtype=np.int64)
+
+        sel_mask = None
+        if n_sel is not None:
+            if n_sel % kp not in (0, kp - 1):
+                raise ArgumentError("n_sel", f"n_sel % kpool must be 0 or kpool-1, got {n_sel} with kpool {kp}")
+            n_top = n_sel // kp
+            sel_mask = np.full((n_tok, n_sel), -np.inf, dtype=np.float32)
+            for i in range(n_tok):
+                sel_mask[i, : kp * min(int(nvs[i]), n_top)] = 0.0
+                if n_sel % kp == kp - 1:
+                    sel_mask[i, kp * n_top :] = np.where(tail_idxs[i] != S, 0.0, -np.inf)
+
+        new_pool_pos = None
+        if with_pos:
+            ng = state.n_new_g
+            new_pool_pos = np.zeros(4 * ng, dtype=np.int32)
+            for e, (p, strm, c) in enumerate(new_first):
+                x, y = ext_of(strm, c) if ext_of is not None else (0, 0)
+                new_pool_pos[e] = p
+                new_pool_pos[ng + e] = y
+                new_pool_pos[2 * ng + e] = x
+                new_pool_pos[3 * ng + e] = p
+        return KPoolInputs(
+            pool_cells, pool_idxs, pool_mask, tail_idxs, new_pool_idxs, new_pool_rep, sel_mask, new_pool_pos
+        )
