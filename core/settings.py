@@ -38,6 +38,12 @@ VARIABLES: tuple[Variable, ...] = (
         "Where built kernels (the CUDA library) are cached (default: the user cache dir).",
     ),
     Variable(
+        "PYOPENCL_CTX",
+        None,
+        "pyopencl's device choice `platform[:device]` (index or name substring); "
+        "restricts the devices the opencl backend offers.",
+    ),
+    Variable(
         "STATECACHE_TRACE_PLUGINS",
         None,
         "When set to 1, print every plugin hook call and its result.",
@@ -89,6 +95,12 @@ def cache_dir() -> str:
     import platformdirs
 
     return platformdirs.user_cache_dir("statecache")
+
+
+def opencl_ctx() -> str | None:
+    """``PYOPENCL_CTX`` stripped, or ``None`` when unset or empty."""
+    value = get("PYOPENCL_CTX")
+    return value.strip() or None if value is not None else None
 
 
 def trace_plugins() -> bool:
