@@ -1,0 +1,475 @@
+"""CPU device: aligned host buffers and C kernels compiled with cffi (API mode).
+
+Buffers are 64-byte aligned NumPy storage, so the host sees them without a
+copy: :class:`CpuBuffer` implements ``__array__`` and ``__dlpack__``, and
+:meth:`CpuDevice.from_dlpack` / :meth:`CpuDevice.from_numpy` wrap external host
+memory (a torch tensor, a NumPy array) as a buffer, again without a copy.
+
+Every kernel call goes through cffi, which releases the GIL; the C side never
+touches Python objects.  Index arguments are passed from the host copies the
+validator checked (never re-read from device memory that a zero-copy user
+could have changed since), so a kernel cannot index out of bounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from statecache import __version__, settings
+from statecache.backend import PRIMITIVES, Backend, Buffer, Caps, Device, DeviceKind
+from statecache.dtypes import STORAGE_DTYPES, DType
+from statecache.errors import ArgumentError
+from statecache.hostmem import aligned_empty
+
+#: The C ABI this Python code was written against (SC_CPU_ABI_VERSION).
+ABI_VERSION = 1
+
+_DTYPE_CODE = {DType.F32: 0, DType.F16: 1, DType.BF16: 2}
+
+
+@functools.cache
+def load_kernels() -> tuple[Any, Any, str]:
+    """``(ffi, lib, "")`` when the compiled module is usable, else
+    ``(None, None, reason)``.  Never raises: discovery must survive a build
+    without a compiler."""
+    try:
+        from statecache.backends.cpu import _kernels  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, None, f"the C kernels are not built ({exc}); reinstall statecache with a C compiler"
+    lib = _kernels.lib
+    found = int(lib.sc_cpu_abi_version())
+    if found != ABI_VERSION or int(lib.SC_CPU_ABI_VERSION) != ABI_VERSION:
+        return None, None, f"C kernel ABI version {found} does not match the Python side's {ABI_VERSION}; rebuild"
+    if not lib.sc_cpu_isa_supported():
+        isa = _kernels.ffi.string(lib.sc_cpu_isa()).decode()
+        return None, None, f"the C kernels were compiled for {isa}, which this CPU does not support; rebuild here"
+    return _kernels.ffi, lib, ""
+
+
+# -- DLPack -------------------------------------------------------------------
+# NumPy exports and imports DLPack for f32/f16/i32 but knows no bf16.  bf16
+# travels as uint16 with the capsule's dtype code relabelled (kDLUInt <->
+# kDLBfloat), which is the same bits under another name.
+
+_KDL_CPU = 1
+_KDL_UINT = 1
+_KDL_BFLOAT = 4
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [
+        ("version_major", ctypes.c_uint32),
+        ("version_minor", ctypes.c_uint32),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _DLTensor),
+    ]
+
+
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _capsule_dtype(capsule: Any) -> _DLDataType:
+    """The dtype field of an unconsumed DLPack capsule (legacy or versioned)."""
+    name = _capsule_name(capsule)
+    ptr = _capsule_pointer(capsule, name)
+    if name == b"dltensor_versioned":
+        return _DLManagedTensorVersioned.from_address(ptr).dl_tensor.dtype
+    if name == b"dltensor":
+        return _DLManagedTensor.from_address(ptr).dl_tensor.dtype
+    raise BufferError(f"not an unconsumed DLPack capsule: {name!r}")
+
+
+def _dlpack_kwargs(**kwargs: Any) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _import_dlpack(obj: Any) -> np.ndarray:
+    """A NumPy view (no copy) of a host DLPack producer, bf16 included."""
+    seen_bf16 = []
+
+    class _Relabelled:
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return obj.__dlpack_device__()
+
+        def __dlpack__(self, **kwargs: Any) -> Any:
+            capsule = obj.__dlpack__(**kwargs)
+            dtype = _capsule_dtype(capsule)
+            if dtype.code == _KDL_BFLOAT and dtype.bits == 16:
+                dtype.code = _KDL_UINT
+                seen_bf16.append(True)
+            return capsule
+
+    device_type, _ = obj.__dlpack_device__()
+    if int(device_type) != _KDL_CPU:
+        raise ArgumentError("obj", f"DLPack device type {int(device_type)} is not host memory (kDLCPU)")
+    arr = np.from_dlpack(_Relabelled())
+    if seen_bf16:
+        arr = arr.view(DType.BF16.numpy)
+    return arr
+
+
+# -- buffers ------------------------------------------------------------------
+
+
+class CpuBuffer(Buffer):
+    """A buffer in host memory: NumPy and DLPack consumers see it in place."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.address: int = self.storage.__array_interface__["data"][0]
+
+    def view(self, shape: Sequence[int], strides: Sequence[int] | None = None, offset: int = 0) -> CpuBuffer:
+        plain = super().view(shape, strides, offset)
+        return CpuBuffer(
+            self.device,
+            self.storage,
+            self.dtype,
+            plain.shape,
+            strides=plain.strides,
+            offset=plain.offset,
+            capacity=self.capacity,
+        )
+
+    def host_view(self) -> np.ndarray:
+        """A writable NumPy view of exactly this buffer (shape, strides, offset)."""
+        flat: np.ndarray = self.storage
+        if self.is_contiguous:
+            return flat[self.offset : self.offset + self.size].reshape(self.shape)
+        item = flat.itemsize
+        return np.lib.stride_tricks.as_strided(
+            flat[self.offset :], shape=self.shape, strides=tuple(s * item for s in self.strides)
+        )
+
+    def _exported(self) -> np.ndarray:
+        # The caller may now write an index buffer behind the validator's
+        # back: drop the host shadow so the next validation reads memory.
+        if self.dtype is DType.I32:
+            self.host_indices = None
+        return self.host_view()
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        arr = self._exported()
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            if copy is False:
+                raise ValueError(f"{self!r} holds {self.dtype}; converting to {np.dtype(dtype)} needs a copy")
+            return arr.astype(dtype)
+        return arr.copy() if copy else arr
+
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: Any = None,
+        copy: bool | None = None,
+    ) -> Any:
+        arr = self._exported()
+        kwargs = _dlpack_kwargs(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+        if self.dtype is DType.BF16:
+            capsule = arr.view(np.uint16).__dlpack__(**kwargs)
+            _capsule_dtype(capsule).code = _KDL_BFLOAT
+            return capsule
+        return arr.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_KDL_CPU, 0)
+
+
+# -- device -------------------------------------------------------------------
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "host CPU"
+
+
+class CpuDevice(Device):
+    def __init__(self, ffi: Any, lib: Any) -> None:
+        self._ffi = ffi
+        self._lib = lib
+        self.id = "cpu:0"
+        self.backend_name = "cpu"
+        self.kind = DeviceKind.CPU
+        self.isa = ffi.string(lib.sc_cpu_isa()).decode()
+        self.name = f"{_cpu_name()} (C kernels, {self.isa})"
+        try:
+            self.memory_bytes: int | None = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            self.memory_bytes = None
+        self.caps = Caps(
+            ops=frozenset(PRIMITIVES),
+            storage_dtypes=STORAGE_DTYPES,
+            max_snapshots=64,
+            strided_inputs=True,
+            host_visible=True,
+            async_launch=False,
+        )
+
+    @property
+    def properties(self) -> dict[str, Any]:
+        props = super().properties
+        props.update(isa=self.isa, threads=self.num_threads, openmp=bool(self._lib.sc_cpu_has_threads()))
+        return props
+
+    @property
+    def num_threads(self) -> int:
+        """Threads per kernel: ``STATECACHE_NUM_THREADS``, read at every call."""
+        return settings.num_threads()
+
+    # -- zero-copy wrapping of host memory -------------------------------------
+    def from_numpy(self, array: np.ndarray) -> CpuBuffer:
+        """A buffer over ``array``'s memory (no copy); writes go both ways."""
+        if not isinstance(array, np.ndarray):
+            raise ArgumentError("array", f"expected a numpy.ndarray, got {type(array).__name__}")
+        try:
+            dtype = DType.parse(array.dtype)
+        except ValueError:
+            raise ArgumentError("array", f"dtype {array.dtype} is not one of f32, f16, bf16, i32") from None
+        if not array.flags.writeable:
+            raise ArgumentError("array", "is read-only; primitives may write buffers")
+        if not array.flags.aligned:
+            raise ArgumentError("array", "is not aligned to its element size")
+        item = array.itemsize
+        if any(s < 0 or s % item for s in array.strides):
+            raise ArgumentError("array", f"strides {array.strides} must be non-negative multiples of {item}")
+        strides = tuple(s // item for s in array.strides)
+        span = 1 + sum((n - 1) * s for n, s in zip(array.shape, strides)) if array.size else 0
+        flat = np.lib.stride_tricks.as_strided(array, shape=(span,), strides=(item,)) if span else array.reshape(-1)
+        buf = CpuBuffer(self, flat, dtype, array.shape, strides=strides, offset=0, capacity=span)
+        if dtype is DType.I32 and buf.is_contiguous:
+            buf.host_indices = None
+        return buf
+
+    def from_dlpack(self, obj: Any) -> CpuBuffer:
+        """A buffer over a host DLPack producer's memory (``torch.Tensor``,
+        NumPy array, ...) without a copy; bf16 included."""
+        if not hasattr(obj, "__dlpack__"):
+            raise ArgumentError("obj", f"{type(obj).__name__} does not implement __dlpack__")
+        return self.from_numpy(_import_dlpack(obj))
+
+    # -- memory -----------------------------------------------------------------
+    def _alloc(self, shape: tuple[int, ...], dtype: DType) -> Buffer:
+        return CpuBuffer(self, aligned_empty(math.prod(shape), dtype), dtype, shape)
+
+    def _write(self, buffer: Buffer, host: np.ndarray) -> None:
+        _view(buffer)[...] = host
+
+    def _read(self, buffer: Buffer) -> np.ndarray:
+        return np.array(_view(buffer), copy=True)
+
+    def copy_buffer(self, src: Buffer, dst: Buffer) -> None:
+        self._check_own(src, "src")
+        self._check_own(dst, "dst")
+        if not (src.is_contiguous and dst.is_contiguous):
+            raise ArgumentError("src", "copy_buffer() needs contiguous buffers")
+        if src.dtype is not dst.dtype or src.size != dst.size:
+            raise ArgumentError("dst", f"{dst} does not match {src} in dtype and size")
+        if src.same_storage(dst):
+            raise ArgumentError("dst", "shares storage with src")
+        self._lib.sc_memcpy(self._ptr(dst), self._ptr(src), src.nbytes, self.num_threads)
+
+    # -- cffi plumbing ------------------------------------------------------------
+    def _ptr(self, buf: Buffer, ctype: str = "void *") -> Any:
+        return self._ffi.cast(ctype, _address(buf) + buf.offset * buf.dtype.itemsize)
+
+    def _rows(self, values: np.ndarray) -> tuple[Any, np.ndarray]:
+        # Keep the int32 copy alive alongside its pointer until the call returns.
+        arr = np.ascontiguousarray(values, dtype=np.int32)
+        return self._ffi.from_buffer("int32_t[]", arr), arr
+
+    def _sview(self, buf: Buffer) -> Any:
+        v = self._ffi.new("sc_view *")
+        v.data = self._ptr(buf, "float *")
+        v.strides = list(buf.strides) + [0] * (4 - len(buf.strides))
+        return v
+
+    # -- primitives -----------------------------------------------------------------
+    def _copy(self, src: Buffer, src_rows: np.ndarray | None, dst: Buffer, dst_rows: np.ndarray | None, n: int) -> None:
+        null = self._ffi.NULL
+        s_ptr, _s_keep = self._rows(src_rows) if src_rows is not None else (null, None)
+        d_ptr, _d_keep = self._rows(dst_rows) if dst_rows is not None else (null, None)
+        self._lib.sc_copy_rows(
+            self._ptr(src),
+            _DTYPE_CODE[src.dtype],
+            s_ptr,
+            self._ptr(dst),
+            _DTYPE_CODE[dst.dtype],
+            d_ptr,
+            n,
+            src.shape[1],
+            self.num_threads,
+        )
+
+    def _get_rows(self, src, rows_buf, dst, rows_host):  # type: ignore[no-untyped-def]
+        self._copy(src, rows_host, dst, None, len(rows_host))
+
+    def _set_rows(self, dst, rows_buf, src, rows_host):  # type: ignore[no-untyped-def]
+        self._copy(src, None, dst, rows_host, len(rows_host))
+
+    def _copy_rows(self, src, src_rows, dst, dst_rows, src_host, dst_host):  # type: ignore[no-untyped-def]
+        self._copy(src, src_host, dst, dst_host, len(src_host))
+
+    def _zero_rows(self, dst, rows_buf, rows_host):  # type: ignore[no-untyped-def]
+        r_ptr, _keep = self._rows(rows_host)
+        self._lib.sc_zero_rows(
+            self._ptr(dst), _DTYPE_CODE[dst.dtype], r_ptr, len(rows_host), dst.shape[1], self.num_threads
+        )
+
+    def _state_args(self, shp: Any, pool: Buffer, start_rows: Buffer, dst_rows: Buffer) -> tuple[Any, ...]:
+        start_ptr, start_keep = self._rows(self.index_values(start_rows))
+        dst_ptr, dst_keep = self._rows(self.index_values(dst_rows))
+        args = (
+            self._ptr(pool),
+            _DTYPE_CODE[pool.dtype],
+            shp.row_size,
+            start_ptr,
+            dst_ptr,
+            shp.n_snap,
+            shp.plane_stride,
+        )
+        return args, (start_keep, dst_keep)
+
+    def _ssm_conv(self, shp, pool, start_rows, dst_rows, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
+        state, _keep = self._state_args(shp, pool, start_rows, dst_rows)
+        self._lib.sc_ssm_conv(
+            *state,
+            self._sview(x),
+            self._ptr(weight, "float *"),
+            self._ffi.NULL if bias is None else self._ptr(bias, "float *"),
+            self._ptr(y, "float *"),
+            shp.n_seqs,
+            shp.n_tokens,
+            shp.channels,
+            shp.d_conv,
+            int(bool(apply_silu)),
+            self.num_threads,
+        )
+
+    def _ssm_scan(self, shp, pool, start_rows, dst_rows, x, dt, A, B, C, y):  # type: ignore[no-untyped-def]
+        state, _keep = self._state_args(shp, pool, start_rows, dst_rows)
+        self._lib.sc_ssm_scan(
+            *state,
+            self._sview(x),
+            self._sview(dt),
+            self._ptr(_contiguous(self, A), "float *"),
+            int(shp.variant == "mamba1"),
+            self._sview(B),
+            self._sview(C),
+            self._ptr(y, "float *"),
+            shp.n_seqs,
+            shp.n_tokens,
+            shp.n_head,
+            shp.head_dim,
+            shp.d_state,
+            shp.n_group,
+            self.num_threads,
+        )
+
+    def _gated_delta_net(self, shp, pool, start_rows, dst_rows, q, k, v, g, beta, o, scale):  # type: ignore[no-untyped-def]
+        state, _keep = self._state_args(shp, pool, start_rows, dst_rows)
+        self._lib.sc_gated_delta_net(
+            *state,
+            self._sview(q),
+            self._sview(k),
+            self._sview(v),
+            self._sview(g),
+            int(shp.variant == "kda"),
+            self._sview(beta),
+            self._ptr(o, "float *"),
+            shp.n_seqs,
+            shp.n_tokens,
+            shp.n_head_k,
+            shp.n_head_v,
+            shp.head_size,
+            float(scale),
+            self.num_threads,
+        )
+
+
+def _address(buf: Buffer) -> int:
+    address = getattr(buf, "address", None)
+    if address is None:  # a plain Buffer made over our storage by core code
+        address = int(buf.storage.__array_interface__["data"][0])
+    return int(address)
+
+
+def _view(buf: Buffer) -> np.ndarray:
+    if isinstance(buf, CpuBuffer):
+        return buf.host_view()
+    return CpuBuffer(
+        buf.device, buf.storage, buf.dtype, buf.shape, strides=buf.strides, offset=buf.offset, capacity=buf.capacity
+    ).host_view()
+
+
+def _contiguous(device: CpuDevice, buf: Buffer) -> Buffer:
+    """Small weight-like inputs (A) the kernels index densely."""
+    if buf.is_contiguous:
+        return buf
+    return device.upload(_view(buf))
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    version = __version__
+    priority = 100  # preferred over the NumPy reference whenever it is built
+    description = "C kernels (cffi, OpenMP) on the host CPU"
+    provided_by = "statecache"
+
+    def __init__(self) -> None:
+        self._devices: list[Device] | None = None
+
+    def availability(self) -> tuple[bool, str]:
+        _, lib, reason = load_kernels()
+        return lib is not None, reason
+
+    def devices(self) -> list[Device]:
+        if self._devices is None:
+            ffi, lib, _ = load_kernels()
+            self._devices = [CpuDevice(ffi, lib)] if lib is not None else []
+        return self._devices

@@ -1,0 +1,207 @@
+/* Helpers shared by the kernel files: dtype conversion, a vectorisable exp,
+ * softplus, and the deterministic split of work units over threads.
+ * Not part of the ABI. */
+#ifndef SC_INTERNAL_H
+#define SC_INTERNAL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "statecache_cpu.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#define SC_HAVE_F16C 1
+#endif
+
+#define SC_ALIGN 64
+#define SC_RESTRICT __restrict__
+
+static inline size_t sc_dtype_size(sc_dtype d) { return d == SC_F32 ? 4 : 2; }
+
+static inline uint32_t sc_f2u(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static inline float sc_u2f(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* f16 -> f32 is exact. */
+static inline float sc_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0) {
+        float v = (float)man * 0x1p-24f; /* subnormal halves are exact floats */
+        return sc_u2f(sc_f2u(v) | sign);
+    }
+    if (exp == 31) return sc_u2f(sign | 0x7f800000u | (man << 13));
+    return sc_u2f(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+/* f32 -> f16 exactly as NumPy rounds: nearest-even, overflow to inf, NaN
+ * keeps the top of its payload (and stays NaN) without being quietened. */
+static inline uint16_t sc_float_to_half(float x) {
+    uint32_t f = sc_f2u(x);
+    uint16_t h_sgn = (uint16_t)((f & 0x80000000u) >> 16);
+    uint32_t f_exp = f & 0x7f800000u, f_sig;
+    if (f_exp >= 0x47800000u) {
+        if (f_exp == 0x7f800000u && (f & 0x007fffffu)) {
+            uint16_t ret = (uint16_t)(0x7c00u + ((f & 0x007fffffu) >> 13));
+            return (uint16_t)(h_sgn + (ret == 0x7c00u ? 0x7c01u : ret));
+        }
+        return (uint16_t)(h_sgn + 0x7c00u);
+    }
+    if (f_exp <= 0x38000000u) {
+        if (f_exp < 0x33000000u) return h_sgn;
+        f_exp >>= 23;
+        f_sig = 0x00800000u + (f & 0x007fffffu);
+        f_sig >>= (113 - f_exp);
+        /* Round to nearest even; the shift above may have dropped sticky bits. */
+        if (((f_sig & 0x00003fffu) != 0x00001000u) || (f & 0x000007ffu)) f_sig += 0x00001000u;
+        return (uint16_t)(h_sgn + (uint16_t)(f_sig >> 13));
+    }
+    uint32_t h_exp = (f_exp - 0x38000000u) >> 13;
+    f_sig = f & 0x007fffffu;
+    if ((f_sig & 0x00003fffu) != 0x00001000u) f_sig += 0x00001000u;
+    /* A carry out of the significand bumps the exponent: still correct. */
+    return (uint16_t)(h_sgn + (uint16_t)(h_exp + (f_sig >> 13)));
+}
+
+static inline float sc_bf16_to_float(uint16_t b) { return sc_u2f((uint32_t)b << 16); }
+
+/* f32 -> bf16 as ml_dtypes (Eigen): nearest-even; NaN becomes the canonical
+ * quiet NaN with the input's sign. */
+static inline uint16_t sc_float_to_bf16(float x) {
+    uint32_t u = sc_f2u(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u & 0x80000000u) ? 0xffc0u : 0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Load n elements of a storage row (element offset applied by the caller)
+ * into float32, and the reverse. */
+static inline void sc_load_f32(const void *SC_RESTRICT src, sc_dtype dt, float *SC_RESTRICT dst, int64_t n) {
+    if (dt == SC_F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (dt == SC_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = sc_u2f((uint32_t)s[i] << 16);
+    } else {
+        const uint16_t *s = (const uint16_t *)src;
+        int64_t i = 0;
+#ifdef SC_HAVE_F16C
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+        for (; i < n; i++) dst[i] = sc_half_to_float(s[i]);
+    }
+}
+
+static inline void sc_store_f32(const float *SC_RESTRICT src, void *SC_RESTRICT dst, sc_dtype dt, int64_t n) {
+    if (dt == SC_F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (dt == SC_BF16) {
+        uint16_t *d = (uint16_t *)dst;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t u = sc_f2u(src[i]);
+            uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+            uint32_t nan = (u & 0x80000000u) ? 0xffc0u : 0x7fc0u;
+            d[i] = (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : r);
+        }
+    } else {
+        uint16_t *d = (uint16_t *)dst;
+        int64_t i = 0;
+#ifdef SC_HAVE_F16C
+        for (; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(src + i);
+            /* F16C rounds like NumPy except that it quietens NaNs: redo
+             * blocks holding a NaN in scalar code. */
+            if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
+            _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        }
+#endif
+        for (; i < n; i++) d[i] = sc_float_to_half(src[i]);
+    }
+}
+
+/* exp(x) in float32 written so the compiler vectorises it inside
+ * `omp simd` loops (libm's expf is a scalar call).  Cephes polynomial, about
+ * 1 ulp over the clamped range; below -87.3 it returns ~1e-38 instead of a
+ * subnormal, which no decay or gate here can tell apart from zero. */
+static inline float sc_exp(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.3f ? 88.3f : x;
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float t = x * 1.44269504088896341f + shifter;
+    float n = t - shifter;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    int32_t e = (int32_t)n + 127;
+    return y * sc_u2f((uint32_t)e << 23);
+}
+
+/* softplus(z) = z above 20 (upstream's threshold), else log1p(exp(z)),
+ * computed as max(z, 0) + log1p(exp(-|z|)) with log1p(u) = 2 atanh(u / (2 + u))
+ * so that every step is a vectorisable polynomial without cancellation. */
+static inline float sc_softplus(float z) {
+    float az = z < 0.0f ? -z : z;
+    float u = sc_exp(-az);
+    float s = u / (2.0f + u); /* s in (0, 1/3] */
+    float s2 = s * s;
+    float p = 1.0f / 17.0f;
+    p = p * s2 + 1.0f / 15.0f;
+    p = p * s2 + 1.0f / 13.0f;
+    p = p * s2 + 1.0f / 11.0f;
+    p = p * s2 + 1.0f / 9.0f;
+    p = p * s2 + 1.0f / 7.0f;
+    p = p * s2 + 1.0f / 5.0f;
+    p = p * s2 + 1.0f / 3.0f;
+    float l = 2.0f * s * (1.0f + p * s2);
+    float pos = z > 0.0f ? z : 0.0f;
+    return z > 20.0f ? z : pos + l;
+}
+
+/* Units [lo, hi) of n for thread tid of nt: contiguous, fixed by (n, nt). */
+static inline void sc_split(int64_t n, int tid, int nt, int64_t *lo, int64_t *hi) {
+    *lo = n * tid / nt;
+    *hi = n * (tid + 1) / nt;
+}
+
+static inline int sc_thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+static inline int sc_team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+static inline void *sc_alloc(size_t bytes) {
+    size_t rounded = (bytes + SC_ALIGN - 1) / SC_ALIGN * SC_ALIGN;
+    return aligned_alloc(SC_ALIGN, rounded ? rounded : SC_ALIGN);
+}
+
+#endif

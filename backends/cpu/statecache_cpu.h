@@ -1,0 +1,78 @@
+/* statecache CPU backend: the C entry points, one family per source file.
+ *
+ * Conventions shared by every entry point:
+ *  - Pools and row buffers are contiguous [rows, row_elems] arrays of one
+ *    storage dtype (sc_dtype); states are always computed in float32.
+ *  - Inputs that may be strided views are passed as an sc_view: a base
+ *    pointer (already offset to element 0) and strides in elements, outermost
+ *    first, one per dimension of the primitive's documented shape.
+ *  - Index arrays have been validated by the Python side (range, duplicates,
+ *    start-row aliasing); C trusts them and never touches Python objects.
+ *  - n_threads is the exact team size; work is split into fixed units so the
+ *    result is bitwise identical for any n_threads.
+ *
+ * The block between cdef-begin and cdef-end is also the cffi cdef (build.py
+ * reads it), so this header is the single declaration of the ABI.
+ */
+#ifndef STATECACHE_CPU_H
+#define STATECACHE_CPU_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+/* cdef-begin */
+/* Bump on any change of a signature, struct or enum below. */
+#define SC_CPU_ABI_VERSION 1
+
+typedef enum { SC_F32 = 0, SC_F16 = 1, SC_BF16 = 2 } sc_dtype;
+
+typedef struct {
+    const float *data;
+    int64_t strides[4];
+} sc_view;
+
+int sc_cpu_abi_version(void);
+/* 1 when this CPU runs the instruction set the library was compiled for. */
+int sc_cpu_isa_supported(void);
+/* The -march the library was compiled for, e.g. "x86-64-v3". */
+const char *sc_cpu_isa(void);
+/* 1 when built with OpenMP (threads), else 0. */
+int sc_cpu_has_threads(void);
+
+/* rows.c: dst[dst_rows[i]] = convert(src[src_rows[i]]), i < n.  A NULL index
+ * array means the identity (get_rows passes dst_rows = NULL, set_rows passes
+ * src_rows = NULL).  Same dtype copies are memcpy, so bit-exact. */
+void sc_copy_rows(const void *src, sc_dtype src_dtype, const int32_t *src_rows, void *dst, sc_dtype dst_dtype,
+                  const int32_t *dst_rows, int64_t n, int64_t row_elems, int n_threads);
+void sc_zero_rows(void *dst, sc_dtype dtype, const int32_t *rows, int64_t n, int64_t row_elems, int n_threads);
+/* Plain copy of nbytes, split over threads (the memcpy bound of benchmarks). */
+void sc_memcpy(void *dst, const void *src, int64_t nbytes, int n_threads);
+/* Element conversions, exposed for tests (f16 as NumPy, bf16 as ml_dtypes). */
+void sc_convert(const void *src, sc_dtype src_dtype, void *dst, sc_dtype dst_dtype, int64_t n);
+
+/* ssm_conv.c: x [n_s, n_t, ch] (sc_view, 3 strides), weight [ch, d_conv],
+ * bias [ch] or NULL, y [n_s, n_t, ch] contiguous, pool [R, ch * (d_conv-1)]. */
+void sc_ssm_conv(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32_t *start_rows,
+                 const int32_t *dst_rows, int n_snap, int64_t plane_stride, const sc_view *x, const float *weight,
+                 const float *bias, float *y, int64_t n_s, int64_t n_t, int64_t channels, int64_t d_conv,
+                 int apply_silu, int n_threads);
+
+/* ssm_scan.c: x [n_s, n_t, H, P], dt [n_s, n_t, H], B/C [n_s, n_t, G, N]
+ * (views), A [H] (mamba2) or [H, N] (mamba1, P == 1, G == 1, n_snap == 1),
+ * y [n_s, n_t, H, P] contiguous, pool [R, H * P * N]. */
+void sc_ssm_scan(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32_t *start_rows,
+                 const int32_t *dst_rows, int n_snap, int64_t plane_stride, const sc_view *x, const sc_view *dt,
+                 const float *A, int a_per_state, const sc_view *B, const sc_view *C, float *y, int64_t n_s,
+                 int64_t n_t, int64_t n_head, int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads);
+
+/* delta_net.c: q/k [n_s, n_t, Hk, S], v [n_s, n_t, Hv, S], g [n_s, n_t, Hv]
+ * or [n_s, n_t, Hv, S] (kda != 0), beta [n_s, n_t, Hv], o [n_s, n_t, Hv, S]
+ * contiguous, pool [R, Hv * S * S] with block [j, i] = M[i][j]. */
+void sc_gated_delta_net(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32_t *start_rows,
+                        const int32_t *dst_rows, int n_snap, int64_t plane_stride, const sc_view *q,
+                        const sc_view *k, const sc_view *v, const sc_view *g, int kda, const sc_view *beta, float *o,
+                        int64_t n_s, int64_t n_t, int64_t n_head_k, int64_t n_head_v, int64_t head_size, float scale,
+                        int n_threads);
+/* cdef-end */
+
+#endif
