@@ -1,0 +1,1020 @@
+"""The attention KV cache (spec §5) and its iSWA pair (§5.6).
+
+The cell book lives in :class:`~statecache.kv_cells.KVCells` (one per
+stream); K and V live on the device, one buffer per layer shaped
+``[n_stream * size, n_embd]`` so that a token's write index is the global row
+``stream * size + cell`` and the runtime writes through ``set_rows``.
+
+Planning (``init_batch``) runs the slot search on a *clone* of the book, so
+it never mutates the memory; ``apply()`` of the context replays the same
+placement on the real book.  ``init_update`` hands out the deferred work:
+whole-stream buffer copies queued by cross-stream ``seq_cp`` (done with
+``copy_rows`` when applied) and the per-cell position shifts that the
+runtime's RoPE must re-rotate K by; applying the update clears both.
+
+State blobs (§5.7, our format) are read in two phases: :meth:`KVCache.
+state_parse` validates everything and chooses the destination cells without
+touching anything; :meth:`KVCache.state_commit` writes.  Composite memories
+parse every part before committing any.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from statecache.backend import Buffer, Device
+from statecache.dtypes import DType
+from statecache.errors import ArgumentError, StateError
+from statecache.kv_cells import EMPTY, KVCells
+from statecache.kv_mask import SWAType, build_mask, is_masked_swa, n_kv_for, round_up
+from statecache.memory import (
+    Memory,
+    MemoryContext,
+    MemoryStatus,
+    StateFlags,
+    StatusContext,
+    UBatchContext,
+    normalize_range,
+)
+
+if TYPE_CHECKING:
+    from statecache.batch import BatchAllocator, UBatch
+
+_DTYPE_CODE = {DType.F32: 0, DType.F16: 1, DType.BF16: 30}
+_CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
+
+#: Signature of the runtime's RoPE re-rotation hook: (cache, layer index, K
+#: buffer, global rows, per-row position shift).
+KShiftFn = Callable[["KVCache", int, Buffer, np.ndarray, np.ndarray], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayer:
+    """One attention layer's K/V row widths (``n_head_kv * head_dim``);
+    ``n_embd_v = 0`` makes a key-only cache (the indexer)."""
+
+    il: int
+    n_embd_k: int
+    n_embd_v: int
+
+    def __post_init__(self) -> None:
+        if self.n_embd_k <= 0 or self.n_embd_v < 0:
+            raise ArgumentError("layers", f"layer {self.il}: K width must be > 0 and V width >= 0")
+
+
+@dataclasses.dataclass
+class SlotInfo:
+    """Where a ubatch's tokens go: token ``i`` -> ``(streams[i], cells[i])``."""
+
+    streams: np.ndarray
+    cells: np.ndarray
+    size: int
+
+    @property
+    def rows(self) -> np.ndarray:
+        """Global write rows ``stream * size + cell`` (the ``set_rows`` indices)."""
+        return (self.streams.astype(np.int64) * self.size + self.cells).astype(np.int64)
+
+
+class _Book:
+    """Cells of every stream plus the search heads; cloned for planning."""
+
+    def __init__(self, cells: list[KVCells], heads: list[int]) -> None:
+        self.cells = cells
+        self.heads = heads
+
+    def clone(self) -> _Book:
+        return _Book([c.clone() for c in self.cells], list(self.heads))
+
+
+# -- binary helpers (little endian) ------------------------------------------------
+
+
+class Writer:
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def u32(self, v: int) -> None:
+        self.parts.append(struct.pack("<I", v))
+
+    def i32(self, v: int) -> None:
+        self.parts.append(struct.pack("<i", v))
+
+    def u64(self, v: int) -> None:
+        self.parts.append(struct.pack("<Q", v))
+
+    def raw(self, b: bytes) -> None:
+        self.parts.append(b)
+
+    def getvalue(self) -> bytes:
+        return b"".join(self.parts)
+
+
+class Reader:
+    """Bounds-checked little-endian reader; every failure names the field."""
+
+    def __init__(self, data: Any, offset: int = 0) -> None:
+        self.buf = memoryview(bytes(data) if not isinstance(data, bytes | bytearray | memoryview) else data)
+        self.off = offset
+
+    def _take(self, n: int, field: str) -> memoryview:
+        if n < 0 or self.off + n > len(self.buf):
+            raise StateError(field, f"truncated: need {n} bytes at offset {self.off}, blob has {len(self.buf)}")
+        out = self.buf[self.off : self.off + n]
+        self.off += n
+        return out
+
+    def u32(self, field: str) -> int:
+        return int(struct.unpack("<I", self._take(4, field))[0])
+
+    def i32(self, field: str) -> int:
+        return int(struct.unpack("<i", self._take(4, field))[0])
+
+    def u64(self, field: str) -> int:
+        return int(struct.unpack("<Q", self._take(8, field))[0])
+
+    def raw(self, n: int, field: str) -> bytes:
+        return bytes(self._take(n, field))
+
+    @property
+    def remaining(self) -> int:
+        return len(self.buf) - self.off
+
+
+@dataclasses.dataclass
+class KVStatePlan:
+    """A validated KV section, ready to commit (nothing written yet)."""
+
+    seq: int
+    # per stream in the blob: (stream, destination cells, positions, sequence sets); rows per layer and stream
+    placements: list[tuple[int, np.ndarray, np.ndarray, list[tuple[int, ...]]]]
+    k_rows: dict[int, list[np.ndarray]]
+    v_rows: dict[int, list[np.ndarray]]
+
+
+class KVCache(Memory):
+    """An attention KV cache over some layers (spec §5).
+
+    ``unified``: one stream shared by every sequence, else one stream per
+    sequence.  ``swa_type``/``n_swa``: the sliding window used both by the
+    mask and by slot reuse.  ``n_pad``: ``n_kv`` padding.  ``can_shift``:
+    whether K is RoPE-rotated (False for the indexer cache, which has no
+    RoPE: its shifts are cleared without a rotation).  ``k_shift``: the
+    runtime's re-rotation hook, called per layer when an update is applied.
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        layers: Sequence[KVLayer],
+        *,
+        size: int,
+        n_seq_max: int,
+        unified: bool = True,
+        dtype: DType | str = DType.F16,
+        swa_type: SWAType | str = SWAType.NONE,
+        n_swa: int = 0,
+        n_pad: int = 256,
+        can_shift: bool = True,
+        k_shift: KShiftFn | None = None,
+        name: str = "kv",
+    ) -> None:
+        if size <= 0:
+            raise ArgumentError("size", f"must be > 0, got {size}")
+        if n_pad <= 0:
+            raise ArgumentError("n_pad", f"must be > 0, got {n_pad}")
+        ils = [layer.il for layer in layers]
+        if len(set(ils)) != len(ils):
+            raise ArgumentError("layers", f"duplicate layer indices {ils}")
+        self.device = device
+        self.layers = list(layers)
+        self.size = int(size)
+        self.n_seq_max = int(n_seq_max)
+        self.unified = bool(unified)
+        self.n_stream = 1 if self.unified else self.n_seq_max
+        self.dtype = DType.parse(dtype)
+        self.swa_type = SWAType.parse(swa_type)
+        self.n_swa = int(n_swa)
+        if self.swa_type is not SWAType.NONE and self.n_swa <= 0:
+            raise ArgumentError("n_swa", f"a {self.swa_type.value} window needs n_swa > 0")
+        self.n_pad = int(n_pad)
+        self.can_shift = bool(can_shift)
+        self.k_shift = k_shift
+        self.name = name
+        self.book = _Book([KVCells(self.size, self.n_seq_max) for _ in range(self.n_stream)], [0] * self.n_stream)
+        self.pending_copies: list[tuple[int, int]] = []
+        rows = self.n_stream * self.size
+        self.k: dict[int, Buffer] = {}
+        self.v: dict[int, Buffer] = {}
+        for layer in self.layers:
+            self.k[layer.il] = device.alloc((rows, layer.n_embd_k), self.dtype)
+            if layer.n_embd_v:
+                self.v[layer.il] = device.alloc((rows, layer.n_embd_v), self.dtype)
+
+    # -- small helpers ------------------------------------------------------------
+    @property
+    def cells(self) -> list[KVCells]:
+        return self.book.cells
+
+    @property
+    def is_swa(self) -> bool:
+        return self.swa_type is not SWAType.NONE
+
+    def stream_of(self, seq: int) -> int:
+        self._check_seq(seq)
+        return 0 if self.unified else seq
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq_max:
+            raise ArgumentError("seq", f"sequence {seq} outside [0, n_seq_max={self.n_seq_max})")
+
+    def buffers(self) -> list[Buffer]:
+        return list(self.k.values()) + list(self.v.values())
+
+    def fill_garbage(self, seed: int) -> None:
+        """Fill every K/V buffer with garbage (tests: nothing may rely on zeros)."""
+        for k, buf in enumerate(self.buffers()):
+            self.device.fill_bytes(buf, seed + k)
+
+    def n_kv(self) -> int:
+        """Cells the attention reads this step (max over streams, padded)."""
+        used = max(c.used_max_p1() for c in self.cells)
+        return n_kv_for(used, self.size, self.n_pad)
+
+    # -- placement (§5.3) -----------------------------------------------------------
+    def split(self, balloc: BatchAllocator, n_ubatch: int) -> list[UBatch] | None:
+        balloc.split_reset()
+        out = []
+        while True:
+            ub = balloc.split_simple(n_ubatch) if self.n_stream == 1 else balloc.split_equal(n_ubatch, True)
+            if ub.n_tokens == 0:
+                break
+            out.append(ub)
+        return out if balloc.n_used == balloc.n_tokens else None
+
+    def _find_slot(self, book: _Book, ub: UBatch) -> SlotInfo | None:
+        primary = ub.primary
+        streams = np.zeros(ub.n_tokens, dtype=np.int64) if self.unified else primary.copy()
+        cells_out = np.full(ub.n_tokens, -1, dtype=np.int64)
+        for strm in np.unique(streams):
+            strm = int(strm)
+            tok = np.flatnonzero(streams == strm)
+            cells = book.cells[strm]
+            n = tok.size
+            if n > self.size:
+                return None
+            head = book.heads[strm]
+            if head > cells.used + 2 * n:
+                head = 0
+            found: list[int] = []
+            for step in range(self.size):
+                idx = (head + step) % self.size
+                usable = cells.is_empty(idx)
+                if not usable and self.is_swa and cells.seq_count(idx) == 1:
+                    s_cell = cells.seqs_of(idx)[0]
+                    usable = bool(
+                        is_masked_swa(self.n_swa, self.swa_type, cells.pos_get(idx), cells.seq_pos_max(s_cell) + 1)
+                    )
+                if usable:
+                    found.append(idx)
+                    if len(found) == n:
+                        break
+            if len(found) < n:
+                return None
+            cells_out[tok] = found
+        return SlotInfo(streams, cells_out, self.size)
+
+    def _apply_ubatch(self, book: _Book, sinfo: SlotInfo, ub: UBatch) -> None:
+        pos = np.asarray(ub.pos, dtype=np.int64)
+        max_rm: dict[tuple[int, int], int] = {}
+        for i in range(ub.n_tokens):
+            strm, idx = int(sinfo.streams[i]), int(sinfo.cells[i])
+            cells = book.cells[strm]
+            if not cells.is_empty(idx):
+                # sliding-window reuse: remember the overwritten position per sequence
+                for s in cells.seqs_of(idx):
+                    key = (strm, s)
+                    max_rm[key] = max(max_rm.get(key, -1), cells.pos_get(idx))
+                cells.rm(idx)
+            p = int(pos[i])
+            cells.pos_set(idx, p, (p, p))
+            for s in ub.seq_id[i]:
+                cells.seq_add(idx, s)
+        # purge: a sequence keeps every position between its min and max
+        for (strm, s), pmax in max_rm.items():
+            cells = book.cells[strm]
+            lo = cells.seq_pos_min(s)
+            if lo != -1 and lo <= pmax:
+                self._seq_rm_cells(book, strm, s, lo, pmax + 1)
+        for strm in np.unique(sinfo.streams):
+            strm = int(strm)
+            book.heads[strm] = int(sinfo.cells[sinfo.streams == strm].max()) + 1
+            if book.heads[strm] >= self.size:
+                book.heads[strm] = 0
+
+    def prepare(self, ubatches: Sequence[UBatch]) -> list[SlotInfo] | None:
+        """Slot infos for every ubatch, computed on a clone (None: no room)."""
+        book = self.book.clone()
+        out = []
+        for ub in ubatches:
+            for ids in ub.seq_id:
+                for s in ids:
+                    if not 0 <= s < self.n_seq_max:
+                        return None
+            sinfo = self._find_slot(book, ub)
+            if sinfo is None:
+                return None
+            self._apply_ubatch(book, sinfo, ub)
+            out.append(sinfo)
+        return out
+
+    def make_context(self, ubatches: Sequence[UBatch], sinfos: Sequence[SlotInfo]) -> KVCacheContext:
+        return KVCacheContext(self, ubatches, sinfos)
+
+    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        ubs = self.split(balloc, n_ubatch)
+        if ubs is None:
+            return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
+        sinfos = self.prepare(ubs)
+        if sinfos is None:
+            return StatusContext(MemoryStatus.FAILED_PREPARE, f"({self.name}: no free slot)")
+        return self.make_context(ubs, sinfos)
+
+    def init_full(self) -> MemoryContext:
+        return KVFullContext(self)
+
+    def has_pending_update(self) -> bool:
+        return bool(self.pending_copies) or any(c.has_shift for c in self.cells)
+
+    def init_update(self, optimize: bool = False) -> MemoryContext:
+        if not self.has_pending_update():
+            return StatusContext(MemoryStatus.NO_UPDATE)
+        return KVUpdateContext(self)
+
+    def get_can_shift(self) -> bool:
+        return True
+
+    # -- sequence operations (§5.4) -------------------------------------------------
+    def _seq_rm_cells(self, book: _Book, strm: int, seq: int, p0: int, p1: int) -> None:
+        cells = book.cells[strm]
+        for _, idx in [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]:
+            if cells.seq_rm(idx, seq) and idx < book.heads[strm]:
+                book.heads[strm] = idx
+
+    def clear(self, data: bool = True) -> None:
+        for c in self.cells:
+            c.reset()
+        self.book.heads = [0] * self.n_stream
+        self.pending_copies.clear()
+        if data:
+            for buf in self.buffers():
+                self.device.write(buf, np.zeros(buf.shape, dtype=np.float32))
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        p0, p1 = normalize_range(p0, p1)
+        if seq >= 0:
+            strm = self.stream_of(seq)
+            self._seq_rm_cells(self.book, strm, seq, p0, p1)
+            return True
+        for strm, cells in enumerate(self.cells):
+            for idx in np.flatnonzero((cells.pos >= p0) & (cells.pos < p1)):
+                cells.rm(int(idx))
+                self.book.heads[strm] = min(self.book.heads[strm], int(idx))
+        return True
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        ss, sd = self.stream_of(src), self.stream_of(dst)
+        if src == dst:
+            return
+        p0, p1 = normalize_range(p0, p1)
+        if ss == sd:
+            cells = self.cells[ss]
+            for pos, idx in list(cells.seq_pos[src]):
+                if p0 <= pos < p1:
+                    cells.seq_add(idx, dst)
+            return
+        if p0 != 0 or p1 != normalize_range(-1, -1)[1]:
+            raise ArgumentError(
+                "p0/p1", f"a copy between streams ({src} -> {dst}) must cover the whole sequence, got [{p0}, {p1})"
+            )
+        src_cells, dst_cells = self.cells[ss], self.cells[sd]
+        dst_cells.reset()
+        for pos, idx in src_cells.seq_pos[src]:
+            shift = int(src_cells.shift[idx])
+            dst_cells.pos_set(idx, pos - shift, tuple(int(x) for x in src_cells.ext[idx]))  # type: ignore[arg-type]
+            dst_cells.seq_add(idx, dst)
+            if shift:
+                dst_cells.pos_add(idx, shift)
+        self.book.heads[sd] = self.book.heads[ss]
+        # the buffer copy waits for the next update: later copies into the same
+        # destination replace earlier ones
+        self.pending_copies = [(a, b) for a, b in self.pending_copies if b != sd] + [(ss, sd)]
+
+    def seq_keep(self, seq: int) -> None:
+        self._check_seq(seq)
+        for strm, cells in enumerate(self.cells):
+            for idx in np.flatnonzero(cells.pos != EMPTY):
+                idx = int(idx)
+                if not cells.seq_has(idx, seq):
+                    cells.rm(idx)
+                    self.book.heads[strm] = min(self.book.heads[strm], idx)
+                else:
+                    for s in cells.seqs_of(idx):
+                        if s != seq:
+                            cells.seq_rm(idx, s)
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        strm = self.stream_of(seq)
+        p0, p1 = normalize_range(p0, p1)
+        if delta == 0 or p0 >= p1:
+            return
+        cells = self.cells[strm]
+        for _, idx in [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]:
+            if cells.pos_add(idx, delta):
+                self.book.heads[strm] = 0 if self.book.heads[strm] == 0 else min(self.book.heads[strm], idx)
+
+    def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        strm = self.stream_of(seq)
+        if d <= 0:
+            raise ArgumentError("d", f"divisor must be >= 1, got {d}")
+        p0, p1 = normalize_range(p0, p1)
+        if d == 1 or p0 >= p1:
+            return
+        cells = self.cells[strm]
+        for _, idx in [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]:
+            cells.pos_div(idx, d)
+
+    def seq_pos_min(self, seq: int) -> int:
+        return self.cells[self.stream_of(seq)].seq_pos_min(seq)
+
+    def seq_pos_max(self, seq: int) -> int:
+        return self.cells[self.stream_of(seq)].seq_pos_max(seq)
+
+    def memory_breakdown(self) -> dict[str, int]:
+        return {self.device.id: sum(b.nbytes for b in self.buffers())}
+
+    # -- mask -------------------------------------------------------------------------
+    def mask(self, ub: UBatch, n_kv: int | None = None, *, causal: bool = True, alibi: bool = False) -> np.ndarray:
+        """``[n_tokens, n_kv]`` mask of a ubatch; row i is over token i's stream."""
+        n_kv = self.n_kv() if n_kv is None else n_kv
+        primary = ub.primary
+        pos = np.asarray(ub.pos, dtype=np.int64)
+        out = np.empty((ub.n_tokens, n_kv), dtype=np.float32)
+        streams = np.zeros(ub.n_tokens, dtype=np.int64) if self.unified else primary
+        for strm in np.unique(streams):
+            sel = np.flatnonzero(streams == strm)
+            out[sel] = build_mask(
+                self.cells[int(strm)],
+                pos[sel],
+                primary[sel],
+                n_kv,
+                causal=causal,
+                swa_type=self.swa_type,
+                n_swa=self.n_swa,
+                alibi=alibi,
+                token_ext=np.stack([pos[sel], pos[sel]], axis=1),
+            )
+        return out
+
+    # -- state (§5.7, our format) -------------------------------------------------------
+    def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
+        w = Writer()
+        self.state_write_into(w, seq)
+        return w.getvalue()
+
+    def state_write_into(self, w: Writer, seq: int = -1, flags: int = StateFlags.NONE) -> None:
+        if self.has_pending_update():
+            raise StateError(self.name, "pending stream copies or position shifts; apply init_update() first")
+        if seq >= 0:
+            self._check_seq(seq)
+        # a per-sequence blob holds only that sequence's stream (so it can be
+        # restored into another sequence, hence another stream)
+        streams = [self.stream_of(seq)] if seq >= 0 else list(range(self.n_stream))
+        w.u32(len(streams))
+        for strm in streams:
+            cells = self.cells[strm]
+            if seq >= 0:
+                idxs = np.array(sorted(idx for _, idx in cells.seq_pos[seq]), dtype=np.int64)
+            else:
+                idxs = np.flatnonzero(cells.pos != EMPTY)
+            w.u32(int(idxs.size))
+            if not idxs.size:
+                continue
+            for idx in idxs:
+                w.i32(int(cells.pos[idx]))
+                ids = [seq] if seq >= 0 else cells.seqs_of(int(idx))
+                w.u32(len(ids))
+                for s in ids:
+                    w.i32(s)
+            rows = idxs + strm * self.size
+            w.u32(len(self.layers))
+            for bufs in (self.k, self.v):
+                for layer in self.layers:
+                    if layer.il not in bufs:
+                        continue
+                    buf = bufs[layer.il]
+                    w.u32(layer.il)
+                    w.i32(_DTYPE_CODE[self.dtype])
+                    w.u64(buf.shape[1] * self.dtype.itemsize)
+                    data = self.device.download(buf)[rows]
+                    w.raw(np.ascontiguousarray(data).tobytes())
+
+    def state_parse(self, r: Reader, seq: int = -1, flags: int = StateFlags.NONE) -> KVStatePlan:
+        """Validate a KV section and choose destination cells; changes nothing."""
+        if seq >= 0:
+            self._check_seq(seq)
+        streams = [self.stream_of(seq)] if seq >= 0 else list(range(self.n_stream))
+        n_stream = r.u32(f"{self.name}.n_stream")
+        if n_stream != len(streams):
+            raise StateError(f"{self.name}.n_stream", f"blob has {n_stream} streams, expected {len(streams)}")
+        placements = []
+        k_rows: dict[int, list[np.ndarray]] = {layer.il: [] for layer in self.layers}
+        v_rows: dict[int, list[np.ndarray]] = {il: [] for il in self.v}
+        for strm in streams:
+            count = r.u32(f"{self.name}.cell_count")
+            if count > self.size:
+                raise StateError(f"{self.name}.cell_count", f"{count} cells do not fit a stream of {self.size}")
+            pos = np.zeros(count, dtype=np.int64)
+            sets: list[tuple[int, ...]] = []
+            for c in range(count):
+                p = r.i32(f"{self.name}.pos")
+                if p < 0:
+                    raise StateError(f"{self.name}.pos", f"cell {c} has negative position {p}")
+                n_ids = r.u32(f"{self.name}.n_seq_id")
+                if seq >= 0 and n_ids != 1:
+                    raise StateError(f"{self.name}.n_seq_id", f"a per-sequence blob needs 1 id per cell, got {n_ids}")
+                if n_ids == 0 or n_ids > self.n_seq_max:
+                    raise StateError(f"{self.name}.n_seq_id", f"cell {c} lists {n_ids} sequences")
+                ids = tuple(r.i32(f"{self.name}.seq_id") for _ in range(n_ids))
+                if seq < 0:
+                    if any(not 0 <= s < self.n_seq_max for s in ids) or len(set(ids)) != len(ids):
+                        raise StateError(f"{self.name}.seq_id", f"cell {c}: bad sequence ids {ids}")
+                    if not self.unified and ids != (strm,):
+                        raise StateError(f"{self.name}.seq_id", f"cell {c} of stream {strm} holds {ids}")
+                    sets.append(ids)
+                else:
+                    sets.append((seq,))
+                pos[c] = p
+            if seq >= 0 and len(set(pos.tolist())) != count:
+                raise StateError(f"{self.name}.pos", "duplicate positions in a per-sequence blob")
+            if count:
+                n_layer = r.u32(f"{self.name}.n_layer")
+                if n_layer != len(self.layers):
+                    raise StateError(
+                        f"{self.name}.n_layer", f"blob has {n_layer} layers, this cache {len(self.layers)}"
+                    )
+                for kind, bufs, store in (("k", self.k, k_rows), ("v", self.v, v_rows)):
+                    for layer in self.layers:
+                        if layer.il not in bufs:
+                            continue
+                        width = bufs[layer.il].shape[1]
+                        il = r.u32(f"{self.name}.{kind}_layer")
+                        if il != layer.il:
+                            raise StateError(f"{self.name}.{kind}_layer", f"expected layer {layer.il}, got {il}")
+                        code = r.i32(f"{self.name}.{kind}_type")
+                        if _CODE_DTYPE.get(code) is not self.dtype:
+                            raise StateError(f"{self.name}.{kind}_type", f"type code {code}, this cache {self.dtype}")
+                        row_bytes = r.u64(f"{self.name}.{kind}_row_bytes")
+                        if row_bytes != width * self.dtype.itemsize:
+                            raise StateError(
+                                f"{self.name}.{kind}_row_bytes",
+                                f"{row_bytes} bytes per row, this layer has {width * self.dtype.itemsize}",
+                            )
+                        raw = r.raw(row_bytes * count, f"{self.name}.{kind}_data")
+                        store[layer.il].append(np.frombuffer(raw, dtype=self.dtype.numpy).reshape(count, width))
+            else:
+                for store in (k_rows, v_rows):
+                    for il in store:
+                        store[il].append(np.zeros((0, 1), dtype=self.dtype.numpy))
+            # destination cells
+            cells = self.cells[strm]
+            if seq >= 0:
+                free = cells.pos == EMPTY
+                mine = cells.seq[:, seq] & (cells.seq.sum(axis=1) == 1)  # freed by dropping seq first
+                cand = np.flatnonzero(free | mine)
+                if cand.size < count:
+                    raise StateError(
+                        f"{self.name}.cell_count", f"{count} cells to restore, only {cand.size} free in stream {strm}"
+                    )
+                dest = cand[:count]
+            else:
+                dest = np.arange(count, dtype=np.int64)
+            placements.append((strm, dest, pos, sets))
+        return KVStatePlan(seq, placements, k_rows, v_rows)
+
+    def state_commit(self, plan: KVStatePlan) -> None:
+        if plan.seq >= 0:
+            self.seq_rm(plan.seq)
+        else:
+            self.clear(data=False)
+        for k_strm, (strm, dest, pos, sets) in enumerate(plan.placements):
+            if not dest.size:
+                continue
+            cells = self.cells[strm]
+            for k in range(dest.size):
+                idx = int(dest[k])
+                cells.pos_set(idx, int(pos[k]), (int(pos[k]), int(pos[k])))
+                for s in sets[k]:
+                    cells.seq_add(idx, s)
+            rows = self.device.indices(dest + strm * self.size)
+            for store, bufs in ((plan.k_rows, self.k), (plan.v_rows, self.v)):
+                for il, per_stream in store.items():
+                    data = per_stream[k_strm]
+                    src = self.device.upload(data.astype(np.float32), self.dtype)
+                    self.device.set_rows(bufs[il], rows, src)
+            self.book.heads[strm] = 0
+
+    def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
+        r = data if isinstance(data, Reader) else Reader(data)
+        try:
+            plan = self.state_parse(r, seq)
+        except StateError:
+            self._state_drop(seq)
+            raise
+        self.state_commit(plan)
+
+    def _state_drop(self, seq: int) -> None:
+        """Upstream's failure contract: the destination ends empty."""
+        if seq >= 0:
+            self.seq_rm(seq)
+        else:
+            self.clear(data=True)
+
+
+class KVCacheContext(UBatchContext):
+    """A planned batch on one KV cache; the runtime's view of a ubatch."""
+
+    def __init__(self, cache: KVCache, ubatches: Sequence[UBatch], sinfos: Sequence[SlotInfo]) -> None:
+        super().__init__(ubatches)
+        self.cache = cache
+        self.sinfos = list(sinfos)
+
+    def _apply_ubatch(self, i: int) -> bool:
+        self.cache._apply_ubatch(self.cache.book, self.sinfos[i], self.ubatches[i])
+        return True
+
+    @property
+    def sinfo(self) -> SlotInfo:
+        return self.sinfos[self.i_next]
+
+    def snapshot(self) -> Any:
+        """The cache's book (composites restore it when a later part fails)."""
+        return _snapshot_cache(self.cache)
+
+    def restore(self, snap: Any) -> None:
+        _restore_cache(self.cache, snap)
+
+    def k_idxs(self) -> np.ndarray:
+        return self.sinfo.rows
+
+    def n_kv(self) -> int:
+        return self.cache.n_kv()
+
+    def cpy_k(self, il: int, k_cur: Any) -> None:
+        """Write this ubatch's K rows of layer ``il`` (``[n_tokens, n_embd_k]``)."""
+        self._cpy(self.cache.k, il, k_cur, "k")
+
+    def cpy_v(self, il: int, v_cur: Any) -> None:
+        self._cpy(self.cache.v, il, v_cur, "v")
+
+    def _cpy(self, bufs: dict[int, Buffer], il: int, cur: Any, what: str) -> None:
+        if il not in bufs:
+            raise ArgumentError("il", f"layer {il} has no {what} buffer in {self.cache.name}")
+        dev = self.cache.device
+        src = cur if isinstance(cur, Buffer) else dev.upload(np.asarray(cur, dtype=np.float32))
+        if src.shape != (self.ubatches[self.i_next].n_tokens, bufs[il].shape[1]):
+            raise ArgumentError(
+                what, f"expected shape {(self.get_ubatch().n_tokens, bufs[il].shape[1])}, got {src.shape}"
+            )
+        dev.set_rows(bufs[il], dev.indices(self.k_idxs()), src)
+
+    def mask(self, *, causal: bool = True, alibi: bool = False) -> np.ndarray:
+        return self.cache.mask(self.get_ubatch(), causal=causal, alibi=alibi)
+
+
+class KVFullContext(StatusContext):
+    """Worst case for graph reservation: every cell may be read."""
+
+    def __init__(self, cache: KVCache) -> None:
+        super().__init__(MemoryStatus.SUCCESS)
+        self.cache = cache
+
+    def n_kv(self) -> int:
+        return self.cache.size
+
+    def apply(self) -> bool:
+        return True
+
+
+class KVUpdateContext(MemoryContext):
+    """Pending maintenance: stream copies, then per-cell RoPE shifts.
+
+    ``stream_copies``: ``(src_stream, dst_stream)`` pairs.  ``shift_rows`` /
+    ``shift_amounts``: the global K rows the runtime must re-rotate and by
+    how much (captured at ``init_update`` time).  ``apply()`` performs the
+    copies with ``copy_rows``, calls the cache's ``k_shift`` hook per layer
+    (when the cache has RoPE and a hook), then clears the shifts.
+    """
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.stream_copies = list(cache.pending_copies)
+        rows, amounts = [], []
+        for strm, cells in enumerate(cache.cells):
+            idx = np.flatnonzero((cells.shift != 0) & (cells.pos != EMPTY))
+            rows.append(idx + strm * cache.size)
+            amounts.append(cells.shift[idx])
+        self.shift_rows = np.concatenate(rows).astype(np.int64)
+        self.shift_amounts = np.concatenate(amounts).astype(np.int64)
+        self._done = False
+
+    @property
+    def status(self) -> MemoryStatus:
+        return MemoryStatus.SUCCESS
+
+    def get_ubatch(self) -> UBatch:
+        raise ArgumentError("context", "an update context has no ubatch")
+
+    def next(self) -> bool:
+        return False
+
+    def apply(self) -> bool:
+        if self._done:
+            return True
+        cache, dev = self.cache, self.cache.device
+        for ss, sd in self.stream_copies:
+            src_rows = dev.indices(np.arange(cache.size) + ss * cache.size)
+            dst_rows = dev.indices(np.arange(cache.size) + sd * cache.size)
+            for buf in cache.buffers():
+                dev.copy_rows(buf, src_rows, buf, dst_rows)
+        if cache.can_shift and cache.k_shift is not None and self.shift_rows.size:
+            for layer in cache.layers:
+                cache.k_shift(cache, layer.il, cache.k[layer.il], self.shift_rows, self.shift_amounts)
+        for cells in cache.cells:
+            cells.reset_shift()
+        cache.pending_copies = [c for c in cache.pending_copies if c not in self.stream_copies]
+        self._done = True
+        return True
+
+
+def iswa_sizes(size: int, n_swa: int, n_seq_max: int, n_ubatch: int, unified: bool, n_pad: int, swa_full: bool) -> int:
+    """Size of the window cache of an iSWA pair (§5.6)."""
+    if swa_full:
+        return size
+    return min(size, round_up(n_swa * (n_seq_max if unified else 1) + n_ubatch, n_pad))
+
+
+class CompositeContext(MemoryContext):
+    """Parts' contexts over one ubatch list, applied together.
+
+    ``apply()`` applies every part in order and is all-or-nothing: a part
+    that fails (returns False or raises) makes the parts applied before it
+    restore their books from a snapshot taken just before, so a composite
+    never keeps half a ubatch.  Parts whose book cannot be snapshotted must
+    therefore come last (the hybrids put the recurrent part there).
+    """
+
+    def __init__(self, parts: Sequence[MemoryContext]) -> None:
+        self.parts = list(parts)
+
+    @property
+    def status(self) -> MemoryStatus:
+        out = MemoryStatus.NO_UPDATE
+        for k, p in enumerate(self.parts):
+            out = p.status if k == 0 else _combine(out, p.status)
+        return out
+
+    def get_ubatch(self) -> UBatch:
+        return self.parts[0].get_ubatch()
+
+    def apply(self) -> bool:
+        done: list[tuple[MemoryContext, Any]] = []
+        for p in self.parts:
+            done.append((p, p.snapshot() if hasattr(p, "snapshot") else None))
+            try:
+                ok = p.apply()
+            except Exception:
+                self._undo(done)
+                raise
+            if not ok:
+                self._undo(done)
+                return False
+        return True
+
+    @staticmethod
+    def _undo(done: list[tuple[MemoryContext, Any]]) -> None:
+        for p, snap in reversed(done):
+            if snap is not None:
+                p.restore(snap)  # type: ignore[attr-defined]
+
+    def next(self) -> bool:
+        res = [p.next() for p in self.parts]
+        return all(res)
+
+
+def _combine(a: MemoryStatus, b: MemoryStatus) -> MemoryStatus:
+    from statecache.memory import status_combine
+
+    return status_combine(a, b)
+
+
+def _snapshot_cache(cache: KVCache) -> tuple[_Book, list[tuple[int, int]]]:
+    return cache.book.clone(), list(cache.pending_copies)
+
+
+def _restore_cache(cache: KVCache, snap: tuple[_Book, list[tuple[int, int]]]) -> None:
+    cache.book, cache.pending_copies = snap[0].clone(), list(snap[1])
+
+
+@dataclasses.dataclass
+class ISWAPlan:
+    base: KVStatePlan | None
+    swa: KVStatePlan
+
+
+class KVCacheISWA(Memory):
+    """iSWA pair (§5.6): a base cache for the full-attention layers and a
+    window cache, ``iswa_sizes`` big, for the sliding-window layers.  Both are
+    planned for the same ubatches; positions are answered by the window
+    cache (the base is a superset)."""
+
+    def __init__(
+        self,
+        device: Device,
+        layers: Sequence[KVLayer],
+        swa_layers: Sequence[int],
+        *,
+        size: int,
+        n_seq_max: int,
+        n_ubatch: int,
+        n_swa: int,
+        swa_type: SWAType | str = SWAType.STANDARD,
+        unified: bool = True,
+        swa_full: bool = False,
+        dtype: DType | str = DType.F16,
+        n_pad: int = 256,
+        k_shift: KShiftFn | None = None,
+    ) -> None:
+        swa_set = set(swa_layers)
+        unknown = swa_set - {layer.il for layer in layers}
+        if unknown:
+            raise ArgumentError("swa_layers", f"layers {sorted(unknown)} are not attention layers")
+        if SWAType.parse(swa_type) is SWAType.NONE:
+            raise ArgumentError("swa_type", "an iSWA pair needs a sliding-window type")
+        common = dict(n_seq_max=n_seq_max, unified=unified, dtype=dtype, n_pad=n_pad, k_shift=k_shift)
+        self.base = KVCache(device, [la for la in layers if la.il not in swa_set], size=size, name="kv_base", **common)
+        swa_size = iswa_sizes(size, n_swa, n_seq_max, n_ubatch, unified, n_pad, swa_full)
+        self.swa = KVCache(
+            device,
+            [la for la in layers if la.il in swa_set],
+            size=swa_size,
+            swa_type=swa_type,
+            n_swa=n_swa,
+            name="kv_swa",
+            **common,
+        )
+        self.device = device
+        self.n_seq_max = n_seq_max
+
+    @property
+    def caches(self) -> tuple[KVCache, KVCache]:
+        return self.base, self.swa
+
+    def fill_garbage(self, seed: int) -> None:
+        self.base.fill_garbage(seed)
+        self.swa.fill_garbage(seed + 1000)
+
+    def split(self, balloc: BatchAllocator, n_ubatch: int) -> list[UBatch] | None:
+        return self.base.split(balloc, n_ubatch)
+
+    def prepare(self, ubatches: Sequence[UBatch]) -> tuple[list[SlotInfo], list[SlotInfo]] | None:
+        b = self.base.prepare(ubatches)
+        if b is None:
+            return None
+        s = self.swa.prepare(ubatches)
+        if s is None:
+            return None
+        return b, s
+
+    def make_context(self, ubatches: Sequence[UBatch], plan: tuple[list[SlotInfo], list[SlotInfo]]) -> ISWAContext:
+        return ISWAContext(self, ubatches, plan)
+
+    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        ubs = self.split(balloc, n_ubatch)
+        if ubs is None:
+            return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
+        plan = self.prepare(ubs)
+        if plan is None:
+            return StatusContext(MemoryStatus.FAILED_PREPARE, "(iSWA: no free slot)")
+        return self.make_context(ubs, plan)
+
+    def init_full(self) -> MemoryContext:
+        return CompositeContext([self.base.init_full(), self.swa.init_full()])
+
+    def has_pending_update(self) -> bool:
+        return self.base.has_pending_update() or self.swa.has_pending_update()
+
+    def init_update(self, optimize: bool = False) -> MemoryContext:
+        ctx = CompositeContext([self.base.init_update(optimize), self.swa.init_update(optimize)])
+        return ctx if ctx.status is not MemoryStatus.NO_UPDATE else StatusContext(MemoryStatus.NO_UPDATE)
+
+    def get_can_shift(self) -> bool:
+        return self.base.get_can_shift() and self.swa.get_can_shift()
+
+    def clear(self, data: bool = True) -> None:
+        self.base.clear(data)
+        self.swa.clear(data)
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        self.base.seq_rm(seq, p0, p1)
+        self.swa.seq_rm(seq, p0, p1)
+        return True
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        # validate on both before touching either (a cross-stream partial copy raises)
+        for c in self.caches:
+            if not c.unified and src != dst:
+                c.stream_of(src), c.stream_of(dst)
+                q0, q1 = normalize_range(p0, p1)
+                if (q0, q1) != normalize_range(-1, -1):
+                    raise ArgumentError("p0/p1", "a copy between streams must cover the whole sequence")
+        self.base.seq_cp(src, dst, p0, p1)
+        self.swa.seq_cp(src, dst, p0, p1)
+
+    def seq_keep(self, seq: int) -> None:
+        self.base.seq_keep(seq)
+        self.swa.seq_keep(seq)
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        self.base.seq_add(seq, p0, p1, delta)
+        self.swa.seq_add(seq, p0, p1, delta)
+
+    def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        self.base.seq_div(seq, p0, p1, d)
+        self.swa.seq_div(seq, p0, p1, d)
+
+    def seq_pos_min(self, seq: int) -> int:
+        return self.swa.seq_pos_min(seq)
+
+    def seq_pos_max(self, seq: int) -> int:
+        return self.swa.seq_pos_max(seq)
+
+    def memory_breakdown(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.caches:
+            for k, v in c.memory_breakdown().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def state_write_into(self, w: Writer, seq: int = -1, flags: int = StateFlags.NONE) -> None:
+        if not flags & StateFlags.PARTIAL_ONLY:
+            self.base.state_write_into(w, seq)
+        self.swa.state_write_into(w, seq)
+
+    def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
+        w = Writer()
+        self.state_write_into(w, seq, flags)
+        return w.getvalue()
+
+    def state_parse(self, r: Reader, seq: int = -1, flags: int = StateFlags.NONE) -> ISWAPlan:
+        base = None if flags & StateFlags.PARTIAL_ONLY else self.base.state_parse(r, seq)
+        return ISWAPlan(base, self.swa.state_parse(r, seq))
+
+    def state_commit(self, plan: ISWAPlan) -> None:
+        if plan.base is not None:
+            self.base.state_commit(plan.base)
+        self.swa.state_commit(plan.swa)
+
+    def _state_drop(self, seq: int) -> None:
+        self.base._state_drop(seq)
+        self.swa._state_drop(seq)
+
+    def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
+        r = data if isinstance(data, Reader) else Reader(data)
+        try:
+            plan = self.state_parse(r, seq, flags)
+        except StateError:
+            self._state_drop(seq)
+            raise
+        self.state_commit(plan)
+
+
+class ISWAContext(CompositeContext):
+    def __init__(
+        self, mem: KVCacheISWA, ubatches: Sequence[UBatch], plan: tuple[list[SlotInfo], list[SlotInfo]]
+    ) -> None:
+        self.base = mem.base.make_context(ubatches, plan[0])
+        self.swa = mem.swa.make_context(ubatches, plan[1])
+        super().__init__([self.base, self.swa])
+
+    def snapshot(self) -> Any:
+        return (self.base.snapshot(), self.swa.snapshot())  # type: ignore[attr-defined]
+
+    def restore(self, snap: Any) -> None:
+        self.base.restore(snap[0])  # type: ignore[attr-defined]
+        self.swa.restore(snap[1])  # type: ignore[attr-defined]
