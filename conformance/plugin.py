@@ -79,7 +79,9 @@ class _Run:
             )
             self.expect = selection.expectations(self.selection, config.getoption("xfails_file"))
         except selection.SelectionError as exc:
-            raise pytest.UsageError(str(exc)) from None
+            # pytest.exit, not UsageError: raised during collection, a usage error
+            # would be repeated as a collection error of every suite module.
+            pytest.exit(f"statecache conformance: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
         if config.getoption("require_device"):
             missing = {n: why for n, why in self.selection.missing.items() if n in self.selection.named}
             if not self.selection.named:
