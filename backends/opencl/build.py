@@ -1,0 +1,125 @@
+"""Building the OpenCL kernel families, once per device.
+
+Each family (``rows``, ``ssm_conv``, ``ssm_scan``, ``delta_net``) is one
+``.cl`` file; ``common.cl`` (dtype conversions, softplus) is prepended to it.
+The stateful families are specialised by a build option, the pool's storage
+dtype (``-DPOOL_DTYPE=n``), so their inner loops carry no dtype switch; a
+variant is built the first time a call needs it.  ``rows`` converts at run
+time, so one build serves every dtype pair.
+
+Programs go through pyopencl's on-disk binary cache (keyed by source, build
+options and device), so a second process reuses the binaries; in-process,
+the built ``cl.Kernel`` objects are kept here, because fetching
+``program.name`` again creates a new kernel object on every call.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import threading
+import warnings
+from typing import Any
+
+from statecache.dtypes import DType
+from statecache.errors import StatecacheError
+
+#: Codes the kernels use for storage dtypes (see common.cl).
+DTYPE_CODES: dict[DType, int] = {DType.F32: 0, DType.F16: 1, DType.BF16: 2}
+
+#: Compile-time limits of the kernels (private arrays); Device.supports checks them.
+MAX_WINDOW = 32  # ssm_conv: d_conv - 1
+MAX_HEAD_SIZE = 256  # gated_delta_net: S
+SCAN_KCHUNK = 64  # ssm_scan: d_state elements kept in registers at a time
+
+#: The kernels of each family, by file name.
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "rows": ("copy_rows_u32", "copy_rows_u16", "copy_rows_convert", "zero_rows_u32", "zero_rows_u16"),
+    "ssm_conv": ("ssm_conv",),
+    "ssm_scan": ("ssm_scan",),
+    "delta_net": ("gated_delta_net",),
+}
+
+_FAMILY_DEFINES: dict[str, tuple[str, ...]] = {
+    "rows": (),
+    "ssm_conv": (f"-DMAX_WINDOW={MAX_WINDOW}",),
+    "ssm_scan": (f"-DKCHUNK={SCAN_KCHUNK}",),
+    "delta_net": (f"-DMAX_S={MAX_HEAD_SIZE}",),
+}
+
+
+class KernelBuildError(StatecacheError):
+    """An OpenCL program failed to build; the message carries the compiler log."""
+
+
+def family_source(family: str) -> str:
+    if family not in FAMILIES:
+        raise KeyError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+    files = importlib.resources.files("statecache.backends.opencl")
+    common = files.joinpath("common.cl").read_text(encoding="utf-8")
+    body = files.joinpath(f"{family}.cl").read_text(encoding="utf-8")
+    return f"{common}\n#line 1\n{body}"
+
+
+def build_options(family: str, pool_dtype: DType | None) -> list[str]:
+    options = list(_FAMILY_DEFINES[family])
+    if pool_dtype is not None:
+        options.append(f"-DPOOL_DTYPE={DTYPE_CODES[pool_dtype]}")
+    return options
+
+
+def build_program(context: Any, device: Any, source: str, options: list[str], what: str) -> Any:
+    """Build ``source`` for one device; failures raise with the compiler log."""
+    import pyopencl as cl
+
+    program = cl.Program(context, source)
+    with warnings.catch_warnings():
+        # pyopencl turns any non-empty build log into a CompilerWarning; PoCL
+        # logs harmless notes, and the test suite runs with warnings as errors.
+        warnings.simplefilter("ignore", cl.CompilerWarning)
+        try:
+            program.build(options=options, devices=[device])
+        except cl.Error as exc:
+            log = _build_log(program, device) or str(exc)
+            raise KernelBuildError(
+                f"OpenCL build of {what} failed on {device.name!r} (options {' '.join(options)}):\n{log}"
+            ) from exc
+    return program
+
+
+def _build_log(program: Any, device: Any) -> str:
+    import pyopencl as cl
+
+    try:
+        return str(program.get_build_info(device, cl.program_build_info.LOG)).strip()
+    except Exception:  # the program object may be unusable after a failed build
+        return ""
+
+
+class KernelCache:
+    """The built kernels of one device: ``kernel(family, name, pool_dtype)``."""
+
+    def __init__(self, context: Any, device: Any) -> None:
+        self._context = context
+        self._device = device
+        self._kernels: dict[tuple[str, DType | None], dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def kernel(self, family: str, name: str, pool_dtype: DType | None = None) -> Any:
+        key = (family, pool_dtype)
+        kernels = self._kernels.get(key)
+        if kernels is None:
+            with self._lock:
+                kernels = self._kernels.get(key)
+                if kernels is None:
+                    kernels = self._build(family, pool_dtype)
+                    self._kernels[key] = kernels
+        return kernels[name]
+
+    def _build(self, family: str, pool_dtype: DType | None) -> dict[str, Any]:
+        import pyopencl as cl
+
+        what = f"{family}.cl" + (f" (pool {pool_dtype})" if pool_dtype is not None else "")
+        program = build_program(
+            self._context, self._device, family_source(family), build_options(family, pool_dtype), what
+        )
+        return {name: cl.Kernel(program, name) for name in FAMILIES[family]}

@@ -1,0 +1,62 @@
+// Helpers shared by every kernel family; build.py prepends this file to each
+// family's source (one program per family, so nothing is compiled twice).
+//
+// Storage dtype codes, matching build.DTYPE_CODES: 0 = f32, 1 = f16, 2 = bf16.
+// f16 goes through vload_half / vstore_half_rte, which are core OpenCL C and
+// need no cl_khr_fp16; bf16 is stored as ushort with an explicit
+// round-to-nearest-even conversion, so both work on every device and round
+// exactly like NumPy / ml_dtypes on the host.
+
+#define DT_F32 0
+#define DT_F16 1
+#define DT_BF16 2
+
+inline float bf16_to_f32(ushort v) { return as_float(((uint)v) << 16); }
+
+inline ushort f32_to_bf16(float f) {
+    uint u = as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (ushort)((u >> 16) | 0x0040u);  // NaN stays a (quiet) NaN
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (ushort)(u >> 16);
+}
+
+// Runtime-typed access, for the row kernels (one build serves every pair).
+inline float load_any(__global const uchar *base, int dtype, long i) {
+    if (dtype == DT_F32) return ((__global const float *)base)[i];
+    if (dtype == DT_F16) return vload_half((size_t)i, (__global const half *)base);
+    return bf16_to_f32(((__global const ushort *)base)[i]);
+}
+
+inline void store_any(__global uchar *base, int dtype, long i, float v) {
+    if (dtype == DT_F32) {
+        ((__global float *)base)[i] = v;
+    } else if (dtype == DT_F16) {
+        vstore_half_rte(v, (size_t)i, (__global half *)base);
+    } else {
+        ((__global ushort *)base)[i] = f32_to_bf16(v);
+    }
+}
+
+// Compile-time-typed access to a state pool, for the stateful kernels: the
+// pool dtype is a build option (-DPOOL_DTYPE=n), so the inner loops carry no
+// dtype switch.
+#ifdef POOL_DTYPE
+#if POOL_DTYPE == DT_F32
+typedef float pool_t;
+#define POOL_LOAD(p, i) ((p)[(i)])
+#define POOL_STORE(p, i, v) ((p)[(i)] = (v))
+#elif POOL_DTYPE == DT_F16
+typedef half pool_t;
+#define POOL_LOAD(p, i) vload_half((size_t)(i), (p))
+#define POOL_STORE(p, i, v) vstore_half_rte((v), (size_t)(i), (p))
+#else
+typedef ushort pool_t;
+#define POOL_LOAD(p, i) bf16_to_f32((p)[(i)])
+#define POOL_STORE(p, i, v) ((p)[(i)] = f32_to_bf16(v))
+#endif
+#endif
+
+// Upstream's softplus threshold: above 20, softplus(z) == z to float precision.
+inline float softplus_f(float z) { return z > 20.0f ? z : log1p(exp(z)); }

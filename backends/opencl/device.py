@@ -1,0 +1,493 @@
+"""OpenCL device through pyopencl: cl.Buffer storage, queued launches.
+
+Every device of every OpenCL platform is offered as ``opencl:N``, in the
+order the ICD loader lists platforms and each platform lists its devices
+(the order ``PYOPENCL_CTX`` indices refer to).  ``PYOPENCL_CTX`` restricts
+the list to the devices it names.  Each device gets its own context and one
+in-order queue; launches and copies are queued, ``synchronize()`` finishes the
+queue and ``download()`` synchronizes first.
+
+pyopencl is imported only when the backend is asked about availability or
+devices, so listing backends without the ``opencl`` extra never fails.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numpy as np
+
+from statecache import __version__, settings
+from statecache import primitives as P
+from statecache.backend import PRIMITIVES, SUPPORTED, Backend, Buffer, Caps, Device, DeviceKind, Support
+from statecache.backends.opencl import build
+from statecache.dtypes import STORAGE_DTYPES, DType
+from statecache.errors import ArgumentError
+
+INSTALL_HINT = "apt-get install pocl-opencl-icd"
+EXTRA_HINT = "pip install 'statecache[opencl]'"
+
+#: Work-items per work-group of the scan (rows of the state per group).
+SCAN_LOCAL_SIZE = 64
+
+
+def _long(value: int) -> np.int64:
+    return np.int64(value)
+
+
+def _int(value: int | bool) -> np.int32:
+    return np.int32(int(value))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return ((n + multiple - 1) // multiple) * multiple
+
+
+def _transfer_view(host: np.ndarray) -> np.ndarray:
+    """Host arrays cross the pyopencl boundary as plain integer/float arrays
+    (bf16 from ml_dtypes has no buffer-protocol format pyopencl knows)."""
+    if host.dtype.itemsize == 2:
+        return host.view(np.uint16)
+    return host
+
+
+class OpenCLDevice(Device):
+    """One OpenCL device; the context, queue and kernels are created on first use."""
+
+    def __init__(self, index: int, cl_platform: Any, cl_device: Any) -> None:
+        import pyopencl as cl
+
+        self.id = f"opencl:{index}"
+        self.backend_name = "opencl"
+        self.cl_platform = cl_platform
+        self.cl_device = cl_device
+        dev_type = int(cl_device.type)
+        if dev_type & cl.device_type.GPU:
+            self.kind = DeviceKind.GPU
+        elif dev_type & cl.device_type.CPU:
+            self.kind = DeviceKind.CPU
+        else:
+            self.kind = DeviceKind.ACCEL
+        self.name = f"{cl_device.name.strip()} ({cl_platform.name.strip()})"
+        self.memory_bytes: int | None = int(cl_device.global_mem_size)
+        self.max_work_group_size = int(cl_device.max_work_group_size)
+        self.caps = Caps(
+            ops=frozenset(PRIMITIVES),
+            # bf16 is stored as ushort with explicit round-to-nearest-even
+            # conversions and f16 through vload_half/vstore_half_rte, both core
+            # OpenCL C: every device can store all three.
+            storage_dtypes=STORAGE_DTYPES,
+            max_snapshots=64,
+            strided_inputs=True,
+            host_visible=False,
+            async_launch=True,
+        )
+        self._lock = threading.Lock()
+        self._context: Any = None
+        self._queue: Any = None
+        self._kernels: build.KernelCache | None = None
+
+    @property
+    def properties(self) -> dict[str, Any]:
+        props = super().properties
+        props.update(
+            platform=self.cl_platform.name.strip(),
+            platform_version=self.cl_platform.version.strip(),
+            device_version=self.cl_device.version.strip(),
+            max_work_group_size=self.max_work_group_size,
+        )
+        return props
+
+    # -- lazily created OpenCL objects ----------------------------------------
+    def _setup(self) -> None:
+        import pyopencl as cl
+
+        with self._lock:
+            if self._queue is None:
+                self._context = cl.Context([self.cl_device])
+                self._queue = cl.CommandQueue(self._context, self.cl_device)
+                self._kernels = build.KernelCache(self._context, self.cl_device)
+
+    @property
+    def context(self) -> Any:
+        if self._context is None:
+            self._setup()
+        return self._context
+
+    @property
+    def queue(self) -> Any:
+        if self._queue is None:
+            self._setup()
+        return self._queue
+
+    def kernel(self, family: str, name: str, pool_dtype: DType | None = None) -> Any:
+        """A built ``cl.Kernel`` (the family is built on first use)."""
+        if self._kernels is None:
+            self._setup()
+        assert self._kernels is not None
+        return self._kernels.kernel(family, name, pool_dtype)
+
+    # -- capabilities ---------------------------------------------------------
+    def supports(self, op: str, **params: Any) -> Support:
+        answer = super().supports(op, **params)
+        if not answer:
+            return answer
+        d_conv = params.get("d_conv")
+        if op == "ssm_conv" and d_conv is not None and int(d_conv) - 1 > build.MAX_WINDOW:
+            return Support(False, f"{self.id} keeps conv windows of at most {build.MAX_WINDOW} (d_conv <= 33)")
+        size = params.get("head_size")
+        if op == "gated_delta_net" and size is not None:
+            limit = min(build.MAX_HEAD_SIZE, self.max_work_group_size)
+            if int(size) > limit:
+                return Support(False, f"{self.id} runs gated_delta_net with head size <= {limit}")
+        return SUPPORTED
+
+    # -- memory ---------------------------------------------------------------
+    def _alloc(self, shape: tuple[int, ...], dtype: DType) -> Buffer:
+        import pyopencl as cl
+
+        nbytes = math.prod(shape) * dtype.itemsize
+        # OpenCL refuses empty buffers; a 4-byte minimum keeps fill patterns aligned.
+        size = max(_round_up(nbytes, 4), 4)
+        storage = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, size=size)
+        cl.enqueue_fill_buffer(self.queue, storage, np.uint32(0), 0, size)
+        return Buffer(self, storage, dtype, shape)
+
+    def _write(self, buffer: Buffer, host: np.ndarray) -> None:
+        import pyopencl as cl
+
+        if buffer.size == 0:
+            return
+        cl.enqueue_copy(
+            self.queue,
+            buffer.storage,
+            _transfer_view(host).reshape(-1),
+            dst_offset=buffer.offset * buffer.dtype.itemsize,
+            is_blocking=True,  # the host array may be a temporary
+        )
+
+    def _read(self, buffer: Buffer) -> np.ndarray:
+        import pyopencl as cl
+
+        dt = buffer.dtype.numpy
+        if buffer.size == 0:
+            return np.empty(buffer.shape, dtype=dt)
+        # Fetch the span the view covers, then apply its strides on the host.
+        span = 1 + sum((n - 1) * s for n, s in zip(buffer.shape, buffer.strides, strict=True))
+        flat = np.empty(span, dtype=dt)
+        cl.enqueue_copy(
+            self.queue,
+            _transfer_view(flat),
+            buffer.storage,
+            src_offset=buffer.offset * buffer.dtype.itemsize,
+            is_blocking=True,
+        )
+        if buffer.is_contiguous:
+            return flat.reshape(buffer.shape)
+        view = np.lib.stride_tricks.as_strided(
+            flat, shape=buffer.shape, strides=tuple(s * flat.itemsize for s in buffer.strides)
+        )
+        return np.array(view, copy=True)
+
+    def synchronize(self) -> None:
+        if self._queue is not None:
+            self._queue.finish()
+
+    def copy_buffer(self, src: Buffer, dst: Buffer) -> None:
+        """The native device copy (clEnqueueCopyBuffer): the memcpy bound."""
+        import pyopencl as cl
+
+        self._check_own(src, "src")
+        self._check_own(dst, "dst")
+        if not (src.is_contiguous and dst.is_contiguous):
+            raise ArgumentError("src", "copy_buffer() needs contiguous buffers")
+        if src.dtype is not dst.dtype or src.size != dst.size:
+            raise ArgumentError("dst", f"{dst} does not match {src} in dtype and size")
+        if src.same_storage(dst):
+            raise ArgumentError("dst", "shares storage with src")
+        if src.nbytes:
+            item = src.dtype.itemsize
+            cl.enqueue_copy(
+                self.queue,
+                dst.storage,
+                src.storage,
+                byte_count=src.nbytes,
+                src_offset=src.offset * item,
+                dst_offset=dst.offset * item,
+            )
+
+    # -- rows -------------------------------------------------------------------
+    def _launch_rows(self, src: Buffer, src_rows: Any, dst: Buffer, dst_rows: Any, n_rows: int, row_len: int) -> None:
+        """``dst[dst_rows[i]] = convert(src[src_rows[i]])``; ``None`` rows mean identity."""
+        if n_rows == 0 or row_len == 0:
+            return
+        gsize = (row_len, n_rows)
+        if src.dtype is dst.dtype:
+            unit = "u32" if src.dtype.itemsize == 4 else "u16"
+            knl = self.kernel("rows", f"copy_rows_{unit}")
+            knl(
+                self.queue,
+                gsize,
+                None,
+                src.storage,
+                _long(src.offset),
+                src_rows,
+                dst.storage,
+                _long(dst.offset),
+                dst_rows,
+                _long(row_len),
+            )
+            return
+        knl = self.kernel("rows", "copy_rows_convert")
+        knl(
+            self.queue,
+            gsize,
+            None,
+            src.storage,
+            _long(src.offset),
+            _int(build.DTYPE_CODES[src.dtype]),
+            src_rows,
+            dst.storage,
+            _long(dst.offset),
+            _int(build.DTYPE_CODES[dst.dtype]),
+            dst_rows,
+            _long(row_len),
+        )
+
+    def _get_rows(self, src: Buffer, rows: Buffer, dst: Buffer, rows_host: np.ndarray) -> None:
+        self._launch_rows(src, rows.storage, dst, None, dst.shape[0], dst.shape[1])
+
+    def _set_rows(self, dst: Buffer, rows: Buffer, src: Buffer, rows_host: np.ndarray) -> None:
+        self._launch_rows(src, None, dst, rows.storage, src.shape[0], src.shape[1])
+
+    def _copy_rows(
+        self,
+        src: Buffer,
+        src_rows: Buffer,
+        dst: Buffer,
+        dst_rows: Buffer,
+        src_rows_host: np.ndarray,
+        dst_rows_host: np.ndarray,
+    ) -> None:
+        self._launch_rows(src, src_rows.storage, dst, dst_rows.storage, src_rows.shape[0], src.shape[1])
+
+    def _zero_rows(self, dst: Buffer, rows: Buffer, rows_host: np.ndarray) -> None:
+        n, row_len = rows.shape[0], dst.shape[1]
+        if n == 0 or row_len == 0:
+            return
+        unit = "u32" if dst.dtype.itemsize == 4 else "u16"
+        knl = self.kernel("rows", f"zero_rows_{unit}")
+        knl(self.queue, (row_len, n), None, dst.storage, _long(dst.offset), rows.storage, _long(row_len))
+
+    # -- stateful primitives ------------------------------------------------------
+    @staticmethod
+    def _strided(buf: Buffer) -> list[Any]:
+        """A read-only input as kernel arguments: storage, offset, strides (elements)."""
+        return [buf.storage, _long(buf.offset), *(_long(s) for s in buf.strides)]
+
+    def _ssm_conv(
+        self,
+        shp: P.ConvShape,
+        pool: Buffer,
+        start_rows: Buffer,
+        dst_rows: Buffer,
+        x: Buffer,
+        weight: Buffer,
+        bias: Buffer | None,
+        y: Buffer,
+        apply_silu: bool,
+    ) -> None:
+        knl = self.kernel("ssm_conv", "ssm_conv", pool.dtype)
+        bias_args = [None, _long(0), _long(0)] if bias is None else self._strided(bias)
+        knl(
+            self.queue,
+            (shp.channels, shp.n_seqs),
+            None,
+            pool.storage,
+            _long(pool.offset),
+            _long(shp.row_size),
+            start_rows.storage,
+            dst_rows.storage,
+            *self._strided(x),
+            *self._strided(weight),
+            *bias_args,
+            y.storage,
+            _long(y.offset),
+            _long(shp.n_tokens),
+            _long(shp.channels),
+            _long(shp.d_conv),
+            _long(shp.n_written),
+            _long(shp.plane_stride * shp.row_size),  # elements between planes
+            _int(apply_silu),
+        )
+
+    def _ssm_scan(
+        self,
+        shp: P.ScanShape,
+        pool: Buffer,
+        start_rows: Buffer,
+        dst_rows: Buffer,
+        x: Buffer,
+        dt: Buffer,
+        A: Buffer,
+        B: Buffer,
+        C: Buffer,
+        y: Buffer,
+    ) -> None:
+        knl = self.kernel("ssm_scan", "ssm_scan", pool.dtype)
+        rows_per_seq = shp.n_head * shp.head_dim
+        local = min(SCAN_LOCAL_SIZE, rows_per_seq, self.max_work_group_size)
+        a_args = self._strided(A) if A.ndim == 2 else [*self._strided(A), _long(0)]
+        knl(
+            self.queue,
+            (_round_up(rows_per_seq, local), shp.n_seqs),
+            (local, 1),
+            pool.storage,
+            _long(pool.offset),
+            _long(shp.row_size),
+            start_rows.storage,
+            dst_rows.storage,
+            *self._strided(x),
+            *self._strided(dt),
+            *a_args,
+            *self._strided(B),
+            *self._strided(C),
+            y.storage,
+            _long(y.offset),
+            _long(shp.n_tokens),
+            _long(shp.n_head),
+            _long(shp.head_dim),
+            _long(shp.d_state),
+            _long(shp.n_head // shp.n_group),
+            _int(shp.variant == "mamba1"),
+            _long(shp.n_written),
+            _long(shp.plane_stride * shp.row_size),  # elements between planes
+        )
+
+    def _gated_delta_net(
+        self,
+        shp: P.DeltaShape,
+        pool: Buffer,
+        start_rows: Buffer,
+        dst_rows: Buffer,
+        q: Buffer,
+        k: Buffer,
+        v: Buffer,
+        g: Buffer,
+        beta: Buffer,
+        o: Buffer,
+        scale: float,
+    ) -> None:
+        knl = self.kernel("delta_net", "gated_delta_net", pool.dtype)
+        size = shp.head_size
+        g_args = self._strided(g) if g.ndim == 4 else [*self._strided(g), _long(0)]
+        knl(
+            self.queue,
+            (shp.n_head_v * size, shp.n_seqs),
+            (size, 1),
+            pool.storage,
+            _long(pool.offset),
+            _long(shp.row_size),
+            start_rows.storage,
+            dst_rows.storage,
+            *self._strided(q),
+            *self._strided(k),
+            *self._strided(v),
+            *g_args,
+            *self._strided(beta),
+            o.storage,
+            _long(o.offset),
+            _long(shp.n_tokens),
+            _long(shp.n_head_k),
+            _long(shp.n_head_v),
+            _long(size),
+            _int(shp.variant == "kda"),
+            _long(shp.n_written),
+            _long(shp.plane_stride * shp.row_size),  # elements between planes
+            np.float32(scale),
+        )
+
+
+def _match(answer: str, candidates: list[Any], what: str) -> list[int]:
+    """Indices of ``candidates`` an answer of PYOPENCL_CTX selects (index or name substring)."""
+    answer = answer.strip()
+    if not answer:
+        return list(range(len(candidates)))
+    try:
+        index = int(answer)
+    except ValueError:
+        needle = answer.lower()
+        return [i for i, c in enumerate(candidates) if needle in c.name.lower()]
+    return [index] if 0 <= index < len(candidates) else []
+
+
+class OpenCLBackend(Backend):
+    name = "opencl"
+    version = __version__
+    priority = 20  # below the C CPU backend on a CPU-only machine, above the reference
+    description = "OpenCL C kernels through pyopencl (any OpenCL 1.2+ platform; PoCL on CPUs)"
+    provided_by = "statecache[opencl]"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._devices: list[Device] | None = None
+        self._reason = ""
+
+    def _discover(self) -> None:
+        with self._lock:
+            if self._devices is not None:
+                return
+            devices: list[Device] = []
+            try:
+                devices = self._enumerate()
+            except ImportError as exc:
+                self._reason = f"pyopencl is not installed ({exc}); install the 'opencl' extra: {EXTRA_HINT}"
+            except Exception as exc:  # discovery must never crash
+                self._reason = (
+                    f"no usable OpenCL platform ({type(exc).__name__}: {exc}); install one, e.g. {INSTALL_HINT}"
+                )
+            self._devices = devices
+
+    def _enumerate(self) -> list[Device]:
+        import pyopencl as cl
+
+        try:
+            platforms = list(cl.get_platforms())
+        except cl.Error as exc:
+            # The ICD loader reports "no platform" as PLATFORM_NOT_FOUND_KHR.
+            self._reason = f"no OpenCL platform found ({exc}); install one, e.g. {INSTALL_HINT}"
+            return []
+        if not platforms:
+            self._reason = f"no OpenCL platform found; install one, e.g. {INSTALL_HINT}"
+            return []
+        pairs: list[tuple[Any, Any]] = []
+        spec = settings.opencl_ctx()
+        platform_part, _, device_part = (spec or "").partition(":")
+        for pi in _match(platform_part, platforms, "platform"):
+            platform = platforms[pi]
+            try:
+                devs = list(platform.get_devices())
+            except cl.Error:  # a platform without devices (DEVICE_NOT_FOUND)
+                devs = []
+            for di in _match(device_part, devs, "device"):
+                pairs.append((platform, devs[di]))
+        if not pairs:
+            if spec:
+                listing = "; ".join(f"{pi}: {p.name.strip()}" for pi, p in enumerate(platforms))
+                self._reason = f"PYOPENCL_CTX={spec!r} selects no OpenCL device (platforms: {listing})"
+            else:
+                self._reason = f"the OpenCL platforms list no devices; install one, e.g. {INSTALL_HINT}"
+            return []
+        return [OpenCLDevice(i, platform, dev) for i, (platform, dev) in enumerate(pairs)]
+
+    def availability(self) -> tuple[bool, str]:
+        self._discover()
+        if self._devices:
+            return True, ""
+        return False, self._reason
+
+    def devices(self) -> list[Device]:
+        self._discover()
+        return list(self._devices or [])

@@ -1,0 +1,45 @@
+// Row primitives: gather, scatter, copy (with dtype conversion through float32)
+// and zero.  One work-item per element of a row (dimension 0), one row per
+// index (dimension 1).  A NULL index array means "row i" (identity), which
+// lets one kernel serve get_rows (dst identity), set_rows (src identity) and
+// copy_rows.  Offsets are in elements of the buffer's own dtype.
+
+// Same dtype on both sides: copy raw bits, so f32 NaN payloads, -0.0 and
+// denormals survive exactly.
+#define RAW_COPY_KERNEL(NAME, UNIT)                                                        \
+    __kernel void NAME(__global const UNIT *src, long src_off, __global const int *src_rows, \
+                       __global UNIT *dst, long dst_off, __global const int *dst_rows,       \
+                       long row_len) {                                                     \
+        long e = get_global_id(0);                                                         \
+        long i = get_global_id(1);                                                         \
+        if (e >= row_len) return;                                                          \
+        long sr = src_rows ? (long)src_rows[i] : i;                                        \
+        long dr = dst_rows ? (long)dst_rows[i] : i;                                        \
+        dst[dst_off + dr * row_len + e] = src[src_off + sr * row_len + e];                 \
+    }
+
+RAW_COPY_KERNEL(copy_rows_u32, uint)
+RAW_COPY_KERNEL(copy_rows_u16, ushort)
+
+__kernel void copy_rows_convert(__global const uchar *src, long src_off, int src_dtype,
+                                __global const int *src_rows, __global uchar *dst, long dst_off,
+                                int dst_dtype, __global const int *dst_rows, long row_len) {
+    long e = get_global_id(0);
+    long i = get_global_id(1);
+    if (e >= row_len) return;
+    long sr = src_rows ? (long)src_rows[i] : i;
+    long dr = dst_rows ? (long)dst_rows[i] : i;
+    store_any(dst, dst_dtype, dst_off + dr * row_len + e, load_any(src, src_dtype, src_off + sr * row_len + e));
+}
+
+// Zero is all-zero bits in f32, f16 and bf16, so two unit widths cover every dtype.
+#define ZERO_KERNEL(NAME, UNIT)                                                                  \
+    __kernel void NAME(__global UNIT *dst, long dst_off, __global const int *rows, long row_len) { \
+        long e = get_global_id(0);                                                               \
+        long i = get_global_id(1);                                                               \
+        if (e >= row_len) return;                                                                \
+        dst[dst_off + (long)rows[i] * row_len + e] = (UNIT)0;                                    \
+    }
+
+ZERO_KERNEL(zero_rows_u32, uint)
+ZERO_KERNEL(zero_rows_u16, ushort)

@@ -1,0 +1,55 @@
+// Depthwise causal conv over concat(window, x) with window snapshots.
+// One work-item per (channel, sequence): it owns channel c of every row its
+// sequence writes, so it reads its whole start window into private memory
+// before writing anything, and no other work-item touches those elements.
+// That is what makes in-place decode (start row == destination row) and
+// rollback starts (start row == one of its own snapshot planes) safe.
+
+#ifndef MAX_WINDOW
+#define MAX_WINDOW 32
+#endif
+
+__kernel void ssm_conv(__global pool_t *pool, long pool_off, long row_size,
+                       __global const int *start_rows, __global const int *dst_rows,
+                       __global const float *x, long x_off, long xs0, long xs1, long xs2,
+                       __global const float *weight, long w_off, long ws0, long ws1,
+                       __global const float *bias, long b_off, long bs0,
+                       __global float *y, long y_off,
+                       long n_t, long ch, long d_conv, long n_written, long plane_step, int apply_silu) {
+    long c = get_global_id(0);
+    long s = get_global_id(1);
+    if (c >= ch) return;
+    const long W = d_conv - 1;
+
+    // win holds ext[t : t + W] before token t is consumed (ext = window ++ x).
+    float win[MAX_WINDOW];
+    const long src = pool_off + (long)start_rows[s] * row_size + c * W;
+    for (long w = 0; w < W; ++w) win[w] = POOL_LOAD(pool, src + w);
+
+    const long dst0 = pool_off + (long)dst_rows[s] * row_size + c * W;
+    if (n_written > n_t) {  // plane n_t: the input window, so undoing the whole call is exact
+        const long p = dst0 + n_t * plane_step;
+        for (long w = 0; w < W; ++w) POOL_STORE(pool, p + w, win[w]);
+    }
+
+    const float b = bias ? bias[b_off + c * bs0] : 0.0f;
+    const long wbase = w_off + c * ws0;
+    const float w_last = weight[wbase + W * ws1];
+    for (long t = 0; t < n_t; ++t) {
+        const float xt = x[x_off + s * xs0 + t * xs1 + c * xs2];
+        float acc = 0.0f;
+        for (long k = 0; k < W; ++k) acc += win[k] * weight[wbase + k * ws1];
+        acc += xt * w_last;
+        acc += b;
+        if (apply_silu) acc = acc / (1.0f + exp(-acc));
+        y[y_off + (s * n_t + t) * ch + c] = acc;
+
+        for (long k = 0; k + 1 < W; ++k) win[k] = win[k + 1];
+        if (W > 0) win[W - 1] = xt;
+        const long j = n_t - 1 - t;  // now win is the window j tokens before the end
+        if (j < n_written) {
+            const long p = dst0 + j * plane_step;
+            for (long w = 0; w < W; ++w) POOL_STORE(pool, p + w, win[w]);
+        }
+    }
+}

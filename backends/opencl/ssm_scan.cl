@@ -1,0 +1,77 @@
+// Mamba-1 / Mamba-2 selective scan from start rows, writing the destination
+// row and snapshot planes straight into the pool in one pass.
+//
+// One work-item per state row r = h * head_dim + i of a sequence (dimension
+// 0), one sequence per dimension 1.  A row holds d_state elements, walked in
+// chunks of KCHUNK kept in private memory; the work-item reads a chunk of the
+// start state before writing any element of it, and only it touches those
+// elements, so a start row that is one of the sequence's own output rows
+// (in-place decode, rollback) is safe.  y[s, t, h, i] belongs to the same
+// work-item, which accumulates the per-chunk partial sums into it.
+
+#ifndef KCHUNK
+#define KCHUNK 64
+#endif
+
+__kernel void ssm_scan(__global pool_t *pool, long pool_off, long row_size,
+                       __global const int *start_rows, __global const int *dst_rows,
+                       __global const float *x, long x_off, long xs0, long xs1, long xs2, long xs3,
+                       __global const float *dt, long dt_off, long dts0, long dts1, long dts2,
+                       __global const float *A, long a_off, long as0, long as1,
+                       __global const float *B, long b_off, long bs0, long bs1, long bs2, long bs3,
+                       __global const float *C, long c_off, long cs0, long cs1, long cs2, long cs3,
+                       __global float *y, long y_off,
+                       long n_t, long n_head, long head_dim, long d_state, long heads_per_group,
+                       int a_per_state, long n_written, long plane_step) {
+    const long r = get_global_id(0);
+    const long s = get_global_id(1);
+    if (r >= n_head * head_dim) return;
+    const long h = r / head_dim;
+    const long i = r - h * head_dim;
+    const long g = h / heads_per_group;
+
+    const long src = pool_off + (long)start_rows[s] * row_size + r * d_state;
+    const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * d_state;
+    const long y_base = y_off + ((s * n_t) * n_head + h) * head_dim + i;
+    const long y_tstride = n_head * head_dim;
+    const float a_head = A[a_off + h * as0];  // Mamba-2 (ignored for Mamba-1)
+
+    float st[KCHUNK];
+    for (long k0 = 0; k0 < d_state; k0 += KCHUNK) {
+        const long kn = min((long)KCHUNK, d_state - k0);
+        for (long kk = 0; kk < kn; ++kk) st[kk] = POOL_LOAD(pool, src + k0 + kk);
+        if (n_written > n_t) {  // plane n_t: the input state (undo of the whole call)
+            const long p = dst0 + n_t * plane_step + k0;
+            for (long kk = 0; kk < kn; ++kk) POOL_STORE(pool, p + kk, st[kk]);
+        }
+        for (long t = 0; t < n_t; ++t) {
+            const float d = softplus_f(dt[dt_off + s * dts0 + t * dts1 + h * dts2]);
+            const float xd = x[x_off + s * xs0 + t * xs1 + h * xs2 + i * xs3] * d;
+            const long bb = b_off + s * bs0 + t * bs1 + g * bs2 + k0 * bs3;
+            const long cb = c_off + s * cs0 + t * cs1 + g * cs2 + k0 * cs3;
+            float acc = 0.0f;
+            if (a_per_state) {
+                const long ab = a_off + h * as0 + k0 * as1;
+                for (long kk = 0; kk < kn; ++kk) {
+                    const float v = st[kk] * exp(d * A[ab + kk * as1]) + B[bb + kk * bs3] * xd;
+                    st[kk] = v;
+                    acc += v * C[cb + kk * cs3];
+                }
+            } else {
+                const float decay = exp(d * a_head);
+                for (long kk = 0; kk < kn; ++kk) {
+                    const float v = st[kk] * decay + B[bb + kk * bs3] * xd;
+                    st[kk] = v;
+                    acc += v * C[cb + kk * cs3];
+                }
+            }
+            const long yi = y_base + t * y_tstride;
+            y[yi] = k0 == 0 ? acc : y[yi] + acc;
+            const long j = n_t - 1 - t;  // st is now the state j tokens before the end
+            if (j < n_written) {
+                const long p = dst0 + j * plane_step + k0;
+                for (long kk = 0; kk < kn; ++kk) POOL_STORE(pool, p + kk, st[kk]);
+            }
+        }
+    }
+}
