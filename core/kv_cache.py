@@ -21,7 +21,6 @@ parse every part before committing any.
 from __future__ import annotations
 
 import dataclasses
-import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,12 +40,15 @@ from statecache.memory import (
     UBatchContext,
     normalize_range,
 )
+from statecache.state_io import CODE_DTYPES, DTYPE_CODES, Reader, Writer, find_section, pack_sections, unpack_sections
 
 if TYPE_CHECKING:
     from statecache.batch import BatchAllocator, UBatch
 
-_DTYPE_CODE = {DType.F32: 0, DType.F16: 1, DType.BF16: 30}
-_CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
+#: Section tags of KV payloads inside a state blob (statecache.state_io).
+TAG_KV = b"KVAT"
+TAG_KV_BASE = b"KVBS"
+TAG_KV_SWA = b"KVSW"
 
 #: Signature of the runtime's RoPE re-rotation hook: (cache, layer index, K
 #: buffer, global rows, per-row position shift).
@@ -90,60 +92,6 @@ class _Book:
 
     def clone(self) -> _Book:
         return _Book([c.clone() for c in self.cells], list(self.heads))
-
-
-# -- binary helpers (little endian) ------------------------------------------------
-
-
-class Writer:
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-
-    def u32(self, v: int) -> None:
-        self.parts.append(struct.pack("<I", v))
-
-    def i32(self, v: int) -> None:
-        self.parts.append(struct.pack("<i", v))
-
-    def u64(self, v: int) -> None:
-        self.parts.append(struct.pack("<Q", v))
-
-    def raw(self, b: bytes) -> None:
-        self.parts.append(b)
-
-    def getvalue(self) -> bytes:
-        return b"".join(self.parts)
-
-
-class Reader:
-    """Bounds-checked little-endian reader; every failure names the field."""
-
-    def __init__(self, data: Any, offset: int = 0) -> None:
-        self.buf = memoryview(bytes(data) if not isinstance(data, bytes | bytearray | memoryview) else data)
-        self.off = offset
-
-    def _take(self, n: int, field: str) -> memoryview:
-        if n < 0 or self.off + n > len(self.buf):
-            raise StateError(field, f"truncated: need {n} bytes at offset {self.off}, blob has {len(self.buf)}")
-        out = self.buf[self.off : self.off + n]
-        self.off += n
-        return out
-
-    def u32(self, field: str) -> int:
-        return int(struct.unpack("<I", self._take(4, field))[0])
-
-    def i32(self, field: str) -> int:
-        return int(struct.unpack("<i", self._take(4, field))[0])
-
-    def u64(self, field: str) -> int:
-        return int(struct.unpack("<Q", self._take(8, field))[0])
-
-    def raw(self, n: int, field: str) -> bytes:
-        return bytes(self._take(n, field))
-
-    @property
-    def remaining(self) -> int:
-        return len(self.buf) - self.off
 
 
 @dataclasses.dataclass
@@ -485,7 +433,7 @@ class KVCache(Memory):
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
         w = Writer()
         self.state_write_into(w, seq)
-        return w.getvalue()
+        return pack_sections([(TAG_KV, w.getvalue())], flags)
 
     def state_write_into(self, w: Writer, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         if self.has_pending_update():
@@ -519,7 +467,7 @@ class KVCache(Memory):
                         continue
                     buf = bufs[layer.il]
                     w.u32(layer.il)
-                    w.i32(_DTYPE_CODE[self.dtype])
+                    w.i32(DTYPE_CODES[self.dtype])
                     w.u64(buf.shape[1] * self.dtype.itemsize)
                     data = self.device.download(buf)[rows]
                     w.raw(np.ascontiguousarray(data).tobytes())
@@ -577,7 +525,7 @@ class KVCache(Memory):
                         if il != layer.il:
                             raise StateError(f"{self.name}.{kind}_layer", f"expected layer {layer.il}, got {il}")
                         code = r.i32(f"{self.name}.{kind}_type")
-                        if _CODE_DTYPE.get(code) is not self.dtype:
+                        if CODE_DTYPES.get(code) is not self.dtype:
                             raise StateError(f"{self.name}.{kind}_type", f"type code {code}, this cache {self.dtype}")
                         row_bytes = r.u64(f"{self.name}.{kind}_row_bytes")
                         if row_bytes != width * self.dtype.itemsize:
@@ -630,9 +578,11 @@ class KVCache(Memory):
             self.book.heads[strm] = 0
 
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
-        r = data if isinstance(data, Reader) else Reader(data)
         try:
+            _, sections = unpack_sections(data)
+            r = Reader(find_section(sections, TAG_KV))
             plan = self.state_parse(r, seq)
+            r.at_end()
         except StateError:
             self._state_drop(seq)
             raise
@@ -976,14 +926,30 @@ class KVCacheISWA(Memory):
             self.base.state_write_into(w, seq)
         self.swa.state_write_into(w, seq)
 
-    def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
-        w = Writer()
-        self.state_write_into(w, seq, flags)
-        return w.getvalue()
+    def state_sections(self, seq: int = -1, flags: int = StateFlags.NONE) -> list[tuple[bytes, bytes]]:
+        """Base section unless ``PARTIAL_ONLY``, then the window section."""
+        out = []
+        for tag, cache in ((TAG_KV_BASE, self.base), (TAG_KV_SWA, self.swa)):
+            if tag == TAG_KV_BASE and flags & StateFlags.PARTIAL_ONLY:
+                continue
+            w = Writer()
+            cache.state_write_into(w, seq)
+            out.append((tag, w.getvalue()))
+        return out
 
-    def state_parse(self, r: Reader, seq: int = -1, flags: int = StateFlags.NONE) -> ISWAPlan:
-        base = None if flags & StateFlags.PARTIAL_ONLY else self.base.state_parse(r, seq)
-        return ISWAPlan(base, self.swa.state_parse(r, seq))
+    def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
+        return pack_sections(self.state_sections(seq, flags), flags)
+
+    def parse_sections(self, sections: Any, seq: int = -1, flags: int = StateFlags.NONE) -> ISWAPlan:
+        base = None
+        if not flags & StateFlags.PARTIAL_ONLY:
+            r = Reader(find_section(sections, TAG_KV_BASE))
+            base = self.base.state_parse(r, seq)
+            r.at_end()
+        r = Reader(find_section(sections, TAG_KV_SWA))
+        swa = self.swa.state_parse(r, seq)
+        r.at_end()
+        return ISWAPlan(base, swa)
 
     def state_commit(self, plan: ISWAPlan) -> None:
         if plan.base is not None:
@@ -995,9 +961,9 @@ class KVCacheISWA(Memory):
         self.swa._state_drop(seq)
 
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
-        r = data if isinstance(data, Reader) else Reader(data)
         try:
-            plan = self.state_parse(r, seq, flags)
+            _, sections = unpack_sections(data)
+            plan = self.parse_sections(sections, seq, flags)
         except StateError:
             self._state_drop(seq)
             raise

@@ -325,12 +325,14 @@ def test_corrupt_kv_blob_errors_and_leaves_destination_empty(dev, corrupt):
     src = make_cache(dev)
     decode(src, {0: [5, 6, 7]})
     blob = bytearray(src.state_write(0))
-    # layout: u32 n_stream | u32 count | 3 x (i32 pos, u32 n, i32 id) | u32 n_layer | u32 il, i32 type, u64 rb ...
-    meta_end = 8 + 3 * 12
+    # 24 bytes of blob and section header, then the KV payload:
+    # u32 n_stream | u32 count | 3 x (i32 pos, u32 n, i32 id) | u32 n_layer | u32 il, i32 type, u64 rb ...
+    h = 24
+    meta_end = h + 8 + 3 * 12
     if corrupt == "truncate":
         blob = blob[:-5]
     elif corrupt == "n_stream":
-        blob[0:4] = (2).to_bytes(4, "little")
+        blob[h : h + 4] = (2).to_bytes(4, "little")
     elif corrupt == "n_layer":
         blob[meta_end : meta_end + 4] = (5).to_bytes(4, "little")
     elif corrupt == "type":
@@ -338,9 +340,9 @@ def test_corrupt_kv_blob_errors_and_leaves_destination_empty(dev, corrupt):
     elif corrupt == "row_bytes":
         blob[meta_end + 12 : meta_end + 20] = (12).to_bytes(8, "little")
     elif corrupt == "cell_count":
-        blob[4:8] = (10**6).to_bytes(4, "little")
+        blob[h + 4 : h + 8] = (10**6).to_bytes(4, "little")
     elif corrupt == "n_seq_id":
-        blob[12:16] = (2).to_bytes(4, "little")
+        blob[h + 12 : h + 16] = (2).to_bytes(4, "little")
     dst = make_cache(dev)
     decode(dst, {1: [1, 2], 2: [3]})
     with pytest.raises(StateError):
