@@ -1,0 +1,759 @@
+"""The recurrent cell book (spec §2) with exact rollback planes (§3, §3.7).
+
+Every sequence owns at most one *cell*; a cell holds the state of "every
+token up to ``pos``" for each recurrent layer, as one row per state tensor
+in a pool of ``size * (1 + n_rs_seq)`` rows (row ``p * size + c`` is plane
+``p`` of cell ``c``; plane 0 is the live state).
+
+Book per cell: ``pos``, ``src`` (the pool row, any plane, that holds the
+cell's *logical* state; ``-1`` for a new cell whose state is zero), the set
+of owning sequences, and snapshot provenance ``snap_end`` / ``snap_valid``:
+plane ``j < snap_valid`` of the cell holds the state after position
+``snap_end - j``.  A pending rollback is simply ``src`` pointing at a plane
+``d > 0`` of the cell's own rows, so it is a property of the cell: it can
+never go stale on a sequence that lost its cell (§3.6 item 4), and sharing a
+cell shares its logical state.
+
+Deviations from upstream (the [REC] of the spec): rollback is exact or
+refused (§3.7), a shared cell cannot be rolled back, negative sequence ids in
+``seq_rm`` follow §2.4 step 6, ``seq_add`` below position 0 removes the
+state, a pending rollback is consumed when the ubatch that reads it is
+committed (``apply``), and ``state_read`` validates before touching anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from statecache.backend import Buffer, Device
+from statecache.batch import BatchAllocator, UBatch
+from statecache.dtypes import DType
+from statecache.errors import ArgumentError, BatchError, StateError
+from statecache.memory import (
+    POS_MAX,
+    Memory,
+    MemoryContext,
+    MemoryStatus,
+    StateFlags,
+    StatusContext,
+    UBatchContext,
+    normalize_range,
+)
+from statecache.spec import MemorySpec, RecurrentLayerSpec
+from statecache.state_io import CODE_DTYPES, DTYPE_CODES, Reader, Writer, find_section, pack_sections, unpack_sections
+
+SECTION_TAG = b"RECR"
+
+
+class NonConsecutivePositionWarning(UserWarning):
+    """find_slot saw a ubatch that does not continue a sequence's position (§2.8 step 6)."""
+
+
+@dataclasses.dataclass
+class _Book:
+    pos: np.ndarray  # int64 [size], -1 = empty
+    src: np.ndarray  # int64 [size], pool row of the logical state, -1 = zero state
+    seqs: list[set[int]]
+    snap_end: np.ndarray  # int64 [size]
+    snap_valid: np.ndarray  # int64 [size], >= 1 for a non-empty cell with data
+    tail: np.ndarray  # int64 [size]: per *sequence*, its cell or -1
+    head: int = 0
+    used: int = 0
+
+    @classmethod
+    def empty(cls, size: int) -> _Book:
+        m1 = np.full(size, -1, dtype=np.int64)
+        return cls(m1.copy(), m1.copy(), [set() for _ in range(size)], m1.copy(), np.zeros(size, np.int64), m1.copy())
+
+    def copy(self) -> _Book:
+        return _Book(
+            self.pos.copy(),
+            self.src.copy(),
+            [set(s) for s in self.seqs],
+            self.snap_end.copy(),
+            self.snap_valid.copy(),
+            self.tail.copy(),
+            self.head,
+            self.used,
+        )
+
+    def same(self, other: _Book) -> bool:
+        return (
+            np.array_equal(self.pos, other.pos)
+            and np.array_equal(self.src, other.src)
+            and self.seqs == other.seqs
+            and np.array_equal(self.snap_end, other.snap_end)
+            and np.array_equal(self.snap_valid, other.snap_valid)
+            and np.array_equal(self.tail, other.tail)
+            and (self.head, self.used) == (other.head, other.used)
+        )
+
+    def free_cell(self, c: int) -> None:
+        if self.pos[c] >= 0 or self.seqs[c]:
+            self.used -= 1
+        self.seqs[c].clear()
+        self.pos[c] = -1
+        self.src[c] = -1
+        self.snap_end[c] = -1
+        self.snap_valid[c] = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentInputs:
+    """What the graph side needs for one committed ubatch (spec §2.9-2.10).
+
+    ``start_rows[i]`` is the row set ``i`` starts from (any plane; the zero
+    row for a new sequence); its results go to cell ``head + i``.
+    ``extra_src``/``extra_dst`` materialise cells of the slot's extra range
+    (moved by the reorder, or with a pending rollback): copy row ``extra_src[k]``
+    to plane-0 row ``extra_dst[k]``.  ``staged``: some read row is also written in
+    this step, so the step first copies every read aside.
+    """
+
+    size: int
+    n_snap: int
+    head: int
+    n_rs: int
+    n_seqs: int
+    n_seq_tokens: int
+    rs_z: int
+    start_rows: np.ndarray
+    extra_src: np.ndarray
+    extra_dst: np.ndarray
+    staged: bool
+
+    @property
+    def dst_rows(self) -> np.ndarray:
+        return np.arange(self.head, self.head + self.n_seqs, dtype=np.int64)
+
+    @property
+    def n_written(self) -> int:
+        return min(self.n_seq_tokens + 1, self.n_snap)
+
+    def written_rows(self) -> np.ndarray:
+        j = np.arange(self.n_written, dtype=np.int64) * self.size
+        return (self.dst_rows[:, None] + j[None, :]).ravel()
+
+    @property
+    def s_copy(self) -> np.ndarray:
+        """Upstream's ``s_copy`` for cells ``head .. head + n_rs``: the row each loads from."""
+        out = np.arange(self.head, self.head + self.n_rs, dtype=np.int64)
+        out[: self.n_seqs] = self.start_rows
+        k = self.extra_dst - self.head
+        out[k] = self.extra_src
+        return out
+
+
+class RecurrentContext(UBatchContext):
+    """A planned batch: the ubatches, and the book after each (installed by apply)."""
+
+    def __init__(self, memory: RecurrentMemory, ubatches: Sequence[UBatch], plans: list[tuple[_Book, Any]]) -> None:
+        super().__init__(ubatches)
+        self.memory = memory
+        self._plans = plans
+        self._base_version = memory._version
+        self.inputs: RecurrentInputs | None = None
+
+    def _apply_ubatch(self, i: int) -> bool:
+        mem = self.memory
+        expected = self._base_version + i
+        if mem._version == expected and i < len(self._plans):
+            book, inputs = self._plans[i]
+            mem._book = book.copy()
+        else:  # the memory changed since the plan: place the ubatch again
+            book = mem._book.copy()
+            inputs = mem._find_slot(book, self.ubatches[i])
+            if inputs is None:
+                return False
+            mem._book = book
+        mem._version += 1
+        self._base_version = mem._version - i - 1
+        self.inputs = inputs
+        return True
+
+    def step(self) -> Any:
+        """The graph side for the applied ubatch (see :mod:`statecache.recurrent_step`)."""
+        from statecache.recurrent_step import RecurrentStep
+
+        if self.inputs is None:
+            raise ArgumentError("context", "apply() a ubatch before asking for its step")
+        return RecurrentStep(self.memory, self.inputs)
+
+
+class FullContext(MemoryContext):
+    """Worst case (``init_full``): every cell in one slot."""
+
+    def __init__(self, memory: RecurrentMemory) -> None:
+        size = memory.size
+        z = np.zeros(0, dtype=np.int64)
+        self.inputs = RecurrentInputs(size, memory.n_snap, 0, size, size, 1, 0, np.arange(size), z, z, False)
+
+    @property
+    def status(self) -> MemoryStatus:
+        return MemoryStatus.SUCCESS
+
+    def get_ubatch(self) -> UBatch:
+        return UBatch.empty()
+
+    def apply(self) -> bool:
+        return True
+
+    def next(self) -> bool:
+        return False
+
+
+class RecurrentMemory(Memory):
+    """Recurrent state for ``n_seq_max`` sequences (spec §2, §3)."""
+
+    def __init__(
+        self,
+        spec: MemorySpec | Sequence[RecurrentLayerSpec | None],
+        device: Device,
+        *,
+        n_seq_max: int,
+        n_rs_seq: int = 0,
+        size: int | None = None,
+        dtype: DType | str | None = None,
+    ) -> None:
+        if not isinstance(spec, MemorySpec):
+            spec = MemorySpec(tuple(spec), DType.parse(dtype) if dtype is not None else DType.F32)
+        elif dtype is not None:
+            spec = dataclasses.replace(spec, dtype=DType.parse(dtype))
+        if not 1 <= n_seq_max <= 256:
+            raise ArgumentError("n_seq_max", f"must be in [1, 256], got {n_seq_max}")
+        size = max(1, n_seq_max) if size is None else int(size)
+        if size < n_seq_max:
+            raise ArgumentError("size", f"{size} cells cannot hold {n_seq_max} sequences (size >= n_seq_max)")
+        self.spec = spec
+        self.device = device
+        self.n_seq_max = int(n_seq_max)
+        self.size = size
+        self.n_rs_seq = spec.effective_n_rs_seq(int(n_rs_seq))
+        self.n_snap = 1 + self.n_rs_seq
+        self.dtype = spec.dtype
+        if self.n_rs_seq and device.caps.max_snapshots < self.n_snap:
+            raise ArgumentError("n_rs_seq", f"{device.id} emits at most {device.caps.max_snapshots} snapshots")
+        #: pools[layer][tensor name] -> Buffer [size * n_snap, row_size]
+        self.pools: dict[int, dict[str, Buffer]] = {}
+        for i in spec.recurrent_layers:
+            layer = spec.layers[i]
+            assert layer is not None
+            self.pools[i] = {t.name: device.alloc((size * self.n_snap, t.row_size), self.dtype) for t in layer.tensors}
+        self._book = _Book.empty(size)
+        self._version = 0
+
+    # -- introspection ----------------------------------------------------------
+    @property
+    def has_layers(self) -> bool:
+        return bool(self.pools)
+
+    @property
+    def head(self) -> int:
+        return self._book.head
+
+    @property
+    def used(self) -> int:
+        return self._book.used
+
+    def cell_of(self, seq: int) -> int:
+        return int(self._book.tail[seq]) if 0 <= seq < self.size else -1
+
+    def pending_rollback(self, seq: int) -> int:
+        """Depth (plane) of the rollback pending on ``seq``'s cell, 0 if none."""
+        c = self.cell_of(seq)
+        if c < 0 or self._book.src[c] < 0 or self._book.src[c] == c:
+            return 0
+        return int(self._book.src[c] // self.size)
+
+    def book_snapshot(self) -> _Book:
+        """A copy of the book (tests compare it to prove nothing changed)."""
+        return self._book.copy()
+
+    def check_invariants(self) -> None:
+        b = self._book
+        used = 0
+        for c in range(self.size):
+            if b.seqs[c]:
+                used += 1
+                for s in b.seqs[c]:
+                    assert b.tail[s] == c, (s, c)
+            else:
+                assert b.pos[c] == -1 and b.src[c] == -1, c
+        for s in range(self.size):
+            if b.tail[s] >= 0:
+                assert s in b.seqs[b.tail[s]], s
+        assert used == b.used, (used, b.used)
+
+    # -- queries ----------------------------------------------------------------
+    def seq_pos_min(self, seq: int) -> int:
+        c = self.cell_of(seq)
+        return int(self._book.pos[c]) if c >= 0 else -1
+
+    seq_pos_max = seq_pos_min
+
+    def memory_breakdown(self) -> dict[str, int]:
+        total = sum(b.nbytes for pools in self.pools.values() for b in pools.values())
+        return {self.device.id: total} if total else {}
+
+    # -- plans ------------------------------------------------------------------
+    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        balloc.split_reset()
+        ubatches: list[UBatch] = []
+        keep = self.n_rs_seq + 1 if self.n_rs_seq > 0 else 0
+        while True:
+            if embd_all:
+                ub = balloc.split_seq(n_ubatch)
+            else:
+                ub = balloc.split_equal(n_ubatch, sequential=True, n_keep_tail=keep)
+            if ub.n_tokens == 0:
+                break
+            ubatches.append(ub)
+        if balloc.n_used < balloc.n_tokens:
+            return StatusContext(
+                MemoryStatus.FAILED_PREPARE, f"split left {balloc.n_tokens - balloc.n_used} tokens unused"
+            )
+        return self.init_ubatches(ubatches)
+
+    def init_ubatches(self, ubatches: Sequence[UBatch]) -> MemoryContext:
+        """Context for a ubatch list split by someone else (a hybrid); dry run."""
+        plans = self.prepare(ubatches)
+        if plans is None:
+            return StatusContext(MemoryStatus.FAILED_PREPARE, "the ubatches do not fit the recurrent memory")
+        return RecurrentContext(self, ubatches, plans)
+
+    def prepare(self, ubatches: Sequence[UBatch]) -> list[tuple[_Book, RecurrentInputs]] | None:
+        """Dry run of every ubatch on a copy of the book; None if one does not fit.
+        Never mutates the memory."""
+        book = self._book.copy()
+        plans = []
+        for ub in ubatches:
+            inputs = self._find_slot(book, ub)
+            if inputs is None:
+                return None
+            plans.append((book.copy(), inputs))
+        return plans
+
+    def init_full(self) -> MemoryContext:
+        return FullContext(self)
+
+    # -- find_slot (§2.8) -------------------------------------------------------
+    def _find_slot(self, b: _Book, ub: UBatch) -> RecurrentInputs | None:
+        if not ub.equal_seqs:
+            raise BatchError("the recurrent memory needs an equal split (split_equal or split_seq)", rule="split")
+        n_seqs = ub.n_seqs
+        size = self.size
+        if n_seqs == 0:
+            return None
+        # 1. head heuristic
+        if b.head > b.used + 2 * n_seqs:
+            b.head = 0
+        # 2. validate ids; secondary ids drop their own state (they join the set's cell)
+        sets = ub.set_seq_ids
+        for ids in sets:
+            for q in ids:
+                if not 0 <= q < self.n_seq_max:
+                    return None
+            for q in ids[1:]:
+                c = int(b.tail[q])
+                if c >= 0:
+                    b.seqs[c].discard(q)
+                    b.tail[q] = -1
+                    if not b.seqs[c]:
+                        b.free_cell(c)
+        # 3. empty cells from head, wrapping around
+        empty = np.flatnonzero(b.pos < 0)
+        empty = [int(c) for c in np.concatenate([empty[empty >= b.head], empty[empty < b.head]]) if not b.seqs[c]]
+        k_empty = 0
+        # 4. give every set a cell it owns alone (copy-on-write of shared cells)
+        chosen = np.empty(n_seqs, dtype=np.int64)
+        for s, ids in enumerate(sets):
+            q = ids[0]
+            c = int(b.tail[q])
+            if c >= 0 and len(b.seqs[c]) == 1:
+                chosen[s] = c
+                continue
+            if k_empty >= len(empty):
+                return None
+            e = empty[k_empty]
+            k_empty += 1
+            if c >= 0:  # shared: the copy starts from the shared state
+                b.pos[e], b.src[e] = b.pos[c], b.src[c]
+                b.seqs[c].discard(q)
+            else:
+                b.pos[e], b.src[e] = -1, -1
+            b.snap_end[e], b.snap_valid[e] = -1, 0
+            b.seqs[e] = {q}
+            b.tail[q] = e
+            b.used += 1
+            chosen[s] = e
+        lo, hi = int(chosen.min()), int(chosen.max())
+        # 5. reorder metadata so that set s lives in cell lo + s (data stays; src travels)
+        moved = np.zeros(size, dtype=bool)
+        for s in range(n_seqs):
+            dst = lo + s
+            c = int(b.tail[sets[s][0]])
+            if c == dst:
+                continue
+            for arr in (b.pos, b.src, b.snap_end, b.snap_valid):
+                arr[c], arr[dst] = arr[dst], arr[c]
+            b.seqs[c], b.seqs[dst] = b.seqs[dst], b.seqs[c]
+            for q in b.seqs[c]:
+                b.tail[q] = c
+            for q in b.seqs[dst]:
+                b.tail[q] = dst
+            moved[c] = moved[dst] = True
+        # 6. advance positions; provenance of the planes this write produces
+        n_t = ub.n_seq_tokens
+        pos = ub.pos
+        start_rows = np.empty(n_seqs, dtype=np.int64)
+        n_written = min(n_t + 1, self.n_snap)
+        for s in range(n_seqs):
+            c = lo + s
+            first, last = int(pos[s * n_t]), int(pos[(s + 1) * n_t - 1])
+            old = int(b.pos[c])
+            consecutive = old < 0 or old == first - 1
+            if not consecutive:
+                warnings.warn(
+                    f"sequence {sets[s][0]}: ubatch starts at position {first} but the state is at {old}",
+                    NonConsecutivePositionWarning,
+                    stacklevel=3,
+                )
+            start_rows[s] = b.src[c]
+            b.pos[c] = last
+            for q in b.seqs[c]:
+                if q not in sets[s]:
+                    b.tail[q] = -1
+            b.seqs[c] = set(sets[s])
+            for q in sets[s]:
+                b.tail[q] = c
+            b.snap_end[c] = last
+            b.snap_valid[c] = n_written if consecutive else min(n_t, self.n_snap)
+        # 7. zero row: first cell of the slot whose row no cell names as its source
+        refs = np.zeros(size, dtype=np.int64)
+        live = b.src[b.src >= 0] % size
+        np.add.at(refs, live, 1)
+        free = np.flatnonzero(refs[lo : hi + 1] == 0)
+        rs_z = lo + int(free[0]) if free.size else -1
+        if (start_rows < 0).any():
+            if rs_z < 0:  # cannot happen: a new set's own cell is unreferenced
+                return None
+            start_rows[start_rows < 0] = rs_z
+        # the extra range: cells whose logical state is not in their own plane-0 row
+        extra = np.arange(lo + n_seqs, hi + 1, dtype=np.int64)
+        ex_src = b.src[extra]
+        need = (ex_src >= 0) & (ex_src != extra)
+        extra_dst, extra_src = extra[need], ex_src[need]
+        # provenance: a moved cell lost its planes; an in-place rollback keeps the older ones
+        for c, r in zip(extra_dst.tolist(), extra_src.tolist(), strict=True):
+            if r % size != c or moved[c]:
+                b.snap_end[c] = b.pos[c]
+                b.snap_valid[c] = 1
+        # every cell of the slot now holds its state in its own plane-0 row
+        slot = np.arange(lo, hi + 1)
+        nonempty = b.src[slot] >= 0
+        nonempty[:n_seqs] = True
+        b.src[slot[nonempty]] = slot[nonempty]
+        # 8.
+        b.head = lo
+        inputs = RecurrentInputs(
+            size=size,
+            n_snap=self.n_snap,
+            head=lo,
+            n_rs=hi - lo + 1,
+            n_seqs=n_seqs,
+            n_seq_tokens=n_t,
+            rs_z=rs_z,
+            start_rows=start_rows,
+            extra_src=extra_src,
+            extra_dst=extra_dst,
+            staged=False,
+        )
+        return dataclasses.replace(inputs, staged=_needs_staging(inputs))
+
+    # -- sequence operations (§2.2-2.7) -------------------------------------------
+    def clear(self, data: bool = True) -> None:
+        self._book = _Book.empty(self.size)
+        self._version += 1
+        if data:
+            for pools in self.pools.values():
+                for buf in pools.values():
+                    self.device.zero_rows(buf, self.device.indices(np.arange(buf.shape[0])))
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        p0, p1 = normalize_range(p0, p1)
+        b = self._book
+        if seq >= self.n_seq_max:
+            return False
+        if seq >= 0:
+            c = int(b.tail[seq])
+            if c >= 0:
+                P = int(b.pos[c])
+                if 0 < p0 <= P < p1:
+                    return self._rollback(seq, c, p0)
+                if p0 <= P < p1:  # p0 == 0: the whole state goes
+                    b.seqs[c].discard(seq)
+                    b.tail[seq] = -1
+                    if not b.seqs[c]:
+                        b.free_cell(c)
+                        b.head = min(b.head, c)
+                    self._version += 1
+            return True
+        # negative seq: every sequence, only for an empty or complete range (§2.4 step 6)
+        if p0 == p1:
+            return True
+        if not (p0 == 0 and p1 == POS_MAX):
+            return False
+        self._book = _Book.empty(self.size)
+        self._version += 1
+        return True
+
+    def _rollback(self, seq: int, c: int, p0: int) -> bool:
+        b = self._book
+        if not self.has_layers:  # positions only (e.g. a draft context): any depth
+            b.pos[c] = p0 - 1
+            self._version += 1
+            return True
+        if len(b.seqs[c]) > 1:  # rolling back would move every sharer
+            return False
+        if b.src[c] != c:  # a rollback is already pending
+            return False
+        plane = int(b.snap_end[c]) - (p0 - 1)
+        if not 0 < plane < int(b.snap_valid[c]):
+            return False
+        b.src[c] = plane * self.size + c
+        b.pos[c] = p0 - 1
+        self._version += 1
+        return True
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        if src == dst or not (0 <= src < self.n_seq_max and 0 <= dst < self.n_seq_max):
+            return
+        b = self._book
+        c_old = int(b.tail[dst])
+        if c_old >= 0:
+            b.seqs[c_old].discard(dst)
+            b.tail[dst] = -1
+            if not b.seqs[c_old]:
+                b.free_cell(c_old)
+        c = int(b.tail[src])
+        if c >= 0:
+            b.seqs[c].add(dst)
+            b.tail[dst] = c
+        self._version += 1
+
+    def seq_keep(self, seq: int) -> None:
+        b = self._book
+        first_freed = -1
+        for c in range(self.size):
+            if b.seqs[c] and seq not in b.seqs[c]:
+                for q in b.seqs[c]:
+                    b.tail[q] = -1
+                b.free_cell(c)
+                if first_freed < 0:
+                    first_freed = c
+            elif b.seqs[c]:
+                for q in b.seqs[c] - {seq}:
+                    b.tail[q] = -1
+                b.seqs[c] = {seq}
+        if 0 <= first_freed < b.head:
+            b.head = first_freed
+        self._version += 1
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        p0, p1 = normalize_range(p0, p1)
+        if delta == 0 or p0 >= p1 or not 0 <= seq < self.n_seq_max:
+            return
+        b = self._book
+        c = int(b.tail[seq])
+        if c < 0 or not p0 <= b.pos[c] < p1:
+            return
+        if b.pos[c] + delta < 0:  # shifted before the start: the state is gone
+            self.seq_rm(seq, 0, -1)
+            return
+        b.pos[c] += delta
+        b.snap_end[c] += delta  # positions are labels: snapshots shift with them
+        self._version += 1
+
+    def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        p0, p1 = normalize_range(p0, p1)
+        if d == 1 or p0 >= p1 or not 0 <= seq < self.n_seq_max:
+            return
+        if d < 1:
+            raise ArgumentError("d", f"divisor must be >= 1, got {d}")
+        b = self._book
+        c = int(b.tail[seq])
+        if c < 0 or not p0 <= b.pos[c] < p1:
+            return
+        b.pos[c] //= d
+        if b.src[c] == c:  # division breaks the plane -> position mapping
+            b.snap_end[c], b.snap_valid[c] = b.pos[c], 1
+        self._version += 1
+
+    # -- state save / restore (§8) --------------------------------------------------
+    def _cells_for(self, seq: int) -> list[int]:
+        b = self._book
+        if seq >= 0:
+            c = self.cell_of(seq)
+            return [c] if c >= 0 else []
+        return [c for c in range(self.size) if b.seqs[c]]
+
+    def write_section(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
+        """The recurrent section payload (the logical state: a pending rollback is
+        written from its plane)."""
+        if seq >= self.n_seq_max:
+            raise ArgumentError("seq", f"{seq} outside [0, n_seq_max={self.n_seq_max})")
+        b = self._book
+        cells = self._cells_for(seq)
+        w = Writer()
+        w.u32(len(cells))
+        for c in cells:
+            w.i32(int(b.pos[c]))
+            ids = sorted(b.seqs[c]) if seq < 0 else []
+            w.u32(len(ids))
+            for q in ids:
+                w.i32(q)
+        w.u32(0)  # s_trans
+        w.u32(self.spec.n_layer)
+        w.u32(len(self.pools))
+        rows = [int(b.src[c]) if b.src[c] >= 0 else c for c in cells]
+        idx = self.device.indices(rows) if rows else None
+        for layer, pools in self.pools.items():
+            w.u32(layer)
+            w.u32(len(pools))
+            for name, buf in pools.items():
+                w.name(name)
+                w.i32(DTYPE_CODES[buf.dtype])
+                row_bytes = buf.shape[1] * buf.dtype.itemsize
+                w.u64(row_bytes)
+                if idx is not None:
+                    tmp = self.device.alloc((len(rows), buf.shape[1]), buf.dtype)
+                    self.device.get_rows(buf, idx, tmp)
+                    w.raw(np.ascontiguousarray(self.device.download(tmp)).tobytes())
+        return w.getvalue()
+
+    def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
+        return pack_sections([(SECTION_TAG, self.write_section(seq, flags))], flags)
+
+    def parse_section(self, payload: Any, seq: int = -1) -> dict[str, Any]:
+        """Validate a recurrent section completely; returns a restore plan.  Mutates nothing."""
+        if seq >= self.n_seq_max:
+            raise ArgumentError("seq", f"{seq} outside [0, n_seq_max={self.n_seq_max})")
+        r = Reader(payload, "recurrent")
+        n_cells = r.u32("cell_count")
+        if n_cells > self.size:
+            r.fail("cell_count", f"is {n_cells}, the memory has {self.size} cells")
+        if seq >= 0 and n_cells > 1:
+            r.fail("cell_count", f"is {n_cells}; a single sequence owns at most one cell")
+        cells = []
+        seen: set[int] = set()
+        for i in range(n_cells):
+            p = r.i32(f"cell[{i}].pos")
+            if p < 0:
+                r.fail(f"cell[{i}].pos", f"is {p}; a stored cell holds a position >= 0")
+            n_ids = r.u32(f"cell[{i}].n_seq_id")
+            if seq >= 0 and n_ids != 0:
+                r.fail(f"cell[{i}].n_seq_id", f"is {n_ids}; a single-sequence entry must be sequence-agnostic (0)")
+            if seq < 0 and n_ids == 0:
+                r.fail(f"cell[{i}].n_seq_id", "is 0; a whole-memory cell needs its sequences")
+            if n_ids > self.n_seq_max:
+                r.fail(f"cell[{i}].n_seq_id", f"is {n_ids}, more than n_seq_max {self.n_seq_max}")
+            ids = []
+            for k in range(n_ids):
+                q = r.i32(f"cell[{i}].seq_id[{k}]")
+                if not 0 <= q < self.n_seq_max:
+                    r.fail(f"cell[{i}].seq_id[{k}]", f"is {q}, outside [0, {self.n_seq_max})")
+                if q in seen:
+                    r.fail(f"cell[{i}].seq_id[{k}]", f"sequence {q} appears in two cells (duplicate tail)")
+                seen.add(q)
+                ids.append(q)
+            cells.append((p, ids))
+        r.expect("s_trans", r.u32("s_trans"), 0)
+        r.expect("n_layer", r.u32("n_layer"), self.spec.n_layer)
+        r.expect("n_state_layers", r.u32("n_state_layers"), len(self.pools))
+        data: dict[int, dict[str, np.ndarray]] = {}
+        for layer, pools in self.pools.items():
+            r.expect("layer", r.u32("layer"), layer)
+            r.expect(f"layer[{layer}].n_tensors", r.u32(f"layer[{layer}].n_tensors"), len(pools))
+            data[layer] = {}
+            for name, buf in pools.items():
+                r.expect(f"layer[{layer}].tensor", r.name(f"layer[{layer}].tensor"), name)
+                code = r.i32(f"layer[{layer}].{name}.type")
+                if CODE_DTYPES.get(code) is not buf.dtype:
+                    r.fail(f"layer[{layer}].{name}.type", f"is code {code}, this memory stores {buf.dtype}")
+                row_bytes = buf.shape[1] * buf.dtype.itemsize
+                r.expect(f"layer[{layer}].{name}.row_bytes", r.u64(f"layer[{layer}].{name}.row_bytes"), row_bytes)
+                raw = r.raw(row_bytes * n_cells, f"layer[{layer}].{name}.rows")
+                data[layer][name] = np.frombuffer(raw, dtype=buf.dtype.numpy).reshape(n_cells, buf.shape[1]).copy()
+        r.at_end()
+        return {"seq": seq, "cells": cells, "data": data}
+
+    def apply_section(self, plan: dict[str, Any]) -> None:
+        """Install a validated restore plan (cannot fail on a plan from parse_section)."""
+        seq, cells, data = plan["seq"], plan["cells"], plan["data"]
+        if seq >= 0:
+            self.seq_rm(seq, 0, -1)
+            b = self._book
+            if not cells:
+                return
+            free = [c for c in range(self.size) if not b.seqs[c]]
+            targets = free[:1]
+            p, _ = cells[0]
+            c = targets[0]
+            b.pos[c], b.src[c], b.seqs[c], b.tail[seq] = p, c, {seq}, c
+            b.snap_end[c], b.snap_valid[c] = p, 1
+            b.used += 1
+        else:
+            self._book = b = _Book.empty(self.size)
+            targets = list(range(len(cells)))
+            for c, (p, ids) in enumerate(cells):
+                b.pos[c], b.src[c], b.seqs[c] = p, c, set(ids)
+                b.snap_end[c], b.snap_valid[c] = p, 1
+                for q in ids:
+                    b.tail[q] = c
+            b.used = len(cells)
+        self._version += 1
+        if targets:
+            idx = self.device.indices(targets)
+            for layer, pools in self.pools.items():
+                for name, buf in pools.items():
+                    self.device.set_rows(buf, idx, self.device.upload(data[layer][name], buf.dtype))
+
+    def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
+        if hasattr(data, "read") and not isinstance(data, bytes | bytearray | memoryview):
+            data = data.read()
+        _, sections = unpack_sections(data)
+        plan = self.parse_section(find_section(sections, SECTION_TAG), seq)
+        self.apply_section(plan)
+
+
+def _needs_staging(inp: RecurrentInputs) -> bool:
+    """True when a row the step reads is also written in the same step by someone else."""
+    written = inp.written_rows()
+    owner = np.repeat(np.arange(inp.n_seqs), inp.n_written)
+    where = dict(zip(written.tolist(), owner.tolist(), strict=True))
+    for s, r in enumerate(inp.start_rows.tolist()):
+        o = where.get(r)
+        if o is not None and o != s:
+            return True
+    if inp.extra_dst.size:
+        ex_dst = set(inp.extra_dst.tolist())
+        if ex_dst & set(inp.start_rows.tolist()):
+            return True
+        if ex_dst & set(inp.extra_src.tolist()) or set(where) & set(inp.extra_src.tolist()):
+            return True
+    return False
+
+
+__all__ = [
+    "FullContext",
+    "NonConsecutivePositionWarning",
+    "RecurrentContext",
+    "RecurrentInputs",
+    "RecurrentMemory",
+    "StateError",
+]

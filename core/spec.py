@@ -1,0 +1,206 @@
+"""What a model's recurrent memory holds: per-layer state sizes per family (spec §2.1).
+
+A :class:`MemorySpec` lists the model's layers (``n_layer`` counts every
+layer, attention ones too) and, for each recurrent layer, its
+:class:`RecurrentLayerSpec`: the state tensors (conv window ``r`` and scan /
+delta / wkv state ``s``, plus optional extras) with their row sizes in
+elements.  The family constructors compute those sizes from the usual
+hyperparameters.  :meth:`MemorySpec.memory_breakdown` gives the bytes per
+device a recurrent memory allocates; :func:`make_memory` builds the memory
+for a pure-recurrent model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from statecache.dtypes import DType
+from statecache.errors import ArgumentError
+
+if TYPE_CHECKING:
+    from statecache.backend import Device
+    from statecache.recurrent import RecurrentMemory
+
+#: Families whose every state tensor gets snapshot planes from the primitives, so
+#: rollback (n_rs_seq > 0) is exact for them.  Mamba-1's scan emits only its
+#: final state (the contract requires n_snap == 1), and the RWKV wkv kernels are
+#: not part of our primitive set, so those families run with n_rs_seq = 0.
+ROLLBACK_FAMILIES = frozenset({"mamba2", "gdn", "kda", "shortconv"})
+
+
+@dataclasses.dataclass(frozen=True)
+class StateTensor:
+    """One per-layer state tensor: ``name`` (``"r"`` conv / token shift, ``"s"``
+    scan / delta / wkv state, ``"p"`` extra conv history) and its row size in elements."""
+
+    name: str
+    row_size: int
+
+    def __post_init__(self) -> None:
+        if self.row_size <= 0:
+            raise ArgumentError("row_size", f"state tensor {self.name!r} needs a positive row size")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentLayerSpec:
+    """The state tensors of one recurrent layer, and the shape parameters the
+    recurrent step needs (``params``: d_conv, channels, n_head, head_dim, ...)."""
+
+    family: str
+    tensors: tuple[StateTensor, ...]
+    params: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def row_sizes(self) -> dict[str, int]:
+        return {t.name: t.row_size for t in self.tensors}
+
+    @property
+    def rollback_capable(self) -> bool:
+        return self.family in ROLLBACK_FAMILIES
+
+    # -- family constructors (hyperparameters -> row sizes, spec §2.1) ----------
+    @classmethod
+    def mamba1(cls, *, d_inner: int, d_state: int, d_conv: int) -> RecurrentLayerSpec:
+        # Mamba-1 is Mamba-2 with head_dim 1, n_head = d_inner, one group (B, C not convolved).
+        return cls(
+            "mamba1",
+            (StateTensor("r", (d_conv - 1) * d_inner), StateTensor("s", d_state * d_inner)),
+            {"d_conv": d_conv, "channels": d_inner, "n_head": d_inner, "head_dim": 1, "d_state": d_state},
+        )
+
+    @classmethod
+    def mamba2(cls, *, d_inner: int, d_state: int, d_conv: int, n_group: int, head_dim: int) -> RecurrentLayerSpec:
+        if d_inner % head_dim:
+            raise ArgumentError("head_dim", f"{head_dim} must divide d_inner {d_inner}")
+        channels = d_inner + 2 * n_group * d_state  # x, B and C go through the conv
+        return cls(
+            "mamba2",
+            (StateTensor("r", (d_conv - 1) * channels), StateTensor("s", d_state * d_inner)),
+            {
+                "d_conv": d_conv,
+                "channels": channels,
+                "n_head": d_inner // head_dim,
+                "head_dim": head_dim,
+                "d_state": d_state,
+                "n_group": n_group,
+            },
+        )
+
+    @classmethod
+    def gdn(cls, *, n_head: int, head_dim: int, d_conv: int, n_head_k: int | None = None) -> RecurrentLayerSpec:
+        """Gated delta net (Qwen3-Next style): q, k, v convolved (3 * n_head * head_dim
+        channels when q/k have as many heads as v), state head_dim^2 per value head."""
+        hk = n_head if n_head_k is None else n_head_k
+        channels = (2 * hk + n_head) * head_dim
+        return cls(
+            "gdn",
+            (StateTensor("r", (d_conv - 1) * channels), StateTensor("s", head_dim * head_dim * n_head)),
+            {"d_conv": d_conv, "channels": channels, "n_head": n_head, "n_head_k": hk, "head_dim": head_dim},
+        )
+
+    @classmethod
+    def kda(cls, *, n_head: int, head_dim: int, d_conv: int) -> RecurrentLayerSpec:
+        channels = 3 * n_head * head_dim
+        return cls(
+            "kda",
+            (StateTensor("r", (d_conv - 1) * channels), StateTensor("s", head_dim * head_dim * n_head)),
+            {"d_conv": d_conv, "channels": channels, "n_head": n_head, "n_head_k": n_head, "head_dim": head_dim},
+        )
+
+    @classmethod
+    def rwkv6(cls, *, n_embd: int, head_size: int, token_shift_count: int = 2) -> RecurrentLayerSpec:
+        return cls(
+            "rwkv6",
+            (StateTensor("r", token_shift_count * n_embd), StateTensor("s", n_embd * head_size)),
+            {"n_embd": n_embd, "head_size": head_size},
+        )
+
+    @classmethod
+    def rwkv7(cls, *, n_embd: int, head_size: int, token_shift_count: int = 2) -> RecurrentLayerSpec:
+        spec = cls.rwkv6(n_embd=n_embd, head_size=head_size, token_shift_count=token_shift_count)
+        return dataclasses.replace(spec, family="rwkv7")
+
+    @classmethod
+    def shortconv(cls, *, n_embd: int, l_cache: int) -> RecurrentLayerSpec:
+        """LFM2 short conv: only a conv window of L_cache - 1 columns."""
+        return cls("shortconv", (StateTensor("r", n_embd * (l_cache - 1)),), {"d_conv": l_cache, "channels": n_embd})
+
+
+@dataclasses.dataclass(frozen=True)
+class MemorySpec:
+    """A model's layer map.  ``layers[i]`` is the spec of layer ``i`` or None for a
+    layer without recurrent state (attention, MLP-only)."""
+
+    layers: tuple[RecurrentLayerSpec | None, ...]
+    dtype: DType = DType.F32
+
+    @classmethod
+    def build(
+        cls,
+        n_layer: int,
+        recurrent: Mapping[int, RecurrentLayerSpec],
+        dtype: DType | str = DType.F32,
+    ) -> MemorySpec:
+        bad = [i for i in recurrent if not 0 <= i < n_layer]
+        if bad:
+            raise ArgumentError("recurrent", f"layer indices {bad} outside [0, {n_layer})")
+        return cls(tuple(recurrent.get(i) for i in range(n_layer)), DType.parse(dtype))
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layers)
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return [i for i, spec in enumerate(self.layers) if spec is not None]
+
+    @property
+    def rollback_capable(self) -> bool:
+        return all(spec.rollback_capable for spec in self.layers if spec is not None)
+
+    def effective_n_rs_seq(self, n_rs_seq: int) -> int:
+        """Rollback planes actually used: 0 unless every recurrent layer is rollback-capable
+        (spec §10 item 35); a model with no recurrent layer keeps it (positions only)."""
+        if n_rs_seq < 0:
+            raise ArgumentError("n_rs_seq", f"must be >= 0, got {n_rs_seq}")
+        if not self.recurrent_layers:
+            return 0
+        return n_rs_seq if self.rollback_capable else 0
+
+    def state_bytes(self, size: int, n_rs_seq: int = 0) -> int:
+        """Bytes of recurrent state for ``size`` cells with ``n_rs_seq`` rollback planes."""
+        planes = 1 + self.effective_n_rs_seq(n_rs_seq)
+        per_cell = sum(t.row_size for spec in self.layers if spec is not None for t in spec.tensors)
+        return size * planes * per_cell * self.dtype.itemsize
+
+    def memory_breakdown(
+        self, n_seq_max: int, n_rs_seq: int = 0, devices: Sequence[str] | str = "device"
+    ) -> dict[str, int]:
+        """Bytes per device id.  ``devices`` is one id for every layer, or one id per
+        model layer (layer offloading); layers without state add nothing."""
+        per_layer = [devices] * self.n_layer if isinstance(devices, str) else list(devices)
+        if len(per_layer) != self.n_layer:
+            raise ArgumentError("devices", f"{len(per_layer)} device ids for {self.n_layer} layers")
+        planes = 1 + self.effective_n_rs_seq(n_rs_seq)
+        out: dict[str, int] = {}
+        for spec, dev in zip(self.layers, per_layer, strict=True):
+            if spec is None:
+                continue
+            nbytes = sum(t.row_size for t in spec.tensors) * n_seq_max * planes * self.dtype.itemsize
+            out[dev] = out.get(dev, 0) + nbytes
+        return out
+
+
+def make_memory(
+    spec: MemorySpec,
+    device: Device,
+    n_seq_max: int,
+    n_rs_seq: int = 0,
+    **kwargs: Any,
+) -> RecurrentMemory:
+    """The memory of a pure-recurrent model (every stateful layer recurrent)."""
+    from statecache.recurrent import RecurrentMemory
+
+    return RecurrentMemory(spec, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq, **kwargs)

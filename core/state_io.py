@@ -1,0 +1,171 @@
+"""statecache's binary state format: a header, then tagged sections with lengths.
+
+Layout (little-endian; docs/state-format.md has the full table)::
+
+    magic   4 bytes  b"SCST"
+    version u16      FORMAT_VERSION
+    flags   u16      StateFlags used when writing
+    count   u32      number of sections
+    count x section:
+        tag     4 bytes (b"RECR" recurrent, b"KVAT" attention, ...)
+        length  u64     bytes of the payload that follows
+        payload
+
+Memories write their payload with :class:`Writer` and read it with
+:class:`Reader`, whose every read names the field, so a truncated or corrupt
+blob raises :class:`~statecache.errors.StateError` naming what was wrong.  A
+composite memory concatenates the sections of its parts with
+:func:`pack_sections` and splits them with :func:`unpack_sections`, validates
+every part, and only then applies any.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from statecache.dtypes import DType
+from statecache.errors import StateError
+
+MAGIC = b"SCST"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHHI")
+_SECTION = struct.Struct("<4sQ")
+
+#: dtype codes stored in blobs (never renumber).
+DTYPE_CODES: dict[DType, int] = {DType.F32: 0, DType.F16: 1, DType.BF16: 30, DType.I32: 26}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+class Writer:
+    """Accumulates little-endian fields."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+
+    def u8(self, v: int) -> None:
+        self._parts.append(struct.pack("<B", v))
+
+    def u32(self, v: int) -> None:
+        self._parts.append(struct.pack("<I", v))
+
+    def i32(self, v: int) -> None:
+        self._parts.append(struct.pack("<i", v))
+
+    def u64(self, v: int) -> None:
+        self._parts.append(struct.pack("<Q", v))
+
+    def raw(self, data: bytes | bytearray | memoryview) -> None:
+        self._parts.append(bytes(data))
+
+    def name(self, s: str) -> None:
+        b = s.encode()
+        self.u8(len(b))
+        self.raw(b)
+
+    def getvalue(self) -> bytes:
+        return b"".join(self._parts)
+
+
+class Reader:
+    """Reads fields from a buffer; every read names its field for errors."""
+
+    def __init__(self, data: bytes | bytearray | memoryview, where: str = "") -> None:
+        self.data = memoryview(bytes(data)) if not isinstance(data, memoryview) else data
+        self.off = 0
+        self.where = where
+
+    def _take(self, n: int, field: str) -> memoryview:
+        if n < 0 or self.off + n > len(self.data):
+            raise StateError(
+                self._f(field), f"truncated: needs {n} bytes at offset {self.off}, {len(self.data) - self.off} left"
+            )
+        out = self.data[self.off : self.off + n]
+        self.off += n
+        return out
+
+    def _f(self, field: str) -> str:
+        return f"{self.where}.{field}" if self.where else field
+
+    def u8(self, field: str) -> int:
+        return int(struct.unpack("<B", self._take(1, field))[0])
+
+    def u32(self, field: str) -> int:
+        return int(struct.unpack("<I", self._take(4, field))[0])
+
+    def i32(self, field: str) -> int:
+        return int(struct.unpack("<i", self._take(4, field))[0])
+
+    def u64(self, field: str) -> int:
+        return int(struct.unpack("<Q", self._take(8, field))[0])
+
+    def raw(self, n: int, field: str) -> memoryview:
+        return self._take(n, field)
+
+    def name(self, field: str) -> str:
+        n = self.u8(field)
+        try:
+            return bytes(self._take(n, field)).decode()
+        except UnicodeDecodeError as exc:
+            raise StateError(self._f(field), "not valid UTF-8") from exc
+
+    def expect(self, field: str, got: Any, want: Any) -> None:
+        if got != want:
+            raise StateError(self._f(field), f"is {got!r}, this memory expects {want!r}")
+
+    def fail(self, field: str, message: str) -> None:
+        raise StateError(self._f(field), message)
+
+    def at_end(self) -> None:
+        if self.off != len(self.data):
+            raise StateError(self._f("length"), f"{len(self.data) - self.off} unread trailing bytes")
+
+
+def pack_sections(sections: Sequence[tuple[bytes, bytes]], flags: int = 0) -> bytes:
+    """A whole blob from ``(tag, payload)`` pairs."""
+    parts = [_HEADER.pack(MAGIC, FORMAT_VERSION, int(flags) & 0xFFFF, len(sections))]
+    for tag, payload in sections:
+        if len(tag) != 4:
+            raise ValueError(f"section tag {tag!r} must be 4 bytes")
+        parts.append(_SECTION.pack(tag, len(payload)))
+        parts.append(bytes(payload))
+    return b"".join(parts)
+
+
+def unpack_sections(data: Any) -> tuple[int, list[tuple[bytes, memoryview]]]:
+    """Validate the header and section lengths; returns ``(flags, [(tag, payload)])``."""
+    try:
+        raw = bytes(data) if not isinstance(data, bytes | bytearray | memoryview) else data
+    except TypeError as exc:
+        raise StateError("blob", f"expected bytes, got {type(data).__name__}") from exc
+    mv = memoryview(raw)
+    if len(mv) < _HEADER.size:
+        raise StateError("magic", f"truncated: blob has {len(mv)} bytes, the header needs {_HEADER.size}")
+    magic, version, flags, count = _HEADER.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise StateError("magic", f"is {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise StateError("version", f"is {version}, this library reads version {FORMAT_VERSION}")
+    off = _HEADER.size
+    out = []
+    for i in range(count):
+        if off + _SECTION.size > len(mv):
+            raise StateError(f"section[{i}].tag", "truncated: section header missing")
+        tag, length = _SECTION.unpack_from(mv, off)
+        off += _SECTION.size
+        if off + length > len(mv):
+            raise StateError(f"section[{i}].length", f"is {length}, only {len(mv) - off} bytes left (truncated)")
+        out.append((bytes(tag), mv[off : off + length]))
+        off += length
+    if off != len(mv):
+        raise StateError("length", f"{len(mv) - off} trailing bytes after the last section")
+    return flags, out
+
+
+def find_section(sections: Sequence[tuple[bytes, memoryview]], tag: bytes) -> memoryview:
+    found = [p for t, p in sections if t == tag]
+    if len(found) != 1:
+        have = [t.decode(errors="replace") for t, _ in sections]
+        raise StateError("section", f"expected exactly one {tag.decode()} section, found {len(found)} in {have}")
+    return found[0]
