@@ -188,7 +188,8 @@ class Buffer:
         last = start + sum((n - 1) * s for n, s in zip(shape_t, strides_t, strict=True))
         if not empty and last >= self.capacity:
             raise ArgumentError("view", f"view reaches element {last} of a storage of {self.capacity}")
-        out = Buffer(
+        # type(self): a backend's Buffer subclass (DLPack / CUDA array interface) survives views.
+        out = type(self)(
             self.device, self.storage, self.dtype, shape_t, strides=strides_t, offset=start, capacity=self.capacity
         )
         return out
