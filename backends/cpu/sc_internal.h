@@ -100,7 +100,16 @@ static inline void sc_load_f32(const void *SC_RESTRICT src, sc_dtype dt, float *
         const uint16_t *s = (const uint16_t *)src;
         int64_t i = 0;
 #ifdef SC_HAVE_F16C
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+        const __m128i abs_mask = _mm_set1_epi16(0x7fff), inf = _mm_set1_epi16(0x7c00);
+        for (; i + 8 <= n; i += 8) {
+            __m128i h = _mm_loadu_si128((const __m128i *)(s + i));
+            /* F16C quietens signalling NaNs, NumPy keeps them: NaN blocks go scalar. */
+            if (_mm_movemask_epi8(_mm_cmpgt_epi16(_mm_and_si128(h, abs_mask), inf))) {
+                for (int64_t j = i; j < i + 8; j++) dst[j] = sc_half_to_float(s[j]);
+                continue;
+            }
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+        }
 #endif
         for (; i < n; i++) dst[i] = sc_half_to_float(s[i]);
     }
@@ -124,9 +133,12 @@ static inline void sc_store_f32(const float *SC_RESTRICT src, void *SC_RESTRICT 
 #ifdef SC_HAVE_F16C
         for (; i + 8 <= n; i += 8) {
             __m256 v = _mm256_loadu_ps(src + i);
-            /* F16C rounds like NumPy except that it quietens NaNs: redo
-             * blocks holding a NaN in scalar code. */
-            if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
+            /* F16C rounds like NumPy except that it quietens NaNs: blocks
+             * holding a NaN go scalar. */
+            if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
+                for (int64_t j = i; j < i + 8; j++) d[j] = sc_float_to_half(src[j]);
+                continue;
+            }
             _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
         }
 #endif

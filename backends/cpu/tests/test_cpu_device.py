@@ -1,0 +1,241 @@
+"""CPU device beyond the primitive math: conversions, refusals that write
+nothing, zero-copy with NumPy and torch, ABI and availability checks."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from cpu_cases import cpu_device
+
+from statecache.backends.cpu import device as cpu_mod
+from statecache.dtypes import DType
+from statecache.errors import ArgumentError
+from statecache.registry import BackendRegistry
+
+
+def _special_floats() -> np.ndarray:
+    """Every exponent, random mantissas, plus NaNs (quiet and signalling),
+    infinities, zeros, subnormals and f16/bf16 rounding ties."""
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    extra = np.array(
+        [0x7FC00000, 0x7F800001, 0xFFA00000, 0x7F800000, 0xFF800000, 0, 0x80000000, 1, 0x807FFFFF, 0x33000000,
+         0x33000001, 0x387FE000, 0x38800000, 0x477FE000, 0x477FF000, 0x3F801000, 0x3F803000, 0x3F808000],
+        dtype=np.uint32,
+    )  # fmt: skip
+    return np.concatenate([bits, extra]).view(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [DType.F16, DType.BF16])
+def test_conversions_match_numpy_and_ml_dtypes_bitwise(dtype: DType) -> None:
+    ffi, lib, _ = cpu_mod.load_kernels()
+    src = _special_floats()
+    out = np.zeros(src.size, dtype=np.uint16)
+    lib.sc_convert(ffi.from_buffer(src), 0, ffi.from_buffer(out), cpu_mod._DTYPE_CODE[dtype], src.size)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = src.astype(dtype.numpy).view(np.uint16)
+    bad = np.flatnonzero(out != want)
+    assert bad.size == 0, (
+        f"{bad.size} differ, first {src.view(np.uint32)[bad[0]]:#x}: {out[bad[0]]:#x} != {want[bad[0]]:#x}"
+    )
+    # widening back is exact, NaN payloads included
+    back = np.zeros(src.size, dtype=np.float32)
+    lib.sc_convert(ffi.from_buffer(want), cpu_mod._DTYPE_CODE[dtype], ffi.from_buffer(back), 0, src.size)
+    assert (back.view(np.uint32) == want.view(dtype.numpy).astype(np.float32).view(np.uint32)).all()
+
+
+# -- refusals --------------------------------------------------------------------
+
+
+def _scan_setup(dev):  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(1)
+    n_s, n_t, H, P, N, G = 2, 3, 4, 8, 16, 2
+    f = lambda *shape: dev.upload(rng.uniform(-1, 1, shape).astype(np.float32))  # noqa: E731
+    return dict(
+        pool=f(8, H * P * N),
+        start_rows=dev.indices([0, 1]),
+        dst_rows=dev.indices([2, 3]),
+        x=f(n_s, n_t, H, P),
+        dt=f(n_s, n_t, H),
+        A=f(H),
+        B=f(n_s, n_t, G, N),
+        C=f(n_s, n_t, G, N),
+        y=f(n_s, n_t, H, P),
+    )
+
+
+def _snapshot(bufs: dict) -> dict:  # type: ignore[type-arg]
+    return {k: np.asarray(v).copy() for k, v in bufs.items()}
+
+
+@pytest.mark.parametrize(
+    "change,argument",
+    [
+        (lambda d, b: b.update(dt=d.alloc((2, 3, 5))), "dt"),  # shape mismatch
+        (lambda d, b: b.update(start_rows=d.indices([0, 99])), "start_rows"),  # out of range
+        (lambda d, b: b.update(dst_rows=d.indices([2, 2])), "dst_rows"),  # duplicate destinations
+        (lambda d, b: b.update(A=d.alloc((4, 16)), x=d.alloc((2, 3, 4, 1)), y=d.alloc((2, 3, 4, 1))), "A"),
+        (lambda d, b: b.update(B=d.alloc((2, 3, 2, 16), "f16")), "B"),  # wrong dtype
+        (lambda d, b: b.update(start_rows=d.indices([3, 1])), "start_rows"),  # another sequence's destination
+    ],
+)
+def test_invalid_scan_arguments_raise_before_anything_is_written(change, argument: str) -> None:  # type: ignore[no-untyped-def]
+    dev = cpu_device()
+    bufs = _scan_setup(dev)
+    change(dev, bufs)
+    before = _snapshot(bufs)
+    with pytest.raises(ArgumentError) as info:
+        dev.ssm_scan(**bufs)
+    assert info.value.argument == argument
+    for name, value in _snapshot(bufs).items():
+        np.testing.assert_array_equal(value.view(np.uint8), before[name].view(np.uint8), err_msg=name)
+
+
+def test_mamba1_with_snapshots_is_refused() -> None:
+    dev = cpu_device()
+    rng = np.random.default_rng(2)
+    f = lambda *shape: dev.upload(rng.uniform(-1, 1, shape).astype(np.float32))  # noqa: E731
+    pool = f(8, 4 * 16)
+    before = np.asarray(pool).copy()
+    y = f(1, 2, 4, 1)
+    with pytest.raises(ArgumentError, match="n_snap"):
+        dev.ssm_scan(
+            pool, dev.indices([0]), dev.indices([1]), f(1, 2, 4, 1), f(1, 2, 4), f(4, 16), f(1, 2, 1, 16),
+            f(1, 2, 1, 16), y, n_snap=2, plane_stride=4,
+        )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(pool), before)
+
+
+def test_duplicate_scatter_destination_is_refused() -> None:
+    dev = cpu_device()
+    dst = dev.upload(np.arange(12, dtype=np.float32).reshape(4, 3))
+    with pytest.raises(ArgumentError, match="duplicate") as info:
+        dev.set_rows(dst, dev.indices([1, 1]), dev.upload(np.ones((2, 3), np.float32)))
+    assert info.value.argument == "rows"
+    np.testing.assert_array_equal(np.asarray(dst), np.arange(12, dtype=np.float32).reshape(4, 3))
+    with pytest.raises(ArgumentError, match="out of range"):
+        dev.get_rows(dst, dev.indices([4]), dev.alloc((1, 3)))
+    with pytest.raises(ArgumentError, match="storage dtype") as info:
+        dev.get_rows(dev.alloc((2, 3), DType.I32), dev.indices([0]), dev.alloc((1, 3)))
+    assert info.value.argument == "src"
+
+
+# -- zero copy ---------------------------------------------------------------------
+
+
+def test_numpy_sees_buffers_in_place_both_ways() -> None:
+    dev = cpu_device()
+    buf = dev.alloc((4, 8), "f32")
+    view = np.asarray(buf)
+    assert view.ctypes.data == buf.address and view.flags.writeable
+    view[2, 3] = 7.0
+    assert dev.download(buf)[2, 3] == 7.0
+    host = np.zeros((5, 8), np.float32)
+    wrapped = dev.from_numpy(host)
+    dev.get_rows(buf, dev.indices([2]), wrapped.view((1, 8), offset=16))
+    assert host[2, 3] == 7.0
+    # a strided host array wraps as a strided view of the same memory
+    strided = np.zeros((4, 16), np.float32)[:, ::2]
+    sv = dev.from_numpy(strided)
+    assert sv.strides == (16, 2) and np.shares_memory(np.asarray(sv), strided)
+    with pytest.raises(ArgumentError, match="read-only"):
+        ro = np.zeros(3, np.float32)
+        ro.flags.writeable = False
+        dev.from_numpy(ro)
+
+
+def test_index_buffers_exported_for_writing_are_revalidated() -> None:
+    dev = cpu_device()
+    rows = dev.indices([0, 1])
+    np.asarray(rows)[1] = 50  # written behind the validator's back
+    with pytest.raises(ArgumentError, match="out of range"):
+        dev.get_rows(dev.alloc((4, 2)), rows, dev.alloc((2, 2)))
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_zero_copy_with_torch_both_ways(dtype: str) -> None:
+    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    tdtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    dev = cpu_device()
+    # device buffer -> torch
+    buf = dev.upload(np.arange(24, dtype=np.float32).reshape(4, 6), dtype)
+    t = torch.from_dlpack(buf)
+    assert t.dtype == tdtype and t.shape == (4, 6) and t.data_ptr() == buf.address
+    t[1, 2] = -3.0
+    assert float(dev.download(buf)[1, 2]) == -3.0
+    dev.zero_rows(buf, dev.indices([3]))
+    assert bool((t[3] == 0).all())
+    # torch -> device buffer: a kernel writes straight into the tensor
+    target = torch.full((3, 6), 9.0, dtype=tdtype)
+    wrapped = dev.from_dlpack(target)
+    assert wrapped.dtype is DType.parse(dtype) and wrapped.address == target.data_ptr()
+    dev.get_rows(buf, dev.indices([1, 0]), wrapped.view((2, 6), offset=6))
+    np.testing.assert_array_equal(target[1:].float().numpy(), dev.download(buf)[[1, 0]].astype(np.float32))
+    assert bool((target[0] == 9.0).all())
+    # a non-contiguous tensor view keeps its strides
+    cols = torch.zeros(4, 8, dtype=tdtype)[:, 1::2]
+    wrapped = dev.from_dlpack(cols)
+    assert wrapped.strides == (8, 2) and wrapped.address == cols.data_ptr()
+
+
+def test_bf16_dlpack_roundtrip_without_torch() -> None:
+    dev = cpu_device()
+    buf = dev.upload(np.linspace(-2, 2, 12, dtype=np.float32).reshape(3, 4), "bf16")
+    again = dev.from_dlpack(buf)
+    assert again.address == buf.address and again.dtype is DType.BF16
+    assert np.asarray(again).dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+# -- ABI, build, availability -------------------------------------------------------------
+
+
+def test_header_cdef_and_python_agree_on_the_abi_version() -> None:
+    from statecache.backends.cpu import build
+
+    _, lib, reason = cpu_mod.load_kernels()
+    assert reason == ""
+    header = build.cdef_source()
+    declared = int(re.search(r"#define SC_CPU_ABI_VERSION (\d+)", header).group(1))  # type: ignore[union-attr]
+    assert declared == lib.sc_cpu_abi_version() == lib.SC_CPU_ABI_VERSION == cpu_mod.ABI_VERSION
+    for name in re.findall(r"\b(sc_\w+)\s*\(", header):
+        assert hasattr(lib, name), f"{name} is declared in the header but not exported"
+
+
+def test_mismatched_abi_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_mod, "ABI_VERSION", 999)
+    cpu_mod.load_kernels.cache_clear()
+    try:
+        ok, reason = cpu_mod.CpuBackend().availability()
+        assert not ok and "ABI version 1" in reason and "999" in reason
+    finally:
+        monkeypatch.undo()
+        cpu_mod.load_kernels.cache_clear()
+
+
+def test_missing_compiled_module_makes_the_backend_unavailable_not_broken() -> None:
+    # A fresh interpreter where the compiled module cannot be imported.
+    code = (
+        "import sys; sys.modules['statecache.backends.cpu._kernels'] = None\n"
+        "from statecache.registry import BackendRegistry\n"
+        "r = BackendRegistry(allowlist=['cpu', 'reference'])\n"
+        "e = {x.name: x.availability() for x in r.entries()}\n"
+        "print(e['cpu'][0], e['cpu'][1]); print(r.get_device().id)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ)
+    first, second = out.stdout.splitlines()
+    assert first.startswith("False") and "not built" in first
+    assert second == "reference:0"
+
+
+def test_registered_through_the_entry_point_with_priority() -> None:
+    reg = BackendRegistry(allowlist=["cpu", "reference"])
+    assert reg.get_device().id == "cpu:0"
+    props = reg.get_device("cpu").properties
+    assert props["host_visible"] if "host_visible" in props else props["caps"]["host_visible"]
