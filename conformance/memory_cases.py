@@ -232,13 +232,10 @@ _OPS = ("get_rows", "set_rows", "zero_rows", "copy_rows", "ssm_conv", "ssm_scan"
 
 
 def _core_has_recurrent_memory() -> bool:
-    try:
-        import statecache.batch
-        import statecache.recurrent
-        import statecache.recurrent_step
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    names = ("statecache.batch", "statecache.recurrent", "statecache.recurrent_step")
+    return all(importlib.util.find_spec(name) is not None for name in names)
 
 
 def all_cases() -> list[Case]:
