@@ -1,0 +1,85 @@
+"""MemorySpec: per-family state sizes (spec §2.1) and memory_breakdown."""
+
+from __future__ import annotations
+
+import pytest
+
+import statecache
+from statecache.errors import ArgumentError
+from statecache.spec import MemorySpec, RecurrentLayerSpec, make_memory
+
+
+def hybrid_qwen3_next_like() -> MemorySpec:
+    # 48 layers, every 4th is attention: 36 GDN layers (n_embd 2048, 16 heads of 128, d_conv 4)
+    gdn = RecurrentLayerSpec.gdn(n_head=16, head_dim=128, d_conv=4)
+    return MemorySpec.build(48, {i: gdn for i in range(48) if i % 4 != 3})
+
+
+def test_worked_example_breakdown() -> None:
+    spec = hybrid_qwen3_next_like()
+    assert len(spec.recurrent_layers) == 36
+    expected = 4 * 36 * (128 * 128 * 16 + 3 * 3 * 2048) * 4
+    assert spec.memory_breakdown(4) == {"device": expected}
+    assert 150 < expected / 2**20 < 160  # "about 154 MiB"
+    assert spec.memory_breakdown(4, n_rs_seq=3) == {"device": 4 * expected}
+
+
+def test_breakdown_per_device_offload() -> None:
+    spec = hybrid_qwen3_next_like()
+    devices = ["cuda:0"] * 24 + ["cuda:1"] * 24
+    split = spec.memory_breakdown(2, devices=devices)
+    assert sum(split.values()) == spec.memory_breakdown(2)["device"]
+    assert split["cuda:0"] == split["cuda:1"]
+    with pytest.raises(ArgumentError):
+        spec.memory_breakdown(2, devices=["x"])
+
+
+@pytest.mark.parametrize(
+    ("layer", "r", "s"),
+    [
+        (RecurrentLayerSpec.mamba1(d_inner=1536, d_state=16, d_conv=4), 3 * 1536, 16 * 1536),
+        (
+            RecurrentLayerSpec.mamba2(d_inner=4096, d_state=128, d_conv=4, n_group=8, head_dim=64),
+            3 * (4096 + 2 * 8 * 128),
+            128 * 4096,
+        ),
+        (
+            RecurrentLayerSpec.gdn(n_head=32, head_dim=128, d_conv=4, n_head_k=16),
+            3 * (2 * 16 + 32) * 128,
+            128 * 128 * 32,
+        ),
+        (RecurrentLayerSpec.kda(n_head=32, head_dim=128, d_conv=4), 3 * 3 * 32 * 128, 128 * 128 * 32),
+        (RecurrentLayerSpec.rwkv6(n_embd=2048, head_size=64), 2 * 2048, 2048 * 64),
+        (RecurrentLayerSpec.rwkv7(n_embd=2560, head_size=64), 2 * 2560, 2560 * 64),
+        (RecurrentLayerSpec.shortconv(n_embd=1024, l_cache=3), 1024 * 2, None),
+    ],
+)
+def test_family_row_sizes(layer: RecurrentLayerSpec, r: int, s: int | None) -> None:
+    sizes = layer.row_sizes
+    assert sizes["r"] == r
+    assert sizes.get("s") == s
+
+
+def test_rollback_capability_clamps_planes() -> None:
+    m1 = MemorySpec.build(2, {0: RecurrentLayerSpec.mamba1(d_inner=8, d_state=4, d_conv=4)})
+    assert m1.effective_n_rs_seq(3) == 0
+    m2 = MemorySpec.build(1, {0: RecurrentLayerSpec.mamba2(d_inner=8, d_state=4, d_conv=4, n_group=1, head_dim=4)})
+    assert m2.effective_n_rs_seq(3) == 3
+    with pytest.raises(ArgumentError):
+        m2.effective_n_rs_seq(-1)
+    with pytest.raises(ArgumentError):
+        MemorySpec.build(2, {5: RecurrentLayerSpec.shortconv(n_embd=4, l_cache=3)})
+
+
+def test_make_memory_allocates_what_the_spec_says() -> None:
+    dev = statecache.get_device("reference")
+    spec = MemorySpec.build(
+        3,
+        {
+            0: RecurrentLayerSpec.gdn(n_head=2, head_dim=4, d_conv=4),
+            2: RecurrentLayerSpec.mamba2(d_inner=8, d_state=4, d_conv=4, n_group=1, head_dim=4),
+        },
+    )
+    mem = make_memory(spec, dev, n_seq_max=3, n_rs_seq=2)
+    assert mem.memory_breakdown() == {dev.id: spec.memory_breakdown(3, 2)["device"]}
+    assert spec.state_bytes(3, 2) == spec.memory_breakdown(3, 2)["device"]
