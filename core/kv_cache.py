@@ -614,10 +614,11 @@ class KVCacheContext(UBatchContext):
 
     def snapshot(self) -> Any:
         """The cache's book (composites restore it when a later part fails)."""
-        return _snapshot_cache(self.cache)
+        return _snapshot_cache(self.cache), self._applied
 
     def restore(self, snap: Any) -> None:
-        _restore_cache(self.cache, snap)
+        _restore_cache(self.cache, snap[0])
+        self._applied = snap[1]  # the ubatch may be applied again
 
     def k_idxs(self) -> np.ndarray:
         return self.sinfo.rows

@@ -1,0 +1,282 @@
+"""Hybrid memories (spec §4.1, §4.2): an attention part and a recurrent part.
+
+Each model layer is routed to exactly one part (``attn_layers`` /
+``recurrent_layers``).  The attention part is a :class:`KVCache` (hybrid) or
+a :class:`KVCacheISWA` pair (hybrid-iSWA); the recurrent part is a
+:class:`RecurrentMemory`.
+
+Where we differ from upstream, on purpose:
+
+* ``init_batch``: recurrent plan first, then attention; both are dry runs,
+  so a failure returns FAILED_PREPARE with nothing changed anywhere.
+* ``apply()`` is all-or-nothing: attention applies first, the recurrent part
+  last; if the recurrent part fails the attention book is restored.
+* ``seq_rm`` is atomic: the recurrent part decides first and, when it
+  refuses, nothing changes anywhere.  Arguments are validated for every part
+  before any part is touched.
+* Context shift (``seq_rm(s, n_keep, n_keep + n_discard)`` then
+  ``seq_add(s, n_keep + n_discard, -1, -n_discard)``), the gap §4.1 leaves:
+  the recurrent part accepts a removal strictly inside the history as a
+  no-op on its *state* (a recurrent state cannot forget tokens), the
+  attention part drops those cells; the following ``seq_add`` moves the
+  attention positions (pending RoPE shifts) and the recurrent tail position
+  by the same amount, so both parts report the same ``seq_pos_max`` and the
+  next token continues at ``seq_pos_max + 1`` in both.  The documented
+  consequence: attention no longer sees the discarded tokens, the recurrent
+  state still carries their influence.  A removal that reaches the tail is
+  either an exact rollback in both parts or refused in both.
+* ``state_read`` validates every section of every part before writing any;
+  a bad blob raises with the destination dropped from every part (upstream
+  contract) and every other sequence untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from statecache.errors import ArgumentError, StateError
+from statecache.kv_cache import (
+    TAG_KV,
+    CompositeContext,
+    KVCache,
+    KVCacheISWA,
+    KVStatePlan,
+)
+from statecache.memory import Memory, MemoryContext, MemoryStatus, StateFlags, StatusContext, normalize_range
+from statecache.state_io import Reader, Writer, find_section, pack_sections, unpack_sections
+
+if TYPE_CHECKING:
+    from statecache.batch import BatchAllocator, UBatch
+    from statecache.recurrent import RecurrentMemory
+
+TAG_RECR = b"RECR"
+
+AttentionPart = KVCache | KVCacheISWA
+
+
+class HybridContext(CompositeContext):
+    """Attention and recurrent contexts over the same ubatches (recurrent applied last)."""
+
+    def __init__(self, attn: MemoryContext, recr: MemoryContext, extra: Sequence[MemoryContext] = ()) -> None:
+        self.attn = attn
+        self.recr = recr
+        super().__init__([attn, *extra, recr])
+
+
+class HybridMemory(Memory):
+    """Attention + recurrent memory (hybrid, or hybrid-iSWA when ``attn`` is an iSWA pair)."""
+
+    def __init__(self, attn: AttentionPart, recr: RecurrentMemory) -> None:
+        if attn.n_seq_max != recr.n_seq_max:
+            raise ArgumentError("n_seq_max", f"attention has {attn.n_seq_max}, recurrent {recr.n_seq_max}")
+        self.attn = attn
+        self.recr = recr
+        self.n_seq_max = attn.n_seq_max
+        self.device = recr.device
+
+    # -- parts -------------------------------------------------------------------
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        return list(self.attn.caches) if isinstance(self.attn, KVCacheISWA) else [self.attn]
+
+    @property
+    def unified(self) -> bool:
+        return self.kv_caches[0].unified
+
+    def fill_garbage(self, seed: int) -> None:
+        self.attn.fill_garbage(seed)
+        for k, pools in enumerate(self.recr.pools.values()):
+            for j, buf in enumerate(pools.values()):
+                self.device.fill_bytes(buf, seed + 500 + 10 * k + j)
+
+    # -- plans -------------------------------------------------------------------
+    def split(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool) -> list[UBatch] | None:
+        balloc.split_reset()
+        keep = self.recr.n_rs_seq + 1 if self.recr.n_rs_seq > 0 else 0
+        out = []
+        while True:
+            if embd_all:
+                ub = balloc.split_seq(n_ubatch)
+            else:
+                ub = balloc.split_equal(n_ubatch, sequential=not self.unified, n_keep_tail=keep)
+            if ub.n_tokens == 0:
+                break
+            out.append(ub)
+        return out if balloc.n_used == balloc.n_tokens else None
+
+    def _plan(self, ubs: Sequence[UBatch]) -> tuple[Any, Any] | str:
+        recr_plan = self.recr.prepare(ubs)
+        if recr_plan is None:
+            return "the ubatches do not fit the recurrent memory"
+        attn_plan = self.attn.prepare(ubs)
+        if attn_plan is None:
+            return "no free attention slot"
+        return recr_plan, attn_plan
+
+    def _contexts(self, ubs: Sequence[UBatch], plans: tuple[Any, Any]) -> tuple[MemoryContext, MemoryContext]:
+        from statecache.recurrent import RecurrentContext
+
+        return self.attn.make_context(ubs, plans[1]), RecurrentContext(self.recr, ubs, plans[0])
+
+    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        ubs = self.split(balloc, n_ubatch, embd_all)
+        if ubs is None:
+            return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
+        plans = self._plan(ubs)
+        if isinstance(plans, str):
+            return StatusContext(MemoryStatus.FAILED_PREPARE, f"({plans})")
+        attn, recr = self._contexts(ubs, plans)
+        return HybridContext(attn, recr)
+
+    def init_full(self) -> MemoryContext:
+        return HybridContext(self.attn.init_full(), self.recr.init_full())
+
+    def init_update(self, optimize: bool = False) -> MemoryContext:
+        a = self.attn.init_update(optimize)
+        r = self.recr.init_update(optimize)
+        if a.status is MemoryStatus.NO_UPDATE and r.status is MemoryStatus.NO_UPDATE:
+            return StatusContext(MemoryStatus.NO_UPDATE)
+        return HybridContext(a, r)
+
+    def get_can_shift(self) -> bool:
+        return self.attn.get_can_shift()
+
+    # -- sequence operations ----------------------------------------------------------
+    def _check_seq(self, seq: int, name: str = "seq") -> None:
+        if not 0 <= seq < self.n_seq_max:
+            raise ArgumentError(name, f"sequence {seq} outside [0, n_seq_max={self.n_seq_max})")
+
+    def clear(self, data: bool = True) -> None:
+        self.attn.clear(data)
+        self.recr.clear(data)
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        if seq >= self.n_seq_max:
+            return False  # the recurrent contract: refused, nothing changed
+        if not self.recr.seq_rm(seq, p0, p1):
+            return False
+        return self.attn.seq_rm(seq, p0, p1)
+
+    def _check_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        self._check_seq(src, "src")
+        self._check_seq(dst, "dst")
+        if not self.unified and src != dst and normalize_range(p0, p1) != normalize_range(-1, -1):
+            raise ArgumentError("p0/p1", f"a copy between streams ({src} -> {dst}) must cover the whole sequence")
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self._check_cp(src, dst, p0, p1)
+        self.attn.seq_cp(src, dst, p0, p1)
+        self.recr.seq_cp(src, dst, p0, p1)
+
+    def seq_keep(self, seq: int) -> None:
+        self._check_seq(seq)
+        self.attn.seq_keep(seq)
+        self.recr.seq_keep(seq)
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        self._check_seq(seq)
+        self.attn.seq_add(seq, p0, p1, delta)
+        self.recr.seq_add(seq, p0, p1, delta)
+
+    def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        self._check_seq(seq)
+        if d <= 0:
+            raise ArgumentError("d", f"divisor must be >= 1, got {d}")
+        self.attn.seq_div(seq, p0, p1, d)
+        self.recr.seq_div(seq, p0, p1, d)
+
+    def seq_pos_min(self, seq: int) -> int:
+        return max(self.attn.seq_pos_min(seq), self.recr.seq_pos_min(seq))
+
+    def seq_pos_max(self, seq: int) -> int:
+        return min(self.attn.seq_pos_max(seq), self.recr.seq_pos_max(seq))
+
+    def memory_breakdown(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for part in (self.attn, self.recr):
+            for k, v in part.memory_breakdown().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    # -- state ------------------------------------------------------------------------
+    def _attn_sections(self, seq: int, flags: int) -> list[tuple[bytes, bytes]]:
+        if isinstance(self.attn, KVCacheISWA):
+            return self.attn.state_sections(seq, flags)
+        if flags & StateFlags.PARTIAL_ONLY:
+            return []
+        w = Writer()
+        self.attn.state_write_into(w, seq)
+        return [(TAG_KV, w.getvalue())]
+
+    def state_sections(self, seq: int = -1, flags: int = StateFlags.NONE) -> list[tuple[bytes, bytes]]:
+        return [*self._attn_sections(seq, flags), (TAG_RECR, self.recr.write_section(seq, flags))]
+
+    def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
+        if seq >= 0:
+            self._check_seq(seq)
+        return pack_sections(self.state_sections(seq, flags), flags)
+
+    def _parse_attn(self, sections: Any, seq: int, flags: int) -> Any:
+        if isinstance(self.attn, KVCacheISWA):
+            return self.attn.parse_sections(sections, seq, flags)
+        if flags & StateFlags.PARTIAL_ONLY:
+            return None
+        r = Reader(find_section(sections, TAG_KV))
+        plan: KVStatePlan = self.attn.state_parse(r, seq)
+        r.at_end()
+        return plan
+
+    def parse_all(self, sections: Any, seq: int, flags: int) -> dict[str, Any]:
+        """Validate every section of every part; returns the plans.  Changes nothing."""
+        return {
+            "attn": self._parse_attn(sections, seq, flags),
+            "recr": self.recr.parse_section(find_section(sections, TAG_RECR), seq),
+        }
+
+    def commit_all(self, plans: dict[str, Any]) -> None:
+        if plans["attn"] is not None:
+            self.attn.state_commit(plans["attn"])
+        self.recr.apply_section(plans["recr"])
+
+    def state_drop(self, seq: int) -> None:
+        """Drop the destination from every part (the failure contract of §8.4)."""
+        if seq < 0:
+            self.clear(True)
+        else:
+            self.attn._state_drop(seq)
+            self.recr.seq_rm(seq, -1, -1)
+
+    def _drop_read_parts(self, seq: int, flags: int) -> None:
+        """After a failed read: drop the destination from the parts the read
+        would have written (a partial read never touches full-attention caches)."""
+        if not flags & StateFlags.PARTIAL_ONLY:
+            self.state_drop(seq)
+            return
+        if isinstance(self.attn, KVCacheISWA):
+            self.attn.swa._state_drop(seq)
+        if seq >= 0:
+            self.recr.seq_rm(seq, -1, -1)
+        else:
+            self.recr.clear(True)
+
+    def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
+        if seq >= 0:
+            self._check_seq(seq)
+        try:
+            _, sections = unpack_sections(data)
+            plans = self.parse_all(sections, seq, flags)
+        except StateError:
+            self._drop_read_parts(seq, flags)
+            raise
+        self.commit_all(plans)
+
+
+class HybridISWAMemory(HybridMemory):
+    """Hybrid with an iSWA attention part (§4.2): the same composition rules;
+    positions of the attention part come from its window cache."""
+
+    def __init__(self, attn: KVCacheISWA, recr: RecurrentMemory) -> None:
+        if not isinstance(attn, KVCacheISWA):
+            raise ArgumentError("attn", f"hybrid-iSWA needs a KVCacheISWA, got {type(attn).__name__}")
+        super().__init__(attn, recr)

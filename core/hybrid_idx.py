@@ -1,0 +1,260 @@
+"""Hybrid memory with an indexer cache (spec §4.3, ``reference/kpool-spec.md``).
+
+The indexer cache is a key-only KV cache (one row of width ``D * row_factor``
+per cell and indexer layer, no RoPE) with the same size, streams and slot
+infos as the attention cache: it never searches its own cells, it is placed
+into the attention slots, so its cells always equal the attention cells.
+
+On top sits the k-pool machinery of :mod:`statecache.kpool`: the layout of
+pools per sequence (updated at every ``apply()``), which pools the current
+ubatch must (re)compute, the graph inputs, and the stale marks that every
+sequence edit sets (table K.7).  Marks are copied when a batch is planned
+and cleared at the first ``next()`` of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from statecache.errors import ArgumentError, StateError
+from statecache.hybrid import HybridContext, HybridMemory
+from statecache.kpool import KPoolInputs, KPoolLayout, KPoolState, StaleMarks, Token, stale_pos
+from statecache.kv_cache import KVCache, KVLayer
+from statecache.memory import ContextError, MemoryContext, MemoryStatus, StateFlags, StatusContext, normalize_range
+from statecache.state_io import Reader, Writer, find_section
+
+if TYPE_CHECKING:
+    from statecache.batch import BatchAllocator, UBatch
+    from statecache.recurrent import RecurrentMemory
+
+TAG_IDX = b"IDXK"
+
+
+class HybridIdxMemory(HybridMemory):
+    """Attention + recurrent + indexer (key-only) caches.
+
+    ``idx_layers``: model layers with an indexer; ``head_size``: indexer head
+    size ``D``; ``row_factor``: row width in units of ``D`` (3 for glm5-next,
+    2 for qwen4exp); ``kpool``: tokens per pool; ``by_order``: order mode
+    (pools by rank) instead of position mode.
+    """
+
+    def __init__(
+        self,
+        attn: KVCache,
+        recr: RecurrentMemory,
+        idx_layers: Sequence[int],
+        *,
+        head_size: int,
+        row_factor: int = 3,
+        kpool: int = 4,
+        by_order: bool = False,
+        dtype: Any = None,
+    ) -> None:
+        if not isinstance(attn, KVCache):
+            raise ArgumentError("attn", "hybrid-idx needs a plain KVCache attention part")
+        if row_factor < 2 or head_size <= 0:
+            raise ArgumentError("row_factor", "an indexer row holds a per-token part and a pooled slot (factor >= 2)")
+        super().__init__(attn, recr)
+        self.idx = KVCache(
+            attn.device,
+            [KVLayer(il, head_size * row_factor, 0) for il in idx_layers],
+            size=attn.size,
+            n_seq_max=attn.n_seq_max,
+            unified=attn.unified,
+            dtype=attn.dtype if dtype is None else dtype,
+            swa_type=attn.swa_type,
+            n_swa=attn.n_swa,
+            n_pad=attn.n_pad,
+            can_shift=False,  # no RoPE on indexer keys: shifts are cleared, never rotated
+            name="idx",
+        )
+        self.head_size = int(head_size)
+        self.layout = KPoolLayout(kpool, by_order, attn.n_seq_max, attn.size, attn.n_stream)
+        self.marks = StaleMarks(attn.n_seq_max)
+
+    def fill_garbage(self, seed: int) -> None:
+        super().fill_garbage(seed)
+        self.idx.fill_garbage(seed + 2000)
+
+    def pairs_of(self, s: int) -> tuple[int, list[tuple[int, int]]]:
+        strm = self.idx.stream_of(s)
+        return strm, self.idx.cells[strm].seq_cells(s)
+
+    # -- plans ----------------------------------------------------------------------
+    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        ubs = self.split(balloc, n_ubatch, embd_all)
+        if ubs is None:
+            return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
+        plans = self._plan(ubs)
+        if isinstance(plans, str):
+            return StatusContext(MemoryStatus.FAILED_PREPARE, f"({plans})")
+        attn, recr = self._contexts(ubs, plans)
+        idx = self.idx.make_context(ubs, plans[1])  # the attention slots, not a search of its own
+        return HybridIdxContext(self, attn, idx, recr)
+
+    def init_full(self) -> MemoryContext:
+        ctx = HybridContext(self.attn.init_full(), self.recr.init_full(), [self.idx.init_full()])
+        self.layout.update(self.pairs_of, self.marks)  # marks are kept (kpool-spec H6)
+        ctx.kpool_state = self.layout.build_state([], None, 0, reserve=True)  # type: ignore[attr-defined]
+        return ctx
+
+    def init_update(self, optimize: bool = False) -> MemoryContext:
+        a = self.attn.init_update(optimize)
+        i = self.idx.init_update(optimize)
+        r = self.recr.init_update(optimize)
+        if all(c.status is MemoryStatus.NO_UPDATE for c in (a, i, r)):
+            return StatusContext(MemoryStatus.NO_UPDATE)
+        return HybridContext(a, r, [i])
+
+    # -- sequence operations with stale marks (K.7) ---------------------------------------
+    def clear(self, data: bool = True) -> None:
+        super().clear(data)
+        self.idx.clear(data)
+        self.marks.set(-1, 0)
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        if seq >= self.n_seq_max:
+            return False
+        if not self.recr.seq_rm(seq, p0, p1):
+            return False  # refused: no part changed, no mark
+        q0, _ = normalize_range(p0, p1)
+        st = stale_pos(seq, q0, self.idx.seq_pos_min(seq) if seq >= 0 else 0)
+        self.idx.seq_rm(seq, p0, p1)
+        self.marks.set(seq, st)
+        return self.attn.seq_rm(seq, p0, p1)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        if not (p0 <= 0 and p1 < 0):
+            raise ArgumentError("p0/p1", f"hybrid-idx copies whole sequences only, got [{p0}, {p1})")
+        super().seq_cp(src, dst, p0, p1)
+        self.idx.seq_cp(src, dst, p0, p1)
+        if src != dst:
+            self.marks.set(dst, 0)
+
+    def seq_keep(self, seq: int) -> None:
+        super().seq_keep(seq)
+        self.idx.seq_keep(seq)
+        self.marks.set(-1, 0)
+
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        super().seq_add(seq, p0, p1, delta)
+        q0, q1 = normalize_range(p0, p1)
+        if delta == 0 or q0 >= q1:
+            return
+        st = stale_pos(seq, q0 + delta if delta < 0 else q0, self.idx.seq_pos_min(seq))
+        self.idx.seq_add(seq, p0, p1, delta)
+        self.marks.set(seq, st)
+
+    def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        super().seq_div(seq, p0, p1, d)
+        self.idx.seq_div(seq, p0, p1, d)
+        self.marks.set(seq, 0)
+
+    def memory_breakdown(self) -> dict[str, int]:
+        out = super().memory_breakdown()
+        for k, v in self.idx.memory_breakdown().items():
+            out[k] = out.get(k, 0) + v
+        return out
+
+    # -- state ------------------------------------------------------------------------------
+    def state_sections(self, seq: int = -1, flags: int = StateFlags.NONE) -> list[tuple[bytes, bytes]]:
+        out = super().state_sections(seq, flags)
+        if not flags & StateFlags.PARTIAL_ONLY:
+            w = Writer()
+            self.idx.state_write_into(w, seq)
+            out.append((TAG_IDX, w.getvalue()))
+        return out
+
+    def parse_all(self, sections: Any, seq: int, flags: int) -> dict[str, Any]:
+        plans = super().parse_all(sections, seq, flags)
+        plans["idx"] = None
+        if not flags & StateFlags.PARTIAL_ONLY:
+            r = Reader(find_section(sections, TAG_IDX))
+            plans["idx"] = self.idx.state_parse(r, seq)
+            r.at_end()
+            a, i = plans["attn"], plans["idx"]
+            same = len(a.placements) == len(i.placements) and all(
+                (pa[0], pa[1].tolist(), pa[2].tolist()) == (pi[0], pi[1].tolist(), pi[2].tolist())
+                for pa, pi in zip(a.placements, i.placements)
+            )
+            if not same:
+                raise StateError("idx.cells", "the indexer section does not hold the attention section's cells")
+        return plans
+
+    def commit_all(self, plans: dict[str, Any]) -> None:
+        super().commit_all(plans)
+        if plans["idx"] is not None:
+            self.idx.state_commit(plans["idx"])
+            self.marks.set(plans["idx"].seq, 0)
+
+    def state_drop(self, seq: int) -> None:
+        super().state_drop(seq)
+        if seq >= 0:
+            self.idx._state_drop(seq)
+        else:
+            self.idx.clear(True)
+        self.marks.set(seq, 0)
+
+
+class HybridIdxContext(HybridContext):
+    """A planned batch on the three caches, with the per-ubatch k-pool state."""
+
+    def __init__(self, mem: HybridIdxMemory, attn: MemoryContext, idx: MemoryContext, recr: MemoryContext) -> None:
+        super().__init__(attn, recr, [idx])
+        self.mem = mem
+        self.idx = idx
+        self.stale_batch = mem.marks.copy()  # the marks as planned (K.7 step 1)
+        self.i_cur = 0
+        self._state_for = -1
+        self.kpool_state: KPoolState | None = None
+
+    def apply(self) -> bool:
+        if not super().apply():
+            return False
+        mem = self.mem
+        forced = mem.layout.update(mem.pairs_of, mem.marks)
+        tokens = self.tokens()
+        first = self.stale_batch if self.i_cur == 0 else None
+        ub = self.get_ubatch()
+        self.kpool_state = mem.layout.build_state(tokens, first, ub.n_seqs_unq, forced=forced)
+        self._state_for = self.i_cur
+        return True
+
+    def next(self) -> bool:
+        if self.i_cur == 0:
+            self.mem.marks.clear()  # the first ubatch computed: every re-pool is done
+        self.i_cur += 1
+        return super().next()
+
+    def tokens(self) -> list[Token]:
+        ub = self.get_ubatch()
+        cells = self.idx.sinfo.cells  # type: ignore[attr-defined]
+        return [Token(int(ub.pos[i]), tuple(ub.seq_id[i]), int(cells[i])) for i in range(ub.n_tokens)]
+
+    def _state(self) -> KPoolState:
+        if self._state_for != self.i_cur or self.kpool_state is None:
+            raise ContextError("k-pool sizes and inputs exist only after apply() of the current ubatch")
+        return self.kpool_state
+
+    def n_kpool(self) -> int:
+        return self._state().n_kpool
+
+    def n_kpool_new(self) -> int:
+        return self._state().n_new_g
+
+    def kpool_inputs(self, *, n_sel: int | None = None, with_pos: bool = False) -> KPoolInputs:
+        st = self._state()
+        idx: KVCache = self.mem.idx
+        return self.mem.layout.build_inputs(
+            st,
+            self.tokens(),
+            idx.n_kv(),
+            n_sel=n_sel,
+            with_pos=with_pos,
+            ext_of=lambda strm, c: (int(idx.cells[strm].ext[c][0]), int(idx.cells[strm].ext[c][1])),
+        )
+
+    def get_ubatch(self) -> UBatch:
+        return self.parts[0].get_ubatch()
