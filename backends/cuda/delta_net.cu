@@ -82,7 +82,7 @@ SC_HD void delta_block(const statecache_cuda_delta_args &a, int s, int h, int ti
 }
 
 template <typename T, int NPL, int LANES>
-__global__ void delta_kernel(const statecache_cuda_delta_args a) {
+__global__ void __launch_bounds__(256, 4) delta_kernel(const statecache_cuda_delta_args a) {
     for (int s = blockIdx.y; s < a.state.n_seqs; s += gridDim.y)
         delta_block<T, NPL, LANES>(a, s, blockIdx.x, threadIdx.x, blockDim.x);
 }

@@ -90,7 +90,7 @@ SC_HD void scan_block(const statecache_cuda_scan_args &a, int s, int h, int tid,
 }
 
 template <typename T, int NPL, int LANES>
-__global__ void ssm_scan_kernel(const statecache_cuda_scan_args a) {
+__global__ void __launch_bounds__(256, 4) ssm_scan_kernel(const statecache_cuda_scan_args a) {
     for (int s = blockIdx.y; s < a.state.n_seqs; s += gridDim.y)
         scan_block<T, NPL, LANES>(a, s, blockIdx.x, threadIdx.x, blockDim.x);
 }

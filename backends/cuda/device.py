@@ -1,0 +1,646 @@
+"""CUDA device: nvcc-built kernels loaded with cffi in ABI mode.
+
+Buffers are plain device memory from ``cudaMalloc`` (never managed memory),
+wrapped in :class:`CudaBuffer`, which exposes ``__cuda_array_interface__``
+and ``__dlpack__`` so torch and CuPy see them without a copy.  Every copy and
+launch is asynchronous on the device's own non-blocking stream;
+:meth:`CudaDevice.synchronize` waits for it.
+
+The cdef is derived from ``statecache_cuda.h`` itself, so the header is the
+one description of the ABI; the library's ABI version and struct sizes are
+checked when it is loaded, and a test checks every symbol and field offset.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from statecache import __version__
+from statecache.backend import PRIMITIVES, Backend, Buffer, Caps, Device, DeviceKind, Support
+from statecache.backends.cuda import build
+from statecache.dtypes import STORAGE_DTYPES, DType
+from statecache.errors import ArgumentError, StatecacheError
+
+#: The ABI this Python code speaks; the library must report the same.
+ABI_VERSION = 1
+
+#: Storage dtype codes of the header.
+DTYPE_CODES: dict[DType, int] = {DType.F32: 0, DType.F16: 1, DType.BF16: 2}
+
+#: Argument structs whose size is checked at load time.
+STRUCTS = (
+    "statecache_cuda_view",
+    "statecache_cuda_state_args",
+    "statecache_cuda_conv_args",
+    "statecache_cuda_scan_args",
+    "statecache_cuda_delta_args",
+)
+
+
+class CudaError(StatecacheError):
+    """A CUDA runtime call or kernel launch failed (status and text included)."""
+
+
+class AbiMismatchError(StatecacheError):
+    """The loaded library was built for another ABI version or struct layout."""
+
+
+def header_cdef(header: Path | None = None) -> str:
+    """The header as cffi cdef text: comments, preprocessor lines and the
+    ``extern "C"`` guard removed, declarations kept verbatim."""
+    text = (header or build.PACKAGE_DIR / build.HEADER).read_text()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    out: list[str] = []
+    skipping = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#ifdef __cplusplus"):
+            skipping = True
+            continue
+        if stripped.startswith("#"):
+            if stripped.startswith("#endif"):
+                skipping = False
+            continue
+        if not skipping:
+            out.append(line)
+    return "\n".join(out)
+
+
+def declared_functions(cdef: str) -> list[str]:
+    """Names of the functions a cdef declares (every one must be exported)."""
+    return sorted(set(re.findall(r"\b(statecache_cuda_\w+)\s*\(", cdef)))
+
+
+@dataclasses.dataclass
+class Runtime:
+    """A loaded library: the cffi handle plus small helpers."""
+
+    ffi: Any
+    lib: Any
+    path: Path
+
+    def error_text(self, status: int) -> str:
+        return self.ffi.string(self.lib.statecache_cuda_error_string(int(status))).decode(errors="replace")
+
+    def check(self, status: int, what: str) -> None:
+        if status:
+            raise CudaError(f"{what}: {self.error_text(status)} (status {status})")
+
+    def device_count(self) -> tuple[int, int]:
+        """(count, status): status is the cudaGetDeviceCount error, 0 if none."""
+        count = self.ffi.new("int *")
+        status = int(self.lib.statecache_cuda_device_count(count))
+        return (int(count[0]) if status == 0 else 0), status
+
+
+def load_library(path: str | Path) -> Runtime:
+    """dlopen the library and refuse it unless its ABI matches ours.
+
+    Loading calls nothing in the CUDA driver, so it works on machines
+    without a GPU (the tests rely on that)."""
+    import cffi
+
+    ffi = cffi.FFI()
+    ffi.cdef(header_cdef())
+    lib = ffi.dlopen(str(path))
+    got = int(lib.statecache_cuda_abi_version())
+    if got != ABI_VERSION:
+        raise AbiMismatchError(f"{path} implements ABI version {got}; this statecache needs {ABI_VERSION}")
+    for name in STRUCTS:
+        size = int(lib.statecache_cuda_layout(name.encode()))
+        if size != ffi.sizeof(name):
+            raise AbiMismatchError(f"{path}: sizeof({name}) is {size} in the library, {ffi.sizeof(name)} in the cdef")
+    return Runtime(ffi, lib, Path(path))
+
+
+# -- DLPack ---------------------------------------------------------------------
+# Plain ctypes: a capsule's deleter is a C function pointer, and ctypes keeps
+# the GIL rules simple (callbacks take the GIL).
+
+KDL_CPU = 1
+KDL_CUDA = 2
+_DL_CODES = {DType.F32: (2, 32), DType.F16: (2, 16), DType.BF16: (4, 16), DType.I32: (0, 32)}
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DL_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DL_DELETER)]
+
+# Exported tensors by address: the struct, its shape/strides arrays and the
+# buffer, kept alive until the consumer calls the deleter.
+_DL_LIVE: dict[int, tuple[Any, ...]] = {}
+_DL_LOCK = threading.Lock()
+
+
+@_DL_DELETER
+def _dl_deleter(managed: Any) -> None:
+    with _DL_LOCK:
+        _DL_LIVE.pop(ctypes.cast(managed, ctypes.c_void_p).value or 0, None)
+
+
+_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CAPSULE_DESTRUCTOR]
+_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_is_valid.restype = ctypes.c_int
+_capsule_is_valid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+
+
+@_CAPSULE_DESTRUCTOR
+def _capsule_destructor(capsule: int) -> None:
+    # A consumer renames the capsule to "used_dltensor" and owns the deleter
+    # call; a capsule that was never consumed still holds our tensor.
+    if _capsule_is_valid(capsule, b"dltensor"):
+        address = _capsule_pointer(capsule, b"dltensor")
+        with _DL_LOCK:
+            _DL_LIVE.pop(address, None)
+
+
+def _dlpack_capsule(buf: Buffer, data_ptr: int, device_type: int, device_id: int) -> Any:
+    code, bits = _DL_CODES[buf.dtype]
+    shape = (ctypes.c_int64 * max(buf.ndim, 1))(*buf.shape)
+    strides = (ctypes.c_int64 * max(buf.ndim, 1))(*buf.strides)
+    managed = _DLManagedTensor()
+    managed.dl_tensor.data = data_ptr
+    managed.dl_tensor.device = _DLDevice(device_type, device_id)
+    managed.dl_tensor.ndim = buf.ndim
+    managed.dl_tensor.dtype = _DLDataType(code, bits, 1)
+    managed.dl_tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    managed.dl_tensor.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
+    managed.dl_tensor.byte_offset = 0
+    managed.manager_ctx = None
+    managed.deleter = _dl_deleter
+    address = ctypes.addressof(managed)
+    with _DL_LOCK:
+        _DL_LIVE[address] = (managed, shape, strides, buf)
+    return _capsule_new(address, b"dltensor", _capsule_destructor)
+
+
+def dlpack_live_count() -> int:
+    """Exported tensors not yet released (tests check nothing leaks)."""
+    with _DL_LOCK:
+        return len(_DL_LIVE)
+
+
+# -- memory ---------------------------------------------------------------------
+
+
+class Allocation:
+    """One cudaMalloc block; freed when the last Buffer (or export) lets go."""
+
+    __slots__ = ("__weakref__", "device_index", "nbytes", "ptr", "runtime")
+
+    def __init__(self, runtime: Runtime, device_index: int, nbytes: int) -> None:
+        self.runtime = runtime
+        self.device_index = device_index
+        self.nbytes = nbytes
+        out = runtime.ffi.new("void **")
+        runtime.check(runtime.lib.statecache_cuda_set_device(device_index), "cudaSetDevice")
+        runtime.check(runtime.lib.statecache_cuda_malloc(out, nbytes), f"cudaMalloc({nbytes} bytes)")
+        self.ptr = int(runtime.ffi.cast("uintptr_t", out[0]))
+
+    def __del__(self) -> None:
+        ptr, self.ptr = getattr(self, "ptr", 0), 0
+        if ptr:
+            try:
+                self.runtime.lib.statecache_cuda_set_device(self.device_index)
+                self.runtime.lib.statecache_cuda_free(self.runtime.ffi.cast("void *", ptr))
+            except Exception:  # interpreter shutdown: the process frees it anyway
+                pass
+
+
+_TYPESTR = {DType.F32: "<f4", DType.F16: "<f2", DType.I32: "<i4"}
+
+
+class CudaBuffer(Buffer):
+    """A Buffer over device memory, visible to torch / CuPy without copies."""
+
+    __slots__ = ()
+
+    def data_ptr(self) -> int:
+        """Address of the first element (the view's offset included)."""
+        return int(self.storage.ptr) + self.offset * self.dtype.itemsize
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """Version 3 of Numba's CUDA Array Interface.  ``stream`` is the
+        device's stream: a consumer synchronizes with it before reading.
+        bf16 has no typestr in the interface; use ``__dlpack__`` for it."""
+        if self.dtype not in _TYPESTR:
+            raise AttributeError(f"{self.dtype} has no __cuda_array_interface__ typestr; use __dlpack__")
+        device: CudaDevice = self.device  # type: ignore[assignment]
+        itemsize = self.dtype.itemsize
+        return {
+            "shape": self.shape,
+            "typestr": _TYPESTR[self.dtype],
+            "data": (self.data_ptr(), False),
+            "strides": None if self.is_contiguous else tuple(s * itemsize for s in self.strides),
+            "version": 3,
+            "stream": device.stream_handle or None,
+        }
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        device: CudaDevice = self.device  # type: ignore[assignment]
+        return device.dlpack_device_type, device.index
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """A legacy ("dltensor") DLPack capsule over this memory, no copy.
+
+        Every queued write to the buffer is finished before the capsule is
+        handed out (unless ``stream == -1``, the consumer's "no sync")."""
+        if copy:
+            raise BufferError("statecache CUDA buffers are exported without copying (copy=True unsupported)")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"buffer lives on {self.__dlpack_device__()}, not on {tuple(dl_device)}")
+        if stream != -1:
+            self.device.synchronize()
+        device_type, device_id = self.__dlpack_device__()
+        return _dlpack_capsule(self, self.data_ptr(), device_type, device_id)
+
+
+# -- device ---------------------------------------------------------------------
+
+
+def _view(runtime: Runtime, view: Any, buf: Buffer) -> None:
+    """Fill a statecache_cuda_view from a float32 buffer (any strides)."""
+    assert isinstance(buf, CudaBuffer)
+    view.data = runtime.ffi.cast("const float *", buf.data_ptr())
+    view.strides = list(buf.strides) + [0] * (4 - buf.ndim)
+
+
+class CudaDevice(Device):
+    """One CUDA GPU.  Launches are asynchronous on a non-blocking stream."""
+
+    dlpack_device_type = KDL_CUDA
+
+    def __init__(self, runtime: Runtime, index: int) -> None:
+        self.runtime = runtime
+        self.index = index
+        self.id = f"cuda:{index}"
+        self.backend_name = "cuda"
+        self.kind = DeviceKind.GPU
+        ffi, lib = runtime.ffi, runtime.lib
+        name = ffi.new("char[256]")
+        total = ffi.new("size_t *")
+        major, minor, sms = ffi.new("int *"), ffi.new("int *"), ffi.new("int *")
+        runtime.check(lib.statecache_cuda_device_info(index, name, 256, total, major, minor, sms), "device info")
+        self.name = ffi.string(name).decode(errors="replace")
+        self.memory_bytes: int | None = int(total[0])
+        self.compute_capability = (int(major[0]), int(minor[0]))
+        self.multiprocessors = int(sms[0])
+        self._activate()
+        stream = ffi.new("void **")
+        runtime.check(lib.statecache_cuda_stream_create(stream), "cudaStreamCreateWithFlags")
+        self._stream = stream[0]
+        self.stream_handle = int(ffi.cast("uintptr_t", self._stream))
+        self.caps = self._caps()
+
+    def _caps(self) -> Caps:
+        return Caps(
+            ops=frozenset(PRIMITIVES),
+            storage_dtypes=STORAGE_DTYPES,
+            max_snapshots=64,
+            strided_inputs=True,
+            host_visible=False,
+            async_launch=True,
+        )
+
+    @property
+    def properties(self) -> dict[str, Any]:
+        props = super().properties
+        props.update(
+            compute_capability=".".join(map(str, self.compute_capability)),
+            multiprocessors=self.multiprocessors,
+            library=str(self.runtime.path),
+        )
+        return props
+
+    def _activate(self) -> None:
+        self.runtime.check(self.runtime.lib.statecache_cuda_set_device(self.index), f"cudaSetDevice({self.index})")
+
+    def _launch(self, op: str, *args: Any) -> None:
+        """Queue entry point ``statecache_cuda_<op>`` on this device's stream."""
+        self._activate()
+        status = getattr(self.runtime.lib, f"statecache_cuda_{op}")(*args, self._stream)
+        self.runtime.check(status, op)
+
+    def _ptr(self, buf: Buffer, ctype: str = "void *") -> Any:
+        assert isinstance(buf, CudaBuffer)
+        return self.runtime.ffi.cast(ctype, buf.data_ptr())
+
+    def _rows_ptr(self, rows: Buffer, host: np.ndarray) -> tuple[Any, Any]:
+        """Pointer to contiguous int32 indices; a strided index view is
+        re-uploaded (the returned buffer must live until the launch is queued)."""
+        if rows.is_contiguous:
+            return self._ptr(rows, "const int32_t *"), rows
+        tmp = self.indices(host)
+        return self._ptr(tmp, "const int32_t *"), tmp
+
+    # -- capabilities -----------------------------------------------------------
+    def supports(self, op: str, **params: Any) -> Support:
+        limit = int(self.runtime.lib.statecache_cuda_max_state_dim())
+        for key in ("d_state", "head_size"):
+            value = params.get(key)
+            if value is not None and int(value) > limit:
+                return Support(False, f"{self.id} handles {key} up to {limit}, got {value}")
+        d_conv = params.get("d_conv")
+        max_d_conv = int(self.runtime.lib.statecache_cuda_max_d_conv())
+        if d_conv is not None and int(d_conv) > max_d_conv:
+            return Support(False, f"{self.id} handles d_conv up to {max_d_conv}, got {d_conv}")
+        return super().supports(op, **params)
+
+    # -- memory -----------------------------------------------------------------
+    def _alloc(self, shape: tuple[int, ...], dtype: DType) -> Buffer:
+        nbytes = math.prod(shape) * dtype.itemsize
+        allocation = Allocation(self.runtime, self.index, nbytes)
+        buf = CudaBuffer(self, allocation, dtype, shape)
+        if nbytes:
+            self._launch("memset_async", self._ptr(buf), 0, nbytes)
+        return buf
+
+    def _write(self, buffer: Buffer, host: np.ndarray) -> None:
+        if host.nbytes:
+            # From pageable memory the copy returns once the data is staged,
+            # so `host` may be dropped afterwards.
+            src = self.runtime.ffi.cast("const void *", host.ctypes.data)
+            self._launch("memcpy_h2d_async", self._ptr(buffer), src, host.nbytes)
+
+    def _read(self, buffer: Buffer) -> np.ndarray:
+        if buffer.size == 0:
+            return np.empty(buffer.shape, dtype=buffer.dtype.numpy)
+        span = 1 + sum((n - 1) * s for n, s in zip(buffer.shape, buffer.strides))
+        flat = np.empty(span, dtype=buffer.dtype.numpy)
+        dst = self.runtime.ffi.cast("void *", flat.ctypes.data)
+        self._launch("memcpy_d2h_async", dst, self._ptr(buffer), flat.nbytes)
+        self.synchronize()
+        item = flat.itemsize
+        view = np.lib.stride_tricks.as_strided(
+            flat, shape=buffer.shape, strides=tuple(s * item for s in buffer.strides), writeable=False
+        )
+        return np.array(view, copy=True)
+
+    def synchronize(self) -> None:
+        self._activate()
+        self.runtime.check(self.runtime.lib.statecache_cuda_stream_synchronize(self._stream), "synchronize")
+
+    def copy_buffer(self, src: Buffer, dst: Buffer) -> None:
+        """cudaMemcpyAsync device to device: the bandwidth bound benchmarks use."""
+        self._check_own(src, "src")
+        self._check_own(dst, "dst")
+        if not (src.is_contiguous and dst.is_contiguous):
+            raise ArgumentError("src", "copy_buffer() needs contiguous buffers")
+        if src.dtype is not dst.dtype or src.size != dst.size:
+            raise ArgumentError("dst", f"{dst} does not match {src} in dtype and size")
+        if src.same_storage(dst):
+            raise ArgumentError("dst", "shares storage with src")
+        if src.nbytes:
+            self._launch("memcpy_d2d_async", self._ptr(dst), self._ptr(src), src.nbytes)
+
+    # -- rows -------------------------------------------------------------------
+    def _get_rows(self, src, rows, dst, rows_host):  # type: ignore[no-untyped-def]
+        rows_p, _keep = self._rows_ptr(rows, rows_host)
+        ffi = self.runtime.ffi
+        self._launch(
+            "copy_rows",
+            self._ptr(src),
+            DTYPE_CODES[src.dtype],
+            rows_p,
+            self._ptr(dst),
+            DTYPE_CODES[dst.dtype],
+            ffi.NULL,
+            dst.shape[0],
+            src.shape[1],
+        )
+
+    def _set_rows(self, dst, rows, src, rows_host):  # type: ignore[no-untyped-def]
+        rows_p, _keep = self._rows_ptr(rows, rows_host)
+        ffi = self.runtime.ffi
+        self._launch(
+            "copy_rows",
+            self._ptr(src),
+            DTYPE_CODES[src.dtype],
+            ffi.NULL,
+            self._ptr(dst),
+            DTYPE_CODES[dst.dtype],
+            rows_p,
+            src.shape[0],
+            src.shape[1],
+        )
+
+    def _zero_rows(self, dst, rows, rows_host):  # type: ignore[no-untyped-def]
+        rows_p, _keep = self._rows_ptr(rows, rows_host)
+        self._launch("zero_rows", self._ptr(dst), DTYPE_CODES[dst.dtype], rows_p, rows.shape[0], dst.shape[1])
+
+    def _copy_rows(self, src, src_rows, dst, dst_rows, src_host, dst_host):  # type: ignore[no-untyped-def]
+        src_p, _keep_src = self._rows_ptr(src_rows, src_host)
+        dst_p, _keep_dst = self._rows_ptr(dst_rows, dst_host)
+        self._launch(
+            "copy_rows",
+            self._ptr(src),
+            DTYPE_CODES[src.dtype],
+            src_p,
+            self._ptr(dst),
+            DTYPE_CODES[dst.dtype],
+            dst_p,
+            src_rows.shape[0],
+            src.shape[1],
+        )
+
+    # -- stateful ---------------------------------------------------------------
+    def _state_args(self, args: Any, shp: Any, pool: Buffer, start_rows: Buffer, dst_rows: Buffer) -> list[Buffer]:
+        """Fill the shared state fields; returns temporaries to keep alive."""
+        start_p, keep_start = self._rows_ptr(start_rows, self.index_values(start_rows))
+        dst_p, keep_dst = self._rows_ptr(dst_rows, self.index_values(dst_rows))
+        st = args.state
+        st.pool = self._ptr(pool)
+        st.start_rows = start_p
+        st.dst_rows = dst_p
+        st.row_size = shp.row_size
+        st.plane_stride = shp.plane_stride
+        st.pool_dtype = DTYPE_CODES[pool.dtype]
+        st.n_seqs = shp.n_seqs
+        st.n_tokens = shp.n_tokens
+        st.n_snap = shp.n_snap
+        return [keep_start, keep_dst]
+
+    def _new_args(self, struct: str) -> Any:
+        args = self.runtime.ffi.new(f"{struct} *")
+        args.struct_size = self.runtime.ffi.sizeof(struct)
+        return args
+
+    def _ssm_conv(self, shp, pool, start_rows, dst_rows, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
+        rt = self.runtime
+        a = self._new_args("statecache_cuda_conv_args")
+        _keep = self._state_args(a, shp, pool, start_rows, dst_rows)
+        _view(rt, a.x, x)
+        _view(rt, a.weight, weight)
+        if bias is not None:
+            _view(rt, a.bias, bias)
+        a.y = self._ptr(y, "float *")
+        a.channels = shp.channels
+        a.d_conv = shp.d_conv
+        a.apply_silu = int(bool(apply_silu))
+        self._launch("ssm_conv", a)
+
+    def _ssm_scan(self, shp, pool, start_rows, dst_rows, x, dt, A, B, C, y):  # type: ignore[no-untyped-def]
+        rt = self.runtime
+        a = self._new_args("statecache_cuda_scan_args")
+        _keep = self._state_args(a, shp, pool, start_rows, dst_rows)
+        for field, buf in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
+            _view(rt, getattr(a, field), buf)
+        a.y = self._ptr(y, "float *")
+        a.n_head = shp.n_head
+        a.head_dim = shp.head_dim
+        a.d_state = shp.d_state
+        a.n_group = shp.n_group
+        a.mamba1 = int(shp.variant == "mamba1")
+        self._launch("ssm_scan", a)
+
+    def _gated_delta_net(self, shp, pool, start_rows, dst_rows, q, k, v, g, beta, o, scale):  # type: ignore[no-untyped-def]
+        rt = self.runtime
+        a = self._new_args("statecache_cuda_delta_args")
+        _keep = self._state_args(a, shp, pool, start_rows, dst_rows)
+        for field, buf in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            _view(rt, getattr(a, field), buf)
+        a.o = self._ptr(o, "float *")
+        a.scale = scale
+        a.n_head_k = shp.n_head_k
+        a.n_head_v = shp.n_head_v
+        a.head_size = shp.head_size
+        a.kda = int(shp.variant == "kda")
+        self._launch("gated_delta_net", a)
+
+
+# -- backend ----------------------------------------------------------------------
+
+
+def driver_problem() -> str | None:
+    """Why the CUDA driver library cannot be loaded, or None when it can."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        return f"no CUDA driver: libcuda.so.1 cannot be loaded ({exc})"
+    return None
+
+
+@dataclasses.dataclass
+class _Probe:
+    ok: bool
+    reason: str
+    runtime: Runtime | None = None
+    count: int = 0
+
+
+class CudaBackend(Backend):
+    """CUDA GPUs through an nvcc-built library (built on first use, cached).
+
+    :param cache_root: where built libraries go (default
+        ``<STATECACHE_CACHE_DIR or user cache>/cuda``); tests pass a temp dir.
+    """
+
+    name = "cuda"
+    version = __version__
+    priority = 30  # a usable GPU wins automatic selection
+    description = "CUDA kernels built by nvcc, loaded with cffi (ABI mode)"
+    provided_by = "statecache"
+
+    def __init__(self, cache_root: str | Path | None = None) -> None:
+        self.cache_root = cache_root
+        self._probe_result: _Probe | None = None
+        self._devices: list[Device] | None = None
+        self._lock = threading.Lock()
+
+    def _probe(self) -> _Probe:
+        with self._lock:
+            if self._probe_result is None:
+                self._probe_result = self._run_probe()
+            return self._probe_result
+
+    def _run_probe(self) -> _Probe:
+        tc = build.toolchain()
+        if tc is None:
+            return _Probe(
+                False, "nvcc not found (PATH, CUDA_HOME, CUDA_PATH, /usr/local/cuda): cannot build the kernels"
+            )
+        path = build.cached_library(self.cache_root, tc)
+        if path is None:
+            # Do not spend a minute in nvcc during discovery when there is no
+            # driver to run the result.
+            problem = driver_problem()
+            if problem is not None:
+                return _Probe(False, problem)
+            try:
+                path = build.ensure_built(self.cache_root, tc).path
+            except build.BuildError as exc:
+                return _Probe(False, f"building the CUDA library failed: {exc}")
+        try:
+            runtime = load_library(path)
+        except (OSError, AbiMismatchError) as exc:
+            return _Probe(False, f"cannot load {path}: {exc}")
+        count, status = runtime.device_count()
+        if status:
+            return _Probe(
+                False, f"CUDA runtime: {runtime.error_text(status)} (cudaGetDeviceCount status {status})", runtime
+            )
+        if count == 0:
+            return _Probe(False, "CUDA runtime reports no device", runtime)
+        return _Probe(True, "", runtime, count)
+
+    def availability(self) -> tuple[bool, str]:
+        try:
+            probe = self._probe()
+        except Exception as exc:  # discovery must never crash
+            return False, f"CUDA probe raised {type(exc).__name__}: {exc}"
+        return probe.ok, probe.reason
+
+    def devices(self) -> list[Device]:
+        probe = self._probe()
+        if not probe.ok or probe.runtime is None:
+            return []
+        with self._lock:
+            if self._devices is None:
+                self._devices = [CudaDevice(probe.runtime, i) for i in range(probe.count)]
+            return self._devices
