@@ -194,13 +194,193 @@ class MemorySpec:
 
 
 def make_memory(
-    spec: MemorySpec,
+    spec: MemorySpec | ModelSpec,
     device: Device,
     n_seq_max: int,
     n_rs_seq: int = 0,
     **kwargs: Any,
-) -> RecurrentMemory:
-    """The memory of a pure-recurrent model (every stateful layer recurrent)."""
+) -> RecurrentMemory | Any:
+    """The memory of a pure-recurrent model (every stateful layer recurrent); a
+    :class:`ModelSpec` (attention / indexer layers too) picks its class itself."""
+    if isinstance(spec, ModelSpec):
+        return make_model_memory(spec, device, n_seq_max, n_rs_seq, **kwargs)
     from statecache.recurrent import RecurrentMemory
 
     return RecurrentMemory(spec, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq, **kwargs)
+
+
+# -- attention and indexer layers (hybrid models) --------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayerSpec:
+    """One attention layer's KV rows: ``n_head_kv`` heads of ``head_dim_k`` (K)
+    and ``head_dim_v`` (V, defaults to K's); ``swa``: a sliding-window layer."""
+
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int | None = None
+    swa: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_head_kv <= 0 or self.head_dim_k <= 0 or (self.head_dim_v is not None and self.head_dim_v <= 0):
+            raise ArgumentError("attention", "heads and head sizes must be positive")
+
+    @property
+    def n_embd_k(self) -> int:
+        return self.n_head_kv * self.head_dim_k
+
+    @property
+    def n_embd_v(self) -> int:
+        return self.n_head_kv * (self.head_dim_k if self.head_dim_v is None else self.head_dim_v)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerSpec:
+    """The key-only indexer cache of hybrid-idx models (kpool-spec K.1)."""
+
+    layers: tuple[int, ...]
+    head_size: int
+    row_factor: int = 3
+    kpool: int = 4
+    by_order: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A whole model's memory map: recurrent layers (a :class:`MemorySpec`),
+    attention layers, the KV storage dtype, the sliding window, an indexer."""
+
+    recurrent: MemorySpec
+    attention: Mapping[int, AttentionLayerSpec]
+    kv_dtype: DType = DType.F16
+    n_swa: int = 0
+    swa_type: str = "standard"
+    indexer: IndexerSpec | None = None
+
+    @classmethod
+    def build(
+        cls,
+        n_layer: int,
+        *,
+        recurrent: Mapping[int, RecurrentLayerSpec] | None = None,
+        attention: Mapping[int, AttentionLayerSpec] | None = None,
+        dtype: DType | str = DType.F32,
+        kv_dtype: DType | str = DType.F16,
+        n_swa: int = 0,
+        swa_type: str = "standard",
+        indexer: IndexerSpec | None = None,
+    ) -> ModelSpec:
+        recurrent = dict(recurrent or {})
+        attention = dict(attention or {})
+        both = set(recurrent) & set(attention)
+        if both:
+            raise ArgumentError("attention", f"layers {sorted(both)} are both recurrent and attention")
+        bad = [i for i in attention if not 0 <= i < n_layer]
+        if bad:
+            raise ArgumentError("attention", f"layer indices {bad} outside [0, {n_layer})")
+        if any(a.swa for a in attention.values()) and n_swa <= 0:
+            raise ArgumentError("n_swa", "sliding-window layers need n_swa > 0")
+        if indexer is not None:
+            if not recurrent or not attention:
+                raise ArgumentError("indexer", "an indexer needs a hybrid (attention + recurrent) model")
+            if any(a.swa for a in attention.values()):
+                raise ArgumentError("indexer", "hybrid-idx with sliding-window layers is not supported")
+            if any(not 0 <= i < n_layer for i in indexer.layers):
+                raise ArgumentError("indexer", f"indexer layers {indexer.layers} outside [0, {n_layer})")
+        return cls(
+            MemorySpec.build(n_layer, recurrent, dtype),
+            attention,
+            DType.parse(kv_dtype),
+            int(n_swa),
+            swa_type,
+            indexer,
+        )
+
+    @property
+    def n_layer(self) -> int:
+        return self.recurrent.n_layer
+
+    @property
+    def kind(self) -> str:
+        """``attention``, ``recurrent``, ``hybrid``, ``hybrid_iswa`` or ``hybrid_idx``."""
+        has_r = bool(self.recurrent.recurrent_layers)
+        has_swa = any(a.swa for a in self.attention.values())
+        if not self.attention:
+            return "recurrent"
+        if not has_r:
+            return "attention_iswa" if has_swa else "attention"
+        if self.indexer is not None:
+            return "hybrid_idx"
+        return "hybrid_iswa" if has_swa else "hybrid"
+
+    def kv_bytes(self, n_seq_max: int, n_ctx: int) -> int:
+        """Bytes of K and V for ``n_seq_max`` sequences of ``n_ctx`` positions
+        (full-size caches; an iSWA window cache is smaller, see :func:`make_memory`)."""
+        width = sum(a.n_embd_k + a.n_embd_v for a in self.attention.values())
+        return width * n_seq_max * n_ctx * self.kv_dtype.itemsize
+
+    def memory_breakdown(self, n_seq_max: int, n_ctx: int, n_rs_seq: int = 0, device: str = "device") -> dict[str, int]:
+        out = dict(self.recurrent.memory_breakdown(n_seq_max, n_rs_seq, device))
+        kv = self.kv_bytes(n_seq_max, n_ctx)
+        if self.indexer is not None:
+            kv += (
+                len(self.indexer.layers)
+                * self.indexer.head_size
+                * self.indexer.row_factor
+                * n_seq_max
+                * n_ctx
+                * self.kv_dtype.itemsize
+            )
+        if kv:
+            out[device] = out.get(device, 0) + kv
+        return out
+
+
+def make_model_memory(
+    spec: ModelSpec,
+    device: Device,
+    n_seq_max: int,
+    n_rs_seq: int = 0,
+    *,
+    n_ctx: int,
+    unified: bool = True,
+    n_ubatch: int = 512,
+    swa_full: bool = False,
+    n_pad: int = 256,
+    k_shift: Any = None,
+) -> Any:
+    """Pure attention (KVCache / KVCacheISWA), pure recurrent, hybrid, hybrid-iSWA
+    or hybrid-idx, as the spec says.  ``n_ctx``: positions per sequence."""
+    from statecache.kv_cache import KVCache, KVCacheISWA, KVLayer
+    from statecache.recurrent import RecurrentMemory
+
+    kind = spec.kind
+    if kind == "recurrent":
+        return RecurrentMemory(spec.recurrent, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq)
+    layers = [KVLayer(il, a.n_embd_k, a.n_embd_v) for il, a in sorted(spec.attention.items())]
+    size = n_ctx * n_seq_max if unified else n_ctx
+    common: dict[str, Any] = dict(n_seq_max=n_seq_max, unified=unified, dtype=spec.kv_dtype, n_pad=n_pad)
+    if kind in ("attention_iswa", "hybrid_iswa"):
+        swa_layers = [il for il, a in spec.attention.items() if a.swa]
+        attn: Any = KVCacheISWA(
+            device, layers, swa_layers, size=size, n_ubatch=n_ubatch, n_swa=spec.n_swa,
+            swa_type=spec.swa_type, swa_full=swa_full, k_shift=k_shift, **common,
+        )  # fmt: skip
+    else:
+        attn = KVCache(device, layers, size=size, k_shift=k_shift, **common)
+    if kind.startswith("attention"):
+        return attn
+    recr = RecurrentMemory(spec.recurrent, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq)
+    if kind == "hybrid_idx":
+        from statecache.hybrid_idx import HybridIdxMemory
+
+        ix = spec.indexer
+        assert ix is not None
+        return HybridIdxMemory(
+            attn, recr, ix.layers, head_size=ix.head_size, row_factor=ix.row_factor, kpool=ix.kpool,
+            by_order=ix.by_order,
+        )  # fmt: skip
+    from statecache.hybrid import HybridISWAMemory, HybridMemory
+
+    return HybridISWAMemory(attn, recr) if kind == "hybrid_iswa" else HybridMemory(attn, recr)
