@@ -35,7 +35,7 @@ SCAN_KCHUNK = 64  # ssm_scan: d_state elements kept in registers at a time
 FAMILIES: dict[str, tuple[str, ...]] = {
     "rows": ("copy_rows_u32", "copy_rows_u16", "copy_rows_convert", "zero_rows_u32", "zero_rows_u16"),
     "ssm_conv": ("ssm_conv",),
-    "ssm_scan": ("ssm_scan",),
+    "ssm_scan": ("ssm_scan", "ssm_scan_vec8"),
     "delta_net": ("gated_delta_net",),
 }
 

@@ -60,3 +60,30 @@ typedef ushort pool_t;
 
 // Upstream's softplus threshold: above 20, softplus(z) == z to float precision.
 inline float softplus_f(float z) { return z > 20.0f ? z : log1p(exp(z)); }
+
+// Vector access to a state pool, 8 elements at a time (the scan's fast path).
+inline ushort8 f32_to_bf16_8(float8 f) {
+    const uint8 u = as_uint8(f);
+    const uint8 rounded = (u + (uint8)(0x7fffu) + ((u >> 16) & (uint8)(1u))) >> 16;
+    const uint8 quiet_nan = (u >> 16) | (uint8)(0x0040u);
+    return convert_ushort8(select(rounded, quiet_nan, isnan(f)));
+}
+
+#ifdef POOL_DTYPE
+#if POOL_DTYPE == DT_F32
+#define POOL_LOAD8(p, i) vload8(0, (p) + (i))
+#define POOL_STORE8(p, i, v) vstore8((v), 0, (p) + (i))
+#elif POOL_DTYPE == DT_F16
+#define POOL_LOAD8(p, i) vload_half8(0, (p) + (i))
+#define POOL_STORE8(p, i, v) vstore_half8_rte((v), 0, (p) + (i))
+#else
+#define POOL_LOAD8(p, i) as_float8(convert_uint8(vload8(0, (p) + (i))) << 16)
+#define POOL_STORE8(p, i, v) vstore8(f32_to_bf16_8(v), 0, (p) + (i))
+#endif
+#endif
+
+inline float sum8(float8 v) {
+    const float4 a = v.lo + v.hi;
+    const float2 b = a.lo + a.hi;
+    return b.x + b.y;
+}

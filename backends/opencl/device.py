@@ -336,7 +336,9 @@ class OpenCLDevice(Device):
         C: Buffer,
         y: Buffer,
     ) -> None:
-        knl = self.kernel("ssm_scan", "ssm_scan", pool.dtype)
+        contiguous_k = B.strides[3] == 1 and C.strides[3] == 1 and (A.ndim == 1 or A.strides[1] == 1)
+        name = "ssm_scan_vec8" if contiguous_k and shp.d_state % 8 == 0 else "ssm_scan"
+        knl = self.kernel("ssm_scan", name, pool.dtype)
         rows_per_seq = shp.n_head * shp.head_dim
         local = min(SCAN_LOCAL_SIZE, rows_per_seq, self.max_work_group_size)
         a_args = self._strided(A) if A.ndim == 2 else [*self._strided(A), _long(0)]
