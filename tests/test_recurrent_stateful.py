@@ -1,0 +1,173 @@
+"""Hypothesis stateful test: random interleavings of decodes and sequence operations
+against a model that keeps each sequence as a plain token list and recomputes its
+state from zero with the reference primitives.
+
+Outputs and states must match the recompute; refused operations (seq_rm returning
+False) must leave the book and every pool byte unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from recurrent_toy import VOCAB, Tables, Toy, oracle
+
+import statecache
+from statecache.memory import StateFlags
+
+N_SEQ = 3
+ATOL = 3e-5
+DEV = statecache.get_device("reference")
+TABLES = Tables()
+
+
+@functools.lru_cache(maxsize=4096)
+def recompute(tokens: tuple[int, ...]):  # type: ignore[no-untyped-def]
+    return oracle(DEV, TABLES, list(tokens))
+
+
+class RecurrentMachine(RuleBasedStateMachine):
+    @initialize(n_rs_seq=st.sampled_from([0, 1, 3]), seed=st.integers(0, 3))
+    def setup(self, n_rs_seq: int, seed: int) -> None:
+        self.toy = Toy(DEV, N_SEQ, n_rs_seq=n_rs_seq, seed=seed)
+        self.mem = self.toy.mem
+        self.hist: dict[int, list[int]] = {}
+        self.offset: dict[int, int] = {}  # position of the first token (seq_add shifts it)
+        self.group: dict[int, int] = {}  # sequences sharing one state (seq_cp) share a group
+        self.next_group = 0
+
+    def _fresh_group(self, s: int) -> None:
+        self.group[s] = self.next_group
+        self.next_group += 1
+
+    def _sharers(self, s: int) -> list[int]:
+        return [q for q in self.hist if self.group[q] == self.group[s]]
+
+    def _snapshot(self):  # type: ignore[no-untyped-def]
+        return self.mem.book_snapshot(), {(L, n): b.numpy() for L, p in self.mem.pools.items() for n, b in p.items()}
+
+    def _assert_same(self, snap) -> None:  # type: ignore[no-untyped-def]
+        book, data = snap
+        assert self.mem.book_snapshot().same(book)
+        for (L, n), v in data.items():
+            np.testing.assert_array_equal(self.mem.pools[L][n].numpy(), v)
+
+    @rule(
+        data=st.data(),
+        seqs=st.sets(st.integers(0, N_SEQ - 1), min_size=1),
+        n_ubatch=st.integers(1, 9),
+    )
+    def decode(self, data, seqs, n_ubatch: int) -> None:  # type: ignore[no-untyped-def]
+        if self.mem.n_rs_seq:
+            n_ubatch = max(n_ubatch, self.mem.n_rs_seq + 2)
+        batch = {s: data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6)) for s in sorted(seqs)}
+        out = self.toy.decode(batch, n_ubatch)
+        assert out is not None
+        for s, toks in batch.items():
+            if s not in self.hist:
+                self.hist[s], self.offset[s] = [], 0
+            self._fresh_group(s)  # copy-on-write: the decoded sequence owns its state now
+            n0 = len(self.hist[s])
+            self.hist[s] += toks
+            ref, _ = recompute(tuple(self.hist[s]))
+            for k in range(n0, len(self.hist[s])):
+                np.testing.assert_allclose(out[(s, self.offset[s] + k)], ref[k], atol=ATOL)
+
+    @rule(src=st.integers(0, N_SEQ - 1), dst=st.integers(0, N_SEQ - 1))
+    def seq_cp(self, src: int, dst: int) -> None:
+        self.mem.seq_cp(src, dst)
+        if src == dst:
+            return
+        if src in self.hist:
+            self.hist[dst], self.offset[dst] = list(self.hist[src]), self.offset[src]
+            self.group[dst] = self.group[src]
+        else:
+            self.hist.pop(dst, None)
+            self.offset.pop(dst, None)
+
+    @rule(s=st.integers(0, N_SEQ - 1))
+    def seq_rm_whole(self, s: int) -> None:
+        assert self.mem.seq_rm(s, 0, -1)
+        self.hist.pop(s, None)
+        self.offset.pop(s, None)
+
+    @precondition(lambda self: any(len(h) > 1 for h in self.hist.values()))
+    @rule(data=st.data())
+    def seq_rm_partial(self, data) -> None:  # type: ignore[no-untyped-def]
+        s = data.draw(st.sampled_from(sorted(s for s, h in self.hist.items() if len(h) > 1)))
+        keep = data.draw(st.integers(1, len(self.hist[s]) - 1))
+        snap = self._snapshot()
+        if self.mem.seq_rm(s, self.offset[s] + keep, -1):
+            assert len(self._sharers(s)) == 1, "a shared state was rolled back"
+            assert self.mem.n_rs_seq > 0, "a rollback was accepted without rollback planes"
+            self.hist[s] = self.hist[s][:keep]
+        else:
+            self._assert_same(snap)
+
+    @precondition(lambda self: bool(self.hist))
+    @rule(data=st.data())
+    def seq_rm_inside_history(self, data) -> None:  # type: ignore[no-untyped-def]
+        s = data.draw(st.sampled_from(sorted(self.hist)))
+        snap = self._snapshot()
+        end = self.offset[s] + len(self.hist[s]) - 1
+        assert self.mem.seq_rm(s, max(1, end - 3), end)  # strictly inside: no-op
+        assert self.mem.seq_rm(s, end + 1, -1)  # after the tail: no-op
+        self._assert_same(snap)
+
+    @rule(s=st.integers(0, N_SEQ - 1))
+    def seq_keep(self, s: int) -> None:
+        self.mem.seq_keep(s)
+        for q in list(self.hist):
+            if q != s:
+                del self.hist[q]
+                del self.offset[q]
+
+    @precondition(lambda self: bool(self.hist))
+    @rule(data=st.data(), delta=st.integers(1, 4))
+    def seq_add(self, data, delta: int) -> None:  # type: ignore[no-untyped-def]
+        s = data.draw(st.sampled_from(sorted(self.hist)))
+        self.mem.seq_add(s, 0, -1, delta)
+        for q in self._sharers(s):  # the shared cell's position moves for every sharer
+            self.offset[q] += delta
+
+    @precondition(lambda self: bool(self.hist))
+    @rule(data=st.data(), whole=st.booleans())
+    def save_restore(self, data, whole: bool) -> None:  # type: ignore[no-untyped-def]
+        if whole:
+            blob = self.mem.state_write(-1, StateFlags.PARTIAL_ONLY)
+            self.mem.clear(data=False)
+            self.mem.state_read(blob)
+            return
+        s = data.draw(st.sampled_from(sorted(self.hist)))
+        blob = self.mem.state_write(s)
+        other = Toy(DEV, N_SEQ, n_rs_seq=self.mem.n_rs_seq, seed=11)
+        other.mem.state_read(blob, s)
+        self.mem.seq_rm(s, 0, -1)
+        self.mem.state_read(other.mem.state_write(s), s)
+        self._fresh_group(s)
+
+    @invariant()
+    def states_match_recompute(self) -> None:
+        if not hasattr(self, "mem"):
+            return
+        self.mem.check_invariants()
+        for s in range(N_SEQ):
+            if s not in self.hist:
+                assert self.mem.seq_pos_max(s) == -1
+                continue
+            assert self.mem.seq_pos_max(s) == self.offset[s] + len(self.hist[s]) - 1
+            _, ref = recompute(tuple(self.hist[s]))
+            got = self.toy.state(s)
+            for L in ref:
+                for n in ref[L]:
+                    np.testing.assert_allclose(got[L][n], ref[L][n], atol=ATOL, err_msg=f"seq {s} L{L} {n}")
+
+
+RecurrentMachine.TestCase.settings = settings(
+    settings.get_profile(settings._current_profile or "ci"), stateful_step_count=30
+)
+TestRecurrentStateful = RecurrentMachine.TestCase
