@@ -49,13 +49,22 @@ void sc_ssm_conv(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32
                 for (int64_t c = 0; c < cb; c++) wT[k * SC_CONV_BLOCK + c] = weight[(c0 + c) * d_conv + k];
             for (int64_t t = 0; t < n_t; t++) {
                 float *yr = y + (s * n_t + t) * channels + c0;
+                /* k outer, channels inner: every loop below vectorises. */
 #pragma omp simd
-                for (int64_t c = 0; c < cb; c++) {
-                    float acc = 0.0f;
-                    for (int64_t k = 0; k < d_conv; k++) acc += ext[(t + k) * SC_CONV_BLOCK + c] * wT[k * SC_CONV_BLOCK + c];
-                    if (bias) acc += bias[c0 + c];
-                    if (apply_silu) acc = acc / (1.0f + sc_exp(-acc));
-                    yr[c] = acc;
+                for (int64_t c = 0; c < cb; c++) yr[c] = ext[t * SC_CONV_BLOCK + c] * wT[c];
+                for (int64_t k = 1; k < d_conv; k++) {
+                    const float *SC_RESTRICT e = ext + (t + k) * SC_CONV_BLOCK;
+                    const float *SC_RESTRICT wk = wT + k * SC_CONV_BLOCK;
+#pragma omp simd
+                    for (int64_t c = 0; c < cb; c++) yr[c] += e[c] * wk[c];
+                }
+                if (bias) {
+#pragma omp simd
+                    for (int64_t c = 0; c < cb; c++) yr[c] += bias[c0 + c];
+                }
+                if (apply_silu) {
+#pragma omp simd
+                    for (int64_t c = 0; c < cb; c++) yr[c] = yr[c] / (1.0f + sc_exp(-yr[c]));
                 }
             }
             /* Snapshot j is the window ending j tokens before the end. */
