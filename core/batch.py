@@ -171,7 +171,9 @@ class BatchAllocator:
         self._set_of_token = np.zeros(0, dtype=np.int64)
         self._set_masks: list[int] = []
         self._set_ids: list[tuple[int, ...]] = []
-        self._set_tokens: list[np.ndarray] = []
+        self._order = np.zeros(0, dtype=np.int64)
+        self._bounds = np.zeros(1, dtype=np.int64)
+        self._seq_to_set_arr = np.full(self.n_seq_max + 1, -1, dtype=np.int64)
         self.split_reset()
 
     # -- validation (§6.1) ----------------------------------------------------
@@ -221,6 +223,10 @@ class BatchAllocator:
         # sequence ids
         if batch.seq_ids is None:
             seq_id = [(0,)] * n
+        elif isinstance(batch.seq_ids, np.ndarray) and batch.seq_ids.ndim == 1:
+            if batch.seq_ids.shape != (n,):
+                raise BatchError(f"seq_ids has {batch.seq_ids.size} entries for {n} tokens", rule="seq_id_count")
+            seq_id = [(s,) for s in batch.seq_ids.astype(np.int64).tolist()]
         else:
             if len(batch.seq_ids) != n:
                 raise BatchError(f"seq_ids has {len(batch.seq_ids)} entries for {n} tokens", rule="seq_id_count")
@@ -234,7 +240,8 @@ class BatchAllocator:
                 seq_id.append(t)
         primary = np.fromiter((ids[0] for ids in seq_id), dtype=np.int64, count=n)
         coupled = any(len(ids) > 1 for ids in seq_id)
-        all_ids = {s for ids in seq_id for s in ids} if coupled else set(np.unique(primary).tolist())
+        uniq_primary, set_of_primary = np.unique(primary, return_inverse=True)
+        all_ids = {s for ids in seq_id for s in ids} if coupled else set(uniq_primary.tolist())
         for s in all_ids:
             if not 0 <= s < self.n_seq_max:
                 i = next(i for i, ids in enumerate(seq_id) if s in ids)
@@ -262,17 +269,26 @@ class BatchAllocator:
                             rule="coupled_pos",
                         )
 
+        # what the memory holds per sequence, one array (vectorised when the memory offers it)
+        pos_mem = np.full(self.n_seq_max, -1, dtype=np.int64)
+        if memory is not None:
+            bulk = getattr(memory, "seq_pos_max_all", None)
+            if bulk is not None:
+                pos_mem[:] = np.asarray(bulk())[: self.n_seq_max]
+            else:
+                for s in all_ids:
+                    pos_mem[s] = memory.seq_pos_max(s)
+
         # positions
         if batch.pos is None:
-            nxt = {s: (memory.seq_pos_max(s) + 1 if memory is not None else 0) for s in all_ids}
+            nxt = {s: int(pos_mem[s]) + 1 for s in all_ids}
             if not coupled:
                 pos = np.empty(n, dtype=np.int32)
                 order = np.argsort(primary, kind="stable")
                 ps = primary[order]
-                starts = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]])
-                rank = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
-                base = np.fromiter((nxt[int(s)] for s in ps), dtype=np.int64, count=n)
-                pos[order] = (base + rank).astype(np.int32)
+                starts = np.flatnonzero(_first_of_run(ps))
+                rank = np.arange(n) - np.repeat(starts, np.diff(starts, append=n))
+                pos[order] = (pos_mem[ps] + 1 + rank).astype(np.int32)
             else:
                 pos_l = []
                 for ids in seq_id:
@@ -300,21 +316,23 @@ class BatchAllocator:
         order = np.lexsort((tok_idx, tok_seq))
         ss, ti = tok_seq[order], tok_idx[order]
         pp = pos[ti].astype(np.int64)
-        new_seq = np.r_[True, ss[1:] != ss[:-1]]
+        new_seq = _first_of_run(ss)
         starts = np.flatnonzero(new_seq)
-        for k in starts:
+        p_start = pos_mem[ss[starts]]
+        bad_start = starts[(p_start >= 0) & (pp[starts] != p_start + 1)]
+        if bad_start.size:
+            k = int(bad_start[0])
             s = int(ss[k])
-            p_mem = memory.seq_pos_max(s) if memory is not None else -1
-            if p_mem >= 0 and pp[k] != p_mem + 1:
-                i = int(ti[k])
-                raise BatchError(
-                    f"token {i}: sequence {s} must continue at position {p_mem + 1} (the memory holds up to "
-                    f"{p_mem}), got {int(pp[k])}",
-                    token=i,
-                    seq=s,
-                    rule="pos_start",
-                )
-        step_bad = np.flatnonzero(~new_seq & (pp != np.r_[0, pp[:-1]] + 1))
+            p_mem = int(pos_mem[s])
+            i = int(ti[k])
+            raise BatchError(
+                f"token {i}: sequence {s} must continue at position {p_mem + 1} (the memory holds up to "
+                f"{p_mem}), got {int(pp[k])}",
+                token=i,
+                seq=s,
+                rule="pos_start",
+            )
+        step_bad = np.flatnonzero(~new_seq & (pp != np.roll(pp, 1) + 1))
         if step_bad.size:
             k = int(step_bad[0])
             i, s = int(ti[k]), int(ss[k])
@@ -353,12 +371,17 @@ class BatchAllocator:
                 set_of_token[i] = k
             set_masks = list(uniq)
         else:
-            uniq_seq, set_of_token = np.unique(primary, return_inverse=True)
+            uniq_seq, set_of_token = uniq_primary, set_of_primary.reshape(-1)
             set_ids = [(int(s),) for s in uniq_seq]
             set_masks = [1 << int(s) for s in uniq_seq]
-        order = np.argsort(set_of_token, kind="stable")
-        bounds = np.r_[0, np.cumsum(np.bincount(set_of_token, minlength=len(set_ids)))]
-        self._set_tokens = [order[bounds[k] : bounds[k + 1]] for k in range(len(set_ids))]
+        # tokens of each set, in batch order: order[bounds[k] : bounds[k + 1]].  Every splitter
+        # takes a set's tokens in batch order, so what is used of a set is always a prefix.
+        self._order = np.argsort(set_of_token, kind="stable")
+        self._bounds = np.zeros(len(set_ids) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(set_of_token, minlength=len(set_ids)), out=self._bounds[1:])
+        self._seq_to_set_arr = np.full(self.n_seq_max + 1, -1, dtype=np.int64)
+        if not coupled:
+            self._seq_to_set_arr[uniq_seq] = np.arange(len(set_ids))
 
         self.token, self.embd, self.pos, self.seq_id, self.primary = token, embd, pos, seq_id, primary
         self.output, self.has_coupled = output, coupled
@@ -376,7 +399,7 @@ class BatchAllocator:
         self.n_used = 0
         self._used = np.zeros(self.n_tokens, dtype=bool)
         self._cursor = 0  # first possibly-unused token
-        self._set_cursor = [0] * len(self._set_tokens)
+        self._set_cursor = np.zeros(len(self._bounds) - 1, dtype=np.int64)
         self.out_ids: list[int] = []
 
     def _next_unused(self) -> int:
@@ -385,17 +408,13 @@ class BatchAllocator:
         return self._cursor
 
     def _set_remaining(self, k: int) -> np.ndarray:
-        toks = self._set_tokens[k]
-        c = self._set_cursor[k]
-        while c < toks.size and self._used[toks[c]]:
-            c += 1
-        self._set_cursor[k] = c
-        return toks[c:]
+        return self._order[self._bounds[k] + self._set_cursor[k] : self._bounds[k + 1]]
 
     def _emit(self, idx: np.ndarray, equal: bool, n_seq_tokens: int, set_ids: list[tuple[int, ...]]) -> UBatch:
         idx = np.asarray(idx, dtype=np.int64)
         self._used[idx] = True
         self.n_used += int(idx.size)
+        np.add.at(self._set_cursor, self._set_of_token[idx], 1)
         out = self.output[idx]
         self.out_ids.extend(idx[out].tolist())
         seq_id = [self.seq_id[i] for i in idx.tolist()]
@@ -451,17 +470,13 @@ class BatchAllocator:
         # 1. choose sets (capped at n_ubatch: every set needs at least one token)
         chosen: list[int] = []
         if sequential and not self.has_coupled:
-            # sets are single sequences; take consecutive ids from the first unused token's
-            k0 = int(self._set_of_token[start])
-            s0 = self._set_ids[k0][0]
-            seq_to_set = self._seq_to_set()
-            s = s0
-            while len(chosen) < n_ubatch:
-                k = seq_to_set.get(s)
-                if k is None or self._set_remaining(k).size == 0:
-                    break
-                chosen.append(k)
-                s += 1
+            # sets are single sequences: consecutive ids from the first unused token's
+            s0 = self._set_ids[int(self._set_of_token[start])][0]
+            cand = self._seq_to_set_arr[s0 : min(s0 + n_ubatch, self.n_seq_max)]
+            ok = cand >= 0
+            ok[ok] = self._remaining_count(cand[ok]) > 0
+            stop = np.flatnonzero(~ok)
+            chosen = cand[: stop[0] if stop.size else cand.size].tolist()
         else:
             taken = 0
             seen: set[int] = set()
@@ -483,37 +498,28 @@ class BatchAllocator:
                     break
 
         # 2. lock-step expansion
-        remaining = [self._set_remaining(k) for k in chosen]
-        n_len = min(r.size for r in remaining)
-        n_len = min(n_len, n_ubatch // len(chosen))
-        take = [n_len] * len(chosen)
+        ch = np.asarray(chosen, dtype=np.int64)
+        count = self._remaining_count(ch)
+        n_len = int(min(count.min(), n_ubatch // ch.size))
 
         # 3. keep-tail rule: a set may be cut only where n_keep_tail tokens remain after the cut
         if n_keep_tail > 0:
-            keep = 0
-            for r in remaining:
-                left = r.size - n_len
-                if left == 0 or left >= n_keep_tail:
-                    keep += 1
-                else:
-                    break
+            left = count - n_len
+            bad = np.flatnonzero((left != 0) & (left < n_keep_tail))
+            keep = int(bad[0]) if bad.size else ch.size
             if keep == 0:
-                r0 = remaining[0]
+                c0 = int(count[0])
                 # the whole remainder if it fits, else cut where n_keep_tail tokens stay behind
-                take = [int(r0.size) if r0.size <= n_ubatch else min(n_ubatch, int(r0.size) - n_keep_tail)]
-                chosen, remaining = chosen[:1], remaining[:1]
-            else:
-                chosen, remaining, take = chosen[:keep], remaining[:keep], take[:keep]
+                n_len = c0 if c0 <= n_ubatch else min(n_ubatch, c0 - n_keep_tail)
+                keep = 1
+            ch = ch[:keep]
 
-        idx = np.concatenate([r[:t] for r, t in zip(remaining, take, strict=True)])
-        return self._emit(idx, True, take[0], [self._set_ids[k] for k in chosen])
+        base = self._bounds[ch] + self._set_cursor[ch]
+        idx = self._order[(base[:, None] + np.arange(n_len)[None, :]).ravel()]
+        return self._emit(idx, True, n_len, [self._set_ids[k] for k in ch.tolist()])
 
-    def _seq_to_set(self) -> dict[int, int]:
-        cache = getattr(self, "_seq_to_set_cache", None)
-        if cache is None or cache[0] is not self._set_ids:
-            cache = (self._set_ids, {ids[0]: k for k, ids in enumerate(self._set_ids)})
-            self._seq_to_set_cache = cache
-        return cache[1]
+    def _remaining_count(self, sets: np.ndarray) -> np.ndarray:
+        return self._bounds[sets + 1] - self._bounds[sets] - self._set_cursor[sets]
 
     def split_seq(self, n_ubatch: int) -> UBatch:
         """One set per ubatch: from the first unused token, following unused tokens
@@ -535,6 +541,14 @@ class BatchAllocator:
                 idx.append(i)
                 cur = m
         return self._emit(np.asarray(idx), True, len(idx), [first_ids])
+
+
+def _first_of_run(a: np.ndarray) -> np.ndarray:
+    out = np.empty(a.size, dtype=bool)
+    if a.size:
+        out[0] = True
+        np.not_equal(a[1:], a[:-1], out=out[1:])
+    return out
 
 
 def _check_n_ubatch(n_ubatch: int) -> None:

@@ -164,7 +164,7 @@ class RecurrentContext(UBatchContext):
         expected = self._base_version + i
         if mem._version == expected and i < len(self._plans):
             book, inputs = self._plans[i]
-            mem._book = book.copy()
+            mem._book = book  # each plan is installed at most once
         else:  # the memory changed since the plan: place the ubatch again
             book = mem._book.copy()
             inputs = mem._find_slot(book, self.ubatches[i])
@@ -296,6 +296,12 @@ class RecurrentMemory(Memory):
 
     seq_pos_max = seq_pos_min
 
+    def seq_pos_max_all(self) -> np.ndarray:
+        """seq_pos_max of every sequence id in [0, n_seq_max) as one array (batch validation)."""
+        b = self._book
+        t = b.tail[: self.n_seq_max]
+        return np.where(t >= 0, b.pos[np.maximum(t, 0)], -1)
+
     def memory_breakdown(self) -> dict[str, int]:
         total = sum(b.nbytes for pools in self.pools.values() for b in pools.values())
         return {self.device.id: total} if total else {}
@@ -331,11 +337,11 @@ class RecurrentMemory(Memory):
         Never mutates the memory."""
         book = self._book.copy()
         plans = []
-        for ub in ubatches:
+        for k, ub in enumerate(ubatches):
             inputs = self._find_slot(book, ub)
             if inputs is None:
                 return None
-            plans.append((book.copy(), inputs))
+            plans.append((book if k == len(ubatches) - 1 else book.copy(), inputs))
         return plans
 
     def init_full(self) -> MemoryContext:
@@ -352,8 +358,11 @@ class RecurrentMemory(Memory):
         # 1. head heuristic
         if b.head > b.used + 2 * n_seqs:
             b.head = 0
-        # 2. validate ids; secondary ids drop their own state (they join the set's cell)
         sets = ub.set_seq_ids
+        fast = self._find_slot_fast(b, ub)
+        if fast is not None:
+            return fast
+        # 2. validate ids; secondary ids drop their own state (they join the set's cell)
         for ids in sets:
             for q in ids:
                 if not 0 <= q < self.n_seq_max:
@@ -474,6 +483,45 @@ class RecurrentMemory(Memory):
             staged=False,
         )
         return dataclasses.replace(inputs, staged=_needs_staging(inputs))
+
+    def _find_slot_fast(self, b: _Book, ub: UBatch) -> RecurrentInputs | None:
+        """The common decode case, vectorised: single-id sets whose sequences own their
+        cell alone, already in set order and contiguous.  None -> take the general path."""
+        sets = ub.set_seq_ids
+        n_seqs, n_t = ub.n_seqs, ub.n_seq_tokens
+        if any(len(ids) != 1 for ids in sets):
+            return None
+        q = np.fromiter((ids[0] for ids in sets), dtype=np.int64, count=n_seqs)
+        if q.min() < 0 or q.max() >= self.n_seq_max:
+            return None
+        cells = b.tail[q]
+        lo = int(cells[0])
+        if lo < 0 or not np.array_equal(cells, np.arange(lo, lo + n_seqs)):
+            return None
+        if any(len(b.seqs[c]) != 1 for c in cells.tolist()):
+            return None
+        if b.head > b.used + 2 * n_seqs:
+            b.head = 0
+        pos = ub.pos.reshape(n_seqs, n_t)
+        first, last = pos[:, 0].astype(np.int64), pos[:, -1].astype(np.int64)
+        old = b.pos[cells]
+        consecutive = (old < 0) | (old == first - 1)
+        if not consecutive.all():
+            s = int(np.flatnonzero(~consecutive)[0])
+            warnings.warn(
+                f"sequence {int(q[s])}: ubatch starts at position {int(first[s])} but the state is at {int(old[s])}",
+                NonConsecutivePositionWarning,
+                stacklevel=4,
+            )
+        start_rows = b.src[cells].copy()
+        b.pos[cells] = last
+        b.snap_end[cells] = last
+        n_written = min(n_t + 1, self.n_snap)
+        b.snap_valid[cells] = np.where(consecutive, n_written, min(n_t, self.n_snap))
+        b.src[cells] = cells
+        b.head = lo
+        z = np.zeros(0, dtype=np.int64)
+        return RecurrentInputs(self.size, self.n_snap, lo, n_seqs, n_seqs, n_t, -1, start_rows, z, z, False)
 
     # -- sequence operations (§2.2-2.7) -------------------------------------------
     def clear(self, data: bool = True) -> None:
@@ -733,18 +781,14 @@ class RecurrentMemory(Memory):
 
 def _needs_staging(inp: RecurrentInputs) -> bool:
     """True when a row the step reads is also written in the same step by someone else."""
-    written = inp.written_rows()
-    owner = np.repeat(np.arange(inp.n_seqs), inp.n_written)
-    where = dict(zip(written.tolist(), owner.tolist(), strict=True))
-    for s, r in enumerate(inp.start_rows.tolist()):
-        o = where.get(r)
-        if o is not None and o != s:
-            return True
+    owner = np.full(inp.size * inp.n_snap, -1, dtype=np.int64)
+    owner[inp.written_rows()] = np.repeat(np.arange(inp.n_seqs), inp.n_written)
+    o = owner[inp.start_rows]
+    if ((o >= 0) & (o != np.arange(inp.n_seqs))).any():
+        return True
     if inp.extra_dst.size:
-        ex_dst = set(inp.extra_dst.tolist())
-        if ex_dst & set(inp.start_rows.tolist()):
-            return True
-        if ex_dst & set(inp.extra_src.tolist()) or set(where) & set(inp.extra_src.tolist()):
+        owner[inp.extra_dst] = inp.n_seqs  # written by the extra copy
+        if (owner[inp.extra_src] >= 0).any() or np.isin(inp.extra_dst, inp.start_rows).any():
             return True
     return False
 
