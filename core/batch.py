@@ -169,7 +169,7 @@ class BatchAllocator:
         self.has_coupled = False
         self.seq_id_unq: tuple[int, ...] = ()
         self._set_of_token = np.zeros(0, dtype=np.int64)
-        self._set_masks: list[int] = []
+        self._set_masks: list[int] | None = []
         self._set_ids: list[tuple[int, ...]] = []
         self._order = np.zeros(0, dtype=np.int64)
         self._bounds = np.zeros(1, dtype=np.int64)
@@ -281,7 +281,6 @@ class BatchAllocator:
 
         # positions
         if batch.pos is None:
-            nxt = {s: int(pos_mem[s]) + 1 for s in all_ids}
             if not coupled:
                 pos = np.empty(n, dtype=np.int32)
                 order = np.argsort(primary, kind="stable")
@@ -290,6 +289,7 @@ class BatchAllocator:
                 rank = np.arange(n) - np.repeat(starts, np.diff(starts, append=n))
                 pos[order] = (pos_mem[ps] + 1 + rank).astype(np.int32)
             else:
+                nxt = {s: int(pos_mem[s]) + 1 for s in all_ids}
                 pos_l = []
                 for ids in seq_id:
                     p = nxt[ids[0]]
@@ -372,8 +372,8 @@ class BatchAllocator:
             set_masks = list(uniq)
         else:
             uniq_seq, set_of_token = uniq_primary, set_of_primary.reshape(-1)
-            set_ids = [(int(s),) for s in uniq_seq]
-            set_masks = [1 << int(s) for s in uniq_seq]
+            set_ids = [(s,) for s in uniq_seq.tolist()]
+            set_masks = None  # built on demand: only the non-sequential split needs them
         # tokens of each set, in batch order: order[bounds[k] : bounds[k + 1]].  Every splitter
         # takes a set's tokens in batch order, so what is used of a set is always a prefix.
         self._order = np.argsort(set_of_token, kind="stable")
@@ -403,9 +403,16 @@ class BatchAllocator:
         self.out_ids: list[int] = []
 
     def _next_unused(self) -> int:
-        while self._cursor < self.n_tokens and self._used[self._cursor]:
-            self._cursor += 1
+        if self._cursor < self.n_tokens and self._used[self._cursor]:
+            free = np.flatnonzero(~self._used[self._cursor :])
+            self._cursor = self._cursor + int(free[0]) if free.size else self.n_tokens
         return self._cursor
+
+    @property
+    def _masks(self) -> list[int]:
+        if self._set_masks is None:
+            self._set_masks = [_mask(ids) for ids in self._set_ids]
+        return self._set_masks
 
     def _set_remaining(self, k: int) -> np.ndarray:
         return self._order[self._bounds[k] + self._set_cursor[k] : self._bounds[k + 1]]
@@ -487,7 +494,7 @@ class BatchAllocator:
                 if k in seen:
                     continue
                 seen.add(k)
-                m = self._set_masks[k]
+                m = self._masks[k]
                 if m & taken:
                     continue
                 if sequential and chosen and self._set_ids[k][0] != self._set_ids[chosen[-1]][0] + 1:
@@ -528,7 +535,7 @@ class BatchAllocator:
         start = self._next_unused()
         if start >= self.n_tokens:
             return UBatch.empty()
-        cur = self._set_masks[int(self._set_of_token[start])]
+        cur = self._masks[int(self._set_of_token[start])]
         first_ids = self._set_ids[int(self._set_of_token[start])]
         idx = [start]
         for i in range(start + 1, self.n_tokens):
@@ -536,7 +543,7 @@ class BatchAllocator:
                 break
             if self._used[i]:
                 continue
-            m = self._set_masks[int(self._set_of_token[i])]
+            m = self._masks[int(self._set_of_token[i])]
             if m & cur == m:
                 idx.append(i)
                 cur = m
