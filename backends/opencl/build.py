@@ -29,14 +29,17 @@ DTYPE_CODES: dict[DType, int] = {DType.F32: 0, DType.F16: 1, DType.BF16: 2}
 #: Compile-time limits of the kernels (private arrays); Device.supports checks them.
 MAX_WINDOW = 32  # ssm_conv: d_conv - 1
 MAX_HEAD_SIZE = 256  # gated_delta_net: S
-SCAN_KCHUNK = 64  # ssm_scan: d_state elements kept in registers at a time
+# ssm_scan: d_state elements kept in private memory at a time.  One chunk for
+# every real d_state (<= 256): on PoCL a second chunk (a second pass over y
+# and the per-token softplus) cost 3x at d_state 128 with chunks of 64.
+SCAN_KCHUNK = 256
 
 #: The kernels of each family, by file name.
 FAMILIES: dict[str, tuple[str, ...]] = {
     "rows": ("copy_rows_u32", "copy_rows_u16", "copy_rows_convert", "zero_rows_u32", "zero_rows_u16"),
     "ssm_conv": ("ssm_conv",),
     "ssm_scan": ("ssm_scan", "ssm_scan_vec8"),
-    "delta_net": ("gated_delta_net",),
+    "delta_net": ("gated_delta_net", "gated_delta_net_vec8"),
 }
 
 _FAMILY_DEFINES: dict[str, tuple[str, ...]] = {

@@ -29,8 +29,8 @@ from statecache.errors import ArgumentError
 INSTALL_HINT = "apt-get install pocl-opencl-icd"
 EXTRA_HINT = "pip install 'statecache[opencl]'"
 
-#: Work-items per work-group of the scan (rows of the state per group).
-SCAN_LOCAL_SIZE = 64
+#: Work-items per work-group of the scan and the delta rule (state rows per group).
+ROWS_LOCAL_SIZE = 64
 
 
 def _long(value: int) -> np.int64:
@@ -138,10 +138,8 @@ class OpenCLDevice(Device):
         if op == "ssm_conv" and d_conv is not None and int(d_conv) - 1 > build.MAX_WINDOW:
             return Support(False, f"{self.id} keeps conv windows of at most {build.MAX_WINDOW} (d_conv <= 33)")
         size = params.get("head_size")
-        if op == "gated_delta_net" and size is not None:
-            limit = min(build.MAX_HEAD_SIZE, self.max_work_group_size)
-            if int(size) > limit:
-                return Support(False, f"{self.id} runs gated_delta_net with head size <= {limit}")
+        if op == "gated_delta_net" and size is not None and int(size) > build.MAX_HEAD_SIZE:
+            return Support(False, f"{self.id} runs gated_delta_net with head size <= {build.MAX_HEAD_SIZE}")
         return SUPPORTED
 
     # -- memory ---------------------------------------------------------------
@@ -340,7 +338,7 @@ class OpenCLDevice(Device):
         name = "ssm_scan_vec8" if contiguous_k and shp.d_state % 8 == 0 else "ssm_scan"
         knl = self.kernel("ssm_scan", name, pool.dtype)
         rows_per_seq = shp.n_head * shp.head_dim
-        local = min(SCAN_LOCAL_SIZE, rows_per_seq, self.max_work_group_size)
+        local = min(ROWS_LOCAL_SIZE, rows_per_seq, self.max_work_group_size)
         a_args = self._strided(A) if A.ndim == 2 else [*self._strided(A), _long(0)]
         knl(
             self.queue,
@@ -382,13 +380,17 @@ class OpenCLDevice(Device):
         o: Buffer,
         scale: float,
     ) -> None:
-        knl = self.kernel("delta_net", "gated_delta_net", pool.dtype)
         size = shp.head_size
+        contiguous_i = q.strides[3] == 1 and k.strides[3] == 1 and (g.ndim == 3 or g.strides[3] == 1)
+        name = "gated_delta_net_vec8" if contiguous_i and size % 8 == 0 else "gated_delta_net"
+        knl = self.kernel("delta_net", name, pool.dtype)
+        rows_per_seq = shp.n_head_v * size
+        local = min(ROWS_LOCAL_SIZE, rows_per_seq, self.max_work_group_size)
         g_args = self._strided(g) if g.ndim == 4 else [*self._strided(g), _long(0)]
         knl(
             self.queue,
-            (shp.n_head_v * size, shp.n_seqs),
-            (size, 1),
+            (_round_up(rows_per_seq, local), shp.n_seqs),
+            (local, 1),
             pool.storage,
             _long(pool.offset),
             _long(shp.row_size),

@@ -10,7 +10,7 @@
 // work-item, which accumulates the per-chunk partial sums into it.
 
 #ifndef KCHUNK
-#define KCHUNK 64
+#define KCHUNK 256
 #endif
 
 __kernel void ssm_scan(__global pool_t *pool, long pool_off, long row_size,
@@ -26,9 +26,10 @@ __kernel void ssm_scan(__global pool_t *pool, long pool_off, long row_size,
     const long r = get_global_id(0);
     const long s = get_global_id(1);
     if (r >= n_head * head_dim) return;
-    const long h = r / head_dim;
-    const long i = r - h * head_dim;
-    const long g = h / heads_per_group;
+    // 32-bit divisions: a 64-bit one costs as much as a row's arithmetic on CPUs.
+    const int h = (int)r / (int)head_dim;
+    const int i = (int)r - h * (int)head_dim;
+    const int g = h / (int)heads_per_group;
 
     const long src = pool_off + (long)start_rows[s] * row_size + r * d_state;
     const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * d_state;
@@ -93,9 +94,10 @@ __kernel void ssm_scan_vec8(__global pool_t *pool, long pool_off, long row_size,
     const long r = get_global_id(0);
     const long s = get_global_id(1);
     if (r >= n_head * head_dim) return;
-    const long h = r / head_dim;
-    const long i = r - h * head_dim;
-    const long g = h / heads_per_group;
+    // 32-bit divisions: a 64-bit one costs as much as a row's arithmetic on CPUs.
+    const int h = (int)r / (int)head_dim;
+    const int i = (int)r - h * (int)head_dim;
+    const int g = h / (int)heads_per_group;
 
     const long src = pool_off + (long)start_rows[s] * row_size + r * d_state;
     const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * d_state;

@@ -272,7 +272,8 @@ def scan_inputs(rng, n_s, n_t, H, P, N, G, mamba1=False):
     ("dtype", "H", "P", "N", "G", "n_t", "n_snap", "bc_layout"),
     [
         (DType.F32, 4, 8, 16, 2, 1, 1, "contiguous"),  # Mamba-2 decode
-        (DType.F32, 2, 4, 80, 1, 4, 3, "contiguous"),  # d_state beyond one private chunk (64)
+        (DType.F32, 2, 4, 264, 1, 4, 3, "contiguous"),  # d_state beyond one private chunk (256)
+        (DType.F32, 1, 2, 260, 1, 2, 3, "contiguous"),  # the same on the scalar kernel
         (DType.F32, 4, 4, 16, 4, 2, 5, "contiguous"),  # n_snap > n_t
         (DType.F32, 2, 4, 20, 2, 2, 3, "contiguous"),  # d_state not a multiple of 8: scalar kernel
         (DType.F32, 2, 4, 16, 1, 3, 2, "transposed"),  # B/C strided along d_state: scalar kernel
@@ -390,16 +391,20 @@ def delta_inputs(rng, n_s, n_t, Hk, Hv, S, kda):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "kda", "Hk", "Hv", "S", "n_t", "n_snap", "permuted"),
+    ("dtype", "kda", "Hk", "Hv", "S", "n_t", "n_snap", "layout"),
     [
-        (DType.F32, False, 2, 2, 16, 1, 1, False),  # decode
-        (DType.F32, False, 1, 2, 32, 4, 3, True),  # GQA, snapshots, permuted q/k/v
-        (DType.F32, True, 2, 4, 16, 3, 5, False),  # KDA, n_snap > n_t
-        (DType.F16, True, 2, 2, 16, 2, 2, True),
-        (DType.BF16, False, 1, 1, 16, 3, 4, False),
+        (DType.F32, False, 2, 2, 16, 1, 1, "contiguous"),  # decode
+        (DType.F32, False, 1, 2, 32, 4, 3, "heads_outer"),  # GQA, snapshots, permuted q/k/v
+        (DType.F32, True, 2, 4, 16, 3, 5, "contiguous"),  # KDA, n_snap > n_t
+        (DType.F32, True, 1, 2, 12, 2, 3, "contiguous"),  # S % 8 != 0: scalar kernel
+        (DType.F32, True, 2, 2, 16, 2, 2, "keys_outer"),  # q/k strided along S: scalar kernel
+        (DType.F16, True, 2, 2, 16, 2, 2, "heads_outer"),
+        (DType.F16, False, 1, 1, 12, 2, 3, "keys_outer"),
+        (DType.BF16, False, 1, 1, 16, 3, 4, "contiguous"),
+        (DType.BF16, True, 1, 2, 12, 1, 2, "contiguous"),
     ],
 )
-def test_gated_delta_net(twin, rng, dtype, kda, Hk, Hv, S, n_t, n_snap, permuted):
+def test_gated_delta_net(twin, rng, dtype, kda, Hk, Hv, S, n_t, n_snap, layout):
     n_s, stride = 2, 4
     R = 4 * stride
     q, k, v, g, beta = delta_inputs(rng, n_s, n_t, Hk, Hv, S, kda)
@@ -407,8 +412,10 @@ def test_gated_delta_net(twin, rng, dtype, kda, Hk, Hv, S, n_t, n_snap, permuted
     start = np.array([1 + stride, R - 1])  # own rollback plane; a row nobody writes
     pool = twin.pool("pool", R, Hv * S * S, dtype)
     o = twin.output("o", (n_s, n_t, Hv, S))
-    if permuted:  # heads outermost in memory, as a permuted view of [H, n_s, n_t, S]
+    if layout == "heads_outer":  # a permuted view of [H, n_s, n_t, S]
         qkv = [twin.strided(a, transpose=(2, 0, 1, 3)) for a in (q, k, v)]
+    elif layout == "keys_outer":  # the head dimension outermost: strided along S
+        qkv = [twin.strided(a, transpose=(3, 0, 1, 2)) for a in (q, k, v)]
     else:
         qkv = [twin.upload(a) for a in (q, k, v)]
     gb = [twin.strided(g, pad_last=1), twin.upload(beta)]
