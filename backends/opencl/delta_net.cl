@@ -21,10 +21,24 @@
         __global const int *dst_rows, __global const float *q, long q_off, long qs0, long qs1, long qs2, \
         long qs3, __global const float *k, long k_off, long ks0, long ks1, long ks2, long ks3,          \
         __global const float *v, long v_off, long vs0, long vs1, long vs2, long vs3,                    \
-        __global const float *g, long g_off, long gs0, long gs1, long gs2, long gs3,                    \
+        __global const float *gate,                                                                     \
         __global const float *beta, long be_off, long bes0, long bes1, long bes2, __global float *o,    \
         long o_off, long n_t, long n_head_k, long n_head_v, long S, int per_key_gate, long n_written,   \
         long plane_step, float scale
+
+// exp(g) for every gate element, into a contiguous [n_s, n_t, H_v(, S)]
+// array: once per element instead of once per work-item that needs it (for
+// KDA every work-item of a head needs all S of them).
+__kernel void gated_delta_net_gate(__global const float *g, long g_off, long gs0, long gs1, long gs2, long gs3,
+                                   __global float *gate, long n_s, long n_t, long n_head_v, long per_head) {
+    const long idx = get_global_id(0);
+    if (idx >= n_s * n_t * n_head_v * per_head) return;
+    const long i = idx % per_head;
+    const long h = (idx / per_head) % n_head_v;
+    const long t = (idx / (per_head * n_head_v)) % n_t;
+    const long s = idx / (per_head * n_head_v * n_t);
+    gate[idx] = exp(g[g_off + s * gs0 + t * gs1 + h * gs2 + i * gs3]);
+}
 
 // Any strides, any head size up to MAX_S.
 __kernel void gated_delta_net(DELTA_ARGS) {
@@ -46,15 +60,15 @@ __kernel void gated_delta_net(DELTA_ARGS) {
     for (long t = 0; t < n_t; ++t) {
         const long kb = k_off + s * ks0 + t * ks1 + hk * ks2;
         const long qb = q_off + s * qs0 + t * qs1 + hk * qs2;
-        const long gb = g_off + s * gs0 + t * gs1 + h * gs2;
+        const long gb = ((s * n_t + t) * n_head_v + h) * (per_key_gate ? S : 1);
         float kd = 0.0f;
         if (per_key_gate) {
             for (long i = 0; i < S; ++i) {
-                m[i] *= exp(g[gb + i * gs3]);
+                m[i] *= gate[gb + i];
                 kd += m[i] * k[kb + i * ks3];
             }
         } else {
-            const float decay = exp(g[gb]);
+            const float decay = gate[gb];
             for (long i = 0; i < S; ++i) {
                 m[i] *= decay;
                 kd += m[i] * k[kb + i * ks3];
@@ -76,8 +90,8 @@ __kernel void gated_delta_net(DELTA_ARGS) {
     }
 }
 
-// The same, 8 key elements per vector operation: S % 8 == 0 and q, k (and g
-// for KDA) contiguous along the head dimension, which is every real model.
+// The same, 8 key elements per vector operation: S % 8 == 0 and q, k
+// contiguous along the head dimension, which is every real model.
 __kernel void gated_delta_net_vec8(DELTA_ARGS) {
     const long r = get_global_id(0);
     const long s = get_global_id(1);
@@ -98,15 +112,15 @@ __kernel void gated_delta_net_vec8(DELTA_ARGS) {
     for (long t = 0; t < n_t; ++t) {
         __global const float *kp = k + k_off + s * ks0 + t * ks1 + hk * ks2;
         __global const float *qp = q + q_off + s * qs0 + t * qs1 + hk * qs2;
-        __global const float *gp = g + g_off + s * gs0 + t * gs1 + h * gs2;
+        __global const float *gp = gate + ((s * n_t + t) * n_head_v + h) * (per_key_gate ? S : 1);
         float8 kd = (float8)(0.0f);
         if (per_key_gate) {
             for (long u = 0; u < nv; ++u) {
-                m[u] *= exp(vload8(u, gp));
+                m[u] *= vload8(u, gp);
                 kd += m[u] * vload8(u, kp);
             }
         } else {
-            const float decay = exp(gp[0]);
+            const float decay = gp[0];
             for (long u = 0; u < nv; ++u) {
                 m[u] *= decay;
                 kd += m[u] * vload8(u, kp);

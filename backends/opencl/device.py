@@ -88,6 +88,8 @@ class OpenCLDevice(Device):
         self._context: Any = None
         self._queue: Any = None
         self._kernels: build.KernelCache | None = None
+        self._scratch: Any = None
+        self._scratch_bytes = 0
 
     @property
     def properties(self) -> dict[str, Any]:
@@ -128,6 +130,19 @@ class OpenCLDevice(Device):
             self._setup()
         assert self._kernels is not None
         return self._kernels.kernel(family, name, pool_dtype)
+
+    def scratch(self, nbytes: int) -> Any:
+        """A device buffer of at least ``nbytes`` for per-call temporaries.
+
+        One buffer, grown on demand: the queue is in order, so a launch that
+        reuses it runs after every earlier user of it has finished."""
+        import pyopencl as cl
+
+        if self._scratch is None or self._scratch_bytes < nbytes:
+            size = max(_round_up(nbytes, 4096), 4096)
+            self._scratch = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, size=size)
+            self._scratch_bytes = size
+        return self._scratch
 
     # -- capabilities ---------------------------------------------------------
     def supports(self, op: str, **params: Any) -> Support:
@@ -334,12 +349,27 @@ class OpenCLDevice(Device):
         C: Buffer,
         y: Buffer,
     ) -> None:
+        n_prep = shp.n_seqs * shp.n_tokens * shp.n_head
+        prep = self.scratch(n_prep * 8)  # float2 per (sequence, token, head)
+        a_args = self._strided(A) if A.ndim == 2 else [*self._strided(A), _long(0)]
+        mamba1 = shp.variant == "mamba1"
+        self.kernel("ssm_scan", "ssm_scan_prep", pool.dtype)(
+            self.queue,
+            (_round_up(n_prep, 64),),
+            (64,),
+            *self._strided(dt),
+            *a_args[:3],
+            _int(mamba1),
+            prep,
+            _long(shp.n_seqs),
+            _long(shp.n_tokens),
+            _long(shp.n_head),
+        )
         contiguous_k = B.strides[3] == 1 and C.strides[3] == 1 and (A.ndim == 1 or A.strides[1] == 1)
         name = "ssm_scan_vec8" if contiguous_k and shp.d_state % 8 == 0 else "ssm_scan"
         knl = self.kernel("ssm_scan", name, pool.dtype)
         rows_per_seq = shp.n_head * shp.head_dim
         local = min(ROWS_LOCAL_SIZE, rows_per_seq, self.max_work_group_size)
-        a_args = self._strided(A) if A.ndim == 2 else [*self._strided(A), _long(0)]
         knl(
             self.queue,
             (_round_up(rows_per_seq, local), shp.n_seqs),
@@ -350,7 +380,7 @@ class OpenCLDevice(Device):
             start_rows.storage,
             dst_rows.storage,
             *self._strided(x),
-            *self._strided(dt),
+            prep,
             *a_args,
             *self._strided(B),
             *self._strided(C),
@@ -361,7 +391,7 @@ class OpenCLDevice(Device):
             _long(shp.head_dim),
             _long(shp.d_state),
             _long(shp.n_head // shp.n_group),
-            _int(shp.variant == "mamba1"),
+            _int(mamba1),
             _long(shp.n_written),
             _long(shp.plane_stride * shp.row_size),  # elements between planes
         )
@@ -381,12 +411,26 @@ class OpenCLDevice(Device):
         scale: float,
     ) -> None:
         size = shp.head_size
-        contiguous_i = q.strides[3] == 1 and k.strides[3] == 1 and (g.ndim == 3 or g.strides[3] == 1)
+        per_head = size if shp.variant == "kda" else 1
+        n_gate = shp.n_seqs * shp.n_tokens * shp.n_head_v * per_head
+        gate = self.scratch(n_gate * 4)
+        g_args = self._strided(g) if g.ndim == 4 else [*self._strided(g), _long(0)]
+        self.kernel("delta_net", "gated_delta_net_gate", pool.dtype)(
+            self.queue,
+            (_round_up(n_gate, 64),),
+            (64,),
+            *g_args,
+            gate,
+            _long(shp.n_seqs),
+            _long(shp.n_tokens),
+            _long(shp.n_head_v),
+            _long(per_head),
+        )
+        contiguous_i = q.strides[3] == 1 and k.strides[3] == 1
         name = "gated_delta_net_vec8" if contiguous_i and size % 8 == 0 else "gated_delta_net"
         knl = self.kernel("delta_net", name, pool.dtype)
         rows_per_seq = shp.n_head_v * size
         local = min(ROWS_LOCAL_SIZE, rows_per_seq, self.max_work_group_size)
-        g_args = self._strided(g) if g.ndim == 4 else [*self._strided(g), _long(0)]
         knl(
             self.queue,
             (_round_up(rows_per_seq, local), shp.n_seqs),
@@ -399,7 +443,7 @@ class OpenCLDevice(Device):
             *self._strided(q),
             *self._strided(k),
             *self._strided(v),
-            *g_args,
+            gate,
             *self._strided(beta),
             o.storage,
             _long(o.offset),

@@ -13,10 +13,27 @@
 #define KCHUNK 256
 #endif
 
+// Per (sequence, token, head): softplus(dt) and, for Mamba-2, the decay
+// exp(softplus(dt) * A[h]).  Computed once here instead of once per state
+// row: on PoCL the two transcendentals per row cost as much as the row's
+// whole update.  The scans read them from prep[(s * n_t + t) * n_head + h].
+__kernel void ssm_scan_prep(__global const float *dt, long dt_off, long dts0, long dts1, long dts2,
+                            __global const float *A, long a_off, long as0, int a_per_state,
+                            __global float2 *prep, long n_s, long n_t, long n_head) {
+    const long idx = get_global_id(0);
+    if (idx >= n_s * n_t * n_head) return;
+    const long h = idx % n_head;
+    const long t = (idx / n_head) % n_t;
+    const long s = idx / (n_head * n_t);
+    const float d = softplus_f(dt[dt_off + s * dts0 + t * dts1 + h * dts2]);
+    const float decay = a_per_state ? 0.0f : exp(d * A[a_off + h * as0]);
+    prep[idx] = (float2)(d, decay);
+}
+
 __kernel void ssm_scan(__global pool_t *pool, long pool_off, long row_size,
                        __global const int *start_rows, __global const int *dst_rows,
                        __global const float *x, long x_off, long xs0, long xs1, long xs2, long xs3,
-                       __global const float *dt, long dt_off, long dts0, long dts1, long dts2,
+                       __global const float2 *prep,
                        __global const float *A, long a_off, long as0, long as1,
                        __global const float *B, long b_off, long bs0, long bs1, long bs2, long bs3,
                        __global const float *C, long c_off, long cs0, long cs1, long cs2, long cs3,
@@ -35,7 +52,6 @@ __kernel void ssm_scan(__global pool_t *pool, long pool_off, long row_size,
     const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * d_state;
     const long y_base = y_off + ((s * n_t) * n_head + h) * head_dim + i;
     const long y_tstride = n_head * head_dim;
-    const float a_head = A[a_off + h * as0];  // Mamba-2 (ignored for Mamba-1)
 
     float st[KCHUNK];
     for (long k0 = 0; k0 < d_state; k0 += KCHUNK) {
@@ -46,7 +62,8 @@ __kernel void ssm_scan(__global pool_t *pool, long pool_off, long row_size,
             for (long kk = 0; kk < kn; ++kk) POOL_STORE(pool, p + kk, st[kk]);
         }
         for (long t = 0; t < n_t; ++t) {
-            const float d = softplus_f(dt[dt_off + s * dts0 + t * dts1 + h * dts2]);
+            const float2 dd = prep[(s * n_t + t) * n_head + h];  // (softplus(dt), exp(softplus(dt) * A[h]))
+            const float d = dd.x;
             const float xd = x[x_off + s * xs0 + t * xs1 + h * xs2 + i * xs3] * d;
             const long bb = b_off + s * bs0 + t * bs1 + g * bs2 + k0 * bs3;
             const long cb = c_off + s * cs0 + t * cs1 + g * cs2 + k0 * cs3;
@@ -59,7 +76,7 @@ __kernel void ssm_scan(__global pool_t *pool, long pool_off, long row_size,
                     acc += v * C[cb + kk * cs3];
                 }
             } else {
-                const float decay = exp(d * a_head);
+                const float decay = dd.y;
                 for (long kk = 0; kk < kn; ++kk) {
                     const float v = st[kk] * decay + B[bb + kk * bs3] * xd;
                     st[kk] = v;
@@ -84,7 +101,7 @@ __kernel void ssm_scan(__global pool_t *pool, long pool_off, long row_size,
 __kernel void ssm_scan_vec8(__global pool_t *pool, long pool_off, long row_size,
                             __global const int *start_rows, __global const int *dst_rows,
                             __global const float *x, long x_off, long xs0, long xs1, long xs2, long xs3,
-                            __global const float *dt, long dt_off, long dts0, long dts1, long dts2,
+                            __global const float2 *prep,
                             __global const float *A, long a_off, long as0, long as1,
                             __global const float *B, long b_off, long bs0, long bs1, long bs2, long bs3,
                             __global const float *C, long c_off, long cs0, long cs1, long cs2, long cs3,
@@ -103,7 +120,6 @@ __kernel void ssm_scan_vec8(__global pool_t *pool, long pool_off, long row_size,
     const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * d_state;
     const long y_base = y_off + ((s * n_t) * n_head + h) * head_dim + i;
     const long y_tstride = n_head * head_dim;
-    const float a_head = A[a_off + h * as0];
 
     float8 st[KCHUNK / 8];
     for (long k0 = 0; k0 < d_state; k0 += KCHUNK) {
@@ -114,7 +130,8 @@ __kernel void ssm_scan_vec8(__global pool_t *pool, long pool_off, long row_size,
             for (long v = 0; v < nv; ++v) POOL_STORE8(pool, p + 8 * v, st[v]);
         }
         for (long t = 0; t < n_t; ++t) {
-            const float d = softplus_f(dt[dt_off + s * dts0 + t * dts1 + h * dts2]);
+            const float2 dd = prep[(s * n_t + t) * n_head + h];  // (softplus(dt), exp(softplus(dt) * A[h]))
+            const float d = dd.x;
             const float xd = x[x_off + s * xs0 + t * xs1 + h * xs2 + i * xs3] * d;
             __global const float *Bp = B + b_off + s * bs0 + t * bs1 + g * bs2 + k0;
             __global const float *Cp = C + c_off + s * cs0 + t * cs1 + g * cs2 + k0;
@@ -126,7 +143,7 @@ __kernel void ssm_scan_vec8(__global pool_t *pool, long pool_off, long row_size,
                     acc += st[v] * vload8(v, Cp);
                 }
             } else {
-                const float decay = exp(d * a_head);
+                const float decay = dd.y;
                 for (long v = 0; v < nv; ++v) {
                     st[v] = st[v] * decay + vload8(v, Bp) * xd;
                     acc += st[v] * vload8(v, Cp);
