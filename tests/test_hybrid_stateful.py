@@ -1,0 +1,132 @@
+"""Hypothesis stateful test of the hybrid memories: random interleavings of decodes
+and sequence operations against a model that keeps token lists, recomputes the
+recurrent part from a zero state and the attention part over the visible history
+(mask rules: sequence isolation, causality, the window of iSWA).  Every decode
+output must match; refused operations must change nothing in any part."""
+
+from __future__ import annotations
+
+import numpy as np
+from hybrid_toy import HybridToy, make_hybrid
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from recurrent_toy import VOCAB
+from test_hybrid import books, same_books
+
+import statecache
+from statecache.memory import MemoryStatus
+
+N_SEQ = 3
+DEV = statecache.get_device("reference")
+MAX_TOKENS = 40  # keeps every batch inside the 64-cell caches
+
+
+class HybridMachine(RuleBasedStateMachine):
+    @initialize(
+        kind=st.sampled_from(["hybrid", "iswa", "idx"]), n_rs_seq=st.sampled_from([0, 2]), seed=st.integers(0, 3)
+    )
+    def setup(self, kind: str, n_rs_seq: int, seed: int) -> None:
+        self.kind = kind
+        self.toy = HybridToy(DEV, make_hybrid(DEV, kind, n_seq_max=N_SEQ, size=64, n_rs_seq=n_rs_seq, seed=seed))
+        self.mem = self.toy.mem
+
+    def live(self) -> list[int]:
+        return sorted(s for s, h in self.toy.recr_tokens.items() if h)
+
+    def total(self) -> int:
+        return sum(len(h) for h in self.toy.attn_hist.values())
+
+    def update(self) -> None:
+        ctx = self.mem.init_update()
+        if ctx.status is MemoryStatus.SUCCESS:
+            assert ctx.apply()
+
+    @precondition(lambda self: self.total() < MAX_TOKENS)
+    @rule(data=st.data(), seqs=st.sets(st.integers(0, N_SEQ - 1), min_size=1), n_ubatch=st.integers(4, 9))
+    def decode(self, data, seqs, n_ubatch: int) -> None:  # type: ignore[no-untyped-def]
+        batch = {s: data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=5)) for s in sorted(seqs)}
+        out = self.toy.decode(batch, n_ubatch)
+        assert out is not None
+        for s in batch:
+            pos = self.toy.attn_hist[s][-1][0]
+            np.testing.assert_allclose(out[(s, pos)], self.toy.expected(s), rtol=3e-4, atol=3e-5)
+
+    @rule(src=st.integers(0, N_SEQ - 1), dst=st.integers(0, N_SEQ - 1))
+    def seq_cp(self, src: int, dst: int) -> None:
+        self.mem.seq_cp(src, dst)
+        self.update()
+        if src != dst:
+            self.toy.recr_tokens[dst] = list(self.toy.recr_tokens.get(src, []))
+            self.toy.attn_hist[dst] = list(self.toy.attn_hist.get(src, []))
+
+    @rule(s=st.integers(0, N_SEQ - 1))
+    def seq_rm_whole(self, s: int) -> None:
+        assert self.mem.seq_rm(s, -1, -1)
+        self.toy.forget(s)
+
+    @precondition(lambda self: any(len(self.toy.recr_tokens[s]) > 1 for s in self.live()))
+    @rule(data=st.data())
+    def seq_rm_tail(self, data) -> None:  # type: ignore[no-untyped-def]
+        s = data.draw(st.sampled_from([s for s in self.live() if len(self.toy.recr_tokens[s]) > 1]))
+        hist = self.toy.attn_hist[s]
+        k = data.draw(st.integers(1, min(3, len(hist) - 1)))
+        before = books(self.mem)
+        if self.mem.seq_rm(s, hist[-k][0], -1):
+            del self.toy.recr_tokens[s][-k:]
+            del hist[-k:]
+        else:
+            assert same_books(before, books(self.mem))
+
+    @precondition(lambda self: any(len(self.toy.attn_hist[s]) > 4 for s in self.live()))
+    @rule(data=st.data())
+    def context_shift(self, data) -> None:  # type: ignore[no-untyped-def]
+        s = data.draw(st.sampled_from([s for s in self.live() if len(self.toy.attn_hist[s]) > 4]))
+        hist = self.toy.attn_hist[s]
+        n_keep = data.draw(st.integers(0, 1))
+        n_discard = data.draw(st.integers(1, len(hist) - n_keep - 2))
+        p_keep, p_end = hist[n_keep][0], hist[n_keep + n_discard][0]
+        if self.kind == "iswa":
+            return  # shifting could bring evicted window cells back in range: not a meaningful check
+        assert self.mem.seq_rm(s, p_keep, p_end)
+        self.mem.seq_add(s, p_end, -1, -(p_end - p_keep))
+        self.update()
+        self.toy.attn_hist[s] = hist[:n_keep] + [(p - (p_end - p_keep), t) for p, t in hist[n_keep + n_discard :]]
+
+    @rule(s=st.integers(0, N_SEQ - 1))
+    def seq_keep(self, s: int) -> None:
+        self.mem.seq_keep(s)
+        for q in range(N_SEQ):
+            if q != s:
+                self.toy.forget(q)
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(data=st.data())
+    def save_restore(self, data) -> None:  # type: ignore[no-untyped-def]
+        s = data.draw(st.sampled_from(self.live()))
+        blob = self.mem.state_write(s)
+        other = make_hybrid(DEV, self.kind, n_seq_max=N_SEQ, size=64, n_rs_seq=self.mem.recr.n_rs_seq, seed=9)
+        other.state_read(blob, s)
+        self.mem.seq_rm(s, -1, -1)
+        self.mem.state_read(other.state_write(s), s)
+
+    @invariant()
+    def parts_agree(self) -> None:
+        if not hasattr(self, "mem"):
+            return
+        self.mem.recr.check_invariants()
+        for cache in self.mem.kv_caches:
+            for cells in cache.cells:
+                cells.check()
+        for s in range(N_SEQ):
+            hist = self.toy.attn_hist.get(s, [])
+            want = hist[-1][0] if hist else -1
+            assert self.mem.seq_pos_max(s) == want
+            assert self.mem.recr.seq_pos_max(s) == want
+        if self.kind == "idx":
+            for a, i in zip(self.mem.attn.cells, self.mem.idx.cells, strict=True):
+                assert np.array_equal(a.pos, i.pos) and np.array_equal(a.seq, i.seq)
+
+
+HybridMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=15, deadline=None)
+TestHybridMachine = HybridMachine.TestCase
