@@ -245,6 +245,9 @@ class Allocation:
                 pass
 
 
+#: Host sources of queued uploads kept alive before a forced synchronize.
+_MAX_PENDING_HOST_BYTES = 64 << 20
+
 _TYPESTR = {DType.F32: "<f4", DType.F16: "<f2", DType.I32: "<i4"}
 
 
@@ -337,6 +340,8 @@ class CudaDevice(Device):
         self._stream = stream[0]
         self.stream_handle = int(ffi.cast("uintptr_t", self._stream))
         self.caps = self._caps()
+        self._pending_host: list[np.ndarray] = []
+        self._pending_bytes = 0
 
     def _caps(self) -> Caps:
         return Caps(
@@ -403,10 +408,15 @@ class CudaDevice(Device):
 
     def _write(self, buffer: Buffer, host: np.ndarray) -> None:
         if host.nbytes:
-            # From pageable memory the copy returns once the data is staged,
-            # so `host` may be dropped afterwards.
             src = self.runtime.ffi.cast("const void *", host.ctypes.data)
             self._launch("memcpy_h2d_async", self._ptr(buffer), src, host.nbytes)
+            # The runtime stages pageable sources before returning, but the
+            # docs only promise "might be synchronous": keep the source alive
+            # until the stream is known to be past the copy.
+            self._pending_host.append(host)
+            self._pending_bytes += host.nbytes
+            if self._pending_bytes > _MAX_PENDING_HOST_BYTES:
+                self.synchronize()
 
     def _read(self, buffer: Buffer) -> np.ndarray:
         if buffer.size == 0:
@@ -425,6 +435,8 @@ class CudaDevice(Device):
     def synchronize(self) -> None:
         self._activate()
         self.runtime.check(self.runtime.lib.statecache_cuda_stream_synchronize(self._stream), "synchronize")
+        self._pending_host.clear()
+        self._pending_bytes = 0
 
     def copy_buffer(self, src: Buffer, dst: Buffer) -> None:
         """cudaMemcpyAsync device to device: the bandwidth bound benchmarks use."""
