@@ -36,7 +36,15 @@ SCAN_KCHUNK = 256
 
 #: The kernels of each family, by file name.
 FAMILIES: dict[str, tuple[str, ...]] = {
-    "rows": ("copy_rows_u32", "copy_rows_u16", "copy_rows_convert", "zero_rows_u32", "zero_rows_u16"),
+    "rows": (
+        "copy_rows_u32",
+        "copy_rows_u16",
+        "copy_rows_v16",
+        "copy_rows_convert",
+        "zero_rows_u32",
+        "zero_rows_u16",
+        "zero_rows_v16",
+    ),
     "ssm_conv": ("ssm_conv",),
     "ssm_scan": ("ssm_scan_prep", "ssm_scan", "ssm_scan_vec8"),
     "delta_net": ("gated_delta_net_gate", "gated_delta_net", "gated_delta_net_vec8"),

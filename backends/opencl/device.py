@@ -29,6 +29,9 @@ from statecache.errors import ArgumentError
 INSTALL_HINT = "apt-get install pocl-opencl-icd"
 EXTRA_HINT = "pip install 'statecache[opencl]'"
 
+#: uint4 per work-item of the vector row kernels (rows.cl STRETCH).
+ROW_STRETCH = 64
+
 #: Work-items per work-group of the scan and the delta rule (state rows per group).
 ROWS_LOCAL_SIZE = 64
 
@@ -239,6 +242,22 @@ class OpenCLDevice(Device):
         if n_rows == 0 or row_len == 0:
             return
         gsize = (row_len, n_rows)
+        if src.dtype is dst.dtype and self._vector_rows(row_len, src, dst):
+            item = src.dtype.itemsize
+            row_len4 = row_len * item // 16
+            self.kernel("rows", "copy_rows_v16")(
+                self.queue,
+                (-(-row_len4 // ROW_STRETCH), n_rows),
+                None,
+                src.storage,
+                src.offset * item // 4,
+                src_rows,
+                dst.storage,
+                dst.offset * item // 4,
+                dst_rows,
+                row_len4,
+            )
+            return
         if src.dtype is dst.dtype:
             unit = "u32" if src.dtype.itemsize == 4 else "u16"
             knl = self.kernel("rows", f"copy_rows_{unit}")
@@ -271,6 +290,12 @@ class OpenCLDevice(Device):
             _long(row_len),
         )
 
+    @staticmethod
+    def _vector_rows(row_len: int, *buffers: Buffer) -> bool:
+        """Whether rows can move as uint4: 16-byte multiples at 4-byte-aligned offsets."""
+        item = buffers[0].dtype.itemsize
+        return (row_len * item) % 16 == 0 and all((b.offset * item) % 4 == 0 for b in buffers)
+
     def _get_rows(self, src: Buffer, rows: Buffer, dst: Buffer, rows_host: np.ndarray) -> None:
         self._launch_rows(src, rows.storage, dst, None, dst.shape[0], dst.shape[1])
 
@@ -291,6 +316,18 @@ class OpenCLDevice(Device):
     def _zero_rows(self, dst: Buffer, rows: Buffer, rows_host: np.ndarray) -> None:
         n, row_len = rows.shape[0], dst.shape[1]
         if n == 0 or row_len == 0:
+            return
+        if self._vector_rows(row_len, dst):
+            row_len4 = row_len * dst.dtype.itemsize // 16
+            self.kernel("rows", "zero_rows_v16")(
+                self.queue,
+                (-(-row_len4 // ROW_STRETCH), n),
+                None,
+                dst.storage,
+                dst.offset * dst.dtype.itemsize // 4,
+                rows.storage,
+                row_len4,
+            )
             return
         unit = "u32" if dst.dtype.itemsize == 4 else "u16"
         knl = self.kernel("rows", f"zero_rows_{unit}")

