@@ -352,11 +352,12 @@ class OpenCLDevice(Device):
         apply_silu: bool,
     ) -> None:
         knl = self.kernel("ssm_conv", "ssm_conv", pool.dtype)
+        local = min(ROWS_LOCAL_SIZE, shp.channels, self.max_work_group_size)
         bias_args = [None, _long(0), _long(0)] if bias is None else self._strided(bias)
         knl(
             self.queue,
-            (shp.channels, shp.n_seqs),
-            None,
+            (_round_up(shp.channels, local), shp.n_seqs),
+            (local, 1),
             pool.storage,
             _long(pool.offset),
             _long(shp.row_size),
