@@ -24,7 +24,7 @@
         __global const float *gate,                                                                     \
         __global const float *beta, long be_off, long bes0, long bes1, long bes2, __global float *o,    \
         long o_off, long n_t, long n_head_k, long n_head_v, long S, int per_key_gate, long n_written,   \
-        long plane_step, float scale
+        long plane_step, float scale, long rows_per_item
 
 // exp(g) for every gate element, into a contiguous [n_s, n_t, H_v(, S)]
 // array: once per element instead of once per work-item that needs it (for
@@ -42,50 +42,53 @@ __kernel void gated_delta_net_gate(__global const float *g, long g_off, long gs0
 
 // Any strides, any head size up to MAX_S.
 __kernel void gated_delta_net(DELTA_ARGS) {
-    const long r = get_global_id(0);
     const long s = get_global_id(1);
-    if (r >= n_head_v * S) return;
-    const int h = (int)r / (int)S;  // 32-bit division: a 64-bit one is slow on CPUs
-    const int j = (int)r - h * (int)S;
-    const int hk = h % (int)n_head_k;  // value head h uses q/k head h % H_k (tiling)
+    // A work-item walks rows_per_item consecutive rows: on CPU devices work-groups are
+    // single work-items, so the OpenCL runtime has no work-item loop to vectorise (see device.py).
+    const long r_end = min((long)(get_global_id(0) + 1) * rows_per_item, n_head_v * S);
+    for (long r = get_global_id(0) * rows_per_item; r < r_end; ++r) {
+        const int h = (int)r / (int)S;  // 32-bit division: a 64-bit one is slow on CPUs
+        const int j = (int)r - h * (int)S;
+        const int hk = h % (int)n_head_k;  // value head h uses q/k head h % H_k (tiling)
 
-    float m[MAX_S];  // m[i] = M[i][j]
-    const long src = pool_off + (long)start_rows[s] * row_size + r * S;
-    const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * S;
-    for (long i = 0; i < S; ++i) m[i] = POOL_LOAD(pool, src + i);
-    if (n_written > n_t) {  // plane n_t: the input state (undo of the whole call)
-        const long p = dst0 + n_t * plane_step;
-        for (long i = 0; i < S; ++i) POOL_STORE(pool, p + i, m[i]);
-    }
-    for (long t = 0; t < n_t; ++t) {
-        const long kb = k_off + s * ks0 + t * ks1 + hk * ks2;
-        const long qb = q_off + s * qs0 + t * qs1 + hk * qs2;
-        const long gb = ((s * n_t + t) * n_head_v + h) * (per_key_gate ? S : 1);
-        float kd = 0.0f;
-        if (per_key_gate) {
-            for (long i = 0; i < S; ++i) {
-                m[i] *= gate[gb + i];
-                kd += m[i] * k[kb + i * ks3];
-            }
-        } else {
-            const float decay = gate[gb];
-            for (long i = 0; i < S; ++i) {
-                m[i] *= decay;
-                kd += m[i] * k[kb + i * ks3];
-            }
-        }
-        const float delta = (v[v_off + s * vs0 + t * vs1 + h * vs2 + j * vs3] - kd) *
-                            beta[be_off + s * bes0 + t * bes1 + h * bes2];
-        float acc = 0.0f;
-        for (long i = 0; i < S; ++i) {
-            m[i] += k[kb + i * ks3] * delta;
-            acc += m[i] * q[qb + i * qs3];
-        }
-        o[o_off + ((s * n_t + t) * n_head_v + h) * S + j] = scale * acc;
-        const long jj = n_t - 1 - t;  // m is now the state jj tokens before the end
-        if (jj < n_written) {
-            const long p = dst0 + jj * plane_step;
+        float m[MAX_S];  // m[i] = M[i][j]
+        const long src = pool_off + (long)start_rows[s] * row_size + r * S;
+        const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * S;
+        for (long i = 0; i < S; ++i) m[i] = POOL_LOAD(pool, src + i);
+        if (n_written > n_t) {  // plane n_t: the input state (undo of the whole call)
+            const long p = dst0 + n_t * plane_step;
             for (long i = 0; i < S; ++i) POOL_STORE(pool, p + i, m[i]);
+        }
+        for (long t = 0; t < n_t; ++t) {
+            const long kb = k_off + s * ks0 + t * ks1 + hk * ks2;
+            const long qb = q_off + s * qs0 + t * qs1 + hk * qs2;
+            const long gb = ((s * n_t + t) * n_head_v + h) * (per_key_gate ? S : 1);
+            float kd = 0.0f;
+            if (per_key_gate) {
+                for (long i = 0; i < S; ++i) {
+                    m[i] *= gate[gb + i];
+                    kd += m[i] * k[kb + i * ks3];
+                }
+            } else {
+                const float decay = gate[gb];
+                for (long i = 0; i < S; ++i) {
+                    m[i] *= decay;
+                    kd += m[i] * k[kb + i * ks3];
+                }
+            }
+            const float delta = (v[v_off + s * vs0 + t * vs1 + h * vs2 + j * vs3] - kd) *
+                                beta[be_off + s * bes0 + t * bes1 + h * bes2];
+            float acc = 0.0f;
+            for (long i = 0; i < S; ++i) {
+                m[i] += k[kb + i * ks3] * delta;
+                acc += m[i] * q[qb + i * qs3];
+            }
+            o[o_off + ((s * n_t + t) * n_head_v + h) * S + j] = scale * acc;
+            const long jj = n_t - 1 - t;  // m is now the state jj tokens before the end
+            if (jj < n_written) {
+                const long p = dst0 + jj * plane_step;
+                for (long i = 0; i < S; ++i) POOL_STORE(pool, p + i, m[i]);
+            }
         }
     }
 }
@@ -93,51 +96,54 @@ __kernel void gated_delta_net(DELTA_ARGS) {
 // The same, 8 key elements per vector operation: S % 8 == 0 and q, k
 // contiguous along the head dimension, which is every real model.
 __kernel void gated_delta_net_vec8(DELTA_ARGS) {
-    const long r = get_global_id(0);
     const long s = get_global_id(1);
-    if (r >= n_head_v * S) return;
-    const int h = (int)r / (int)S;
-    const int j = (int)r - h * (int)S;
-    const int hk = h % (int)n_head_k;
-    const long nv = S / 8;
+    // A work-item walks rows_per_item consecutive rows: on CPU devices work-groups are
+    // single work-items, so the OpenCL runtime has no work-item loop to vectorise (see device.py).
+    const long r_end = min((long)(get_global_id(0) + 1) * rows_per_item, n_head_v * S);
+    for (long r = get_global_id(0) * rows_per_item; r < r_end; ++r) {
+        const int h = (int)r / (int)S;
+        const int j = (int)r - h * (int)S;
+        const int hk = h % (int)n_head_k;
+        const long nv = S / 8;
 
-    float8 m[MAX_S / 8];
-    const long src = pool_off + (long)start_rows[s] * row_size + r * S;
-    const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * S;
-    for (long u = 0; u < nv; ++u) m[u] = POOL_LOAD8(pool, src + 8 * u);
-    if (n_written > n_t) {
-        const long p = dst0 + n_t * plane_step;
-        for (long u = 0; u < nv; ++u) POOL_STORE8(pool, p + 8 * u, m[u]);
-    }
-    for (long t = 0; t < n_t; ++t) {
-        __global const float *kp = k + k_off + s * ks0 + t * ks1 + hk * ks2;
-        __global const float *qp = q + q_off + s * qs0 + t * qs1 + hk * qs2;
-        __global const float *gp = gate + ((s * n_t + t) * n_head_v + h) * (per_key_gate ? S : 1);
-        float8 kd = (float8)(0.0f);
-        if (per_key_gate) {
-            for (long u = 0; u < nv; ++u) {
-                m[u] *= vload8(u, gp);
-                kd += m[u] * vload8(u, kp);
-            }
-        } else {
-            const float decay = gp[0];
-            for (long u = 0; u < nv; ++u) {
-                m[u] *= decay;
-                kd += m[u] * vload8(u, kp);
-            }
-        }
-        const float delta = (v[v_off + s * vs0 + t * vs1 + h * vs2 + j * vs3] - sum8(kd)) *
-                            beta[be_off + s * bes0 + t * bes1 + h * bes2];
-        float8 acc = (float8)(0.0f);
-        for (long u = 0; u < nv; ++u) {
-            m[u] += vload8(u, kp) * delta;
-            acc += m[u] * vload8(u, qp);
-        }
-        o[o_off + ((s * n_t + t) * n_head_v + h) * S + j] = scale * sum8(acc);
-        const long jj = n_t - 1 - t;
-        if (jj < n_written) {
-            const long p = dst0 + jj * plane_step;
+        float8 m[MAX_S / 8];
+        const long src = pool_off + (long)start_rows[s] * row_size + r * S;
+        const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * S;
+        for (long u = 0; u < nv; ++u) m[u] = POOL_LOAD8(pool, src + 8 * u);
+        if (n_written > n_t) {
+            const long p = dst0 + n_t * plane_step;
             for (long u = 0; u < nv; ++u) POOL_STORE8(pool, p + 8 * u, m[u]);
+        }
+        for (long t = 0; t < n_t; ++t) {
+            __global const float *kp = k + k_off + s * ks0 + t * ks1 + hk * ks2;
+            __global const float *qp = q + q_off + s * qs0 + t * qs1 + hk * qs2;
+            __global const float *gp = gate + ((s * n_t + t) * n_head_v + h) * (per_key_gate ? S : 1);
+            float8 kd = (float8)(0.0f);
+            if (per_key_gate) {
+                for (long u = 0; u < nv; ++u) {
+                    m[u] *= vload8(u, gp);
+                    kd += m[u] * vload8(u, kp);
+                }
+            } else {
+                const float decay = gp[0];
+                for (long u = 0; u < nv; ++u) {
+                    m[u] *= decay;
+                    kd += m[u] * vload8(u, kp);
+                }
+            }
+            const float delta = (v[v_off + s * vs0 + t * vs1 + h * vs2 + j * vs3] - sum8(kd)) *
+                                beta[be_off + s * bes0 + t * bes1 + h * bes2];
+            float8 acc = (float8)(0.0f);
+            for (long u = 0; u < nv; ++u) {
+                m[u] += vload8(u, kp) * delta;
+                acc += m[u] * vload8(u, qp);
+            }
+            o[o_off + ((s * n_t + t) * n_head_v + h) * S + j] = scale * sum8(acc);
+            const long jj = n_t - 1 - t;
+            if (jj < n_written) {
+                const long p = dst0 + jj * plane_step;
+                for (long u = 0; u < nv; ++u) POOL_STORE8(pool, p + 8 * u, m[u]);
+            }
         }
     }
 }

@@ -15,41 +15,45 @@ __kernel void ssm_conv(__global pool_t *pool, long pool_off, long row_size,
                        __global const float *weight, long w_off, long ws0, long ws1,
                        __global const float *bias, long b_off, long bs0,
                        __global float *y, long y_off,
-                       long n_t, long ch, long d_conv, long n_written, long plane_step, int apply_silu) {
-    long c = get_global_id(0);
-    long s = get_global_id(1);
-    if (c >= ch) return;
-    const long W = d_conv - 1;
+                       long n_t, long ch, long d_conv, long n_written, long plane_step, int apply_silu,
+                       long rows_per_item) {
+    const long s = get_global_id(1);
+    // A work-item walks rows_per_item consecutive channels: on CPU devices work-groups are
+    // single work-items, so the OpenCL runtime has no work-item loop to vectorise (see device.py).
+    const long c_end = min((long)(get_global_id(0) + 1) * rows_per_item, ch);
+    for (long c = get_global_id(0) * rows_per_item; c < c_end; ++c) {
+        const long W = d_conv - 1;
 
-    // win holds ext[t : t + W] before token t is consumed (ext = window ++ x).
-    float win[MAX_WINDOW];
-    const long src = pool_off + (long)start_rows[s] * row_size + c * W;
-    for (long w = 0; w < W; ++w) win[w] = POOL_LOAD(pool, src + w);
+        // win holds ext[t : t + W] before token t is consumed (ext = window ++ x).
+        float win[MAX_WINDOW];
+        const long src = pool_off + (long)start_rows[s] * row_size + c * W;
+        for (long w = 0; w < W; ++w) win[w] = POOL_LOAD(pool, src + w);
 
-    const long dst0 = pool_off + (long)dst_rows[s] * row_size + c * W;
-    if (n_written > n_t) {  // plane n_t: the input window, so undoing the whole call is exact
-        const long p = dst0 + n_t * plane_step;
-        for (long w = 0; w < W; ++w) POOL_STORE(pool, p + w, win[w]);
-    }
-
-    const float b = bias ? bias[b_off + c * bs0] : 0.0f;
-    const long wbase = w_off + c * ws0;
-    const float w_last = weight[wbase + W * ws1];
-    for (long t = 0; t < n_t; ++t) {
-        const float xt = x[x_off + s * xs0 + t * xs1 + c * xs2];
-        float acc = 0.0f;
-        for (long k = 0; k < W; ++k) acc += win[k] * weight[wbase + k * ws1];
-        acc += xt * w_last;
-        acc += b;
-        if (apply_silu) acc = acc / (1.0f + exp(-acc));
-        y[y_off + (s * n_t + t) * ch + c] = acc;
-
-        for (long k = 0; k + 1 < W; ++k) win[k] = win[k + 1];
-        if (W > 0) win[W - 1] = xt;
-        const long j = n_t - 1 - t;  // now win is the window j tokens before the end
-        if (j < n_written) {
-            const long p = dst0 + j * plane_step;
+        const long dst0 = pool_off + (long)dst_rows[s] * row_size + c * W;
+        if (n_written > n_t) {  // plane n_t: the input window, so undoing the whole call is exact
+            const long p = dst0 + n_t * plane_step;
             for (long w = 0; w < W; ++w) POOL_STORE(pool, p + w, win[w]);
+        }
+
+        const float b = bias ? bias[b_off + c * bs0] : 0.0f;
+        const long wbase = w_off + c * ws0;
+        const float w_last = weight[wbase + W * ws1];
+        for (long t = 0; t < n_t; ++t) {
+            const float xt = x[x_off + s * xs0 + t * xs1 + c * xs2];
+            float acc = 0.0f;
+            for (long k = 0; k < W; ++k) acc += win[k] * weight[wbase + k * ws1];
+            acc += xt * w_last;
+            acc += b;
+            if (apply_silu) acc = acc / (1.0f + exp(-acc));
+            y[y_off + (s * n_t + t) * ch + c] = acc;
+
+            for (long k = 0; k + 1 < W; ++k) win[k] = win[k + 1];
+            if (W > 0) win[W - 1] = xt;
+            const long j = n_t - 1 - t;  // now win is the window j tokens before the end
+            if (j < n_written) {
+                const long p = dst0 + j * plane_step;
+                for (long w = 0; w < W; ++w) POOL_STORE(pool, p + w, win[w]);
+            }
         }
     }
 }

@@ -39,56 +39,59 @@ __kernel void ssm_scan(__global pool_t *pool, long pool_off, long row_size,
                        __global const float *C, long c_off, long cs0, long cs1, long cs2, long cs3,
                        __global float *y, long y_off,
                        long n_t, long n_head, long head_dim, long d_state, long heads_per_group,
-                       int a_per_state, long n_written, long plane_step) {
-    const long r = get_global_id(0);
+                       int a_per_state, long n_written, long plane_step, long rows_per_item) {
     const long s = get_global_id(1);
-    if (r >= n_head * head_dim) return;
-    // 32-bit divisions: a 64-bit one costs as much as a row's arithmetic on CPUs.
-    const int h = (int)r / (int)head_dim;
-    const int i = (int)r - h * (int)head_dim;
-    const int g = h / (int)heads_per_group;
+    // A work-item walks rows_per_item consecutive rows: on CPU devices work-groups are
+    // single work-items, so the OpenCL runtime has no work-item loop to vectorise (see device.py).
+    const long r_end = min((long)(get_global_id(0) + 1) * rows_per_item, n_head * head_dim);
+    for (long r = get_global_id(0) * rows_per_item; r < r_end; ++r) {
+        // 32-bit divisions: a 64-bit one costs as much as a row's arithmetic on CPUs.
+        const int h = (int)r / (int)head_dim;
+        const int i = (int)r - h * (int)head_dim;
+        const int g = h / (int)heads_per_group;
 
-    const long src = pool_off + (long)start_rows[s] * row_size + r * d_state;
-    const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * d_state;
-    const long y_base = y_off + ((s * n_t) * n_head + h) * head_dim + i;
-    const long y_tstride = n_head * head_dim;
+        const long src = pool_off + (long)start_rows[s] * row_size + r * d_state;
+        const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * d_state;
+        const long y_base = y_off + ((s * n_t) * n_head + h) * head_dim + i;
+        const long y_tstride = n_head * head_dim;
 
-    float st[KCHUNK];
-    for (long k0 = 0; k0 < d_state; k0 += KCHUNK) {
-        const long kn = min((long)KCHUNK, d_state - k0);
-        for (long kk = 0; kk < kn; ++kk) st[kk] = POOL_LOAD(pool, src + k0 + kk);
-        if (n_written > n_t) {  // plane n_t: the input state (undo of the whole call)
-            const long p = dst0 + n_t * plane_step + k0;
-            for (long kk = 0; kk < kn; ++kk) POOL_STORE(pool, p + kk, st[kk]);
-        }
-        for (long t = 0; t < n_t; ++t) {
-            const float2 dd = prep[(s * n_t + t) * n_head + h];  // (softplus(dt), exp(softplus(dt) * A[h]))
-            const float d = dd.x;
-            const float xd = x[x_off + s * xs0 + t * xs1 + h * xs2 + i * xs3] * d;
-            const long bb = b_off + s * bs0 + t * bs1 + g * bs2 + k0 * bs3;
-            const long cb = c_off + s * cs0 + t * cs1 + g * cs2 + k0 * cs3;
-            float acc = 0.0f;
-            if (a_per_state) {
-                const long ab = a_off + h * as0 + k0 * as1;
-                for (long kk = 0; kk < kn; ++kk) {
-                    const float v = st[kk] * exp(d * A[ab + kk * as1]) + B[bb + kk * bs3] * xd;
-                    st[kk] = v;
-                    acc += v * C[cb + kk * cs3];
-                }
-            } else {
-                const float decay = dd.y;
-                for (long kk = 0; kk < kn; ++kk) {
-                    const float v = st[kk] * decay + B[bb + kk * bs3] * xd;
-                    st[kk] = v;
-                    acc += v * C[cb + kk * cs3];
-                }
-            }
-            const long yi = y_base + t * y_tstride;
-            y[yi] = k0 == 0 ? acc : y[yi] + acc;
-            const long j = n_t - 1 - t;  // st is now the state j tokens before the end
-            if (j < n_written) {
-                const long p = dst0 + j * plane_step + k0;
+        float st[KCHUNK];
+        for (long k0 = 0; k0 < d_state; k0 += KCHUNK) {
+            const long kn = min((long)KCHUNK, d_state - k0);
+            for (long kk = 0; kk < kn; ++kk) st[kk] = POOL_LOAD(pool, src + k0 + kk);
+            if (n_written > n_t) {  // plane n_t: the input state (undo of the whole call)
+                const long p = dst0 + n_t * plane_step + k0;
                 for (long kk = 0; kk < kn; ++kk) POOL_STORE(pool, p + kk, st[kk]);
+            }
+            for (long t = 0; t < n_t; ++t) {
+                const float2 dd = prep[(s * n_t + t) * n_head + h];  // (softplus(dt), exp(softplus(dt) * A[h]))
+                const float d = dd.x;
+                const float xd = x[x_off + s * xs0 + t * xs1 + h * xs2 + i * xs3] * d;
+                const long bb = b_off + s * bs0 + t * bs1 + g * bs2 + k0 * bs3;
+                const long cb = c_off + s * cs0 + t * cs1 + g * cs2 + k0 * cs3;
+                float acc = 0.0f;
+                if (a_per_state) {
+                    const long ab = a_off + h * as0 + k0 * as1;
+                    for (long kk = 0; kk < kn; ++kk) {
+                        const float v = st[kk] * exp(d * A[ab + kk * as1]) + B[bb + kk * bs3] * xd;
+                        st[kk] = v;
+                        acc += v * C[cb + kk * cs3];
+                    }
+                } else {
+                    const float decay = dd.y;
+                    for (long kk = 0; kk < kn; ++kk) {
+                        const float v = st[kk] * decay + B[bb + kk * bs3] * xd;
+                        st[kk] = v;
+                        acc += v * C[cb + kk * cs3];
+                    }
+                }
+                const long yi = y_base + t * y_tstride;
+                y[yi] = k0 == 0 ? acc : y[yi] + acc;
+                const long j = n_t - 1 - t;  // st is now the state j tokens before the end
+                if (j < n_written) {
+                    const long p = dst0 + j * plane_step + k0;
+                    for (long kk = 0; kk < kn; ++kk) POOL_STORE(pool, p + kk, st[kk]);
+                }
             }
         }
     }
@@ -107,54 +110,57 @@ __kernel void ssm_scan_vec8(__global pool_t *pool, long pool_off, long row_size,
                             __global const float *C, long c_off, long cs0, long cs1, long cs2, long cs3,
                             __global float *y, long y_off,
                             long n_t, long n_head, long head_dim, long d_state, long heads_per_group,
-                            int a_per_state, long n_written, long plane_step) {
-    const long r = get_global_id(0);
+                            int a_per_state, long n_written, long plane_step, long rows_per_item) {
     const long s = get_global_id(1);
-    if (r >= n_head * head_dim) return;
-    // 32-bit divisions: a 64-bit one costs as much as a row's arithmetic on CPUs.
-    const int h = (int)r / (int)head_dim;
-    const int i = (int)r - h * (int)head_dim;
-    const int g = h / (int)heads_per_group;
+    // A work-item walks rows_per_item consecutive rows: on CPU devices work-groups are
+    // single work-items, so the OpenCL runtime has no work-item loop to vectorise (see device.py).
+    const long r_end = min((long)(get_global_id(0) + 1) * rows_per_item, n_head * head_dim);
+    for (long r = get_global_id(0) * rows_per_item; r < r_end; ++r) {
+        // 32-bit divisions: a 64-bit one costs as much as a row's arithmetic on CPUs.
+        const int h = (int)r / (int)head_dim;
+        const int i = (int)r - h * (int)head_dim;
+        const int g = h / (int)heads_per_group;
 
-    const long src = pool_off + (long)start_rows[s] * row_size + r * d_state;
-    const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * d_state;
-    const long y_base = y_off + ((s * n_t) * n_head + h) * head_dim + i;
-    const long y_tstride = n_head * head_dim;
+        const long src = pool_off + (long)start_rows[s] * row_size + r * d_state;
+        const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * d_state;
+        const long y_base = y_off + ((s * n_t) * n_head + h) * head_dim + i;
+        const long y_tstride = n_head * head_dim;
 
-    float8 st[KCHUNK / 8];
-    for (long k0 = 0; k0 < d_state; k0 += KCHUNK) {
-        const long nv = min((long)KCHUNK, d_state - k0) / 8;
-        for (long v = 0; v < nv; ++v) st[v] = POOL_LOAD8(pool, src + k0 + 8 * v);
-        if (n_written > n_t) {
-            const long p = dst0 + n_t * plane_step + k0;
-            for (long v = 0; v < nv; ++v) POOL_STORE8(pool, p + 8 * v, st[v]);
-        }
-        for (long t = 0; t < n_t; ++t) {
-            const float2 dd = prep[(s * n_t + t) * n_head + h];  // (softplus(dt), exp(softplus(dt) * A[h]))
-            const float d = dd.x;
-            const float xd = x[x_off + s * xs0 + t * xs1 + h * xs2 + i * xs3] * d;
-            __global const float *Bp = B + b_off + s * bs0 + t * bs1 + g * bs2 + k0;
-            __global const float *Cp = C + c_off + s * cs0 + t * cs1 + g * cs2 + k0;
-            float8 acc = (float8)(0.0f);
-            if (a_per_state) {
-                __global const float *Ap = A + a_off + h * as0 + k0;
-                for (long v = 0; v < nv; ++v) {
-                    st[v] = st[v] * exp(d * vload8(v, Ap)) + vload8(v, Bp) * xd;
-                    acc += st[v] * vload8(v, Cp);
-                }
-            } else {
-                const float decay = dd.y;
-                for (long v = 0; v < nv; ++v) {
-                    st[v] = st[v] * decay + vload8(v, Bp) * xd;
-                    acc += st[v] * vload8(v, Cp);
-                }
-            }
-            const long yi = y_base + t * y_tstride;
-            y[yi] = k0 == 0 ? sum8(acc) : y[yi] + sum8(acc);
-            const long j = n_t - 1 - t;
-            if (j < n_written) {
-                const long p = dst0 + j * plane_step + k0;
+        float8 st[KCHUNK / 8];
+        for (long k0 = 0; k0 < d_state; k0 += KCHUNK) {
+            const long nv = min((long)KCHUNK, d_state - k0) / 8;
+            for (long v = 0; v < nv; ++v) st[v] = POOL_LOAD8(pool, src + k0 + 8 * v);
+            if (n_written > n_t) {
+                const long p = dst0 + n_t * plane_step + k0;
                 for (long v = 0; v < nv; ++v) POOL_STORE8(pool, p + 8 * v, st[v]);
+            }
+            for (long t = 0; t < n_t; ++t) {
+                const float2 dd = prep[(s * n_t + t) * n_head + h];  // (softplus(dt), exp(softplus(dt) * A[h]))
+                const float d = dd.x;
+                const float xd = x[x_off + s * xs0 + t * xs1 + h * xs2 + i * xs3] * d;
+                __global const float *Bp = B + b_off + s * bs0 + t * bs1 + g * bs2 + k0;
+                __global const float *Cp = C + c_off + s * cs0 + t * cs1 + g * cs2 + k0;
+                float8 acc = (float8)(0.0f);
+                if (a_per_state) {
+                    __global const float *Ap = A + a_off + h * as0 + k0;
+                    for (long v = 0; v < nv; ++v) {
+                        st[v] = st[v] * exp(d * vload8(v, Ap)) + vload8(v, Bp) * xd;
+                        acc += st[v] * vload8(v, Cp);
+                    }
+                } else {
+                    const float decay = dd.y;
+                    for (long v = 0; v < nv; ++v) {
+                        st[v] = st[v] * decay + vload8(v, Bp) * xd;
+                        acc += st[v] * vload8(v, Cp);
+                    }
+                }
+                const long yi = y_base + t * y_tstride;
+                y[yi] = k0 == 0 ? sum8(acc) : y[yi] + sum8(acc);
+                const long j = n_t - 1 - t;
+                if (j < n_written) {
+                    const long p = dst0 + j * plane_step + k0;
+                    for (long v = 0; v < nv; ++v) POOL_STORE8(pool, p + 8 * v, st[v]);
+                }
             }
         }
     }

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from statecache import ArgumentError, DType
+from statecache.backend import DeviceKind
 
 pytestmark = pytest.mark.opencl
 
@@ -124,6 +125,14 @@ def twin(cl_device, ref_dev, rng):
     return Twin([cl_device, ref_dev], rng)
 
 
+@pytest.fixture(params=["cpu", "gpu"])
+def geometry(request, cl_device, monkeypatch):
+    """Run the row-parallel kernels with both launch geometries: single-work-item
+    groups walking many rows (CPU devices) and groups of 64 rows (GPUs)."""
+    monkeypatch.setattr(cl_device, "kind", DeviceKind.CPU if request.param == "cpu" else DeviceKind.GPU)
+    return request.param
+
+
 # -- rows ---------------------------------------------------------------------
 
 DTYPES = [DType.F32, DType.F16, DType.BF16]
@@ -224,7 +233,7 @@ def test_nan_survives_conversions(cl_device):
         (DType.BF16, 3, 2, 4, False, True, True),
     ],
 )
-def test_ssm_conv(twin, rng, dtype, d_conv, n_t, n_snap, bias, silu, strided):
+def test_ssm_conv(twin, geometry, rng, dtype, d_conv, n_t, n_snap, bias, silu, strided):
     n_s, ch, R, stride = 3, 40, 16, 4
     W = d_conv - 1
     x_host = rng.uniform(-1, 1, (n_s, n_t, ch)).astype(np.float32)
@@ -285,7 +294,7 @@ def scan_inputs(rng, n_s, n_t, H, P, N, G, mamba1=False):
         (DType.BF16, 2, 4, 16, 2, 2, 3, "transposed"),
     ],
 )
-def test_ssm_scan_mamba2(twin, rng, dtype, H, P, N, G, n_t, n_snap, bc_layout):
+def test_ssm_scan_mamba2(twin, geometry, rng, dtype, H, P, N, G, n_t, n_snap, bc_layout):
     n_s, stride = 3, 5
     R = 4 * stride
     host = scan_inputs(rng, n_s, n_t, H, P, N, G)
@@ -311,7 +320,7 @@ def test_ssm_scan_mamba2(twin, rng, dtype, H, P, N, G, n_t, n_snap, bc_layout):
 
 
 @pytest.mark.parametrize(("dtype", "N"), [(DType.F32, 16), (DType.F16, 16), (DType.BF16, 16), (DType.F32, 12)], ids=str)
-def test_ssm_scan_mamba1(twin, rng, dtype, N):
+def test_ssm_scan_mamba1(twin, geometry, rng, dtype, N):
     n_s, n_t, H = 2, 3, 70  # 70 rows: not a multiple of the work-group size
     host = scan_inputs(rng, n_s, n_t, H, 1, N, 1, mamba1=True)
     pool = twin.pool("pool", 4, H * N, dtype)
@@ -406,7 +415,7 @@ def delta_inputs(rng, n_s, n_t, Hk, Hv, S, kda):
         (DType.BF16, True, 1, 2, 12, 1, 2, "contiguous"),
     ],
 )
-def test_gated_delta_net(twin, rng, dtype, kda, Hk, Hv, S, n_t, n_snap, layout):
+def test_gated_delta_net(twin, geometry, rng, dtype, kda, Hk, Hv, S, n_t, n_snap, layout):
     n_s, stride = 2, 4
     R = 4 * stride
     q, k, v, g, beta = delta_inputs(rng, n_s, n_t, Hk, Hv, S, kda)
