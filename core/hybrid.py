@@ -165,7 +165,13 @@ class HybridMemory(Memory):
             raise ArgumentError("p0/p1", f"a copy between streams ({src} -> {dst}) must cover the whole sequence")
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """``dst`` becomes a copy of ``src``.  The recurrent part replaces dst's
+        state whatever the range, so the attention part first drops dst's
+        cells too (upstream leaves them, and the parts then disagree)."""
         self._check_cp(src, dst, p0, p1)
+        if src == dst:
+            return
+        self.attn.seq_rm(dst, -1, -1)
         self.attn.seq_cp(src, dst, p0, p1)
         self.recr.seq_cp(src, dst, p0, p1)
 
@@ -176,7 +182,7 @@ class HybridMemory(Memory):
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         self._check_seq(seq)
-        self.attn.seq_add(seq, p0, p1, delta)
+        self.attn.seq_add(seq, p0, p1, delta)  # raises before any change on a shared cell
         self.recr.seq_add(seq, p0, p1, delta)
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:

@@ -129,6 +129,8 @@ class HybridIdxMemory(HybridMemory):
         if not (p0 <= 0 and p1 < 0):
             raise ArgumentError("p0/p1", f"hybrid-idx copies whole sequences only, got [{p0}, {p1})")
         super().seq_cp(src, dst, p0, p1)
+        if src != dst:
+            self.idx.seq_rm(dst, -1, -1)  # the indexer follows the attention cells exactly
         self.idx.seq_cp(src, dst, p0, p1)
         if src != dst:
             self.marks.set(dst, 0)

@@ -382,6 +382,7 @@ class KVCache(Memory):
         if delta == 0 or p0 >= p1:
             return
         cells = self.cells[strm]
+        self._check_unshared(cells, seq, p0, p1, "seq_add")
         for _, idx in [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]:
             if cells.pos_add(idx, delta):
                 self.book.heads[strm] = 0 if self.book.heads[strm] == 0 else min(self.book.heads[strm], idx)
@@ -394,8 +395,22 @@ class KVCache(Memory):
         if d == 1 or p0 >= p1:
             return
         cells = self.cells[strm]
+        self._check_unshared(cells, seq, p0, p1, "seq_div")
         for _, idx in [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]:
             cells.pos_div(idx, d)
+
+    @staticmethod
+    def _check_unshared(cells: KVCells, seq: int, p0: int, p1: int, op: str) -> None:
+        """A position lives in the cell, so moving a cell shared with another
+        sequence would silently move that sequence too (upstream does): refuse."""
+        for pos, idx in cells.seq_pos[seq]:
+            if p0 <= pos < p1 and cells.seq_count(idx) > 1:
+                others = [s for s in cells.seqs_of(idx) if s != seq]
+                raise ArgumentError(
+                    "seq",
+                    f"{op}: position {pos} of sequence {seq} is shared with sequences {others}; remove or "
+                    "copy them apart first",
+                )
 
     def seq_pos_min(self, seq: int) -> int:
         return self.cells[self.stream_of(seq)].seq_pos_min(seq)

@@ -276,3 +276,14 @@ def test_failure_injection_state_read(dev, kind, victim, seq):
     else:  # whole-memory restore failure: everything cleared, in every part
         for p in parts.values():
             assert p.seq_pos_max(2) == -1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_seq_cp_replaces_destination_in_every_part(dev, kind):
+    """The recurrent part replaces dst's state; attention drops dst's old cells too."""
+    toy = HybridToy(dev, make_hybrid(dev, kind))
+    toy.decode({0: [1, 2], 1: [3, 4, 5, 6]})
+    toy.mem.seq_cp(0, 1)
+    assert toy.mem.seq_pos_max(1) == toy.mem.attn.seq_pos_max(1) == toy.mem.recr.seq_pos_max(1) == 1
+    toy.mem.seq_cp(2, 1)  # copying an empty sequence empties dst everywhere
+    assert toy.mem.attn.seq_pos_max(1) == toy.mem.recr.seq_pos_max(1) == -1

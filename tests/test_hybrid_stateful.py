@@ -7,6 +7,7 @@ output must match; refused operations must change nothing in any part."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hybrid_toy import HybridToy, make_hybrid
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -15,6 +16,7 @@ from recurrent_toy import VOCAB
 from test_hybrid import books, same_books
 
 import statecache
+from statecache.errors import ArgumentError
 from statecache.memory import MemoryStatus
 
 N_SEQ = 3
@@ -88,6 +90,19 @@ class HybridMachine(RuleBasedStateMachine):
         p_keep, p_end = hist[n_keep][0], hist[n_keep + n_discard][0]
         if self.kind == "iswa":
             return  # shifting could bring evicted window cells back in range: not a meaningful check
+        shared = any(
+            cells.seq_count(idx) > 1
+            for cache in self.mem.kv_caches
+            for cells in cache.cells
+            for p, idx in cells.seq_pos[s]
+            if p >= p_end
+        )
+        if shared:  # moving a shared cell would move the other sequence: refused, nothing changes
+            before = books(self.mem)
+            with pytest.raises(ArgumentError, match="shared"):
+                self.mem.seq_add(s, p_end, -1, -(p_end - p_keep))
+            assert same_books(before, books(self.mem))
+            return
         assert self.mem.seq_rm(s, p_keep, p_end)
         self.mem.seq_add(s, p_end, -1, -(p_end - p_keep))
         self.update()

@@ -405,3 +405,17 @@ def test_memory_breakdown_seed_example(dev):
     """12 attention layers, 4 KV heads of 128, f16, 4 sequences x 8192 positions = 768 MiB."""
     cache = KVCache(dev, [KVLayer(il, 4 * 128, 4 * 128) for il in range(12)], size=4 * 8192, n_seq_max=4)
     assert cache.memory_breakdown() == {dev.id: 768 * 2**20}
+
+
+def test_seq_add_on_a_shared_cell_is_refused_and_changes_nothing(dev):
+    cache = make_cache(dev)
+    decode(cache, {0: [1, 2, 3]})
+    cache.seq_cp(0, 1, 1, -1)
+    before = [c.clone() for c in cache.cells]
+    with pytest.raises(ArgumentError, match="shared with sequences"):
+        cache.seq_add(0, 0, -1, 2)
+    with pytest.raises(ArgumentError, match="shared"):
+        cache.seq_div(0, 0, -1, 2)
+    assert all(a.same_as(b) for a, b in zip(before, cache.cells))
+    cache.seq_add(0, 0, 1, 5)  # position 0 is not shared: allowed
+    assert cache.seq_pos_max(0) == 5 and cache.seq_pos_max(1) == 2
