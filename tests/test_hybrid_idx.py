@@ -150,3 +150,26 @@ def test_item24_tail_removal_keeps_earlier_pools(dev):
     news = []
     toy.decode({0: [5, 6]}, on_apply=lambda c: news.append(c.kpool_state.is_new.tolist()))
     assert news == [[False, False, True]]  # only the pool ending at or after position 10
+
+
+@pytest.mark.parametrize("edit", ["add+1", "add-2", "div2", "rm_head"])
+@pytest.mark.parametrize("by_order", [False, True])
+def test_item9_regrouping_edits_repool(dev, edit, by_order):
+    """Edits that regroup pools (shifts, division, a removal reaching pos_min) must
+    re-pool every affected pool on the next batch, or stale rows would be read."""
+    toy = HybridToy(dev, make_hybrid(dev, "idx", size=32))
+    toy.mem.layout.by_order = by_order
+    model = TagModel()
+    toy.decode({0: list(range(14))}, on_apply=model.on_apply)
+    mem = toy.mem
+    if edit == "add+1":
+        mem.seq_add(0, 5, -1, 1)
+    elif edit == "add-2":
+        mem.seq_rm(0, 3, 5)
+        mem.seq_add(0, 5, -1, -2)
+    elif edit == "div2":
+        mem.seq_div(0, 0, -1, 2)
+    else:
+        mem.seq_rm(0, 0, 2)  # attention drops the first two positions: pos_min moves
+    assert mem.init_update().apply()
+    toy.decode({0: [7]}, on_apply=model.on_apply)
