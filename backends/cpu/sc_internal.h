@@ -190,6 +190,68 @@ static inline float sc_softplus(float z) {
     return z > 20.0f ? z : pos + l;
 }
 
+/* AVX2 + FMA versions of the hot helpers.  The kernels use them on the
+ * x86-64-v3 build (what build.py picks on any AVX2 machine) and keep portable
+ * loops, which the compiler vectorises as far as it can, for other builds. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SC_HAVE_AVX2 1
+
+/* sc_exp on 8 lanes, same constants and clamps.  2^n is built from the
+ * shifter's mantissa bits, which hold n after the add. */
+static inline __m256 sc_exp8(__m256 x) {
+    const __m256 shifter = _mm256_set1_ps(12582912.0f);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shifter);
+    __m256 n = _mm256_sub_ps(t, shifter);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_add_epi32(_mm256_slli_epi32(_mm256_castps_si256(t), 23), _mm256_set1_epi32(127 << 23));
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* sc_softplus on 8 lanes. */
+static inline __m256 sc_softplus8(__m256 z) {
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 az = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), z);
+    __m256 u = sc_exp8(_mm256_sub_ps(zero, az));
+    __m256 s = _mm256_div_ps(u, _mm256_add_ps(_mm256_set1_ps(2.0f), u));
+    __m256 s2 = _mm256_mul_ps(s, s);
+    __m256 p = _mm256_set1_ps(1.0f / 17.0f);
+    p = _mm256_fmadd_ps(p, s2, _mm256_set1_ps(1.0f / 15.0f));
+    p = _mm256_fmadd_ps(p, s2, _mm256_set1_ps(1.0f / 13.0f));
+    p = _mm256_fmadd_ps(p, s2, _mm256_set1_ps(1.0f / 11.0f));
+    p = _mm256_fmadd_ps(p, s2, _mm256_set1_ps(1.0f / 9.0f));
+    p = _mm256_fmadd_ps(p, s2, _mm256_set1_ps(1.0f / 7.0f));
+    p = _mm256_fmadd_ps(p, s2, _mm256_set1_ps(1.0f / 5.0f));
+    p = _mm256_fmadd_ps(p, s2, _mm256_set1_ps(1.0f / 3.0f));
+    __m256 l = _mm256_mul_ps(_mm256_add_ps(s, s), _mm256_fmadd_ps(p, s2, _mm256_set1_ps(1.0f)));
+    __m256 res = _mm256_add_ps(_mm256_max_ps(z, zero), l);
+    return _mm256_blendv_ps(res, z, _mm256_cmp_ps(z, _mm256_set1_ps(20.0f), _CMP_GT_OQ));
+}
+
+/* x * sigmoid(x) = x / (1 + exp(-x)) on 8 lanes. */
+static inline __m256 sc_silu8(__m256 x) {
+    __m256 e = sc_exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+/* Horizontal sums of four vectors: lane i of the result is sum(v_i). */
+static inline __m128 sc_hsum4x8(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+    __m256 a = _mm256_hadd_ps(v0, v1); /* v0 pairs, v1 pairs (per 128-bit half) */
+    __m256 b = _mm256_hadd_ps(v2, v3);
+    __m256 c = _mm256_hadd_ps(a, b); /* per half: v0 v1 v2 v3 partial sums */
+    return _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+}
+#endif
+
 /* Units [lo, hi) of n for thread tid of nt: contiguous, fixed by (n, nt). */
 static inline void sc_split(int64_t n, int tid, int nt, int64_t *lo, int64_t *hi) {
     *lo = n * tid / nt;

@@ -4,19 +4,31 @@
  * [head_dim, d_state] evolve independently (the per-token decay and B/C are
  * shared), so each unit walks a tile of SC_SCAN_TILE rows through every token
  * with the tile in L1, vectorised over d_state, and writes the tile's slice
- * of each snapshot plane when its token passes.
+ * of each snapshot plane when its token passes.  The AVX2 path updates four
+ * rows per pass over d_state: B and C are loaded once for the four, and the
+ * four dot products are independent FMA chains (one chain would leave the
+ * FMA units waiting on its latency), reduced together at the end.  The decay
+ * exp and softplus are computed once per head and token, never per element.
+ * For f32 pools the first token reads the start row in place and the last
+ * token writes plane 0 in place, so decode makes one pass over the state.
  *
  * Mamba-1 (head_dim 1, d_inner heads, decay per state element): a unit is
- * (sequence, block of SC_M1_HEADS heads); softplus is vectorised over the
- * block's heads and the decay exp over d_state.
+ * (sequence, block of SC_M1_HEADS heads), walked token by token so that each
+ * token's x, dt and y slices are long contiguous runs (short runs at a
+ * d_inner stride defeat the prefetchers).  Softplus is vectorised over the
+ * block's heads, the decay exps over d_state as 8-lane polynomials (the
+ * AVX2 path; it also reads and writes f32 pools in place, so decode makes one
+ * pass over the state).  Lanes across heads would save the horizontal sum
+ * but need the state and A transposed per call, which costs decode more than
+ * the sum costs prefill.
  *
  * A unit reads its slice of the start row before writing that slice of any
  * plane, and no other unit touches the slice, so in-place decode and
  * rollback are safe and the result does not depend on the thread split. */
 #include "sc_internal.h"
 
-#define SC_SCAN_TILE 4
-#define SC_M1_HEADS 64
+#define SC_SCAN_TILE 16
+#define SC_M1_HEADS 256
 
 static inline char *row_ptr(void *pool, sc_dtype dt, int64_t row, int64_t row_elems, int64_t elem) {
     return (char *)pool + ((size_t)row * (size_t)row_elems + (size_t)elem) * sc_dtype_size(dt);
@@ -35,6 +47,54 @@ static const float *tokens_of(const sc_view *v, int64_t s, int64_t g, int64_t n_
         for (int64_t k = 0; k < n; k++) scratch[t * n + k] = base[t * v->strides[1] + k * v->strides[3]];
     *t_stride = n;
     return scratch;
+}
+
+/* One token over `ir` rows of N: out[r] = in[r] * a + B * xd[r] and
+ * y[r] = out[r] . C.  `in` and `out` are either the same rows or disjoint. */
+static inline void update_rows(const float *in, float *out, int64_t ir, int64_t N, const float *SC_RESTRICT Bt,
+                               const float *SC_RESTRICT Ct, float a, const float *xd, float *yt) {
+    int64_t r = 0;
+#ifdef SC_HAVE_AVX2
+    if (N % 8 == 0) {
+        const __m256 av = _mm256_set1_ps(a);
+        for (; r + 4 <= ir; r += 4) {
+            const float *i0 = in + r * N, *i1 = i0 + N, *i2 = i1 + N, *i3 = i2 + N;
+            float *o0 = out + r * N, *o1 = o0 + N, *o2 = o1 + N, *o3 = o2 + N;
+            const __m256 x0 = _mm256_set1_ps(xd[r]), x1 = _mm256_set1_ps(xd[r + 1]);
+            const __m256 x2 = _mm256_set1_ps(xd[r + 2]), x3 = _mm256_set1_ps(xd[r + 3]);
+            __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+            for (int64_t k = 0; k < N; k += 8) {
+                const __m256 b = _mm256_loadu_ps(Bt + k), c = _mm256_loadu_ps(Ct + k);
+                __m256 v0 = _mm256_fmadd_ps(_mm256_loadu_ps(i0 + k), av, _mm256_mul_ps(b, x0));
+                __m256 v1 = _mm256_fmadd_ps(_mm256_loadu_ps(i1 + k), av, _mm256_mul_ps(b, x1));
+                __m256 v2 = _mm256_fmadd_ps(_mm256_loadu_ps(i2 + k), av, _mm256_mul_ps(b, x2));
+                __m256 v3 = _mm256_fmadd_ps(_mm256_loadu_ps(i3 + k), av, _mm256_mul_ps(b, x3));
+                _mm256_storeu_ps(o0 + k, v0);
+                _mm256_storeu_ps(o1 + k, v1);
+                _mm256_storeu_ps(o2 + k, v2);
+                _mm256_storeu_ps(o3 + k, v3);
+                c0 = _mm256_fmadd_ps(v0, c, c0);
+                c1 = _mm256_fmadd_ps(v1, c, c1);
+                c2 = _mm256_fmadd_ps(v2, c, c2);
+                c3 = _mm256_fmadd_ps(v3, c, c3);
+            }
+            _mm_storeu_ps(yt + r, sc_hsum4x8(c0, c1, c2, c3));
+        }
+    }
+#endif
+    for (; r < ir; r++) {
+        const float *S = in + r * N; /* may be O itself: elementwise, so fine */
+        float *O = out + r * N;
+        const float xr = xd[r];
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < N; k++) {
+            float v = S[k] * a + Bt[k] * xr;
+            O[k] = v;
+            acc += v * Ct[k];
+        }
+        yt[r] = acc;
+    }
 }
 
 static void scan_mamba2_unit(void *pool, sc_dtype pdt, int64_t row_elems, int64_t start_row, int64_t dst_row,
@@ -59,28 +119,25 @@ static void scan_mamba2_unit(void *pool, sc_dtype pdt, int64_t row_elems, int64_
     for (int64_t i0 = 0; i0 < P; i0 += SC_SCAN_TILE) {
         const int64_t ir = P - i0 < SC_SCAN_TILE ? P - i0 : SC_SCAN_TILE;
         const int64_t off = head_off + i0 * N;
-        sc_load_f32(row_ptr(pool, pdt, start_row, row_elems, off), pdt, tile, ir * N);
-        if (n_t < n_snap) /* the input state, so that undoing the whole call is exact */
-            sc_store_f32(tile, row_ptr(pool, pdt, dst_row + n_t * plane_stride, row_elems, off), pdt, ir * N);
+        const int direct = pdt == SC_F32 && n_t > 0;
+        if (!direct) sc_load_f32(row_ptr(pool, pdt, start_row, row_elems, off), pdt, tile, ir * N);
+        if (n_t < n_snap) { /* the input state, so that undoing the whole call is exact */
+            const void *src = direct ? (const void *)row_ptr(pool, pdt, start_row, row_elems, off) : (const void *)tile;
+            void *dst = row_ptr(pool, pdt, dst_row + n_t * plane_stride, row_elems, off);
+            if (dst != src) sc_store_f32(src, dst, pdt, ir * N);
+        }
         for (int64_t t = 0; t < n_t; t++) {
-            const float *SC_RESTRICT Bt = Bs + t * bts;
-            const float *SC_RESTRICT Ct = Cs + t * cts;
             const float a = abuf[t], d = dbuf[t];
             float *yt = y + ((s * n_t + t) * H + h) * P + i0;
-            for (int64_t r = 0; r < ir; r++) {
-                float *SC_RESTRICT S = tile + r * N;
-                const float xd = xs[t * x->strides[1] + (i0 + r) * x->strides[3]] * d;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t k = 0; k < N; k++) {
-                    float v = S[k] * a + Bt[k] * xd;
-                    S[k] = v;
-                    acc += v * Ct[k];
-                }
-                yt[r] = acc;
-            }
+            float xd[SC_SCAN_TILE];
+            for (int64_t r = 0; r < ir; r++) xd[r] = xs[t * x->strides[1] + (i0 + r) * x->strides[3]] * d;
             const int64_t j = n_t - 1 - t;
-            if (j < n_snap)
+            /* f32 pools: the first token reads the start row, the last writes
+             * plane 0, both in place (no copy through the tile). */
+            const float *in = t == 0 && direct ? (const float *)row_ptr(pool, pdt, start_row, row_elems, off) : tile;
+            float *out = j == 0 && direct ? (float *)row_ptr(pool, pdt, dst_row, row_elems, off) : tile;
+            update_rows(in, out, ir, N, Bs + t * bts, Cs + t * cts, a, xd, yt);
+            if (j < n_snap && !(j == 0 && direct))
                 sc_store_f32(tile, row_ptr(pool, pdt, dst_row + j * plane_stride, row_elems, off), pdt, ir * N);
         }
     }
@@ -126,11 +183,102 @@ static void scan_mamba1_unit(void *pool, sc_dtype pdt, int64_t row_elems, int64_
     sc_store_f32(state, row_ptr(pool, pdt, dst_row, row_elems, off), pdt, hb * N);
 }
 
+#ifdef SC_HAVE_AVX2
+/* One token of Mamba-1 for hb heads, lanes across d_state. */
+static inline __attribute__((always_inline)) void mamba1_heads(const float *A, const float *in, float *out,
+                                                               const float *b, const float *c, const float *dvec,
+                                                               const float *xr, int64_t xs, float *yt, int64_t hb,
+                                                               int64_t N) {
+    for (int64_t hh = 0; hh < hb; hh++) {
+        const __m256 d = _mm256_set1_ps(dvec[hh]), xd = _mm256_set1_ps(xr[hh * xs] * dvec[hh]);
+        const float *Ah = A + hh * N, *Si = in + hh * N;
+        float *So = out + hh * N;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t k = 0; k < N; k += 8) {
+            const __m256 e = sc_exp8(_mm256_mul_ps(d, _mm256_loadu_ps(Ah + k)));
+            const __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(Si + k), e, _mm256_mul_ps(_mm256_loadu_ps(b + k), xd));
+            _mm256_storeu_ps(So + k, v);
+            acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(c + k), acc);
+        }
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        yt[hh] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+}
+
+/* Mamba-1 over heads [h0, h0 + hb) with lanes across d_state (N % 8 == 0):
+ * no transposes, so it suits decode; `state` is [hb][N] scratch for
+ * non-f32 pools and multi-token calls. */
+static void scan_mamba1_rows(void *pool, sc_dtype pdt, int64_t row_elems, int64_t start_row, int64_t dst_row,
+                             const sc_view *x, const sc_view *dt, const float *A, const sc_view *B, const sc_view *C,
+                             float *y, int64_t s, int64_t h0, int64_t hb, int64_t n_t, int64_t H, int64_t N,
+                             float *dvec, float *bvec, float *cvec, float *state) {
+    const int64_t off = h0 * N;
+    const int direct = pdt == SC_F32;
+    if (!direct) sc_load_f32(row_ptr(pool, pdt, start_row, row_elems, off), pdt, state, hb * N);
+    const int64_t dts = dt->strides[2], xs = x->strides[2], bs = B->strides[3], cs = C->strides[3];
+    for (int64_t t = 0; t < n_t; t++) {
+        const float *dtr = dt->data + s * dt->strides[0] + t * dt->strides[1] + h0 * dts;
+        for (int64_t hh = 0; hh < hb; hh++) dvec[hh] = dtr[hh * dts];
+        for (int64_t hh = 0; hh < hb; hh += 8) _mm256_store_ps(dvec + hh, sc_softplus8(_mm256_load_ps(dvec + hh)));
+        const float *Bt = B->data + s * B->strides[0] + t * B->strides[1];
+        const float *Ct = C->data + s * C->strides[0] + t * C->strides[1];
+        if (bs != 1)
+            for (int64_t k = 0; k < N; k++) bvec[k] = Bt[k * bs];
+        if (cs != 1)
+            for (int64_t k = 0; k < N; k++) cvec[k] = Ct[k * cs];
+        const float *b = bs == 1 ? Bt : bvec, *c = cs == 1 ? Ct : cvec;
+        const float *xr = x->data + s * x->strides[0] + t * x->strides[1] + h0 * xs;
+        float *yt = y + (s * n_t + t) * H + h0;
+        const float *in = t == 0 && direct ? (const float *)row_ptr(pool, pdt, start_row, row_elems, off) : state;
+        float *out = t == n_t - 1 && direct ? (float *)row_ptr(pool, pdt, dst_row, row_elems, off) : state;
+        /* d_state 16 (every Mamba-1 model) gets its own copy of the loop,
+         * unrolled with the constants hoisted. */
+        if (N == 16)
+            mamba1_heads(A + h0 * N, in, out, b, c, dvec, xr, xs, yt, hb, 16);
+        else
+            mamba1_heads(A + h0 * N, in, out, b, c, dvec, xr, xs, yt, hb, N);
+    }
+    if (!direct || n_t == 0) {
+        if (direct) /* n_t == 0: the start state is the result */
+            sc_load_f32(row_ptr(pool, pdt, start_row, row_elems, off), pdt, state, hb * N);
+        sc_store_f32(state, row_ptr(pool, pdt, dst_row, row_elems, off), pdt, hb * N);
+    }
+}
+#endif
+
 void sc_ssm_scan(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32_t *start_rows,
                  const int32_t *dst_rows, int n_snap, int64_t plane_stride, const sc_view *x, const sc_view *dt,
                  const float *A, int a_per_state, const sc_view *B, const sc_view *C, float *y, int64_t n_s,
                  int64_t n_t, int64_t n_head, int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads) {
     const int64_t H = n_head, P = head_dim, N = d_state;
+#ifdef SC_HAVE_AVX2
+    if (a_per_state && N % 8 == 0) {
+        const int64_t n_blocks = (H + SC_M1_HEADS - 1) / SC_M1_HEADS, n_units = n_s * n_blocks;
+        const int team = n_units < n_threads ? (int)n_units : (n_threads < 1 ? 1 : n_threads);
+#pragma omp parallel num_threads(team) if (team > 1)
+        {
+            float *dvec = (float *)sc_alloc(sizeof(float) * (size_t)SC_M1_HEADS);
+            float *bvec = (float *)sc_alloc(sizeof(float) * (size_t)N);
+            float *cvec = (float *)sc_alloc(sizeof(float) * (size_t)N);
+            float *state = (float *)sc_alloc(sizeof(float) * (size_t)(SC_M1_HEADS * N));
+            memset(dvec, 0, sizeof(float) * SC_M1_HEADS); /* lanes past a short block stay finite */
+            int64_t lo, hi;
+            sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
+            for (int64_t u = lo; u < hi; u++) {
+                const int64_t s = u / n_blocks, h0 = (u % n_blocks) * SC_M1_HEADS;
+                const int64_t hb = H - h0 < SC_M1_HEADS ? H - h0 : SC_M1_HEADS;
+                scan_mamba1_rows(pool, pool_dtype, row_elems, start_rows[s], dst_rows[s], x, dt, A, B, C, y, s, h0, hb,
+                                 n_t, H, N, dvec, bvec, cvec, state);
+            }
+            free(dvec);
+            free(bvec);
+            free(cvec);
+            free(state);
+        }
+        return;
+    }
+#endif
     if (a_per_state) {
         const int64_t n_blocks = (H + SC_M1_HEADS - 1) / SC_M1_HEADS, n_units = n_s * n_blocks;
         const int team = n_units < n_threads ? (int)n_units : (n_threads < 1 ? 1 : n_threads);
