@@ -80,7 +80,7 @@ class SlotInfo:
     @property
     def rows(self) -> np.ndarray:
         """Global write rows ``stream * size + cell`` (the ``set_rows`` indices)."""
-        return (self.streams.astype(np.int64) * self.size + self.cells).astype(np.int64)
+        return np.asarray(self.streams.astype(np.int64) * self.size + self.cells, dtype=np.int64)
 
 
 class _Book:
@@ -366,8 +366,7 @@ class KVCache(Memory):
     def seq_keep(self, seq: int) -> None:
         self._check_seq(seq)
         for strm, cells in enumerate(self.cells):
-            for idx in np.flatnonzero(cells.pos != EMPTY):
-                idx = int(idx)
+            for idx in (int(i) for i in np.flatnonzero(cells.pos != EMPTY)):
                 if not cells.seq_has(idx, seq):
                     cells.rm(idx)
                     self.book.heads[strm] = min(self.book.heads[strm], idx)
@@ -776,7 +775,7 @@ class CompositeContext(MemoryContext):
     def _undo(done: list[tuple[MemoryContext, Any]]) -> None:
         for p, snap in reversed(done):
             if snap is not None:
-                p.restore(snap)  # type: ignore[attr-defined]
+                p.restore(snap)
 
     def next(self) -> bool:
         res = [p.next() for p in self.parts]
@@ -832,7 +831,7 @@ class KVCacheISWA(Memory):
             raise ArgumentError("swa_layers", f"layers {sorted(unknown)} are not attention layers")
         if SWAType.parse(swa_type) is SWAType.NONE:
             raise ArgumentError("swa_type", "an iSWA pair needs a sliding-window type")
-        common = dict(n_seq_max=n_seq_max, unified=unified, dtype=dtype, n_pad=n_pad, k_shift=k_shift)
+        common: dict[str, Any] = dict(n_seq_max=n_seq_max, unified=unified, dtype=dtype, n_pad=n_pad, k_shift=k_shift)
         self.base = KVCache(device, [la for la in layers if la.il not in swa_set], size=size, name="kv_base", **common)
         swa_size = iswa_sizes(size, n_swa, n_seq_max, n_ubatch, unified, n_pad, swa_full)
         self.swa = KVCache(
@@ -995,8 +994,8 @@ class ISWAContext(CompositeContext):
         super().__init__([self.base, self.swa])
 
     def snapshot(self) -> Any:
-        return (self.base.snapshot(), self.swa.snapshot())  # type: ignore[attr-defined]
+        return (self.base.snapshot(), self.swa.snapshot())
 
     def restore(self, snap: Any) -> None:
-        self.base.restore(snap[0])  # type: ignore[attr-defined]
-        self.swa.restore(snap[1])  # type: ignore[attr-defined]
+        self.base.restore(snap[0])
+        self.swa.restore(snap[1])

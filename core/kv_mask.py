@@ -46,11 +46,11 @@ def is_masked_swa(n_swa: int, swa_type: SWAType, p0: np.ndarray | int, p1: np.nd
     if swa_type is SWAType.NONE:
         return np.zeros(np.broadcast(p0, p1).shape, dtype=bool)
     if swa_type is SWAType.STANDARD:
-        return (p1 - p0) >= n_swa
+        return np.asarray((p1 - p0) >= n_swa)
     if swa_type is SWAType.CHUNKED:
-        return p0 < (p1 // n_swa) * n_swa
+        return np.asarray(p0 < (p1 // n_swa) * n_swa)
     if swa_type is SWAType.SYMMETRIC:
-        return np.abs(p1 - p0) > n_swa // 2
+        return np.asarray(np.abs(p1 - p0) > n_swa // 2)
     raise ArgumentError("swa_type", f"unhandled {swa_type}")
 
 
