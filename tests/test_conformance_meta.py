@@ -148,6 +148,28 @@ def test_wrong_bf16_rounding_is_caught():
     assert failed == ["set_rows[r32-e51-n7-f32>bf16-edge]"]
 
 
+def test_memory_cases_catch_broken_backends():
+    """The memory cases fail on their own, not only through the primitive cases."""
+    hybrid = _cases("memory.hybrid[")
+    assert {c.id.split("[")[1].rsplit("-", 1)[0] for c in hybrid} >= {"context_shift", "fork_streams"}
+    assert {c.id.rsplit("-", 1)[1] for c in hybrid} == {"f32]", "f16]"}
+    rollback = [c for c in _cases("memory.") if "[speculative-" in c.id or "[context_shift-" in c.id]
+    _, passed = _failures(SkipsSnapshotPlanes(), rollback)
+    assert not passed, passed
+    _, passed = _failures(WritesPastRows(), _cases("memory.hybrid[continuous_batching-"))
+    assert not passed, passed
+
+
+def test_context_shift_case_needs_the_k_rotation(monkeypatch):
+    """Without re-rotating the moved K rows, decoding after a shift no longer
+    matches the recompute: the case checks the shift, not only the bookkeeping."""
+    from statecache.conformance import memory_cases
+
+    monkeypatch.setattr(memory_cases, "rope_k_shift", lambda *args: None)
+    _, passed = _failures(ReferenceDevice(), _cases("memory.hybrid[context_shift-"))
+    assert not passed, passed
+
+
 def test_unsupported_cases_are_not_supported_not_failures():
     dev = ReferenceDevice()
     dev.caps = Caps(ops=frozenset(PRIMITIVES) - {"gated_delta_net"}, storage_dtypes=frozenset({DType.F32}))
