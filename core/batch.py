@@ -30,6 +30,50 @@ from statecache.errors import BatchError
 MAX_SEQ = 256
 
 
+class SeqIds(Sequence[tuple[int, ...]]):
+    """Per-token (or per-set) sequence-id tuples when every entry has exactly one id,
+    backed by one int64 array so that building and slicing it costs no Python loop.
+
+    Behaves like the ``list[tuple[int, ...]]`` it stands for (indexing gives
+    ``(s,)``, slicing gives a list, it compares equal to that list); ``ids``
+    is the array itself.
+    """
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: np.ndarray) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return int(self.ids.size)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        if isinstance(i, slice):
+            return [(s,) for s in self.ids[i].tolist()]
+        return (int(self.ids[i]),)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return ((s,) for s in self.ids.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SeqIds):
+            return np.array_equal(self.ids, other.ids)
+        if isinstance(other, Sequence):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-array backed, like a list
+
+    def __repr__(self) -> str:
+        return f"SeqIds({self.ids.tolist()})"
+
+
+def _primary_of(seq_id: Sequence[tuple[int, ...]]) -> np.ndarray:
+    if isinstance(seq_id, SeqIds):
+        return seq_id.ids
+    return np.fromiter((ids[0] for ids in seq_id), dtype=np.int64, count=len(seq_id))
+
+
 class PositionSource(Protocol):
     """What batch validation needs from a memory."""
 
@@ -77,7 +121,8 @@ class UBatch:
     ``n_seq_tokens`` tokens each, set-major: token ``s * n_seq_tokens + t``
     is token ``t`` of set ``s``, and ``set_seq_ids[s]`` are the set's
     sequence ids (primary id first).  ``token_idx`` maps every token back to
-    its index in the batch.
+    its index in the batch.  When no token couples sequences, ``seq_id`` and
+    ``set_seq_ids`` are :class:`SeqIds` (array backed, list-like).
     """
 
     equal_seqs: bool
@@ -87,10 +132,10 @@ class UBatch:
     token: np.ndarray | None
     embd: np.ndarray | None
     pos: np.ndarray
-    seq_id: list[tuple[int, ...]]
+    seq_id: Sequence[tuple[int, ...]]
     output: np.ndarray
     seq_id_unq: tuple[int, ...]
-    set_seq_ids: list[tuple[int, ...]]
+    set_seq_ids: Sequence[tuple[int, ...]]
 
     @property
     def n_tokens(self) -> int:
@@ -108,7 +153,12 @@ class UBatch:
     @property
     def primary(self) -> np.ndarray:
         """Primary (first) sequence id of every token."""
-        return np.fromiter((ids[0] for ids in self.seq_id), dtype=np.int64, count=len(self.seq_id))
+        return _primary_of(self.seq_id)
+
+    @property
+    def set_primary(self) -> np.ndarray:
+        """Primary sequence id of every set (equal splits)."""
+        return _primary_of(self.set_seq_ids)
 
     @classmethod
     def empty(cls) -> UBatch:
@@ -170,7 +220,7 @@ class BatchAllocator:
         self.seq_id_unq: tuple[int, ...] = ()
         self._set_of_token = np.zeros(0, dtype=np.int64)
         self._set_masks: list[int] | None = []
-        self._set_ids: list[tuple[int, ...]] = []
+        self._set_ids: Sequence[tuple[int, ...]] = []
         self._order = np.zeros(0, dtype=np.int64)
         self._bounds = np.zeros(1, dtype=np.int64)
         self._seq_to_set_arr = np.full(self.n_seq_max + 1, -1, dtype=np.int64)
@@ -220,37 +270,26 @@ class BatchAllocator:
         if n == 0:
             raise BatchError("empty batch", rule="empty")
 
-        # sequence ids
-        if batch.seq_ids is None:
-            seq_id = [(0,)] * n
-        elif isinstance(batch.seq_ids, np.ndarray) and batch.seq_ids.ndim == 1:
-            if batch.seq_ids.shape != (n,):
-                raise BatchError(f"seq_ids has {batch.seq_ids.size} entries for {n} tokens", rule="seq_id_count")
-            seq_id = [(s,) for s in batch.seq_ids.astype(np.int64).tolist()]
-        else:
-            if len(batch.seq_ids) != n:
-                raise BatchError(f"seq_ids has {len(batch.seq_ids)} entries for {n} tokens", rule="seq_id_count")
-            seq_id = []
-            for i, ids in enumerate(batch.seq_ids):
-                t = (int(ids),) if isinstance(ids, int | np.integer) else tuple(int(s) for s in ids)
-                if not t:
-                    raise BatchError(f"token {i} belongs to no sequence", token=i, rule="seq_id_count")
-                if len(set(t)) != len(t):
-                    raise BatchError(f"token {i} lists a sequence twice: {t}", token=i, rule="seq_id_dup")
-                seq_id.append(t)
-        primary = np.fromiter((ids[0] for ids in seq_id), dtype=np.int64, count=n)
-        coupled = any(len(ids) > 1 for ids in seq_id)
+        # sequence ids: one int array when no token couples sequences (the common case, no
+        # per-token Python), else a list of tuples
+        seq_id, primary = self._parse_seq_ids(batch.seq_ids, n)
+        coupled = not isinstance(seq_id, SeqIds)
         uniq_primary, set_of_primary = np.unique(primary, return_inverse=True)
-        all_ids = {s for ids in seq_id for s in ids} if coupled else set(uniq_primary.tolist())
-        for s in all_ids:
-            if not 0 <= s < self.n_seq_max:
-                i = next(i for i, ids in enumerate(seq_id) if s in ids)
-                raise BatchError(
-                    f"token {i}: sequence id {s} outside [0, n_seq_max={self.n_seq_max})",
-                    token=i,
-                    seq=s,
-                    rule="seq_id_range",
-                )
+        if coupled:
+            all_ids = {s for ids in seq_id for s in ids}
+            bad_ids = [s for s in all_ids if not 0 <= s < self.n_seq_max]
+        else:
+            bad_ids = uniq_primary[(uniq_primary < 0) | (uniq_primary >= self.n_seq_max)].tolist()
+        if bad_ids:  # name the first offending token in batch order
+            bad = set(bad_ids)
+            i = next(k for k, ids in enumerate(seq_id) if bad.intersection(ids))
+            s = next(q for q in seq_id[i] if q in bad)
+            raise BatchError(
+                f"token {i}: sequence id {s} outside [0, n_seq_max={self.n_seq_max})",
+                token=i,
+                seq=s,
+                rule="seq_id_range",
+            )
 
         # coupled sequences must agree in the memory
         if coupled and memory is not None:
@@ -276,12 +315,14 @@ class BatchAllocator:
             if bulk is not None:
                 pos_mem[:] = np.asarray(bulk())[: self.n_seq_max]
             else:
-                for s in all_ids:
+                for s in all_ids if coupled else uniq_primary.tolist():
                     pos_mem[s] = memory.seq_pos_max(s)
 
         # positions
         if batch.pos is None:
-            if not coupled:
+            if not coupled and uniq_primary.size == n:  # one token per sequence (decode)
+                pos = (pos_mem[primary] + 1).astype(np.int32)
+            elif not coupled:
                 pos = np.empty(n, dtype=np.int32)
                 order = np.argsort(primary, kind="stable")
                 ps = primary[order]
@@ -307,6 +348,60 @@ class BatchAllocator:
                 raise BatchError(f"token {i}: negative position {int(pos[i])}", token=i, rule="pos_negative")
 
         # per-sequence rules: start right after the memory, consecutive in batch order
+        # (auto-filled positions of uncoupled sequences satisfy them by construction)
+        if batch.pos is not None or coupled:
+            self._check_positions(seq_id, primary, pos, pos_mem, coupled)
+
+        # outputs
+        if batch.output is None:
+            output = np.zeros(n, dtype=bool)
+            output[-1] = True
+        else:
+            output = np.asarray(batch.output, dtype=bool)
+            if output.shape != (n,):
+                raise BatchError(f"output must have {n} entries, got shape {output.shape}", rule="output")
+            output = output.copy()
+        if output_all:
+            output[:] = True
+
+        # sequence sets
+        if coupled:
+            masks = [_mask(ids) for ids in seq_id]
+            uniq: dict[int, int] = {}
+            set_of_token = np.empty(n, dtype=np.int64)
+            set_ids: Sequence[tuple[int, ...]] = []
+            for i, m in enumerate(masks):
+                k = uniq.get(m)
+                if k is None:
+                    k = uniq[m] = len(set_ids)
+                    set_ids.append(seq_id[i])
+                set_of_token[i] = k
+            set_masks = list(uniq)
+        else:
+            uniq_seq, set_of_token = uniq_primary, set_of_primary.reshape(-1)
+            set_ids = SeqIds(uniq_seq)
+            set_masks = None  # built on demand: only the non-sequential split needs them
+        # tokens of each set, in batch order: order[bounds[k] : bounds[k + 1]].  Every splitter
+        # takes a set's tokens in batch order, so what is used of a set is always a prefix.
+        self._order = np.argsort(set_of_token, kind="stable")
+        self._bounds = np.zeros(len(set_ids) + 1, dtype=np.int64)
+        np.cumsum(np.bincount(set_of_token, minlength=len(set_ids)), out=self._bounds[1:])
+        self._seq_to_set_arr = np.full(self.n_seq_max + 1, -1, dtype=np.int64)
+        if not coupled:
+            self._seq_to_set_arr[uniq_seq] = np.arange(len(set_ids))
+
+        self.token, self.embd, self.pos, self.seq_id, self.primary = token, embd, pos, seq_id, primary
+        self.output, self.has_coupled = output, coupled
+        self.seq_id_unq = tuple(sorted(all_ids)) if coupled else tuple(uniq_primary.tolist())
+        self._set_of_token, self._set_masks, self._set_ids = set_of_token, set_masks, set_ids
+        self.n_tokens = n
+        self.split_reset()
+
+    @staticmethod
+    def _check_positions(
+        seq_id: Sequence[tuple[int, ...]], primary: np.ndarray, pos: np.ndarray, pos_mem: np.ndarray, coupled: bool
+    ) -> None:
+        n = pos.size
         if coupled:
             tok_seq = np.fromiter((s for ids in seq_id for s in ids), dtype=np.int64)
             tok_idx = np.repeat(np.arange(n), [len(ids) for ids in seq_id])
@@ -345,50 +440,40 @@ class BatchAllocator:
                 rule=rule,
             )
 
-        # outputs
-        if batch.output is None:
-            output = np.zeros(n, dtype=bool)
-            output[-1] = True
-        else:
-            output = np.asarray(batch.output, dtype=bool)
-            if output.shape != (n,):
-                raise BatchError(f"output must have {n} entries, got shape {output.shape}", rule="output")
-            output = output.copy()
-        if output_all:
-            output[:] = True
-
-        # sequence sets
-        if coupled:
-            masks = [_mask(ids) for ids in seq_id]
-            uniq: dict[int, int] = {}
-            set_of_token = np.empty(n, dtype=np.int64)
-            set_ids: list[tuple[int, ...]] = []
-            for i, m in enumerate(masks):
-                k = uniq.get(m)
-                if k is None:
-                    k = uniq[m] = len(set_ids)
-                    set_ids.append(seq_id[i])
-                set_of_token[i] = k
-            set_masks = list(uniq)
-        else:
-            uniq_seq, set_of_token = uniq_primary, set_of_primary.reshape(-1)
-            set_ids = [(s,) for s in uniq_seq.tolist()]
-            set_masks = None  # built on demand: only the non-sequential split needs them
-        # tokens of each set, in batch order: order[bounds[k] : bounds[k + 1]].  Every splitter
-        # takes a set's tokens in batch order, so what is used of a set is always a prefix.
-        self._order = np.argsort(set_of_token, kind="stable")
-        self._bounds = np.zeros(len(set_ids) + 1, dtype=np.int64)
-        np.cumsum(np.bincount(set_of_token, minlength=len(set_ids)), out=self._bounds[1:])
-        self._seq_to_set_arr = np.full(self.n_seq_max + 1, -1, dtype=np.int64)
-        if not coupled:
-            self._seq_to_set_arr[uniq_seq] = np.arange(len(set_ids))
-
-        self.token, self.embd, self.pos, self.seq_id, self.primary = token, embd, pos, seq_id, primary
-        self.output, self.has_coupled = output, coupled
-        self.seq_id_unq = tuple(sorted(all_ids))
-        self._set_of_token, self._set_masks, self._set_ids = set_of_token, set_masks, set_ids
-        self.n_tokens = n
-        self.split_reset()
+    @staticmethod
+    def _parse_seq_ids(seq_ids: Any, n: int) -> tuple[Sequence[tuple[int, ...]], np.ndarray]:
+        """(per-token ids, primary id per token).  The ids are a :class:`SeqIds` when
+        every token has exactly one sequence, else a list of tuples."""
+        if seq_ids is None:
+            primary = np.zeros(n, dtype=np.int64)
+            return SeqIds(primary), primary
+        arr = seq_ids if isinstance(seq_ids, np.ndarray) and seq_ids.ndim == 1 else None
+        if arr is None and isinstance(seq_ids, Sequence) and len(seq_ids) and isinstance(seq_ids[0], int | np.integer):
+            try:  # a flat list of ints: one conversion instead of a per-token loop
+                flat = np.asarray(seq_ids)
+            except (ValueError, TypeError):  # mixed ints and tuples
+                flat = None
+            if flat is not None and flat.ndim == 1 and np.issubdtype(flat.dtype, np.integer):
+                arr = flat
+        if arr is not None:
+            if arr.shape != (n,):
+                raise BatchError(f"seq_ids has {arr.size} entries for {n} tokens", rule="seq_id_count")
+            primary = arr.astype(np.int64)
+            return SeqIds(primary), primary
+        if len(seq_ids) != n:
+            raise BatchError(f"seq_ids has {len(seq_ids)} entries for {n} tokens", rule="seq_id_count")
+        seq_id: list[tuple[int, ...]] = []
+        for i, ids in enumerate(seq_ids):
+            t = (int(ids),) if isinstance(ids, int | np.integer) else tuple(int(s) for s in ids)
+            if not t:
+                raise BatchError(f"token {i} belongs to no sequence", token=i, rule="seq_id_count")
+            if len(set(t)) != len(t):
+                raise BatchError(f"token {i} lists a sequence twice: {t}", token=i, rule="seq_id_dup")
+            seq_id.append(t)
+        primary = np.fromiter((ids[0] for ids in seq_id), dtype=np.int64, count=n)
+        if all(len(ids) == 1 for ids in seq_id):
+            return SeqIds(primary), primary
+        return seq_id, primary
 
     # -- splitting (§6.3) -----------------------------------------------------
     @property
@@ -417,18 +502,34 @@ class BatchAllocator:
     def _set_remaining(self, k: int) -> np.ndarray:
         return self._order[self._bounds[k] + self._set_cursor[k] : self._bounds[k + 1]]
 
-    def _emit(self, idx: np.ndarray, equal: bool, n_seq_tokens: int, set_ids: list[tuple[int, ...]]) -> UBatch:
+    def _emit(
+        self,
+        idx: np.ndarray,
+        equal: bool,
+        n_seq_tokens: int,
+        set_ids: Sequence[tuple[int, ...]],
+        sets: np.ndarray | None = None,
+    ) -> UBatch:
+        """Build the ubatch of tokens ``idx``.  ``sets`` (equal splits): the set indices,
+        each contributing ``n_seq_tokens`` tokens, which lets the cursors move without a scatter."""
         idx = np.asarray(idx, dtype=np.int64)
         self._used[idx] = True
         self.n_used += int(idx.size)
-        np.add.at(self._set_cursor, self._set_of_token[idx], 1)
+        if sets is not None:
+            self._set_cursor[sets] += n_seq_tokens
+        else:
+            np.add.at(self._set_cursor, self._set_of_token[idx], 1)
         out = self.output[idx]
         self.out_ids.extend(idx[out].tolist())
-        seq_id = [self.seq_id[i] for i in idx.tolist()]
         if self.has_coupled:
+            seq_id: Sequence[tuple[int, ...]] = [self.seq_id[i] for i in idx.tolist()]
             unq = tuple(sorted({s for ids in seq_id for s in ids}))
         else:
-            unq = tuple(np.unique(self.primary[idx]).tolist())
+            seq_id = SeqIds(self.primary[idx])
+            if isinstance(set_ids, SeqIds):  # the sets are the sequences
+                unq = tuple(np.sort(set_ids.ids).tolist())
+            else:
+                unq = tuple(np.unique(seq_id.ids).tolist())
         return UBatch(
             equal_seqs=equal,
             n_seq_tokens=n_seq_tokens,
@@ -483,7 +584,7 @@ class BatchAllocator:
             ok = cand >= 0
             ok[ok] = self._remaining_count(cand[ok]) > 0
             stop = np.flatnonzero(~ok)
-            chosen = cand[: stop[0] if stop.size else cand.size].tolist()
+            ch = cand[: stop[0] if stop.size else cand.size]
         else:
             taken = 0
             seen: set[int] = set()
@@ -504,8 +605,9 @@ class BatchAllocator:
                 if len(chosen) >= n_ubatch:
                     break
 
+            ch = np.asarray(chosen, dtype=np.int64)
+
         # 2. lock-step expansion
-        ch = np.asarray(chosen, dtype=np.int64)
         count = self._remaining_count(ch)
         n_len = int(min(count.min(), n_ubatch // ch.size))
 
@@ -523,7 +625,11 @@ class BatchAllocator:
 
         base = self._bounds[ch] + self._set_cursor[ch]
         idx = self._order[(base[:, None] + np.arange(n_len)[None, :]).ravel()]
-        return self._emit(idx, True, n_len, [self._set_ids[k] for k in ch.tolist()])
+        if isinstance(self._set_ids, SeqIds):
+            set_ids: Sequence[tuple[int, ...]] = SeqIds(self._set_ids.ids[ch])
+        else:
+            set_ids = [self._set_ids[k] for k in ch.tolist()]
+        return self._emit(idx, True, n_len, set_ids, ch)
 
     def _remaining_count(self, sets: np.ndarray) -> np.ndarray:
         return self._bounds[sets + 1] - self._bounds[sets] - self._set_cursor[sets]

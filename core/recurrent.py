@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from statecache.backend import Buffer, Device
-from statecache.batch import BatchAllocator, UBatch
+from statecache.batch import BatchAllocator, SeqIds, UBatch
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, BatchError, StateError
 from statecache.memory import (
@@ -48,59 +48,78 @@ from statecache.spec import MemorySpec, RecurrentLayerSpec
 from statecache.state_io import CODE_DTYPES, DTYPE_CODES, Reader, Writer, find_section, pack_sections, unpack_sections
 
 SECTION_TAG = b"RECR"
+_EMPTY_ROWS = np.zeros(0, dtype=np.int64)
+_EMPTY_ROWS.flags.writeable = False
 
 
 class NonConsecutivePositionWarning(UserWarning):
     """find_slot saw a ubatch that does not continue a sequence's position (§2.8 step 6)."""
 
 
-@dataclasses.dataclass
 class _Book:
-    pos: np.ndarray  # int64 [size], -1 = empty
-    src: np.ndarray  # int64 [size], pool row of the logical state, -1 = zero state
-    seqs: list[set[int]]
-    snap_end: np.ndarray  # int64 [size]
-    snap_valid: np.ndarray  # int64 [size], >= 1 for a non-empty cell with data
-    tail: np.ndarray  # int64 [size]: per *sequence*, its cell or -1
-    head: int = 0
-    used: int = 0
+    """The cell book as one ``int64 [6, size]`` array, so that a copy (every plan makes
+    one) is a single memcpy whatever the number of sequences.
+
+    Rows: ``pos`` (-1 = empty), ``src`` (pool row of the logical state, -1 = zero
+    state), ``snap_end``, ``snap_valid`` (per cell); ``tail`` (per *sequence*: its
+    cell or -1); ``n_own`` (per cell: number of sequences whose tail it is).  A
+    cell's sequence set is implied by ``tail`` (invariant I1), so it is never
+    stored twice; :meth:`owners` / :attr:`seqs` derive it when needed.
+    """
+
+    __slots__ = ("a", "head", "n_own", "pos", "snap_end", "snap_valid", "src", "tail", "used")
+
+    def __init__(self, a: np.ndarray, head: int = 0, used: int = 0) -> None:
+        self.a = a
+        self.pos, self.src, self.snap_end, self.snap_valid, self.tail, self.n_own = a
+        self.head = head
+        self.used = used
 
     @classmethod
     def empty(cls, size: int) -> _Book:
-        m1 = np.full(size, -1, dtype=np.int64)
-        return cls(m1.copy(), m1.copy(), [set() for _ in range(size)], m1.copy(), np.zeros(size, np.int64), m1.copy())
+        a = np.full((6, size), -1, dtype=np.int64)
+        a[3] = 0  # snap_valid
+        a[5] = 0  # n_own
+        return cls(a)
 
     def copy(self) -> _Book:
-        return _Book(
-            self.pos.copy(),
-            self.src.copy(),
-            [set(s) for s in self.seqs],
-            self.snap_end.copy(),
-            self.snap_valid.copy(),
-            self.tail.copy(),
-            self.head,
-            self.used,
-        )
+        return _Book(self.a.copy(), self.head, self.used)
 
     def same(self, other: _Book) -> bool:
-        return (
-            np.array_equal(self.pos, other.pos)
-            and np.array_equal(self.src, other.src)
-            and self.seqs == other.seqs
-            and np.array_equal(self.snap_end, other.snap_end)
-            and np.array_equal(self.snap_valid, other.snap_valid)
-            and np.array_equal(self.tail, other.tail)
-            and (self.head, self.used) == (other.head, other.used)
-        )
+        return np.array_equal(self.a, other.a) and (self.head, self.used) == (other.head, other.used)
+
+    @property
+    def size(self) -> int:
+        return int(self.a.shape[1])
+
+    def owners(self, c: int) -> list[int]:
+        return np.flatnonzero(self.tail == c).tolist()
+
+    @property
+    def seqs(self) -> list[set[int]]:
+        """Per cell, its set of sequences (derived from ``tail``; for inspection)."""
+        out: list[set[int]] = [set() for _ in range(self.size)]
+        for q, c in enumerate(self.tail.tolist()):
+            if c >= 0:
+                out[c].add(q)
+        return out
+
+    def detach(self, q: int) -> int:
+        """Remove sequence ``q`` from its cell (freed when it was the last owner); returns the cell."""
+        c = int(self.tail[q])
+        if c >= 0:
+            self.tail[q] = -1
+            self.n_own[c] -= 1
+            if self.n_own[c] == 0:
+                self.free_cell(c)
+        return c
 
     def free_cell(self, c: int) -> None:
-        if self.pos[c] >= 0 or self.seqs[c]:
+        """Clear cell ``c``; the caller has already detached its sequences' tails."""
+        if self.pos[c] >= 0 or self.n_own[c]:
             self.used -= 1
-        self.seqs[c].clear()
-        self.pos[c] = -1
-        self.src[c] = -1
-        self.snap_end[c] = -1
-        self.snap_valid[c] = 0
+        self.a[:4, c] = (-1, -1, -1, 0)
+        self.n_own[c] = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,18 +295,12 @@ class RecurrentMemory(Memory):
 
     def check_invariants(self) -> None:
         b = self._book
-        used = 0
-        for c in range(self.size):
-            if b.seqs[c]:
-                used += 1
-                for s in b.seqs[c]:
-                    assert b.tail[s] == c, (s, c)
-            else:
-                assert b.pos[c] == -1 and b.src[c] == -1, c
-        for s in range(self.size):
-            if b.tail[s] >= 0:
-                assert s in b.seqs[b.tail[s]], s
-        assert used == b.used, (used, b.used)
+        t = b.tail
+        owned = t[t >= 0]
+        assert np.array_equal(np.bincount(owned, minlength=self.size), b.n_own), "n_own disagrees with tail (I1)"
+        empty = b.n_own == 0
+        assert (b.pos[empty] == -1).all() and (b.src[empty] == -1).all(), "an empty cell keeps data (I3)"
+        assert int((~empty).sum()) == b.used, (int((~empty).sum()), b.used)
 
     # -- queries ----------------------------------------------------------------
     def seq_pos_min(self, seq: int) -> int:
@@ -349,6 +362,12 @@ class RecurrentMemory(Memory):
 
     # -- find_slot (§2.8) -------------------------------------------------------
     def _find_slot(self, b: _Book, ub: UBatch) -> RecurrentInputs | None:
+        """Place ``ub`` on book ``b`` (mutated; callers pass a copy).  None if it does not fit.
+
+        Vectorised over the sets; the only Python loops left run over coupled
+        (multi-id) sets, shared cells being split, and reorder swaps, none of
+        which the steady decode path meets.  Per-ubatch work is O(size).
+        """
         if not ub.equal_seqs:
             raise BatchError("the recurrent memory needs an equal split (split_equal or split_seq)", rule="split")
         n_seqs = ub.n_seqs
@@ -358,115 +377,123 @@ class RecurrentMemory(Memory):
         # 1. head heuristic
         if b.head > b.used + 2 * n_seqs:
             b.head = 0
-        sets = ub.set_seq_ids
         fast = self._find_slot_fast(b, ub)
         if fast is not None:
             return fast
+        sets = ub.set_seq_ids
+        q = ub.set_primary
         # 2. validate ids; secondary ids drop their own state (they join the set's cell)
-        for ids in sets:
-            for q in ids:
-                if not 0 <= q < self.n_seq_max:
+        if q.min() < 0 or q.max() >= self.n_seq_max:
+            return None
+        coupled = not isinstance(sets, SeqIds) and any(len(ids) > 1 for ids in sets)
+        if coupled:
+            for ids in sets:
+                if any(not 0 <= x < self.n_seq_max for x in ids):
                     return None
-            for q in ids[1:]:
-                c = int(b.tail[q])
-                if c >= 0:
-                    b.seqs[c].discard(q)
-                    b.tail[q] = -1
-                    if not b.seqs[c]:
-                        b.free_cell(c)
+                for x in ids[1:]:
+                    b.detach(x)
         # 3. empty cells from head, wrapping around
-        empty = np.flatnonzero(b.pos < 0)
-        empty = [int(c) for c in np.concatenate([empty[empty >= b.head], empty[empty < b.head]]) if not b.seqs[c]]
-        k_empty = 0
+        empty = np.flatnonzero((b.pos < 0) & (b.n_own == 0))
+        empty = np.concatenate([empty[empty >= b.head], empty[empty < b.head]])
         # 4. give every set a cell it owns alone (copy-on-write of shared cells)
-        chosen = np.empty(n_seqs, dtype=np.int64)
-        for s, ids in enumerate(sets):
-            q = ids[0]
-            c = int(b.tail[q])
-            if c >= 0 and len(b.seqs[c]) == 1:
-                chosen[s] = c
-                continue
-            if k_empty >= len(empty):
-                return None
-            e = empty[k_empty]
-            k_empty += 1
-            if c >= 0:  # shared: the copy starts from the shared state
-                b.pos[e], b.src[e] = b.pos[c], b.src[c]
-                b.seqs[c].discard(q)
-            else:
-                b.pos[e], b.src[e] = -1, -1
-            b.snap_end[e], b.snap_valid[e] = -1, 0
-            b.seqs[e] = {q}
-            b.tail[q] = e
-            b.used += 1
-            chosen[s] = e
+        c = b.tail[q]
+        take = c < 0  # a sequence without state gets a fresh cell
+        shared = np.flatnonzero((c >= 0) & (b.n_own[np.maximum(c, 0)] > 1))
+        if shared.size:  # in set order: the last sharer to be decoded keeps the cell
+            left: dict[int, int] = {}
+            for k in shared.tolist():
+                cc = int(c[k])
+                n_left = left.get(cc, int(b.n_own[cc]))
+                if n_left > 1:
+                    take[k] = True
+                    left[cc] = n_left - 1
+        need = np.flatnonzero(take)
+        if need.size > empty.size:
+            return None
+        chosen = c.copy()
+        if need.size:
+            e = empty[: need.size]
+            old = c[need]
+            had = old >= 0
+            np.subtract.at(b.n_own, old[had], 1)
+            src_cell = np.maximum(old, 0)
+            b.pos[e] = np.where(had, b.pos[src_cell], -1)  # a copy starts from the shared state
+            b.src[e] = np.where(had, b.src[src_cell], -1)
+            b.snap_end[e] = -1
+            b.snap_valid[e] = 0
+            b.n_own[e] = 1
+            b.tail[q[need]] = e
+            b.used += int(need.size)
+            chosen[need] = e
         lo, hi = int(chosen.min()), int(chosen.max())
-        # 5. reorder metadata so that set s lives in cell lo + s (data stays; src travels)
+        # 5. reorder metadata so that set s lives in cell lo + s (data stays; src travels).
+        # The sequential swaps of the spec are replayed on an index permutation of the slot,
+        # then applied to the book in one gather.
         moved = np.zeros(size, dtype=bool)
-        for s in range(n_seqs):
-            dst = lo + s
-            c = int(b.tail[sets[s][0]])
-            if c == dst:
-                continue
-            for arr in (b.pos, b.src, b.snap_end, b.snap_valid):
-                arr[c], arr[dst] = arr[dst], arr[c]
-            b.seqs[c], b.seqs[dst] = b.seqs[dst], b.seqs[c]
-            for q in b.seqs[c]:
-                b.tail[q] = c
-            for q in b.seqs[dst]:
-                b.tail[q] = dst
-            moved[c] = moved[dst] = True
+        slot = np.arange(lo, hi + 1, dtype=np.int64)
+        if not np.array_equal(chosen, slot[:n_seqs]):
+            content = np.arange(hi - lo + 1)  # slot index -> original slot index of its metadata
+            where = content.copy()  # original slot index -> current slot index
+            for k, orig in enumerate((chosen - lo).tolist()):
+                cur = int(where[orig])
+                if cur == k:
+                    continue
+                other = int(content[k])
+                content[k], content[cur] = orig, other
+                where[orig], where[other] = k, cur
+            b.a[:4, lo : hi + 1] = b.a[:4, content + lo]
+            b.n_own[lo : hi + 1] = b.n_own[content + lo]
+            t = b.tail
+            in_slot = (t >= lo) & (t <= hi)
+            t[in_slot] = where[t[in_slot] - lo] + lo
+            moved[lo : hi + 1] = content != np.arange(hi - lo + 1)
         # 6. advance positions; provenance of the planes this write produces
         n_t = ub.n_seq_tokens
-        pos = ub.pos
-        start_rows = np.empty(n_seqs, dtype=np.int64)
-        n_written = min(n_t + 1, self.n_snap)
-        for s in range(n_seqs):
-            c = lo + s
-            first, last = int(pos[s * n_t]), int(pos[(s + 1) * n_t - 1])
-            old = int(b.pos[c])
-            consecutive = old < 0 or old == first - 1
-            if not consecutive:
-                warnings.warn(
-                    f"sequence {sets[s][0]}: ubatch starts at position {first} but the state is at {old}",
-                    NonConsecutivePositionWarning,
-                    stacklevel=3,
-                )
-            start_rows[s] = b.src[c]
-            b.pos[c] = last
-            for q in b.seqs[c]:
-                if q not in sets[s]:
-                    b.tail[q] = -1
-            b.seqs[c] = set(sets[s])
-            for q in sets[s]:
-                b.tail[q] = c
-            b.snap_end[c] = last
-            b.snap_valid[c] = n_written if consecutive else min(n_t, self.n_snap)
+        cells = slot[:n_seqs]
+        pos = ub.pos.reshape(n_seqs, n_t)
+        first, last = pos[:, 0].astype(np.int64), pos[:, -1].astype(np.int64)
+        old_pos = b.pos[cells]
+        consecutive = (old_pos < 0) | (old_pos == first - 1)
+        if not consecutive.all():
+            k = int(np.flatnonzero(~consecutive)[0])
+            warnings.warn(
+                f"sequence {int(q[k])}: ubatch starts at position {int(first[k])} but the state is at "
+                f"{int(old_pos[k])}",
+                NonConsecutivePositionWarning,
+                stacklevel=3,
+            )
+        start_rows = b.src[cells].copy()
+        b.pos[cells] = last
+        if coupled:  # the secondary ids join the set's cell
+            for k, ids in enumerate(sets):
+                for x in ids[1:]:
+                    b.tail[x] = lo + k
+                b.n_own[lo + k] = len(ids)
+        b.snap_end[cells] = last
+        b.snap_valid[cells] = np.where(consecutive, min(n_t + 1, self.n_snap), min(n_t, self.n_snap))
         # 7. zero row: first cell of the slot whose row no cell names as its source
-        refs = np.zeros(size, dtype=np.int64)
-        live = b.src[b.src >= 0] % size
-        np.add.at(refs, live, 1)
+        src = b.src
+        refs = np.bincount(src[src >= 0] % size, minlength=size)
         free = np.flatnonzero(refs[lo : hi + 1] == 0)
         rs_z = lo + int(free[0]) if free.size else -1
-        if (start_rows < 0).any():
+        fresh = start_rows < 0
+        if fresh.any():
             if rs_z < 0:  # cannot happen: a new set's own cell is unreferenced
                 return None
-            start_rows[start_rows < 0] = rs_z
+            start_rows[fresh] = rs_z
         # the extra range: cells whose logical state is not in their own plane-0 row
-        extra = np.arange(lo + n_seqs, hi + 1, dtype=np.int64)
-        ex_src = b.src[extra]
-        need = (ex_src >= 0) & (ex_src != extra)
-        extra_dst, extra_src = extra[need], ex_src[need]
+        extra = slot[n_seqs:]
+        ex_src = src[extra]
+        need_copy = (ex_src >= 0) & (ex_src != extra)
+        extra_dst, extra_src = extra[need_copy], ex_src[need_copy]
         # provenance: a moved cell lost its planes; an in-place rollback keeps the older ones
-        for c, r in zip(extra_dst.tolist(), extra_src.tolist(), strict=True):
-            if r % size != c or moved[c]:
-                b.snap_end[c] = b.pos[c]
-                b.snap_valid[c] = 1
+        lost = (extra_src % size != extra_dst) | moved[extra_dst]
+        b.snap_end[extra_dst[lost]] = b.pos[extra_dst[lost]]
+        b.snap_valid[extra_dst[lost]] = 1
         # every cell of the slot now holds its state in its own plane-0 row
-        slot = np.arange(lo, hi + 1)
-        nonempty = b.src[slot] >= 0
+        nonempty = src[slot] >= 0
         nonempty[:n_seqs] = True
-        b.src[slot[nonempty]] = slot[nonempty]
+        src[slot[nonempty]] = slot[nonempty]
         # 8.
         b.head = lo
         inputs = RecurrentInputs(
@@ -489,22 +516,25 @@ class RecurrentMemory(Memory):
         cell alone, already in set order and contiguous.  None -> take the general path."""
         sets = ub.set_seq_ids
         n_seqs, n_t = ub.n_seqs, ub.n_seq_tokens
-        if any(len(ids) != 1 for ids in sets):
+        if not isinstance(sets, SeqIds) and any(len(ids) != 1 for ids in sets):
             return None
-        q = np.fromiter((ids[0] for ids in sets), dtype=np.int64, count=n_seqs)
+        q = ub.set_primary
         if q.min() < 0 or q.max() >= self.n_seq_max:
             return None
         cells = b.tail[q]
         lo = int(cells[0])
-        if lo < 0 or not np.array_equal(cells, np.arange(lo, lo + n_seqs)):
+        if lo < 0 or cells[-1] != lo + n_seqs - 1 or not np.array_equal(cells, np.arange(lo, lo + n_seqs)):
             return None
-        if any(len(b.seqs[c]) != 1 for c in cells.tolist()):
+        if (b.n_own[lo : lo + n_seqs] != 1).any():
+            return None
+        start_rows = b.src[lo : lo + n_seqs].copy()
+        if (start_rows < 0).any():
             return None
         if b.head > b.used + 2 * n_seqs:
             b.head = 0
         pos = ub.pos.reshape(n_seqs, n_t)
         first, last = pos[:, 0].astype(np.int64), pos[:, -1].astype(np.int64)
-        old = b.pos[cells]
+        old = b.pos[lo : lo + n_seqs]
         consecutive = (old < 0) | (old == first - 1)
         if not consecutive.all():
             s = int(np.flatnonzero(~consecutive)[0])
@@ -513,14 +543,15 @@ class RecurrentMemory(Memory):
                 NonConsecutivePositionWarning,
                 stacklevel=4,
             )
-        start_rows = b.src[cells].copy()
-        b.pos[cells] = last
-        b.snap_end[cells] = last
+        b.pos[lo : lo + n_seqs] = last
+        b.snap_end[lo : lo + n_seqs] = last
         n_written = min(n_t + 1, self.n_snap)
-        b.snap_valid[cells] = np.where(consecutive, n_written, min(n_t, self.n_snap))
-        b.src[cells] = cells
+        b.snap_valid[lo : lo + n_seqs] = (
+            n_written if consecutive.all() else np.where(consecutive, n_written, min(n_t, self.n_snap))
+        )
+        b.src[lo : lo + n_seqs] = np.arange(lo, lo + n_seqs)
         b.head = lo
-        z = np.zeros(0, dtype=np.int64)
+        z = _EMPTY_ROWS
         return RecurrentInputs(self.size, self.n_snap, lo, n_seqs, n_seqs, n_t, -1, start_rows, z, z, False)
 
     # -- sequence operations (§2.2-2.7) -------------------------------------------
@@ -544,10 +575,8 @@ class RecurrentMemory(Memory):
                 if 0 < p0 <= P < p1:
                     return self._rollback(seq, c, p0)
                 if p0 <= P < p1:  # p0 == 0: the whole state goes
-                    b.seqs[c].discard(seq)
-                    b.tail[seq] = -1
-                    if not b.seqs[c]:
-                        b.free_cell(c)
+                    b.detach(seq)
+                    if b.n_own[c] == 0:
                         b.head = min(b.head, c)
                     self._version += 1
             return True
@@ -566,7 +595,7 @@ class RecurrentMemory(Memory):
             b.pos[c] = p0 - 1
             self._version += 1
             return True
-        if len(b.seqs[c]) > 1:  # rolling back would move every sharer
+        if b.n_own[c] > 1:  # rolling back would move every sharer
             return False
         if b.src[c] != c:  # a rollback is already pending
             return False
@@ -582,34 +611,31 @@ class RecurrentMemory(Memory):
         if src == dst or not (0 <= src < self.n_seq_max and 0 <= dst < self.n_seq_max):
             return
         b = self._book
-        c_old = int(b.tail[dst])
-        if c_old >= 0:
-            b.seqs[c_old].discard(dst)
-            b.tail[dst] = -1
-            if not b.seqs[c_old]:
-                b.free_cell(c_old)
+        b.detach(dst)
         c = int(b.tail[src])
         if c >= 0:
-            b.seqs[c].add(dst)
+            b.n_own[c] += 1
             b.tail[dst] = c
         self._version += 1
 
     def seq_keep(self, seq: int) -> None:
         b = self._book
-        first_freed = -1
-        for c in range(self.size):
-            if b.seqs[c] and seq not in b.seqs[c]:
-                for q in b.seqs[c]:
-                    b.tail[q] = -1
-                b.free_cell(c)
-                if first_freed < 0:
-                    first_freed = c
-            elif b.seqs[c]:
-                for q in b.seqs[c] - {seq}:
-                    b.tail[q] = -1
-                b.seqs[c] = {seq}
-        if 0 <= first_freed < b.head:
-            b.head = first_freed
+        keep = int(b.tail[seq]) if 0 <= seq < self.size else -1
+        drop = b.n_own > 0
+        if keep >= 0:
+            drop[keep] = False
+        freed = np.flatnonzero(drop)
+        others = np.ones(self.size, dtype=bool)
+        if 0 <= seq < self.size:
+            others[seq] = False
+        b.tail[others] = -1  # every other sequence loses its state (stale rollbacks go with the cell)
+        if keep >= 0:
+            b.n_own[keep] = 1
+        if freed.size:
+            b.used -= int(freed.size)
+            b.a[:4, freed] = np.array([-1, -1, -1, 0], dtype=np.int64)[:, None]
+            b.n_own[freed] = 0
+            b.head = min(b.head, int(freed[0]))
         self._version += 1
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
@@ -648,7 +674,7 @@ class RecurrentMemory(Memory):
         if seq >= 0:
             c = self.cell_of(seq)
             return [c] if c >= 0 else []
-        return [c for c in range(self.size) if b.seqs[c]]
+        return np.flatnonzero(b.n_own > 0).tolist()
 
     def write_section(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
         """The recurrent section payload (the logical state: a pending rollback is
@@ -657,11 +683,16 @@ class RecurrentMemory(Memory):
             raise ArgumentError("seq", f"{seq} outside [0, n_seq_max={self.n_seq_max})")
         b = self._book
         cells = self._cells_for(seq)
+        owners: dict[int, list[int]] = {}
+        if seq < 0:  # one pass over the tails instead of one per cell
+            for q, c in enumerate(b.tail.tolist()):
+                if c >= 0:
+                    owners.setdefault(c, []).append(q)
         w = Writer()
         w.u32(len(cells))
         for c in cells:
             w.i32(int(b.pos[c]))
-            ids = sorted(b.seqs[c]) if seq < 0 else []
+            ids = owners.get(c, [])
             w.u32(len(ids))
             for q in ids:
                 w.i32(q)
@@ -748,18 +779,17 @@ class RecurrentMemory(Memory):
             b = self._book
             if not cells:
                 return
-            free = [c for c in range(self.size) if not b.seqs[c]]
-            targets = free[:1]
+            targets = np.flatnonzero(b.n_own == 0)[:1].tolist()
             p, _ = cells[0]
             c = targets[0]
-            b.pos[c], b.src[c], b.seqs[c], b.tail[seq] = p, c, {seq}, c
+            b.pos[c], b.src[c], b.n_own[c], b.tail[seq] = p, c, 1, c
             b.snap_end[c], b.snap_valid[c] = p, 1
             b.used += 1
         else:
             self._book = b = _Book.empty(self.size)
             targets = list(range(len(cells)))
             for c, (p, ids) in enumerate(cells):
-                b.pos[c], b.src[c], b.seqs[c] = p, c, set(ids)
+                b.pos[c], b.src[c], b.n_own[c] = p, c, len(ids)
                 b.snap_end[c], b.snap_valid[c] = p, 1
                 for q in ids:
                     b.tail[q] = c
