@@ -2,7 +2,7 @@
  *
  * Mamba-2: a work unit is (sequence, head).  Rows i of a head's state
  * [head_dim, d_state] evolve independently (the per-token decay and B/C are
- * shared), so each unit walks a tile of SC_SCAN_TILE rows through every token
+ * shared), so each unit walks a tile of rows (up to 32 KiB) through every token
  * with the tile in L1, vectorised over d_state, and writes the tile's slice
  * of each snapshot plane when its token passes.  The AVX2 path updates four
  * rows per pass over d_state: B and C are loaded once for the four, and the
@@ -27,7 +27,9 @@
  * rollback are safe and the result does not depend on the thread split. */
 #include "sc_internal.h"
 
-#define SC_SCAN_TILE 16
+/* Rows of a Mamba-2 tile: as many as fit 32 KiB of f32 (L1), at most this. */
+#define SC_SCAN_TILE 256
+#define SC_SCAN_TILE_BYTES 32768
 #define SC_M1_HEADS 256
 
 static inline char *row_ptr(void *pool, sc_dtype dt, int64_t row, int64_t row_elems, int64_t elem) {
@@ -97,6 +99,12 @@ static inline void update_rows(const float *in, float *out, int64_t ir, int64_t 
     }
 }
 
+static inline int64_t tile_rows(int64_t N) {
+    int64_t rows = SC_SCAN_TILE_BYTES / 4 / (N > 0 ? N : 1);
+    rows -= rows % 4;
+    return rows < 4 ? 4 : rows > SC_SCAN_TILE ? SC_SCAN_TILE : rows;
+}
+
 static void scan_mamba2_unit(void *pool, sc_dtype pdt, int64_t row_elems, int64_t start_row, int64_t dst_row,
                              int n_snap, int64_t plane_stride, const sc_view *x, const sc_view *dt, const float *A,
                              const sc_view *B, const sc_view *C, float *y, int64_t s, int64_t h, int64_t n_t,
@@ -116,8 +124,9 @@ static void scan_mamba2_unit(void *pool, sc_dtype pdt, int64_t row_elems, int64_
     const float *Cs = tokens_of(C, s, g, n_t, N, cpack, &cts);
     const float *xs = x->data + s * x->strides[0] + h * x->strides[2];
     const int64_t head_off = h * P * N;
-    for (int64_t i0 = 0; i0 < P; i0 += SC_SCAN_TILE) {
-        const int64_t ir = P - i0 < SC_SCAN_TILE ? P - i0 : SC_SCAN_TILE;
+    const int64_t rows = tile_rows(N);
+    for (int64_t i0 = 0; i0 < P; i0 += rows) {
+        const int64_t ir = P - i0 < rows ? P - i0 : rows;
         const int64_t off = head_off + i0 * N;
         const int direct = pdt == SC_F32 && n_t > 0;
         if (!direct) sc_load_f32(row_ptr(pool, pdt, start_row, row_elems, off), pdt, tile, ir * N);
@@ -314,7 +323,7 @@ void sc_ssm_scan(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32
         float *abuf = (float *)sc_alloc(sizeof(float) * (size_t)n_t);
         float *bpack = need_pack ? (float *)sc_alloc(sizeof(float) * (size_t)(n_t * N)) : NULL;
         float *cpack = need_pack ? (float *)sc_alloc(sizeof(float) * (size_t)(n_t * N)) : NULL;
-        float *tile = (float *)sc_alloc(sizeof(float) * (size_t)(SC_SCAN_TILE * N));
+        float *tile = (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows(N) * N));
         int64_t lo, hi;
         sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
         for (int64_t u = lo; u < hi; u++) {
