@@ -105,10 +105,36 @@ __kernel void gated_delta_net_vec8(DELTA_ARGS) {
         const int j = (int)r - h * (int)S;
         const int hk = h % (int)n_head_k;
         const long nv = S / 8;
-
-        float8 m[MAX_S / 8];
         const long src = pool_off + (long)start_rows[s] * row_size + r * S;
         const long dst0 = pool_off + (long)dst_rows[s] * row_size + r * S;
+
+        if (n_t == 1) {
+            // Decode: two streaming passes over the column instead of a private
+            // copy (the second re-reads it from cache).  Each 8-element block
+            // is read before the same block of any output plane is written.
+            __global const float *kp = k + k_off + s * ks0 + hk * ks2;
+            __global const float *qp = q + q_off + s * qs0 + hk * qs2;
+            __global const float *gp = gate + (s * n_head_v + h) * (per_key_gate ? S : 1);
+            float8 kd = (float8)(0.0f);
+            for (long u = 0; u < nv; ++u) {
+                const float8 gu = per_key_gate ? vload8(u, gp) : (float8)(gp[0]);
+                kd += (POOL_LOAD8(pool, src + 8 * u) * gu) * vload8(u, kp);
+            }
+            const float delta = (v[v_off + s * vs0 + h * vs2 + j * vs3] - sum8(kd)) * beta[be_off + s * bes0 + h * bes2];
+            float8 acc = (float8)(0.0f);
+            for (long u = 0; u < nv; ++u) {
+                const float8 old = POOL_LOAD8(pool, src + 8 * u);
+                if (n_written > 1) POOL_STORE8(pool, dst0 + plane_step + 8 * u, old);
+                const float8 gu = per_key_gate ? vload8(u, gp) : (float8)(gp[0]);
+                const float8 mu = old * gu + vload8(u, kp) * delta;
+                acc += mu * vload8(u, qp);
+                POOL_STORE8(pool, dst0 + 8 * u, mu);
+            }
+            o[o_off + (s * n_head_v + h) * S + j] = scale * sum8(acc);
+            continue;
+        }
+
+        float8 m[MAX_S / 8];
         for (long u = 0; u < nv; ++u) m[u] = POOL_LOAD8(pool, src + 8 * u);
         if (n_written > n_t) {
             const long p = dst0 + n_t * plane_step;

@@ -126,6 +126,28 @@ __kernel void ssm_scan_vec8(__global pool_t *pool, long pool_off, long row_size,
         const long y_base = y_off + ((s * n_t) * n_head + h) * head_dim + i;
         const long y_tstride = n_head * head_dim;
 
+        if (n_t == 1) {
+            // Decode: one streaming pass, no private copy of the state.  Each
+            // 8-element block is read before the same block of any output
+            // plane is written, which is all in-place and rollback starts need.
+            const float2 dd = prep[s * n_head + h];
+            const float xd = x[x_off + s * xs0 + h * xs2 + i * xs3] * dd.x;
+            __global const float *Bp = B + b_off + s * bs0 + g * bs2;
+            __global const float *Cp = C + c_off + s * cs0 + g * cs2;
+            __global const float *Ap = A + a_off + h * as0;
+            float8 acc = (float8)(0.0f);
+            for (long v = 0; v < d_state / 8; ++v) {
+                const float8 old = POOL_LOAD8(pool, src + 8 * v);
+                if (n_written > 1) POOL_STORE8(pool, dst0 + plane_step + 8 * v, old);
+                const float8 decay = a_per_state ? exp(dd.x * vload8(v, Ap)) : (float8)(dd.y);
+                const float8 st = old * decay + vload8(v, Bp) * xd;
+                acc += st * vload8(v, Cp);
+                POOL_STORE8(pool, dst0 + 8 * v, st);
+            }
+            y[y_base] = sum8(acc);
+            continue;
+        }
+
         float8 st[KCHUNK / 8];
         for (long k0 = 0; k0 < d_state; k0 += KCHUNK) {
             const long nv = min((long)KCHUNK, d_state - k0) / 8;

@@ -94,12 +94,15 @@ class Twin:
         return [s.numpy() for s in storages]
 
 
-def check_pool(twin, name, written_rows, dtype, exact=False):
-    """Unwritten rows and guards bit-exact; written rows exact or within NMSE."""
+def check_pool(twin, name, written_rows, dtype, exact=False, copied_rows=()):
+    """Unwritten rows and guards bit-exact; written rows exact or within NMSE;
+    ``copied_rows`` (input-state planes, copies of a start row) bit-exact."""
     got, want = twin.download(name)
     mask = np.zeros(got.shape[0], dtype=bool)
     mask[np.asarray(written_rows, dtype=np.int64) + GUARD] = True
     assert_bits_equal(got[~mask], want[~mask], f"{name}: rows the call must not write")
+    copied = np.asarray(copied_rows, dtype=np.int64) + GUARD
+    assert_bits_equal(got[copied], want[copied], f"{name}: input-state planes")
     if exact:
         assert_bits_equal(got[mask], want[mask], f"{name}: written rows")
     else:
@@ -118,6 +121,11 @@ def check_output(twin, name, tol=1e-7):
 def written(dst, n_t, n_snap, plane_stride):
     n_written = min(n_t + 1, n_snap)
     return [int(d) + j * plane_stride for d in dst for j in range(n_written)]
+
+
+def input_planes(dst, n_t, n_snap, plane_stride):
+    """Rows that receive the input state (plane n_t, written when n_t < n_snap)."""
+    return [int(d) + n_t * plane_stride for d in dst] if n_t < n_snap else []
 
 
 @pytest.fixture
@@ -283,6 +291,9 @@ def scan_inputs(rng, n_s, n_t, H, P, N, G, mamba1=False):
     ("dtype", "H", "P", "N", "G", "n_t", "n_snap", "bc_layout"),
     [
         (DType.F32, 4, 8, 16, 2, 1, 1, "contiguous"),  # Mamba-2 decode
+        (DType.F32, 4, 8, 16, 2, 1, 3, "contiguous"),  # decode keeping the input state as plane 1
+        (DType.BF16, 2, 8, 32, 2, 1, 2, "contiguous"),
+        (DType.F16, 2, 4, 16, 1, 1, 2, "transposed"),  # decode on the scalar kernel
         (DType.F32, 2, 4, 264, 1, 4, 3, "contiguous"),  # d_state beyond one private chunk (256)
         (DType.F32, 1, 2, 260, 1, 2, 3, "contiguous"),  # the same on the scalar kernel
         (DType.F32, 4, 4, 16, 4, 2, 5, "contiguous"),  # n_snap > n_t
@@ -316,12 +327,18 @@ def test_ssm_scan_mamba2(twin, geometry, rng, dtype, H, P, N, G, n_t, n_snap, bc
             plane_stride=stride,
         )
     check_output(twin, "y")
-    check_pool(twin, "pool", written(dst, n_t, n_snap, stride), dtype)
+    check_pool(
+        twin, "pool", written(dst, n_t, n_snap, stride), dtype, copied_rows=input_planes(dst, n_t, n_snap, stride)
+    )
 
 
-@pytest.mark.parametrize(("dtype", "N"), [(DType.F32, 16), (DType.F16, 16), (DType.BF16, 16), (DType.F32, 12)], ids=str)
-def test_ssm_scan_mamba1(twin, geometry, rng, dtype, N):
-    n_s, n_t, H = 2, 3, 70  # 70 rows: not a multiple of the work-group size
+@pytest.mark.parametrize(
+    ("dtype", "N", "n_t"),
+    [(DType.F32, 16, 3), (DType.F16, 16, 3), (DType.BF16, 16, 3), (DType.F32, 12, 3), (DType.F32, 16, 1)],
+    ids=str,
+)
+def test_ssm_scan_mamba1(twin, geometry, rng, dtype, N, n_t):
+    n_s, H = 2, 70  # 70 rows: not a multiple of the work-group size
     host = scan_inputs(rng, n_s, n_t, H, 1, N, 1, mamba1=True)
     pool = twin.pool("pool", 4, H * N, dtype)
     y = twin.output("y", (n_s, n_t, H, 1))
@@ -405,6 +422,8 @@ def delta_inputs(rng, n_s, n_t, Hk, Hv, S, kda):
     ("dtype", "kda", "Hk", "Hv", "S", "n_t", "n_snap", "layout"),
     [
         (DType.F32, False, 2, 2, 16, 1, 1, "contiguous"),  # decode
+        (DType.F32, True, 1, 2, 16, 1, 3, "heads_outer"),  # KDA decode keeping the input state as plane 1
+        (DType.BF16, False, 2, 2, 16, 1, 2, "contiguous"),
         (DType.F32, False, 1, 2, 32, 4, 3, "heads_outer"),  # GQA, snapshots, permuted q/k/v
         (DType.F32, True, 2, 4, 16, 3, 5, "contiguous"),  # KDA, n_snap > n_t
         (DType.F32, True, 1, 2, 12, 2, 3, "contiguous"),  # S % 8 != 0: scalar kernel
@@ -442,7 +461,9 @@ def test_gated_delta_net(twin, geometry, rng, dtype, kda, Hk, Hv, S, n_t, n_snap
             plane_stride=stride,
         )
     check_output(twin, "o")
-    check_pool(twin, "pool", written(dst, n_t, n_snap, stride), dtype)
+    check_pool(
+        twin, "pool", written(dst, n_t, n_snap, stride), dtype, copied_rows=input_planes(dst, n_t, n_snap, stride)
+    )
 
 
 # -- validation happens before anything is queued -----------------------------
