@@ -6,6 +6,13 @@ A :class:`Memory` owns a cell book and device buffers.  ``init_batch`` /
 them) and never mutate the memory.  :meth:`MemoryContext.apply` is the only
 commit point; :meth:`MemoryContext.next` advances to the next ubatch.
 
+When the graph compute of an applied ubatch fails (``FAILED_COMPUTE``), a
+runtime calls :meth:`MemoryContext.undo` on the context instead of the
+best-effort ``seq_rm`` of upstream (§1.3): a context that supports it puts
+the memory back as it was before the ubatch(es) it applied (the recurrent
+memory does, exactly or, when state rows were overwritten and not kept,
+consistently by dropping the affected sequences, whose ids it returns).
+
 Composite memories (hybrids) split the batch themselves, ask every part to
 ``prepare(ubatches)`` and build each part's context from the same ubatch
 list; their ``apply()`` applies one ubatch in each part and combines the
@@ -92,6 +99,15 @@ class MemoryContext(abc.ABC):
     def next(self) -> bool:
         """Advance to the next ubatch; False when exhausted."""
 
+    def undo(self, n: int | None = None) -> tuple[int, ...]:
+        """Take back the last ``n`` applied ubatches (default: all) after a failed compute.
+
+        Returns the sequences that could not be restored and were dropped
+        instead (empty tuple: exact).  Contexts that cannot undo raise
+        :class:`ContextError`.
+        """
+        raise ContextError(f"{type(self).__name__} cannot undo an applied ubatch")
+
 
 class StatusContext(MemoryContext):
     """A context with nothing to do: NO_UPDATE, or a failed plan (``reason`` says why)."""
@@ -112,6 +128,9 @@ class StatusContext(MemoryContext):
 
     def next(self) -> bool:
         return False
+
+    def undo(self, n: int | None = None) -> tuple[int, ...]:
+        return ()  # nothing was ever applied
 
 
 class UBatchContext(MemoryContext):

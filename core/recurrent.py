@@ -36,6 +36,7 @@ from statecache.dtypes import DType
 from statecache.errors import ArgumentError, BatchError, StateError
 from statecache.memory import (
     POS_MAX,
+    ContextError,
     Memory,
     MemoryContext,
     MemoryStatus,
@@ -168,22 +169,83 @@ class RecurrentInputs:
         return out
 
 
-class RecurrentContext(UBatchContext):
-    """A planned batch: the ubatches, and the book after each (installed by apply)."""
+@dataclasses.dataclass(eq=False)
+class _ApplyRecord:
+    """What :meth:`RecurrentContext.undo` needs for one applied ubatch.
 
-    def __init__(self, memory: RecurrentMemory, ubatches: Sequence[UBatch], plans: list[tuple[_Book, Any]]) -> None:
+    ``book_before`` is the book object that ``apply()`` replaced: apply installs
+    a new book object (the plan's) instead of editing the old one, so keeping
+    the old one costs nothing.  ``written`` is filled by the step: for every
+    pool it wrote, the scratch copy of the rows it overwrote (``None`` when
+    rows were not kept).  ``overwrites`` are those pool rows.
+    """
+
+    index: int
+    book_before: _Book
+    version_after: int
+    inputs: RecurrentInputs
+    keep_rows: bool
+    overwrites: np.ndarray | None = None
+    written: dict[tuple[int, str], tuple[Buffer, Buffer | None]] = dataclasses.field(default_factory=dict)
+
+
+class RecurrentContext(UBatchContext):
+    """A planned batch: the ubatches, and the book after each (installed by apply).
+
+    **Undo after a failed compute** (``MemoryStatus.FAILED_COMPUTE``, spec §1.3
+    [REC], §10 item 22).  Every ``apply()`` keeps an undo record: the book it
+    replaced (a reference, O(1)) and, once a step writes, which pools it wrote.
+    :meth:`undo` then puts the memory back:
+
+    * the step never wrote (the failure came before the graph ran, or the
+      runtime never built a step): the old book is reinstalled and the pools
+      are untouched, so the memory is exactly as before ``apply()``;
+    * the step wrote and the rows were kept (``keep_undo_rows``: the step
+      copies the rows it is about to overwrite into scratch buffers before its
+      first write to each pool, about ``n_seqs * min(n_t + 1, 1 + n_rs_seq)``
+      rows per state tensor): the rows are copied back, then the old book is
+      reinstalled -- exact again;
+    * the step wrote without kept rows: exactness is impossible, so undo is
+      *consistent but lossy*: the old book comes back minus every cell whose
+      logical state row was overwritten (those sequences are dropped, as if
+      ``seq_rm(s, 0, -1)``; undo returns their ids so the runtime can
+      re-prefill them), and snapshot planes that were overwritten are no
+      longer offered for rollback.
+
+    Keeping rows costs one device copy of the slot's rows per state tensor, so
+    it is off by default (``RecurrentMemory(keep_undo_rows=...)``, this
+    context's ``keep_undo_rows`` attribute, or ``step(keep_undo_rows=True)``);
+    the book part of undo is always free.  ``undo()`` is refused
+    (:class:`ContextError`, nothing changed) once the memory was changed by
+    anything else after the last ``apply()``.  After an exact undo the context
+    points at the first undone ubatch again and may ``apply()`` it anew.
+    :meth:`confirm` forgets the records (and frees kept rows) of the ubatches
+    applied so far, when the runtime knows their compute succeeded.
+    """
+
+    def __init__(
+        self,
+        memory: RecurrentMemory,
+        ubatches: Sequence[UBatch],
+        plans: list[tuple[_Book, Any]],
+        *,
+        keep_undo_rows: bool | None = None,
+    ) -> None:
         super().__init__(ubatches)
         self.memory = memory
         self._plans = plans
         self._base_version = memory._version
         self.inputs: RecurrentInputs | None = None
+        self.keep_undo_rows = memory.keep_undo_rows if keep_undo_rows is None else bool(keep_undo_rows)
+        self._records: list[_ApplyRecord] = []
 
     def _apply_ubatch(self, i: int) -> bool:
         mem = self.memory
+        before = mem._book
         expected = self._base_version + i
         if mem._version == expected and i < len(self._plans):
             book, inputs = self._plans[i]
-            mem._book = book  # each plan is installed at most once
+            mem._book = book  # a plan book is never edited while it is not installed
         else:  # the memory changed since the plan: place the ubatch again
             book = mem._book.copy()
             inputs = mem._find_slot(book, self.ubatches[i])
@@ -193,15 +255,78 @@ class RecurrentContext(UBatchContext):
         mem._version += 1
         self._base_version = mem._version - i - 1
         self.inputs = inputs
+        rec = _ApplyRecord(i, before, mem._version, inputs, self.keep_undo_rows)
+        self._records.append(rec)
+        mem._last_apply = rec
         return True
 
-    def step(self) -> Any:
-        """The graph side for the applied ubatch (see :mod:`statecache.recurrent_step`)."""
+    def step(self, keep_undo_rows: bool | None = None) -> Any:
+        """The graph side for the applied ubatch (see :mod:`statecache.recurrent_step`).
+        ``keep_undo_rows`` overrides the context's setting for this step."""
         from statecache.recurrent_step import RecurrentStep
 
         if self.inputs is None:
             raise ArgumentError("context", "apply() a ubatch before asking for its step")
-        return RecurrentStep(self.memory, self.inputs)
+        return RecurrentStep(self.memory, self.inputs, keep_undo_rows=keep_undo_rows)
+
+    @property
+    def n_undoable(self) -> int:
+        """How many applied ubatches :meth:`undo` can still take back."""
+        return len(self._records)
+
+    def confirm(self) -> None:
+        """The compute of every ubatch applied so far succeeded: drop their undo records."""
+        self._records.clear()
+
+    def undo(self, n: int | None = None) -> tuple[int, ...]:
+        """Take back the last ``n`` applied ubatches (default: all not confirmed), newest first.
+
+        Returns the sequences that had to be dropped because their state rows
+        were overwritten without being kept (empty: the undo was exact).
+        Raises :class:`ContextError`, changing nothing, when the memory was
+        modified since the last ``apply()`` or ``n`` is out of range.
+        """
+        k = len(self._records) if n is None else int(n)
+        if not 0 <= k <= len(self._records):
+            raise ContextError(f"cannot undo {n} ubatches; {len(self._records)} can be undone")
+        if k == 0:
+            return ()
+        mem = self.memory
+        recs = self._records[len(self._records) - k :]
+        if mem._version != recs[-1].version_after:
+            raise ContextError("the memory changed after the last apply(); its ubatches can no longer be undone")
+        dev = mem.device
+        n_rows = mem.size * mem.n_snap
+        damaged: dict[tuple[int, str], np.ndarray] = {}
+        for rec in reversed(recs):  # newest first: each kept copy is the state before its own step
+            if not rec.written:
+                continue
+            assert rec.overwrites is not None
+            rows = dev.indices(rec.overwrites)
+            for key, (pool, saved) in rec.written.items():
+                if saved is not None:
+                    dev.set_rows(pool, rows, saved)
+                    if key in damaged:
+                        damaged[key][rec.overwrites] = False
+                else:
+                    damaged.setdefault(key, np.zeros(n_rows, dtype=bool))[rec.overwrites] = True
+        mem._book = recs[0].book_before
+        mem._version += 1
+        mem._last_apply = None
+        del self._records[len(self._records) - k :]
+        bad = np.zeros(n_rows, dtype=bool)
+        for mask in damaged.values():
+            bad |= mask
+        dropped: tuple[int, ...] = ()
+        if bad.any():
+            dropped = mem._forget_damaged(bad)
+            self._plans = []  # the book differs from the plans': place again on re-apply
+        else:
+            self._base_version = mem._version - recs[0].index
+        self.i_next = recs[0].index
+        self._applied = -1
+        self.inputs = None
+        return dropped
 
 
 class FullContext(MemoryContext):
@@ -238,6 +363,7 @@ class RecurrentMemory(Memory):
         n_rs_seq: int = 0,
         size: int | None = None,
         dtype: DType | str | None = None,
+        keep_undo_rows: bool = False,
     ) -> None:
         if not isinstance(spec, MemorySpec):
             spec = MemorySpec(tuple(spec), DType.parse(dtype) if dtype is not None else DType.F32)
@@ -265,6 +391,9 @@ class RecurrentMemory(Memory):
             self.pools[i] = {t.name: device.alloc((size * self.n_snap, t.row_size), self.dtype) for t in layer.tensors}
         self._book = _Book.empty(size)
         self._version = 0
+        #: default for new contexts: steps keep the rows they overwrite so undo() is exact (see RecurrentContext)
+        self.keep_undo_rows = bool(keep_undo_rows)
+        self._last_apply: _ApplyRecord | None = None
 
     # -- introspection ----------------------------------------------------------
     @property
@@ -553,6 +682,29 @@ class RecurrentMemory(Memory):
         b.head = lo
         z = _EMPTY_ROWS
         return RecurrentInputs(self.size, self.n_snap, lo, n_seqs, n_seqs, n_t, -1, start_rows, z, z, False)
+
+    def _forget_damaged(self, bad_rows: np.ndarray) -> tuple[int, ...]:
+        """After a lossy undo: drop every cell whose logical state row is in ``bad_rows``
+        (a bool mask over pool rows) and stop offering overwritten snapshot planes.
+        Returns the dropped sequences."""
+        b = self._book
+        size = self.size
+        owned = np.flatnonzero(b.n_own > 0)
+        src = b.src[owned]
+        lost = owned[(src >= 0) & bad_rows[np.maximum(src, 0)]]
+        dropped = np.flatnonzero(np.isin(b.tail, lost)) if lost.size else _EMPTY_ROWS
+        if lost.size:
+            b.tail[dropped] = -1
+            b.used -= int(lost.size)
+            b.a[:4, lost] = np.array([-1, -1, -1, 0], dtype=np.int64)[:, None]
+            b.n_own[lost] = 0
+            b.head = min(b.head, int(lost[0]))
+        kept = np.flatnonzero(b.n_own > 0)
+        for j in range(1, self.n_snap):  # planes above a damaged one are unreachable too
+            hit = kept[bad_rows[kept + j * size] & (b.snap_valid[kept] > j)]
+            b.snap_valid[hit] = j
+        self._version += 1
+        return tuple(dropped.tolist())
 
     # -- sequence operations (§2.2-2.7) -------------------------------------------
     def clear(self, data: bool = True) -> None:

@@ -18,6 +18,14 @@ its remaining owner updates in place), all reads are first copied aside into
 transient buffers, the primitive runs on a transient pool of ``n_seqs``
 cells, and the results are copied back.  Only public Device primitives are
 used, so this is the same code on every backend.
+
+Undo support (see :class:`~statecache.recurrent.RecurrentContext`): a step
+built for the memory's most recently applied ubatch reports, before its
+first write to each pool, that it is writing; with ``keep_undo_rows`` it
+first copies every row it will overwrite in that pool (``overwrites``: the
+zero row when it zeroes it in place, the extra rows, and the planes the
+primitive writes) into a scratch buffer, so that the context can put them
+back if the compute fails.
 """
 
 from __future__ import annotations
@@ -36,11 +44,17 @@ if TYPE_CHECKING:
 class RecurrentStep:
     """Runs the device side of one committed ubatch, layer by layer."""
 
-    def __init__(self, memory: RecurrentMemory, inputs: RecurrentInputs) -> None:
+    def __init__(self, memory: RecurrentMemory, inputs: RecurrentInputs, *, keep_undo_rows: bool | None = None) -> None:
         self.memory = memory
         self.inputs = inputs
         self.device = dev = memory.device
         inp = inputs
+        rec = memory._last_apply
+        # only the step of the ubatch applied last, with the memory unchanged since, can be undone
+        self._record = (
+            rec if rec is not None and rec.inputs is inputs and rec.version_after == memory._version else None
+        )
+        self.keep_undo_rows = bool(rec.keep_rows if keep_undo_rows is None and rec is not None else keep_undo_rows)
         self._zero = dev.indices([inp.rs_z]) if inp.rs_z >= 0 and not inp.staged else None
         self._needs_zero = bool((inp.start_rows == inp.rs_z).any()) if inp.rs_z >= 0 else False
         self._dst = dev.indices(inp.dst_rows)
@@ -71,11 +85,34 @@ class RecurrentStep:
             raise ArgumentError("layer", f"state tensor {name!r} of layer {layer} already stepped for this ubatch")
         self.done.add(key)
 
+    @property
+    def overwrites(self) -> np.ndarray:
+        """Every pool row (any plane) this step writes, sorted, without repeats."""
+        inp = self.inputs
+        parts = [inp.written_rows(), inp.extra_dst]
+        if not inp.staged and self._zero is not None and self._needs_zero:
+            parts.append(np.asarray([inp.rs_z], dtype=np.int64))
+        return np.unique(np.concatenate(parts))
+
+    def _before_write(self, layer: int, name: str, pool: Buffer) -> None:
+        rec = self._record
+        if rec is None or (layer, name) in rec.written:
+            return  # untracked, or an earlier step already saw this pool's old rows
+        if rec.overwrites is None:
+            rec.overwrites = self.overwrites
+        saved = None
+        if self.keep_undo_rows:
+            dev = self.device
+            saved = dev.alloc((rec.overwrites.size, pool.shape[1]), pool.dtype)
+            dev.get_rows(pool, dev.indices(rec.overwrites), saved)
+        rec.written[(layer, name)] = (pool, saved)
+
     def _run(self, layer: int, name: str, launch) -> None:  # type: ignore[no-untyped-def]
         """Zero, materialise extras and launch the primitive for one pool."""
         self._mark(layer, name)
         dev, inp = self.device, self.inputs
         pool = self._pool(layer, name)
+        self._before_write(layer, name, pool)
         if not inp.staged:
             if self._zero is not None and self._needs_zero:
                 dev.zero_rows(pool, self._zero)
