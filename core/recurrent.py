@@ -394,6 +394,7 @@ class RecurrentMemory(Memory):
         #: default for new contexts: steps keep the rows they overwrite so undo() is exact (see RecurrentContext)
         self.keep_undo_rows = bool(keep_undo_rows)
         self._last_apply: _ApplyRecord | None = None
+        self._row_idx_cache: dict[tuple[int, int], Buffer] = {}
 
     # -- introspection ----------------------------------------------------------
     @property
@@ -430,6 +431,16 @@ class RecurrentMemory(Memory):
         empty = b.n_own == 0
         assert (b.pos[empty] == -1).all() and (b.src[empty] == -1).all(), "an empty cell keeps data (I3)"
         assert int((~empty).sum()) == b.used, (int((~empty).sum()), b.used)
+
+    def _row_indices(self, head: int, n: int) -> Buffer:
+        """Device index buffer of rows ``head .. head + n`` (cached: steps never write index buffers)."""
+        key = (head, n)
+        buf = self._row_idx_cache.get(key)
+        if buf is None:
+            if len(self._row_idx_cache) >= 64:
+                self._row_idx_cache.clear()
+            buf = self._row_idx_cache[key] = self.device.indices(np.arange(head, head + n, dtype=np.int64))
+        return buf
 
     # -- queries ----------------------------------------------------------------
     def seq_pos_min(self, seq: int) -> int:

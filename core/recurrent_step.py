@@ -57,8 +57,14 @@ class RecurrentStep:
         self.keep_undo_rows = bool(rec.keep_rows if keep_undo_rows is None and rec is not None else keep_undo_rows)
         self._zero = dev.indices([inp.rs_z]) if inp.rs_z >= 0 and not inp.staged else None
         self._needs_zero = bool((inp.start_rows == inp.rs_z).any()) if inp.rs_z >= 0 else False
-        self._dst = dev.indices(inp.dst_rows)
-        self._start = dev.indices(inp.start_rows)
+        # the destination rows depend only on (head, n_seqs), and a steady decode starts every
+        # set from its own row: reuse uploaded index buffers instead of uploading per step
+        self._dst = memory._row_indices(inp.head, inp.n_seqs)
+        in_place = inp.start_rows.size == inp.n_seqs and inp.start_rows[0] == inp.head
+        if in_place and np.array_equal(inp.start_rows, inp.dst_rows):
+            self._start = self._dst
+        else:
+            self._start = dev.indices(inp.start_rows)
         self._ex_src = dev.indices(inp.extra_src) if inp.extra_src.size else None
         self._ex_dst = dev.indices(inp.extra_dst) if inp.extra_dst.size else None
         if inp.staged:
