@@ -43,7 +43,16 @@ from statecache.kv_cache import (
     KVCacheISWA,
     KVStatePlan,
 )
-from statecache.memory import Memory, MemoryContext, MemoryStatus, StateFlags, StatusContext, normalize_range
+from statecache.memory import (
+    ContextError,
+    Memory,
+    MemoryContext,
+    MemoryStatus,
+    StateFlags,
+    StatusContext,
+    UBatchContext,
+    normalize_range,
+)
 from statecache.state_io import Reader, Writer, find_section, pack_sections, unpack_sections
 
 if TYPE_CHECKING:
@@ -56,12 +65,51 @@ AttentionPart = KVCache | KVCacheISWA
 
 
 class HybridContext(CompositeContext):
-    """Attention and recurrent contexts over the same ubatches (recurrent applied last)."""
+    """Attention and recurrent contexts over the same ubatches (recurrent applied last).
+
+    Undo after a failed compute (spec §10 item 22): ``apply()`` also keeps the
+    books of the snapshot-able parts from before the ubatch, and :meth:`undo`
+    lets the recurrent part undo first (it refuses, changing nothing, when the
+    memory changed since), then restores those books.  Sequences the
+    recurrent part had to drop (state rows overwritten and not kept, see
+    :class:`~statecache.recurrent.RecurrentContext`) are dropped from the
+    whole hybrid (``memory`` is set by the memory that built the context).
+    """
 
     def __init__(self, attn: MemoryContext, recr: MemoryContext, extra: Sequence[MemoryContext] = ()) -> None:
         self.attn = attn
         self.recr = recr
         super().__init__([attn, *extra, recr])
+        self.memory: Memory | None = None
+        self._undo_log: list[list[tuple[MemoryContext, Any]]] = []
+
+    def apply(self) -> bool:
+        before = [(p, p.snapshot()) for p in self.parts if p is not self.recr and hasattr(p, "snapshot")]
+        ok = super().apply()
+        if ok:
+            self._undo_log.append(before)
+        return ok
+
+    def undo(self, n: int | None = None) -> tuple[int, ...]:
+        """Take back the last ``n`` applied ubatches (default: all); returns the dropped sequences."""
+        if type(self).apply is not HybridContext.apply:
+            raise ContextError(f"{type(self).__name__}.apply() keeps state that undo() cannot restore")
+        k = len(self._undo_log) if n is None else int(n)
+        if not 0 <= k <= len(self._undo_log):
+            raise ContextError(f"cannot undo {n} ubatches; {len(self._undo_log)} can be undone")
+        if k == 0:
+            return ()
+        dropped = self.recr.undo(k)
+        for p, snap in self._undo_log[-k]:
+            p.restore(snap)
+        del self._undo_log[-k:]
+        for p in self.parts:
+            if isinstance(p, UBatchContext):
+                p.i_next = self.recr.i_next  # type: ignore[attr-defined]
+        if dropped and self.memory is not None:
+            for s in dropped:
+                self.memory.seq_rm(s, -1, -1)
+        return dropped
 
 
 class HybridMemory(Memory):
@@ -127,7 +175,9 @@ class HybridMemory(Memory):
         if isinstance(plans, str):
             return StatusContext(MemoryStatus.FAILED_PREPARE, f"({plans})")
         attn, recr = self._contexts(ubs, plans)
-        return HybridContext(attn, recr)
+        ctx = HybridContext(attn, recr)
+        ctx.memory = self
+        return ctx
 
     def init_full(self) -> MemoryContext:
         return HybridContext(self.attn.init_full(), self.recr.init_full())
