@@ -406,17 +406,19 @@ class OpenCLDevice(Device):
         y: Buffer,
     ) -> None:
         n_prep = shp.n_seqs * shp.n_tokens * shp.n_head
-        prep = self.scratch(n_prep * 8)  # float2 per (sequence, token, head)
+        prep = self.scratch(2 * n_prep * 4)  # softplus(dt), then the Mamba-2 decays
         a_args = self._strided(A) if A.ndim == 2 else [*self._strided(A), _long(0)]
         mamba1 = shp.variant == "mamba1"
+        n_pairs = shp.n_seqs * shp.n_tokens  # one prep work-item per (sequence, token)
         self.kernel("ssm_scan", "ssm_scan_prep", pool.dtype)(
             self.queue,
-            (_round_up(n_prep, 64),),
-            (64,),
+            (n_pairs,),
+            None,
             *self._strided(dt),
             *a_args[:3],
             _int(mamba1),
             prep,
+            n_prep,
             _long(shp.n_seqs),
             _long(shp.n_tokens),
             _long(shp.n_head),
@@ -436,6 +438,7 @@ class OpenCLDevice(Device):
             dst_rows.storage,
             *self._strided(x),
             prep,
+            n_prep,
             *a_args,
             *self._strided(B),
             *self._strided(C),

@@ -14,26 +14,45 @@
 #endif
 
 // Per (sequence, token, head): softplus(dt) and, for Mamba-2, the decay
-// exp(softplus(dt) * A[h]).  Computed once here instead of once per state
-// row: on PoCL the two transcendentals per row cost as much as the row's
-// whole update.  The scans read them from prep[(s * n_t + t) * n_head + h].
+// exp(softplus(dt) * A[h]), computed once here instead of once per state row,
+// 8 heads per vector (a scalar transcendental costs ~20-60 ns on PoCL).  One
+// work-item per (sequence, token).  Layout: prep[(s * n_t + t) * n_head + h]
+// holds softplus(dt), prep[decay_off + the same index] the decay.
+inline float8 load8_strided(__global const float *p, long stride) {
+    if (stride == 1) return vload8(0, p);
+    return (float8)(p[0], p[stride], p[2 * stride], p[3 * stride], p[4 * stride], p[5 * stride], p[6 * stride],
+                    p[7 * stride]);
+}
+
 __kernel void ssm_scan_prep(__global const float *dt, long dt_off, long dts0, long dts1, long dts2,
                             __global const float *A, long a_off, long as0, int a_per_state,
-                            __global float2 *prep, long n_s, long n_t, long n_head) {
-    const long idx = get_global_id(0);
-    if (idx >= n_s * n_t * n_head) return;
-    const long h = idx % n_head;
-    const long t = (idx / n_head) % n_t;
-    const long s = idx / (n_head * n_t);
-    const float d = softplus_f(dt[dt_off + s * dts0 + t * dts1 + h * dts2]);
-    const float decay = a_per_state ? 0.0f : exp(d * A[a_off + h * as0]);
-    prep[idx] = (float2)(d, decay);
+                            __global float *prep, long decay_off, long n_s, long n_t, long n_head) {
+    const long st = get_global_id(0);
+    if (st >= n_s * n_t) return;
+    const long s = st / n_t;
+    const long t = st - s * n_t;
+    __global const float *dp = dt + dt_off + s * dts0 + t * dts1;
+    __global const float *ap = A + a_off;
+    __global float *d_out = prep + st * n_head;
+    __global float *decay_out = prep + decay_off + st * n_head;
+    long h = 0;
+    for (; h + 8 <= n_head; h += 8) {
+        const float8 z = load8_strided(dp + h * dts2, dts2);
+        const float8 d = select(log1p(exp(z)), z, isgreater(z, (float8)(20.0f)));
+        vstore8(d, 0, d_out + h);
+        if (!a_per_state) vstore8(exp(d * load8_strided(ap + h * as0, as0)), 0, decay_out + h);
+    }
+    for (; h < n_head; ++h) {
+        const float d = softplus_f(dp[h * dts2]);
+        d_out[h] = d;
+        if (!a_per_state) decay_out[h] = exp(d * ap[h * as0]);
+    }
 }
 
 __kernel void ssm_scan(__global pool_t *pool, long pool_off, long row_size,
                        __global const int *start_rows, __global const int *dst_rows,
                        __global const float *x, long x_off, long xs0, long xs1, long xs2, long xs3,
-                       __global const float2 *prep,
+                       __global const float *prep, long decay_off,
                        __global const float *A, long a_off, long as0, long as1,
                        __global const float *B, long b_off, long bs0, long bs1, long bs2, long bs3,
                        __global const float *C, long c_off, long cs0, long cs1, long cs2, long cs3,
@@ -64,7 +83,8 @@ __kernel void ssm_scan(__global pool_t *pool, long pool_off, long row_size,
                 for (long kk = 0; kk < kn; ++kk) POOL_STORE(pool, p + kk, st[kk]);
             }
             for (long t = 0; t < n_t; ++t) {
-                const float2 dd = prep[(s * n_t + t) * n_head + h];  // (softplus(dt), exp(softplus(dt) * A[h]))
+                const long pi = (s * n_t + t) * n_head + h;
+                const float2 dd = (float2)(prep[pi], prep[decay_off + pi]);  // softplus(dt), decay
                 const float d = dd.x;
                 const float xd = x[x_off + s * xs0 + t * xs1 + h * xs2 + i * xs3] * d;
                 const long bb = b_off + s * bs0 + t * bs1 + g * bs2 + k0 * bs3;
@@ -104,7 +124,7 @@ __kernel void ssm_scan(__global pool_t *pool, long pool_off, long row_size,
 __kernel void ssm_scan_vec8(__global pool_t *pool, long pool_off, long row_size,
                             __global const int *start_rows, __global const int *dst_rows,
                             __global const float *x, long x_off, long xs0, long xs1, long xs2, long xs3,
-                            __global const float2 *prep,
+                            __global const float *prep, long decay_off,
                             __global const float *A, long a_off, long as0, long as1,
                             __global const float *B, long b_off, long bs0, long bs1, long bs2, long bs3,
                             __global const float *C, long c_off, long cs0, long cs1, long cs2, long cs3,
@@ -130,7 +150,7 @@ __kernel void ssm_scan_vec8(__global pool_t *pool, long pool_off, long row_size,
             // Decode: one streaming pass, no private copy of the state.  Each
             // 8-element block is read before the same block of any output
             // plane is written, which is all in-place and rollback starts need.
-            const float2 dd = prep[s * n_head + h];
+            const float2 dd = (float2)(prep[s * n_head + h], prep[decay_off + s * n_head + h]);
             const float xd = x[x_off + s * xs0 + h * xs2 + i * xs3] * dd.x;
             __global const float *Bp = B + b_off + s * bs0 + g * bs2;
             __global const float *Cp = C + c_off + s * cs0 + g * cs2;
@@ -157,7 +177,8 @@ __kernel void ssm_scan_vec8(__global pool_t *pool, long pool_off, long row_size,
                 for (long v = 0; v < nv; ++v) POOL_STORE8(pool, p + 8 * v, st[v]);
             }
             for (long t = 0; t < n_t; ++t) {
-                const float2 dd = prep[(s * n_t + t) * n_head + h];  // (softplus(dt), exp(softplus(dt) * A[h]))
+                const long pi = (s * n_t + t) * n_head + h;
+                const float2 dd = (float2)(prep[pi], prep[decay_off + pi]);  // softplus(dt), decay
                 const float d = dd.x;
                 const float xd = x[x_off + s * xs0 + t * xs1 + h * xs2 + i * xs3] * d;
                 __global const float *Bp = B + b_off + s * bs0 + t * bs1 + g * bs2 + k0;

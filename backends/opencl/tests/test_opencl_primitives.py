@@ -242,7 +242,7 @@ def test_nan_survives_conversions(cl_device):
     ],
 )
 def test_ssm_conv(twin, geometry, rng, dtype, d_conv, n_t, n_snap, bias, silu, strided):
-    n_s, ch, R, stride = 3, 40, 16, 4
+    n_s, ch, R, stride = 3, 43, 16, 4  # 43: a partial block of 8 in the vector SiLU
     W = d_conv - 1
     x_host = rng.uniform(-1, 1, (n_s, n_t, ch)).astype(np.float32)
     w_host = rng.uniform(-1, 1, (ch, d_conv)).astype(np.float32)
@@ -303,6 +303,8 @@ def scan_inputs(rng, n_s, n_t, H, P, N, G, mamba1=False):
         (DType.F16, 2, 4, 12, 1, 2, 3, "contiguous"),
         (DType.BF16, 2, 8, 32, 2, 2, 2, "contiguous"),
         (DType.BF16, 2, 4, 16, 2, 2, 3, "transposed"),
+        (DType.F32, 12, 2, 16, 3, 2, 2, "dt_heads_outer"),  # 8 + 4 heads in the vector prep; dt strided
+        (DType.F32, 16, 2, 16, 2, 1, 1, "contiguous"),
     ],
 )
 def test_ssm_scan_mamba2(twin, geometry, rng, dtype, H, P, N, G, n_t, n_snap, bc_layout):
@@ -316,6 +318,8 @@ def test_ssm_scan_mamba2(twin, geometry, rng, dtype, H, P, N, G, n_t, n_snap, bc
     ins = [twin.upload(a) for a in host]
     if bc_layout == "transposed":  # d_state outermost in memory
         ins[3], ins[4] = (twin.strided(a, transpose=(3, 0, 1, 2)) for a in host[3:])
+    if bc_layout == "dt_heads_outer":
+        ins[1] = twin.strided(host[1], transpose=(2, 0, 1))
     for i, dev in enumerate(twin.devices):
         dev.ssm_scan(
             pool[i],
@@ -333,16 +337,26 @@ def test_ssm_scan_mamba2(twin, geometry, rng, dtype, H, P, N, G, n_t, n_snap, bc
 
 
 @pytest.mark.parametrize(
-    ("dtype", "N", "n_t"),
-    [(DType.F32, 16, 3), (DType.F16, 16, 3), (DType.BF16, 16, 3), (DType.F32, 12, 3), (DType.F32, 16, 1)],
+    ("dtype", "N", "n_t", "dt_layout"),
+    [
+        (DType.F32, 16, 3, "contiguous"),
+        (DType.F16, 16, 3, "contiguous"),
+        (DType.BF16, 16, 3, "contiguous"),
+        (DType.F32, 12, 3, "contiguous"),
+        (DType.F32, 16, 1, "contiguous"),
+        (DType.F32, 16, 2, "heads_outer"),  # dt and A strided along the heads
+    ],
     ids=str,
 )
-def test_ssm_scan_mamba1(twin, geometry, rng, dtype, N, n_t):
-    n_s, H = 2, 70  # 70 rows: not a multiple of the work-group size
+def test_ssm_scan_mamba1(twin, geometry, rng, dtype, N, n_t, dt_layout):
+    n_s, H = 2, 70  # 70 rows (heads): not a multiple of the work-group size nor of 8
     host = scan_inputs(rng, n_s, n_t, H, 1, N, 1, mamba1=True)
     pool = twin.pool("pool", 4, H * N, dtype)
     y = twin.output("y", (n_s, n_t, H, 1))
     ins = [twin.upload(a) for a in host]
+    if dt_layout == "heads_outer":
+        ins[1] = twin.strided(host[1], transpose=(2, 0, 1))
+        ins[2] = twin.strided(host[2], transpose=(1, 0))
     for i, dev in enumerate(twin.devices):
         dev.ssm_scan(pool[i], dev.indices([3, 1]), dev.indices([3, 0]), *(a[i] for a in ins), y[i])
     check_output(twin, "y")
