@@ -87,3 +87,10 @@ inline float sum8(float8 v) {
     const float2 b = a.lo + a.hi;
     return b.x + b.y;
 }
+
+// Eight floats from p, p + stride, ... (a plain vector load when stride == 1).
+inline float8 load8_strided(__global const float *p, long stride) {
+    if (stride == 1) return vload8(0, p);
+    return (float8)(p[0], p[stride], p[2 * stride], p[3 * stride], p[4 * stride], p[5 * stride], p[6 * stride],
+                    p[7 * stride]);
+}

@@ -1,6 +1,6 @@
 // Depthwise causal conv over concat(window, x) with window snapshots.
-// One work-item per (channel, sequence): it owns channel c of every row its
-// sequence writes, so it reads its whole start window into private memory
+// Work-items over (channels, sequence): a work-item owns its channels of
+// every row its sequence writes, so it reads a channel's whole start window into private memory
 // before writing anything, and no other work-item touches those elements.
 // That is what makes in-place decode (start row == destination row) and
 // rollback starts (start row == one of its own snapshot planes) safe.
@@ -21,8 +21,57 @@ __kernel void ssm_conv(__global pool_t *pool, long pool_off, long row_size,
     // A work-item walks rows_per_item consecutive channels: on CPU devices work-groups are
     // single work-items, so the OpenCL runtime has no work-item loop to vectorise (see device.py).
     const long c_end = min((long)(get_global_id(0) + 1) * rows_per_item, ch);
-    for (long c = get_global_id(0) * rows_per_item; c < c_end; ++c) {
-        const long W = d_conv - 1;
+    const long W = d_conv - 1;
+    long c = get_global_id(0) * rows_per_item;
+
+    // Blocks of 8 channels as float8 lanes (x contiguous along channels).  The
+    // window gathers and snapshot scatters are per lane (a row is [ch, W],
+    // time fastest); the per-token work is all vector.
+    for (; c + 8 <= c_end && xs2 == 1; c += 8) {
+        float8 win8[MAX_WINDOW];
+        float8 w8[MAX_WINDOW + 1];
+        const long src = pool_off + (long)start_rows[s] * row_size + c * W;
+        for (long w = 0; w < W; ++w) {
+            win8[w] = (float8)(POOL_LOAD(pool, src + w), POOL_LOAD(pool, src + W + w),
+                               POOL_LOAD(pool, src + 2 * W + w), POOL_LOAD(pool, src + 3 * W + w),
+                               POOL_LOAD(pool, src + 4 * W + w), POOL_LOAD(pool, src + 5 * W + w),
+                               POOL_LOAD(pool, src + 6 * W + w), POOL_LOAD(pool, src + 7 * W + w));
+        }
+        for (long k = 0; k <= W; ++k) w8[k] = load8_strided(weight + w_off + c * ws0 + k * ws1, ws0);
+        const float8 b8 = bias ? load8_strided(bias + b_off + c * bs0, bs0) : (float8)(0.0f);
+        const long dst0 = pool_off + (long)dst_rows[s] * row_size + c * W;
+        float lanes[8];
+        if (n_written > n_t) {  // plane n_t: the input window
+            const long p = dst0 + n_t * plane_step;
+            for (long w = 0; w < W; ++w) {
+                vstore8(win8[w], 0, lanes);
+                for (int l = 0; l < 8; ++l) POOL_STORE(pool, p + l * W + w, lanes[l]);
+            }
+        }
+        for (long t = 0; t < n_t; ++t) {
+            const float8 xt = vload8(0, x + x_off + s * xs0 + t * xs1 + c);
+            float8 acc = (float8)(0.0f);
+            for (long k = 0; k < W; ++k) acc += win8[k] * w8[k];
+            acc += xt * w8[W];
+            acc += b8;
+            if (apply_silu) acc = acc / (1.0f + exp(-acc));
+            vstore8(acc, 0, y + y_off + (s * n_t + t) * ch + c);
+            for (long k = 0; k + 1 < W; ++k) win8[k] = win8[k + 1];
+            win8[W - 1] = xt;
+            const long j = n_t - 1 - t;
+            if (j < n_written) {
+                const long p = dst0 + j * plane_step;
+                for (long w = 0; w < W; ++w) {
+                    vstore8(win8[w], 0, lanes);
+                    for (int l = 0; l < 8; ++l) POOL_STORE(pool, p + l * W + w, lanes[l]);
+                }
+            }
+        }
+    }
+
+    // Remaining channels (or strided x), one at a time.
+    const long c_scalar = c;
+    for (; c < c_end; ++c) {
 
         // win holds ext[t : t + W] before token t is consumed (ext = window ++ x).
         float win[MAX_WINDOW];
@@ -56,13 +105,13 @@ __kernel void ssm_conv(__global pool_t *pool, long pool_off, long row_size,
         }
     }
 
-    // SiLU over this work-item's outputs, 8 channels per vector: a scalar exp
-    // costs ~20 ns on PoCL, three times the rest of a channel's decode work.
+    // SiLU over the outputs of the one-at-a-time channels, 8 channels per
+    // vector: a scalar exp costs ~20 ns on PoCL, three times the rest of a
+    // channel's decode work.
     if (apply_silu) {
-        const long c_begin = get_global_id(0) * rows_per_item;
         for (long t = 0; t < n_t; ++t) {
             __global float *yt = y + y_off + (s * n_t + t) * ch;
-            long c = c_begin;
+            long c = c_scalar;
             for (; c + 8 <= c_end; c += 8) {
                 const float8 a = vload8(0, yt + c);
                 vstore8(a / (1.0f + exp(-a)), 0, yt + c);

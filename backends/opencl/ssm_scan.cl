@@ -18,12 +18,6 @@
 // 8 heads per vector (a scalar transcendental costs ~20-60 ns on PoCL).  One
 // work-item per (sequence, token).  Layout: prep[(s * n_t + t) * n_head + h]
 // holds softplus(dt), prep[decay_off + the same index] the decay.
-inline float8 load8_strided(__global const float *p, long stride) {
-    if (stride == 1) return vload8(0, p);
-    return (float8)(p[0], p[stride], p[2 * stride], p[3 * stride], p[4 * stride], p[5 * stride], p[6 * stride],
-                    p[7 * stride]);
-}
-
 __kernel void ssm_scan_prep(__global const float *dt, long dt_off, long dts0, long dts1, long dts2,
                             __global const float *A, long a_off, long as0, int a_per_state,
                             __global float *prep, long decay_off, long n_s, long n_t, long n_head) {
