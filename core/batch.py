@@ -47,7 +47,7 @@ class SeqIds(Sequence[tuple[int, ...]]):
     def __len__(self) -> int:
         return int(self.ids.size)
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
         if isinstance(i, slice):
             return [(s,) for s in self.ids[i].tolist()]
         return (int(self.ids[i]),)
@@ -213,7 +213,7 @@ class BatchAllocator:
         self.token: np.ndarray | None = None
         self.embd: np.ndarray | None = None
         self.pos = np.zeros(0, dtype=np.int32)
-        self.seq_id: list[tuple[int, ...]] = []
+        self.seq_id: Sequence[tuple[int, ...]] = []
         self.primary = np.zeros(0, dtype=np.int64)
         self.output = np.zeros(0, dtype=bool)
         self.has_coupled = False
@@ -281,9 +281,9 @@ class BatchAllocator:
         else:
             bad_ids = uniq_primary[(uniq_primary < 0) | (uniq_primary >= self.n_seq_max)].tolist()
         if bad_ids:  # name the first offending token in batch order
-            bad = set(bad_ids)
-            i = next(k for k, ids in enumerate(seq_id) if bad.intersection(ids))
-            s = next(q for q in seq_id[i] if q in bad)
+            bad_set = set(bad_ids)
+            i = next(k for k, ids in enumerate(seq_id) if bad_set.intersection(ids))
+            s = next(q for q in seq_id[i] if q in bad_set)
             raise BatchError(
                 f"token {i}: sequence id {s} outside [0, n_seq_max={self.n_seq_max})",
                 token=i,
@@ -369,13 +369,14 @@ class BatchAllocator:
             masks = [_mask(ids) for ids in seq_id]
             uniq: dict[int, int] = {}
             set_of_token = np.empty(n, dtype=np.int64)
-            set_ids: Sequence[tuple[int, ...]] = []
+            set_list: list[tuple[int, ...]] = []
             for i, m in enumerate(masks):
                 k = uniq.get(m)
                 if k is None:
-                    k = uniq[m] = len(set_ids)
-                    set_ids.append(seq_id[i])
+                    k = uniq[m] = len(set_list)
+                    set_list.append(seq_id[i])
                 set_of_token[i] = k
+            set_ids: Sequence[tuple[int, ...]] = set_list
             set_masks = list(uniq)
         else:
             uniq_seq, set_of_token = uniq_primary, set_of_primary.reshape(-1)
@@ -632,7 +633,8 @@ class BatchAllocator:
         return self._emit(idx, True, n_len, set_ids, ch)
 
     def _remaining_count(self, sets: np.ndarray) -> np.ndarray:
-        return self._bounds[sets + 1] - self._bounds[sets] - self._set_cursor[sets]
+        count: np.ndarray = self._bounds[sets + 1] - self._bounds[sets] - self._set_cursor[sets]
+        return count
 
     def split_seq(self, n_ubatch: int) -> UBatch:
         """One set per ubatch: from the first unused token, following unused tokens

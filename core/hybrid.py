@@ -101,7 +101,7 @@ class HybridContext(CompositeContext):
             return ()
         dropped = self.recr.undo(k)
         for p, snap in self._undo_log[-k]:
-            p.restore(snap)
+            p.restore(snap)  # type: ignore[attr-defined]
         del self._undo_log[-k:]
         for p in self.parts:
             if isinstance(p, UBatchContext):

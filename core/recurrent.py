@@ -6,8 +6,9 @@ in a pool of ``size * (1 + n_rs_seq)`` rows (row ``p * size + c`` is plane
 ``p`` of cell ``c``; plane 0 is the live state).
 
 Book per cell: ``pos``, ``src`` (the pool row, any plane, that holds the
-cell's *logical* state; ``-1`` for a new cell whose state is zero), the set
-of owning sequences, and snapshot provenance ``snap_end`` / ``snap_valid``:
+cell's *logical* state; ``-1`` for a new cell whose state is zero), the
+number of owning sequences (which ones follows from the per-sequence
+``tail``), and snapshot provenance ``snap_end`` / ``snap_valid``:
 plane ``j < snap_valid`` of the cell holds the state after position
 ``snap_end - j``.  A pending rollback is simply ``src`` pointing at a plane
 ``d > 0`` of the cell's own rows, so it is a property of the cell: it can
@@ -18,7 +19,12 @@ Deviations from upstream (the [REC] of the spec): rollback is exact or
 refused (§3.7), a shared cell cannot be rolled back, negative sequence ids in
 ``seq_rm`` follow §2.4 step 6, ``seq_add`` below position 0 removes the
 state, a pending rollback is consumed when the ubatch that reads it is
-committed (``apply``), and ``state_read`` validates before touching anything.
+committed (``apply``), ``state_read`` validates before touching anything,
+and a failed compute can be undone (:meth:`RecurrentContext.undo`, §1.3).
+
+Cost: the whole book is one small int64 array (a plan copies it with one
+memcpy), per-sequence lookups are O(1) array reads, and placing a ubatch is
+vectorised and O(size): no work grows as ``n_seq_max ** 2``.
 """
 
 from __future__ import annotations

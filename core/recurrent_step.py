@@ -122,7 +122,7 @@ class RecurrentStep:
         if not inp.staged:
             if self._zero is not None and self._needs_zero:
                 dev.zero_rows(pool, self._zero)
-            if self._ex_src is not None:
+            if self._ex_src is not None and self._ex_dst is not None:
                 dev.copy_rows(pool, self._ex_src, pool, self._ex_dst)
             launch(pool, self._start, self._dst, inp.size)
             return
@@ -132,7 +132,7 @@ class RecurrentStep:
         dev.copy_rows(pool, self._read_rows, tmp, self._local)
         if self._fresh_local_idx is not None:
             dev.zero_rows(tmp, self._fresh_local_idx)
-        if self._ex_src is not None:
+        if self._ex_src is not None and self._ex_dst is not None:
             ex = dev.alloc((inp.extra_src.size, pool.shape[1]), pool.dtype)
             dev.get_rows(pool, self._ex_src, ex)
             dev.set_rows(pool, self._ex_dst, ex)
