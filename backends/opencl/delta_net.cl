@@ -31,13 +31,17 @@
 // KDA every work-item of a head needs all S of them).
 __kernel void gated_delta_net_gate(__global const float *g, long g_off, long gs0, long gs1, long gs2, long gs3,
                                    __global float *gate, long n_s, long n_t, long n_head_v, long per_head) {
+    // One work-item per (sequence, token, head), 8 gate elements per vector.
     const long idx = get_global_id(0);
-    if (idx >= n_s * n_t * n_head_v * per_head) return;
-    const long i = idx % per_head;
-    const long h = (idx / per_head) % n_head_v;
-    const long t = (idx / (per_head * n_head_v)) % n_t;
-    const long s = idx / (per_head * n_head_v * n_t);
-    gate[idx] = exp(g[g_off + s * gs0 + t * gs1 + h * gs2 + i * gs3]);
+    if (idx >= n_s * n_t * n_head_v) return;
+    const long h = idx % n_head_v;
+    const long t = (idx / n_head_v) % n_t;
+    const long s = idx / (n_head_v * n_t);
+    __global const float *gp = g + g_off + s * gs0 + t * gs1 + h * gs2;
+    __global float *out = gate + idx * per_head;
+    long i = 0;
+    for (; i + 8 <= per_head; i += 8) vstore8(exp(load8_strided(gp + i * gs3, gs3)), 0, out + i);
+    for (; i < per_head; ++i) out[i] = exp(gp[i * gs3]);
 }
 
 // Any strides, any head size up to MAX_S.

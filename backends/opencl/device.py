@@ -476,8 +476,8 @@ class OpenCLDevice(Device):
         g_args = self._strided(g) if g.ndim == 4 else [*self._strided(g), _long(0)]
         self.kernel("delta_net", "gated_delta_net_gate", pool.dtype)(
             self.queue,
-            (_round_up(n_gate, 64),),
-            (64,),
+            (shp.n_seqs * shp.n_tokens * shp.n_head_v,),
+            None,
             *g_args,
             gate,
             _long(shp.n_seqs),

@@ -462,7 +462,10 @@ def test_gated_delta_net(twin, geometry, rng, dtype, kda, Hk, Hv, S, n_t, n_snap
         qkv = [twin.strided(a, transpose=(3, 0, 1, 2)) for a in (q, k, v)]
     else:
         qkv = [twin.upload(a) for a in (q, k, v)]
-    gb = [twin.strided(g, pad_last=1), twin.upload(beta)]
+    if layout == "keys_outer" and kda:  # the per-key gate strided along S too
+        gb = [twin.strided(g, transpose=(3, 0, 1, 2)), twin.upload(beta)]
+    else:
+        gb = [twin.strided(g, pad_last=1), twin.upload(beta)]
     for i, dev in enumerate(twin.devices):
         dev.gated_delta_net(
             pool[i],
