@@ -275,7 +275,7 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
     p = shape.params
     up = device.upload
     if shape.op in ("get_rows", "set_rows"):
-        n, E = p["n"], MiB // 4
+        n, E = p["n"], p.get("E", MiB // 4)
         pool = up(_u(rng, (2 * n, E)))
         rows_host = rng.permutation(2 * n)[:n]
         rows = device.indices(rows_host)
@@ -438,7 +438,25 @@ def run(
                 f"host memcpy {nbytes // MiB} MiB: 1 thread {2 * nbytes / t1 / 1e9:.1f} GB/s, "
                 f"2 threads {2 * nbytes / t2 / 1e9:.1f} GB/s; device.copy_buffer {2 * nbytes / t_dev / 1e9:.1f} GB/s"
             )
+    if only is None:
+        costs = ", ".join(f"{op} {call_overhead(device, op) * 1e6:.0f} us" for op in _TINY)
+        say(f"fixed cost per call (validation + dispatch, measured on tiny shapes): {costs}")
     return rows
+
+
+# Smallest shapes of each op: their time is the per-call cost outside the kernels,
+# which bounds what a decode step of any size can reach.
+_TINY = {
+    "get_rows": Shape("tiny gather", "get_rows", {"n": 1, "E": 16}),
+    "ssm_scan": Shape("tiny scan", "ssm_scan", {"N": 8, "P": 8, "H": 1, "G": 1, "n_t": 1, "n_s": 1, "K": 1}),
+    "ssm_conv": Shape("tiny conv", "ssm_conv", {"ch": 8, "d_conv": 4, "n_t": 1, "n_s": 1}),
+    "gated_delta_net": Shape("tiny gdn", "gdn", {"H": 1, "S": 8, "n_t": 1, "n_s": 1, "kda": False}),
+}
+
+
+def call_overhead(device: Device, op: str) -> float:
+    """Seconds per call of ``op`` on a shape too small for its kernel to matter."""
+    return time_call(make_case(device, _TINY[op]).call, device, min_time=0.05)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -215,6 +215,45 @@ static inline __attribute__((always_inline)) void mamba1_heads(const float *A, c
     }
 }
 
+/* d_state 16, two heads per iteration: the four exp polynomials are
+ * independent chains of ~15 dependent FMAs each, and interleaving them keeps
+ * the FMA units busy where one head at a time would wait on latency. */
+static inline void mamba1_heads16(const float *A, const float *in, float *out, const float *b, const float *c,
+                                  const float *dvec, const float *xr, int64_t xs, float *yt, int64_t hb) {
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    const __m256 c0 = _mm256_loadu_ps(c), c1 = _mm256_loadu_ps(c + 8);
+    int64_t hh = 0;
+    for (; hh + 2 <= hb; hh += 2) {
+        const float *Ah = A + hh * 16, *Si = in + hh * 16;
+        float *So = out + hh * 16;
+        const __m256 dA = _mm256_set1_ps(dvec[hh]), dB = _mm256_set1_ps(dvec[hh + 1]);
+        const __m256 xA = _mm256_set1_ps(xr[hh * xs] * dvec[hh]), xB = _mm256_set1_ps(xr[(hh + 1) * xs] * dvec[hh + 1]);
+        const __m256 e0 = sc_exp8(_mm256_mul_ps(dA, _mm256_loadu_ps(Ah)));
+        const __m256 e1 = sc_exp8(_mm256_mul_ps(dA, _mm256_loadu_ps(Ah + 8)));
+        const __m256 e2 = sc_exp8(_mm256_mul_ps(dB, _mm256_loadu_ps(Ah + 16)));
+        const __m256 e3 = sc_exp8(_mm256_mul_ps(dB, _mm256_loadu_ps(Ah + 24)));
+        const __m256 v0 = _mm256_fmadd_ps(_mm256_loadu_ps(Si), e0, _mm256_mul_ps(b0, xA));
+        const __m256 v1 = _mm256_fmadd_ps(_mm256_loadu_ps(Si + 8), e1, _mm256_mul_ps(b1, xA));
+        const __m256 v2 = _mm256_fmadd_ps(_mm256_loadu_ps(Si + 16), e2, _mm256_mul_ps(b0, xB));
+        const __m256 v3 = _mm256_fmadd_ps(_mm256_loadu_ps(Si + 24), e3, _mm256_mul_ps(b1, xB));
+        _mm256_storeu_ps(So, v0);
+        _mm256_storeu_ps(So + 8, v1);
+        _mm256_storeu_ps(So + 16, v2);
+        _mm256_storeu_ps(So + 24, v3);
+        /* Same order as mamba1_heads: acc = v_lo * c_lo, then + v_hi * c_hi. */
+        const __m256 pA = _mm256_fmadd_ps(v1, c1, _mm256_mul_ps(v0, c0));
+        const __m256 pB = _mm256_fmadd_ps(v3, c1, _mm256_mul_ps(v2, c0));
+        __m128 hA = _mm_add_ps(_mm256_castps256_ps128(pA), _mm256_extractf128_ps(pA, 1));
+        __m128 hB = _mm_add_ps(_mm256_castps256_ps128(pB), _mm256_extractf128_ps(pB, 1));
+        hA = _mm_add_ps(hA, _mm_movehl_ps(hA, hA));
+        hB = _mm_add_ps(hB, _mm_movehl_ps(hB, hB));
+        yt[hh] = _mm_cvtss_f32(_mm_add_ss(hA, _mm_movehdup_ps(hA)));
+        yt[hh + 1] = _mm_cvtss_f32(_mm_add_ss(hB, _mm_movehdup_ps(hB)));
+    }
+    if (hh < hb) mamba1_heads(A + hh * 16, in + hh * 16, out + hh * 16, b, c, dvec + hh, xr + hh * xs, xs, yt + hh,
+                              hb - hh, 16);
+}
+
 /* Mamba-1 over heads [h0, h0 + hb) with lanes across d_state (N % 8 == 0):
  * no transposes, so it suits decode; `state` is [hb][N] scratch for
  * non-f32 pools and multi-token calls. */
@@ -244,7 +283,7 @@ static void scan_mamba1_rows(void *pool, sc_dtype pdt, int64_t row_elems, int64_
         /* d_state 16 (every Mamba-1 model) gets its own copy of the loop,
          * unrolled with the constants hoisted. */
         if (N == 16)
-            mamba1_heads(A + h0 * N, in, out, b, c, dvec, xr, xs, yt, hb, 16);
+            mamba1_heads16(A + h0 * N, in, out, b, c, dvec, xr, xs, yt, hb);
         else
             mamba1_heads(A + h0 * N, in, out, b, c, dvec, xr, xs, yt, hb, N);
     }
