@@ -748,6 +748,16 @@ class RecurrentMemory(Memory):
                     if b.n_own[c] == 0:
                         b.head = min(b.head, c)
                     self._version += 1
+                elif 0 < p0 < p1 <= P and b.src[c] == c:
+                    # A hole inside the history (context shift): the state cannot
+                    # forget those tokens, so the removal is accepted as upstream
+                    # does, but every plane older than "after p1 - 1" now describes
+                    # a history that no longer exists.  Cap the planes so a later
+                    # rollback across the hole is refused instead of restoring it.
+                    keep = max(1, int(b.snap_end[c]) - p1 + 2)
+                    if keep < int(b.snap_valid[c]):
+                        b.snap_valid[c] = keep
+                        self._version += 1
             return True
         # negative seq: every sequence, only for an empty or complete range (§2.4 step 6)
         if p0 == p1:

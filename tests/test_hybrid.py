@@ -287,3 +287,41 @@ def test_seq_cp_replaces_destination_in_every_part(dev, kind):
     assert toy.mem.seq_pos_max(1) == toy.mem.attn.seq_pos_max(1) == toy.mem.recr.seq_pos_max(1) == 1
     toy.mem.seq_cp(2, 1)  # copying an empty sequence empties dst everywhere
     assert toy.mem.attn.seq_pos_max(1) == toy.mem.recr.seq_pos_max(1) == -1
+
+
+def test_rollback_across_a_context_shift_is_refused(dev):
+    """After a hole is punched in the history (context shift), no plane holds a
+    state for a position before the hole's end: such a rollback must be refused,
+    while a rollback that stays after the hole is still exact."""
+    from statecache.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec, make_memory
+
+    spec = ModelSpec.build(
+        2,
+        recurrent={0: RecurrentLayerSpec.shortconv(n_embd=4, l_cache=3)},
+        attention={1: AttentionLayerSpec(1, 4)},
+        kv_dtype="f32",
+    )
+    mem = make_memory(spec, dev, 1, 5, n_ctx=32, n_pad=8)
+
+    def decode(n):
+        balloc = BatchAllocator(1)
+        balloc.init(Batch.for_sequences({0: [1] * n}), mem)
+        ctx = mem.init_batch(balloc, 16)
+        while True:
+            assert ctx.apply()
+            if not ctx.next():
+                break
+
+    decode(5)  # positions 0..4
+    decode(5)  # 5..9 in one ubatch: planes reach back to "after position 4"
+    assert mem.seq_rm(0, 3, 7)  # discard 3..6 ...
+    mem.seq_add(0, 7, -1, -4)  # ... and 7..9 become 3..5
+    before = mem.recr.book_snapshot()
+    # Plane 4 holds the state after old position 5: it still holds token 2's
+    # successors that were discarded, so it is no rollback to "after position 1".
+    assert not mem.seq_rm(0, 2, -1)
+    assert mem.recr.book_snapshot().same(before)
+    assert mem.seq_pos_max(0) == 5
+    # Undoing the last token (after the hole) is still exact and accepted.
+    assert mem.seq_rm(0, 5, -1)
+    assert mem.seq_pos_max(0) == 4
