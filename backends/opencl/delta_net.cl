@@ -1,13 +1,14 @@
 // Gated delta rule (scalar gate = GDN, per-key gate = KDA) from start rows,
 // writing the destination row and snapshot planes into the pool in one pass.
 //
-// One work-item per (value head h, value index j) of a sequence, flattened
-// as r = h * S + j (dimension 0), one sequence per dimension 1.  In storage,
-// element [j, i] of a head block is M[i][j], so work-item r owns one
-// contiguous storage row: column j of M.  Everything it computes (the decay,
+// Work-items over the (value head h, value index j) rows of a sequence,
+// flattened as r = h * S + j (dimension 0; rows_per_item consecutive rows
+// each), one sequence per dimension 1.  In storage, element [j, i] of a head
+// block is M[i][j], so row r is one contiguous storage row: column j of M.  Everything it computes (the decay,
 // the dot with k, delta[j], the update, o[j]) needs only that column plus
-// the read-only k, q and gate vectors, so work-items never synchronise.  It
-// reads its whole start column into private memory before writing anything,
+// the read-only k, q and gate vectors, so work-items never synchronise.  A
+// work-item reads a whole start column before writing any of it (into
+// private memory; decode re-reads it in a second streaming pass instead),
 // and no other work-item touches it, so in-place and rollback starts are
 // safe.  (A version staging k/q in local memory behind barriers was 8x
 // slower on PoCL, whose barriers split the kernel into separate loops.)

@@ -1,13 +1,14 @@
 // Mamba-1 / Mamba-2 selective scan from start rows, writing the destination
 // row and snapshot planes straight into the pool in one pass.
 //
-// One work-item per state row r = h * head_dim + i of a sequence (dimension
-// 0), one sequence per dimension 1.  A row holds d_state elements, walked in
-// chunks of KCHUNK kept in private memory; the work-item reads a chunk of the
-// start state before writing any element of it, and only it touches those
-// elements, so a start row that is one of the sequence's own output rows
-// (in-place decode, rollback) is safe.  y[s, t, h, i] belongs to the same
-// work-item, which accumulates the per-chunk partial sums into it.
+// Work-items over the state rows r = h * head_dim + i of a sequence
+// (dimension 0; rows_per_item consecutive rows each), one sequence per
+// dimension 1.  A row holds d_state elements, walked in chunks of KCHUNK kept
+// in private memory (decode streams instead); the work-item reads a chunk of
+// the start state before writing any element of it, and only it touches
+// those elements, so a start row that is one of the sequence's own output
+// rows (in-place decode, rollback) is safe.  y[s, t, h, i] belongs to the
+// same work-item, which accumulates the per-chunk partial sums into it.
 
 #ifndef KCHUNK
 #define KCHUNK 256
