@@ -4,9 +4,10 @@
 // Work-items over the (value head h, value index j) rows of a sequence,
 // flattened as r = h * S + j (dimension 0; rows_per_item consecutive rows
 // each), one sequence per dimension 1.  In storage, element [j, i] of a head
-// block is M[i][j], so row r is one contiguous storage row: column j of M.  Everything it computes (the decay,
-// the dot with k, delta[j], the update, o[j]) needs only that column plus
-// the read-only k, q and gate vectors, so work-items never synchronise.  A
+// block is M[i][j], so row r is one contiguous storage row: column j of M.
+// Everything computed for it (the decay, the dot with k, delta[j], the
+// update, o[j]) needs only that column plus the read-only k, q and gate
+// vectors, so work-items never synchronise.  A
 // work-item reads a whole start column before writing any of it (into
 // private memory; decode re-reads it in a second streaming pass instead),
 // and no other work-item touches it, so in-place and rollback starts are
