@@ -98,12 +98,12 @@ class _DLManagedTensorVersioned(ctypes.Structure):
     ]
 
 
-_capsule_name = ctypes.pythonapi.PyCapsule_GetName
-_capsule_name.restype = ctypes.c_char_p
-_capsule_name.argtypes = [ctypes.py_object]
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+# Private prototypes: setting argtypes on the shared ctypes.pythonapi function
+# objects would leak into (and be clobbered by) any other module doing the same.
+_capsule_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", ctypes.pythonapi))
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
 
 
 def _capsule_dtype(capsule: Any) -> _DLDataType:

@@ -171,15 +171,17 @@ def _dl_deleter(managed: Any) -> None:
 
 
 _CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CAPSULE_DESTRUCTOR]
-_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
-_capsule_is_valid.restype = ctypes.c_int
-_capsule_is_valid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+# Private prototypes: setting argtypes on the shared ctypes.pythonapi function
+# objects would leak into (and be clobbered by) any other module doing the same.
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, _CAPSULE_DESTRUCTOR)(
+    ("PyCapsule_New", ctypes.pythonapi)
+)
+_capsule_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi)
+)
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
 
 
 @_CAPSULE_DESTRUCTOR
