@@ -1,6 +1,7 @@
 """Primitive benchmarks against physical limits, for any device.
 
     python bench/primitives.py --device cpu
+    python bench/primitives.py --device cpu --rounds 3   # shared machine: fastest of 3 rounds
     python bench/primitives.py --device opencl:0 --no-reference --only mamba2
 
 For every shape it prints the time per call, the achieved GB/s (bytes read +
@@ -10,6 +11,10 @@ to the FMA bound (measured by a C loop of independent FMAs), the speed-up
 over the NumPy reference backend, and for the Mamba-1 scan and the conv the
 speed-up over a straightforward scalar C loop kept here as a baseline
 (compiled with the same flags as the CPU backend, run with the same threads).
+Every time is the fastest repetition (see :func:`time_call`).  A last line
+gives each op's fixed cost per call outside the kernels (argument validation
+and dispatch, timed on tiny shapes), which is what holds small decode calls
+below the memcpy bound.
 
 Importable: :data:`SHAPES`, :func:`make_case`, :func:`time_call`,
 :func:`memcpy_seconds`, :func:`host_memcpy_seconds`, :func:`fma_peak`,
@@ -96,7 +101,7 @@ SHAPES: tuple[Shape, ...] = (
 
 
 def time_call(
-    fn: Callable[[], None], device: Device | None = None, min_time: float = 0.25, max_reps: int = 200
+    fn: Callable[[], None], device: Device | None = None, min_time: float = 0.25, max_reps: int = 5000
 ) -> float:
     """Fastest seconds per call over repetitions filling about ``min_time``
     (at least 3 when ``max_reps`` allows).
@@ -104,6 +109,8 @@ def time_call(
     The minimum, not the median: this machine is shared, and a repetition
     during which another job held a core (a two-thread team then waits at its
     barrier for a whole scheduler slice) measures the other job, not ours.
+    Short calls repeat until ``min_time`` has passed, so that the repetitions
+    span several scheduler slices and some of them find both cores free.
     """
 
     def once() -> float:
@@ -379,34 +386,62 @@ def run(
     reference: bool = True,
     scalar: bool = True,
     min_time: float = 0.25,
+    rounds: int = 1,
     out: Callable[[str], None] | None = print,
 ) -> list[dict[str, Any]]:
     """Run every shape (or those whose name contains ``only``) and return one
-    dict per shape with times and ratios."""
+    dict per shape with times and ratios.
+
+    With ``rounds`` > 1 every measurement (kernel, memcpy bound, scalar
+    baseline, FMA peak) is repeated that many times, rounds apart, and the
+    fastest kept: on a shared machine a later round may find the cores free
+    when an earlier one did not."""
     device = get_device(device_name)
     ref = get_device("reference") if reference and device.backend_name != "reference" else None
     host = device.backend_name == "cpu"
     threads = settings.num_threads()
-    peak = fma_peak(threads) if host or scalar else None
     say = out or (lambda _: None)
-    say(f"device {device.id}: {device.name}; threads {threads}")
+    shapes = [shape for shape in SHAPES if not only or only in shape.name]
+    cases = {
+        shape.name: make_case(device, shape, threads, with_scalar=scalar and host and shape.scalar_baseline)
+        for shape in shapes
+    }
+    inf = float("inf")
+    best: dict[str, dict[str, float]] = {shape.name: {"t": inf, "copy": inf, "scalar": inf} for shape in shapes}
+    memcpy_best: dict[int, float] = {}
+    host_best: dict[tuple[int, int], float] = {}
+    peak = 0.0
+    for _ in range(max(rounds, 1)):
+        if host or scalar:
+            peak = max(peak, fma_peak(threads))
+        for shape in shapes:
+            case, b = cases[shape.name], best[shape.name]
+            b["t"] = min(b["t"], time_call(case.call, device, min_time))
+            nbytes = case.traffic // 2
+            # Measured again for every shape and the fastest kept: the bound
+            # must not inherit a moment when another job held a core.
+            memcpy_best[nbytes] = min(memcpy_best.get(nbytes, inf), memcpy_seconds(device, nbytes))
+            if case.scalar is not None:
+                b["scalar"] = min(b["scalar"], time_call(case.scalar, None, min_time))
+        if host and only is None:
+            for nbytes in (8 * MiB, 32 * MiB):
+                for n_threads in (1, 2):
+                    key = (nbytes, n_threads)
+                    host_best[key] = min(host_best.get(key, inf), host_memcpy_seconds(nbytes, n_threads))
+    say(f"device {device.id}: {device.name}; threads {threads}; fastest of {max(rounds, 1)} round(s)")
     if peak:
         say(f"FMA peak ({threads} threads): {peak / 1e9:.1f} G lane-FMA/s")
-    rows = []
-    memcpy_cache: dict[int, float] = {}
-    header = (
+    say(
         f"{'shape':24} {'us/call':>10} {'GB/s':>7} {'memcpy':>8} {'x bound':>8} {'FMA':>6} {'x ref':>8} {'x scalar':>9}"
     )
-    say(header)
-    for shape in SHAPES:
-        if only and only not in shape.name:
-            continue
-        case = make_case(device, shape, threads, with_scalar=scalar and host and shape.scalar_baseline)
-        t = time_call(case.call, device, min_time)
-        nbytes = case.traffic // 2
-        if nbytes not in memcpy_cache:
-            memcpy_cache[nbytes] = memcpy_seconds(device, nbytes)
-        t_copy = memcpy_cache[nbytes]
+
+    def fmt(v: float | None, spec: str) -> str:
+        return format(v, spec) if v is not None else "-"
+
+    rows = []
+    for shape in shapes:
+        case, b = cases[shape.name], best[shape.name]
+        t, t_copy = b["t"], memcpy_best[case.traffic // 2]
         row: dict[str, Any] = {
             "shape": shape.name,
             "seconds": t,
@@ -419,24 +454,19 @@ def run(
             ref_case = make_case(ref, shape)
             row["ref_speedup"] = time_call(ref_case.call, ref, min_time=0.0, max_reps=1) / t
         if case.scalar is not None:
-            row["scalar_speedup"] = time_call(case.scalar, None, min_time) / t
+            row["scalar_speedup"] = b["scalar"] / t
         rows.append(row)
-
-        def fmt(v: float | None, spec: str) -> str:
-            return format(v, spec) if v is not None else "-"
-
         say(
             f"{shape.name:24} {t * 1e6:10.1f} {row['gbps']:7.1f} {t_copy * 1e6:8.1f} {row['memcpy_ratio']:8.2f} "
             f"{fmt(row['fma_ratio'], '6.2f'):>6} {fmt(row.get('ref_speedup'), '8.1f'):>8} "
             f"{fmt(row.get('scalar_speedup'), '9.1f'):>9}"
         )
-    if host:
-        for nbytes in sorted({8 * MiB, 32 * MiB}):
-            t1, t2 = host_memcpy_seconds(nbytes, 1), host_memcpy_seconds(nbytes, 2)
-            t_dev = memcpy_seconds(device, nbytes)
+    if host and only is None:
+        for nbytes in (8 * MiB, 32 * MiB):
+            t1, t2 = host_best[(nbytes, 1)], host_best[(nbytes, 2)]
             say(
                 f"host memcpy {nbytes // MiB} MiB: 1 thread {2 * nbytes / t1 / 1e9:.1f} GB/s, "
-                f"2 threads {2 * nbytes / t2 / 1e9:.1f} GB/s; device.copy_buffer {2 * nbytes / t_dev / 1e9:.1f} GB/s"
+                f"2 threads {2 * nbytes / t2 / 1e9:.1f} GB/s"
             )
     if only is None:
         costs = ", ".join(f"{op} {call_overhead(device, op) * 1e6:.0f} us" for op in _TINY)
@@ -466,8 +496,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-reference", action="store_true", help="skip the (slow) NumPy reference timings")
     parser.add_argument("--no-scalar", action="store_true", help="skip the scalar C baselines")
     parser.add_argument("--min-time", type=float, default=0.25, help="seconds of repetitions per measurement")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every measurement, keep the fastest")
     args = parser.parse_args(argv)
-    run(args.device, only=args.only, reference=not args.no_reference, scalar=not args.no_scalar, min_time=args.min_time)
+    run(
+        args.device,
+        only=args.only,
+        reference=not args.no_reference,
+        scalar=not args.no_scalar,
+        min_time=args.min_time,
+        rounds=args.rounds,
+    )
     return 0
 
 
