@@ -1,9 +1,12 @@
 /* Depthwise causal conv over concat(window, x), with window snapshots.
  *
  * A work unit is (sequence, block of SC_CONV_BLOCK channels).  Each unit
- * transposes its windows and inputs into a time-major scratch `ext[t][c]`
- * so that the convolution vectorises over channels, then writes outputs and
- * snapshot windows straight back into the pool.  Every read of the start
+ * transposes its windows into a time-major scratch `ext[t][c]` and reads x
+ * rows in place (strided x is packed into ext), so that the taps, bias and
+ * SiLU vectorise over channels (8-lane AVX2 loop, portable loops for the
+ * channel tail and other builds); then it writes outputs and snapshot
+ * windows straight back into the pool.  Decode (one token) on AVX2 skips the
+ * transposes and gathers windows and weights instead.  Every read of the start
  * row's slice happens before any write to it, and no other unit touches that
  * slice, so in-place decode and rollback are safe under any thread split. */
 #include "sc_internal.h"
