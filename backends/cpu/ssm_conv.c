@@ -11,7 +11,10 @@
  * slice, so in-place decode and rollback are safe under any thread split. */
 #include "sc_internal.h"
 
-#define SC_CONV_BLOCK 128
+/* 1 KiB of each x and y row per token: long contiguous runs for the
+ * prefetchers (rows are a whole channel count apart), and still enough units
+ * to split a 3k-channel prefill evenly over two threads. */
+#define SC_CONV_BLOCK 256
 #define SC_CONV_MAX_TAPS 16
 
 #ifdef SC_HAVE_AVX2
