@@ -128,6 +128,9 @@ class Buffer:
 
     __slots__ = (
         "__weakref__",
+        "_contig",
+        "_index_cache",
+        "_size",
         "capacity",
         "device",
         "dtype",
@@ -155,8 +158,13 @@ class Buffer:
         self.shape = tuple(int(s) for s in shape)
         self.strides = tuple(int(s) for s in strides) if strides is not None else _c_strides(self.shape)
         self.offset = int(offset)
-        self.capacity = int(capacity) if capacity is not None else math.prod(self.shape)
+        self._size = math.prod(self.shape)
+        self.capacity = int(capacity) if capacity is not None else self._size
+        # Geometry never changes after construction: decide contiguity once
+        # (primitives ask on every call, and decode calls are microseconds).
+        self._contig = self.strides == _c_strides(self.shape) or self._size <= 1
         self.host_indices: np.ndarray | None = None
+        self._index_cache: Any = None  # statecache.primitives caches index facts here
 
     # -- geometry -----------------------------------------------------------
     @property
@@ -165,7 +173,7 @@ class Buffer:
 
     @property
     def size(self) -> int:
-        return math.prod(self.shape)
+        return self._size
 
     @property
     def nbytes(self) -> int:
@@ -173,7 +181,7 @@ class Buffer:
 
     @property
     def is_contiguous(self) -> bool:
-        return self.strides == _c_strides(self.shape) or self.size <= 1
+        return self._contig
 
     def view(self, shape: Sequence[int], strides: Sequence[int] | None = None, offset: int = 0) -> Buffer:
         """Another buffer over the same storage; bounds are checked here."""

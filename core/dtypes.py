@@ -21,13 +21,10 @@ class DType(enum.Enum):
     BF16 = "bf16"
     I32 = "i32"
 
-    @property
-    def numpy(self) -> np.dtype:
-        return _NUMPY[self]
-
-    @property
-    def itemsize(self) -> int:
-        return int(_NUMPY[self].itemsize)
+    # numpy / itemsize are looked up on every primitive call: they are plain
+    # attributes set once below the class, not properties hashing the enum.
+    numpy: np.dtype
+    itemsize: int
 
     @property
     def is_float(self) -> bool:
@@ -54,7 +51,7 @@ class DType(enum.Enum):
         raise ValueError(f"unknown dtype {value!r}; expected one of {names}")
 
     def __str__(self) -> str:
-        return self.value
+        return str(self.value)
 
 
 _NUMPY: dict[DType, np.dtype] = {
@@ -63,6 +60,11 @@ _NUMPY: dict[DType, np.dtype] = {
     DType.BF16: np.dtype(ml_dtypes.bfloat16),
     DType.I32: np.dtype(np.int32),
 }
+
+for _member, _np_dtype in _NUMPY.items():
+    # Enum members accept instance attributes; these never change.
+    object.__setattr__(_member, "numpy", _np_dtype)
+    object.__setattr__(_member, "itemsize", int(_np_dtype.itemsize))
 
 #: Dtypes a state pool, K/V buffer or primitive output may be stored in.
 STORAGE_DTYPES: frozenset[DType] = frozenset({DType.F32, DType.F16, DType.BF16})

@@ -6,6 +6,7 @@ The README documents the same table; a test checks the two agree.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 
@@ -82,6 +83,13 @@ def num_threads() -> int:
         if n < 1:
             raise ValueError(f"STATECACHE_NUM_THREADS must be a positive integer, got {value!r}")
         return n
+    return _available_cores()
+
+
+@functools.cache
+def _available_cores() -> int:
+    # Asked once: kernels read num_threads() on every call, and the affinity
+    # syscall would cost more than a small decode kernel's bookkeeping.
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - non-Linux

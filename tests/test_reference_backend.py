@@ -282,3 +282,19 @@ def test_start_row_written_by_another_sequence_is_refused(ref_device, rng):
         dev.ssm_conv(pool, dev.indices([1, 0]), dev.indices([0, 1]), x, dev.upload(f32(rng, 2, 4)), y)
     np.testing.assert_array_equal(pool.numpy(), pool_np)
     assert not y.numpy().any()
+
+
+def test_index_validation_follows_rewritten_index_buffers(ref_device, rng):
+    """Index facts are cached per upload; a rewrite must be validated afresh."""
+    dev = ref_device
+    src = dev.upload(f32(rng, 4, 3))
+    out = dev.alloc((2, 3))
+    rows = dev.indices([0, 1])
+    dev.get_rows(src, rows, out)
+    dev.write(rows, np.array([0, 99], dtype=np.int32))
+    with pytest.raises(ArgumentError, match="index 99 out of range"):
+        dev.get_rows(src, rows, out)
+    dst = dev.alloc((4, 3))
+    dev.write(rows, np.array([2, 2], dtype=np.int32))
+    with pytest.raises(ArgumentError, match="duplicate destination row 2"):
+        dev.set_rows(dst, rows, out)

@@ -152,11 +152,12 @@ def _import_dlpack(obj: Any) -> np.ndarray:
 class CpuBuffer(Buffer):
     """A buffer in host memory: NumPy and DLPack consumers see it in place."""
 
-    __slots__ = ("address",)
+    __slots__ = ("_cffi", "address")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.address: int = self.storage.__array_interface__["data"][0]
+        self._cffi: dict[str, Any] = {}  # cffi pointers / view structs of this buffer
 
     def view(self, shape: Sequence[int], strides: Sequence[int] | None = None, offset: int = 0) -> CpuBuffer:
         plain = super().view(shape, strides, offset)
@@ -316,7 +317,17 @@ class CpuDevice(Device):
 
     # -- cffi plumbing ------------------------------------------------------------
     def _ptr(self, buf: Buffer, ctype: str = "void *") -> Any:
-        return self._ffi.cast(ctype, _address(buf) + buf.offset * buf.dtype.itemsize)
+        # A buffer's address never changes: cache the cast per (buffer, type),
+        # since decode steps pass the same buffers call after call.
+        cache = getattr(buf, "_cffi", None)
+        if cache is not None:
+            hit = cache.get(ctype)
+            if hit is not None:
+                return hit
+        ptr = self._ffi.cast(ctype, _address(buf) + buf.offset * buf.dtype.itemsize)
+        if cache is not None:
+            cache[ctype] = ptr
+        return ptr
 
     def _rows(self, values: np.ndarray) -> tuple[Any, np.ndarray]:
         # Keep the int32 copy alive alongside its pointer until the call returns.
@@ -324,9 +335,14 @@ class CpuDevice(Device):
         return self._ffi.from_buffer("int32_t[]", arr), arr
 
     def _sview(self, buf: Buffer) -> Any:
+        cache = getattr(buf, "_cffi", None)
+        if cache is not None and "view" in cache:
+            return cache["view"]
         v = self._ffi.new("sc_view *")
         v.data = self._ptr(buf, "float *")
         v.strides = list(buf.strides) + [0] * (4 - len(buf.strides))
+        if cache is not None:
+            cache["view"] = v  # the struct is read-only to the kernels
         return v
 
     # -- primitives -----------------------------------------------------------------
