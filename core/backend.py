@@ -345,7 +345,7 @@ class Device(abc.ABC):
     def copy_buffer(self, src: Buffer, dst: Buffer) -> None:
         """Plain device-to-device copy of a whole contiguous buffer into another
         of the same dtype and size.  Benchmarks use it as the memcpy bound;
-        backends override it with their native copy."""
+        backends override :meth:`_copy_buffer` with their native copy."""
         self._check_own(src, "src")
         self._check_own(dst, "dst")
         if not (src.is_contiguous and dst.is_contiguous):
@@ -354,6 +354,11 @@ class Device(abc.ABC):
             raise ArgumentError("dst", f"{dst} does not match {src} in dtype and size")
         if src.same_storage(dst):
             raise ArgumentError("dst", "shares storage with src")
+        if src.size:
+            self._copy_buffer(src, dst)
+
+    def _copy_buffer(self, src: Buffer, dst: Buffer) -> None:
+        """Copy validated, non-empty, contiguous buffers (generic: one row copy)."""
         zero = self.indices([0])
         self.copy_rows(src.view((1, src.size)), zero, dst.view((1, dst.size)), zero)
 

@@ -27,7 +27,7 @@ from statecache import __version__
 from statecache.backend import PRIMITIVES, Backend, Buffer, Caps, Device, DeviceKind, Support
 from statecache.backends.cuda import build
 from statecache.dtypes import STORAGE_DTYPES, DType
-from statecache.errors import ArgumentError, StatecacheError
+from statecache.errors import StatecacheError
 
 #: The ABI this Python code speaks; the library must report the same.
 ABI_VERSION = 1
@@ -440,18 +440,9 @@ class CudaDevice(Device):
         self._pending_host.clear()
         self._pending_bytes = 0
 
-    def copy_buffer(self, src: Buffer, dst: Buffer) -> None:
+    def _copy_buffer(self, src: Buffer, dst: Buffer) -> None:
         """cudaMemcpyAsync device to device: the bandwidth bound benchmarks use."""
-        self._check_own(src, "src")
-        self._check_own(dst, "dst")
-        if not (src.is_contiguous and dst.is_contiguous):
-            raise ArgumentError("src", "copy_buffer() needs contiguous buffers")
-        if src.dtype is not dst.dtype or src.size != dst.size:
-            raise ArgumentError("dst", f"{dst} does not match {src} in dtype and size")
-        if src.same_storage(dst):
-            raise ArgumentError("dst", "shares storage with src")
-        if src.nbytes:
-            self._launch("memcpy_d2d_async", self._ptr(dst), self._ptr(src), src.nbytes)
+        self._launch("memcpy_d2d_async", self._ptr(dst), self._ptr(src), src.nbytes)
 
     # -- rows -------------------------------------------------------------------
     def _get_rows(self, src, rows, dst, rows_host):  # type: ignore[no-untyped-def]
