@@ -108,6 +108,9 @@ def _pytest_args(args: argparse.Namespace, report_path: str, ini_path: str) -> l
         ini_path,
         "--rootdir",
         os.path.dirname(pkg.__file__ or "."),
+        # Nor may a conftest.py of the directory it is run from (pytest loads
+        # the invocation directory's test*/conftest.py when no path is given).
+        "--noconftest",
         "-p",
         "no:cacheprovider",
         "-p",
