@@ -40,6 +40,7 @@ from statecache.kv_cache import (
     TAG_KV,
     CompositeContext,
     KVCache,
+    KVCacheContext,
     KVCacheISWA,
     KVStatePlan,
 )
@@ -67,13 +68,18 @@ AttentionPart = KVCache | KVCacheISWA
 class HybridContext(CompositeContext):
     """Attention and recurrent contexts over the same ubatches (recurrent applied last).
 
-    Undo after a failed compute (spec §10 item 22): ``apply()`` also keeps the
-    books of the snapshot-able parts from before the ubatch, and :meth:`undo`
-    lets the recurrent part undo first (it refuses, changing nothing, when the
-    memory changed since), then restores those books.  Sequences the
-    recurrent part had to drop (state rows overwritten and not kept, see
-    :class:`~statecache.recurrent.RecurrentContext`) are dropped from the
-    whole hybrid (``memory`` is set by the memory that built the context).
+    Undo after a failed compute (spec §10 item 22): ``apply()`` keeps the
+    book snapshots it takes anyway (one per snapshot-able part, see
+    :meth:`CompositeContext.apply_from`), and :meth:`undo` lets the recurrent
+    part undo first (it refuses, changing nothing, when the memory changed
+    since), puts back the K/V rows the ubatches took from cells the old
+    attention books still use (sliding-window reuse, see
+    :class:`~statecache.kv_cache.KVCacheContext`), then restores the books.
+    Undo is exact when rows were kept (``keep_undo_rows``, set for every part
+    at once; the default is the recurrent memory's); otherwise the sequences
+    whose recurrent rows or reused K/V cells were overwritten are dropped
+    from the whole hybrid (``memory`` is set by the memory that built the
+    context) and returned.
     """
 
     def __init__(self, attn: MemoryContext, recr: MemoryContext, extra: Sequence[MemoryContext] = ()) -> None:
@@ -81,13 +87,37 @@ class HybridContext(CompositeContext):
         self.recr = recr
         super().__init__([attn, *extra, recr])
         self.memory: Memory | None = None
-        self._undo_log: list[list[tuple[MemoryContext, Any]]] = []
+        self._undo_log: list[tuple[Any, ...]] = []
+        self.keep_undo_rows = bool(getattr(recr, "keep_undo_rows", False))
+
+    def _leaves(self) -> list[MemoryContext]:
+        out: list[MemoryContext] = []
+        todo = list(self.parts)
+        while todo:
+            p = todo.pop(0)
+            if isinstance(p, CompositeContext):
+                todo[:0] = p.parts
+            else:
+                out.append(p)
+        return out
+
+    @property
+    def keep_undo_rows(self) -> bool:
+        return self._keep_undo_rows
+
+    @keep_undo_rows.setter
+    def keep_undo_rows(self, keep: bool) -> None:
+        """Whether later applies keep the rows an undo needs, in every part (recurrent: rows its steps overwrite)."""
+        self._keep_undo_rows = bool(keep)
+        for p in self._leaves():
+            if isinstance(p, KVCacheContext) or p is self.recr:
+                p.keep_undo_rows = self._keep_undo_rows  # type: ignore[attr-defined]
 
     def apply(self) -> bool:
-        before = [(p, p.snapshot()) for p in self.parts if p is not self.recr and hasattr(p, "snapshot")]
-        ok = super().apply()
+        snap = self.snapshot()
+        ok = self.apply_from(snap)
         if ok:
-            self._undo_log.append(before)
+            self._undo_log.append(snap)
         return ok
 
     def undo(self, n: int | None = None) -> tuple[int, ...]:
@@ -99,17 +129,20 @@ class HybridContext(CompositeContext):
             raise ContextError(f"cannot undo {n} ubatches; {len(self._undo_log)} can be undone")
         if k == 0:
             return ()
-        dropped = self.recr.undo(k)
-        for p, snap in self._undo_log[-k]:
-            p.restore(snap)  # type: ignore[attr-defined]
+        dropped = set(self.recr.undo(k))  # refuses, changing nothing, when the memory changed since
+        kv = [p for p in self._leaves() if isinstance(p, KVCacheContext)]
+        damaged = [(p, p.undo_rows(k)) for p in kv]
+        self.restore(self._undo_log[-k])  # the recurrent part has no snapshot: its undo did it
         del self._undo_log[-k:]
-        for p in self.parts:
+        for p in self._leaves():
             if isinstance(p, UBatchContext):
                 p.i_next = self.recr.i_next  # type: ignore[attr-defined]
+        for p, rows in damaged:
+            dropped |= p.damaged_seqs(rows)
         if dropped and self.memory is not None:
-            for s in dropped:
+            for s in sorted(dropped):
                 self.memory.seq_rm(s, -1, -1)
-        return dropped
+        return tuple(sorted(dropped))
 
 
 class HybridMemory(Memory):

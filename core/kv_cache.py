@@ -610,17 +610,99 @@ class KVCache(Memory):
             self.clear(data=True)
 
 
+@dataclasses.dataclass(eq=False)
+class _KVApplyRecord:
+    """What :meth:`KVCacheContext.undo_rows` needs for one applied ubatch:
+    ``overwrites`` are the global rows the ubatch was placed into although the
+    book before it still used their cells (sliding-window reuse), ``saved``
+    the copies of those rows taken at ``apply()`` (``None``: not kept)."""
+
+    index: int
+    overwrites: np.ndarray
+    saved: list[tuple[Buffer, Buffer]] | None
+
+
 class KVCacheContext(UBatchContext):
-    """A planned batch on one KV cache; the runtime's view of a ubatch."""
+    """A planned batch on one KV cache; the runtime's view of a ubatch.
+
+    Undo after a failed compute: the book comes back from :meth:`snapshot`;
+    the K/V *rows* matter only where a ubatch reused a cell the old book
+    still holds (sliding-window reuse), because the runtime writes the
+    ubatch's rows there.  With ``keep_undo_rows`` set when a ubatch is
+    applied, ``apply()`` first copies those rows of every K/V buffer to
+    scratch buffers (one ``copy_rows`` per buffer, nothing when no cell is
+    reused), and :meth:`undo_rows` copies them back, exactly.  Without kept
+    rows :meth:`undo_rows` reports them as damaged -- whether or not the
+    runtime got as far as writing them, which this object cannot see -- and
+    the caller drops the sequences that own them.
+    """
 
     def __init__(self, cache: KVCache, ubatches: Sequence[UBatch], sinfos: Sequence[SlotInfo]) -> None:
         super().__init__(ubatches)
         self.cache = cache
         self.sinfos = list(sinfos)
+        self.keep_undo_rows = False
+        self._records: list[_KVApplyRecord] = []
 
     def _apply_ubatch(self, i: int) -> bool:
-        self.cache._apply_ubatch(self.cache.book, self.sinfos[i], self.ubatches[i])
+        cache, sinfo = self.cache, self.sinfos[i]
+        occupied = np.zeros(sinfo.cells.size, dtype=bool)
+        for strm in np.unique(sinfo.streams):
+            tok = sinfo.streams == strm
+            occupied[tok] = cache.cells[int(strm)].pos[sinfo.cells[tok]] != EMPTY
+        rows = sinfo.rows[occupied]
+        saved = None
+        if self.keep_undo_rows:
+            saved = []
+            if rows.size:
+                dev = cache.device
+                src, local = dev.indices(rows), dev.indices(np.arange(rows.size))
+                for buf in cache.buffers():
+                    tmp = dev.alloc((rows.size, buf.shape[1]), buf.dtype)
+                    dev.copy_rows(buf, src, tmp, local)
+                    saved.append((buf, tmp))
+        self._records.append(_KVApplyRecord(i, rows, saved))
+        cache._apply_ubatch(cache.book, sinfo, self.ubatches[i])
         return True
+
+    @property
+    def n_undoable(self) -> int:
+        return len(self._records)
+
+    def confirm(self) -> None:
+        """The ubatches applied so far computed: forget their undo records (and kept rows)."""
+        self._records.clear()
+
+    def undo_rows(self, n: int) -> np.ndarray:
+        """Put back the K/V rows the last ``n`` applied ubatches took from cells
+        their old book still used, newest first; returns the global rows that
+        could not be put back (not kept).  The book is restored separately
+        (:meth:`restore`); :meth:`damaged_seqs` names the owners of those rows
+        in the restored book."""
+        if not 0 <= n <= len(self._records):
+            raise ArgumentError("n", f"cannot undo {n} ubatches; {len(self._records)} can be undone")
+        cache, dev = self.cache, self.cache.device
+        damaged = np.zeros(cache.n_stream * cache.size, dtype=bool)
+        for rec in reversed(self._records[len(self._records) - n :]):
+            if rec.saved is None:
+                damaged[rec.overwrites] = True
+                continue
+            rows, local = dev.indices(rec.overwrites), dev.indices(np.arange(rec.overwrites.size))
+            for buf, tmp in rec.saved:
+                dev.copy_rows(tmp, local, buf, rows)
+            damaged[rec.overwrites] = False  # an older copy restores what a newer unkept write broke
+        del self._records[len(self._records) - n :]
+        return np.flatnonzero(damaged)
+
+    def damaged_seqs(self, rows: np.ndarray) -> set[int]:
+        """Sequences whose cells, in the cache's current book, are at global ``rows``."""
+        out: set[int] = set()
+        for g in rows.tolist():
+            cells = self.cache.cells[g // self.cache.size]
+            c = g % self.cache.size
+            if not cells.is_empty(c):
+                out.update(cells.seqs_of(c))
+        return out
 
     @property
     def sinfo(self) -> SlotInfo:
@@ -628,11 +710,12 @@ class KVCacheContext(UBatchContext):
 
     def snapshot(self) -> Any:
         """The cache's book (composites restore it when a later part fails)."""
-        return _snapshot_cache(self.cache), self._applied
+        return _snapshot_cache(self.cache), self._applied, len(self._records)
 
     def restore(self, snap: Any) -> None:
         _restore_cache(self.cache, snap[0])
         self._applied = snap[1]  # the ubatch may be applied again
+        del self._records[snap[2] :]
 
     def k_idxs(self) -> np.ndarray:
         return self.sinfo.rows
@@ -738,10 +821,14 @@ class CompositeContext(MemoryContext):
     """Parts' contexts over one ubatch list, applied together.
 
     ``apply()`` applies every part in order and is all-or-nothing: a part
-    that fails (returns False or raises) makes the parts applied before it
-    restore their books from a snapshot taken just before, so a composite
-    never keeps half a ubatch.  Parts whose book cannot be snapshotted must
-    therefore come last (the hybrids put the recurrent part there).
+    that fails (returns False or raises) makes it and the parts applied
+    before it restore their books from the snapshots taken before the first
+    part applied (the parts' books are independent), so a composite never
+    keeps half a ubatch.  Parts whose book cannot be snapshotted must
+    therefore come last (the hybrids put the recurrent part there).  Each
+    book is copied once per ``apply()``: nested composites get their part of
+    the snapshot through :meth:`apply_from`, and the hybrids keep the same
+    snapshot for undo.
     """
 
     def __init__(self, parts: Sequence[MemoryContext]) -> None:
@@ -757,29 +844,45 @@ class CompositeContext(MemoryContext):
     def get_ubatch(self) -> UBatch:
         return self.parts[0].get_ubatch()
 
+    def snapshot(self) -> tuple[Any, ...]:
+        """Every part's book snapshot (``None`` for a part without one)."""
+        return tuple(p.snapshot() if hasattr(p, "snapshot") else None for p in self.parts)
+
+    def restore(self, snap: tuple[Any, ...]) -> None:
+        for p, s in zip(self.parts, snap, strict=True):
+            if s is not None:
+                p.restore(s)  # type: ignore[attr-defined]
+
     def apply(self) -> bool:
-        done: list[tuple[MemoryContext, Any]] = []
-        for p in self.parts:
-            done.append((p, p.snapshot() if hasattr(p, "snapshot") else None))
+        return self.apply_from(self.snapshot())
+
+    def apply_from(self, snap: tuple[Any, ...]) -> bool:
+        """``apply()`` with the snapshots (:meth:`snapshot`) already taken, so a
+        composite inside a composite, or one that keeps them for undo, copies
+        each book once per ubatch."""
+        for k, p in enumerate(self.parts):
             try:
-                ok = p.apply()
+                if snap[k] is not None and isinstance(p, CompositeContext) and _plain_composite(p):
+                    ok = p.apply_from(snap[k])
+                else:
+                    ok = p.apply()
             except Exception:
-                self._undo(done)
+                self.restore(snap[: k + 1] + (None,) * (len(snap) - k - 1))
                 raise
             if not ok:
-                self._undo(done)
+                self.restore(snap[: k + 1] + (None,) * (len(snap) - k - 1))
                 return False
         return True
-
-    @staticmethod
-    def _undo(done: list[tuple[MemoryContext, Any]]) -> None:
-        for p, snap in reversed(done):
-            if snap is not None:
-                p.restore(snap)
 
     def next(self) -> bool:
         res = [p.next() for p in self.parts]
         return all(res)
+
+
+def _plain_composite(p: MemoryContext) -> bool:
+    """A composite whose ``apply()`` is exactly ``apply_from(snapshot())`` (an
+    override, or a patched instance, must be called through ``apply()``)."""
+    return isinstance(p, CompositeContext) and type(p).apply is CompositeContext.apply and "apply" not in vars(p)
 
 
 def _combine(a: MemoryStatus, b: MemoryStatus) -> MemoryStatus:
@@ -992,10 +1095,3 @@ class ISWAContext(CompositeContext):
         self.base = mem.base.make_context(ubatches, plan[0])
         self.swa = mem.swa.make_context(ubatches, plan[1])
         super().__init__([self.base, self.swa])
-
-    def snapshot(self) -> Any:
-        return (self.base.snapshot(), self.swa.snapshot())
-
-    def restore(self, snap: Any) -> None:
-        self.base.restore(snap[0])
-        self.swa.restore(snap[1])

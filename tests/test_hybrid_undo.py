@@ -1,18 +1,23 @@
 """Undo after a failed compute through the hybrid memories (spec §10 item 22):
-the recurrent part undoes (exactly, or by dropping damaged sequences) and the
-attention books go back to their state before apply()."""
+the recurrent part undoes (exactly, or by dropping damaged sequences), the K/V
+rows a ubatch took from cells the old attention book still uses (sliding-window
+reuse) come back (or their sequences are dropped), and the attention books go
+back to their state before apply()."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hybrid_toy import ATTN, HybridToy, emb, make_hybrid, run_layers
+from hybrid_toy import ATTN, E, HybridToy, emb, make_hybrid, run_layers
+from recurrent_toy import toy_spec
 from test_hybrid import books, check, same_books
 
 import statecache
 from statecache.batch import Batch, BatchAllocator
-from statecache.kv_cache import KVCacheISWA
+from statecache.hybrid import HybridISWAMemory
+from statecache.kv_cache import KVCacheISWA, KVLayer
 from statecache.memory import ContextError, MemoryStatus
+from statecache.recurrent import RecurrentMemory
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +33,7 @@ def failing_decode(toy: HybridToy, batch, mode: str, n_ubatch: int = 4):
     balloc.init(Batch.for_sequences(batch, output_all=True), toy.mem)
     ctx = toy.mem.init_batch(balloc, n_ubatch)
     assert ctx.status is MemoryStatus.SUCCESS
+    ctx.keep_undo_rows = mode != "ran"
     while True:
         ub = ctx.get_ubatch()
         assert ctx.apply()
@@ -85,3 +91,68 @@ def test_item22_hybrid_idx_refuses_undo(dev) -> None:
     assert ctx.apply()
     with pytest.raises(ContextError, match="cannot restore"):
         ctx.undo()
+
+
+def small_window_toy(dev) -> HybridToy:
+    """One sequence, window 4, a window cache of exactly n_swa + n_ubatch = 8
+    cells (n_pad 1): once it is full, every new token reuses the oldest cell."""
+    recr = RecurrentMemory(toy_spec(), dev, n_seq_max=1, n_rs_seq=2)
+    common = dict(n_seq_max=1, unified=True, dtype="f32", n_pad=1)
+    attn = KVCacheISWA(dev, [KVLayer(ATTN, E, E)], [ATTN], size=32, n_ubatch=4, n_swa=4, **common)
+    mem = HybridISWAMemory(attn, recr)
+    mem.fill_garbage(5)
+    assert attn.swa.size == 8
+    return HybridToy(dev, mem)
+
+
+def window_rows(toy: HybridToy) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """K and V rows of every cell the window cache's book uses."""
+    swa = toy.mem.attn.swa
+    used = np.flatnonzero(swa.cells[0].pos >= 0)
+    return {int(c): (swa.k[ATTN].numpy()[c].copy(), swa.v[ATTN].numpy()[c].copy()) for c in used}
+
+
+@pytest.mark.parametrize("mode", ["kept", "ran"])
+def test_item22_iswa_undo_puts_back_reused_window_rows(dev, mode: str) -> None:
+    """The failed batch is placed into cells holding positions P-7..P-4 (masked for it,
+    still in the old book).  After undo a rollback by 2 brings P-4 back into the window
+    of the next token, so a K/V row left overwritten would change its output: exact undo
+    must match a from-zero recompute; without kept rows the sequence is dropped instead."""
+    toy = small_window_toy(dev)
+    toy.decode({0: [1, 2, 3, 4, 5]}, n_ubatch=5)
+    toy.decode({0: [6, 7, 8, 9]}, n_ubatch=4)  # P = 8; the cache is full, one ubatch of 4 (rollback depth 2)
+    before_books, before_rows = books(toy.mem), window_rows(toy)
+    ctx, dropped = failing_decode(toy, {0: [20, 21, 22, 23]}, mode)
+    reused = set(ctx.attn.swa.sinfos[0].cells.tolist()) & set(before_rows)
+    assert len(reused) == 4  # the failed ubatch did overwrite rows the old book still uses
+    if mode == "ran":
+        assert dropped == (0,)
+        assert toy.mem.seq_pos_max(0) == -1 and toy.mem.attn.swa.seq_pos_max(0) == -1
+        toy.forget(0)
+        check(toy, toy.decode({0: [3, 1, 4]}), (0,))
+        return
+    assert dropped == ()
+    assert same_books(before_books, books(toy.mem))
+    after = window_rows(toy)
+    assert after.keys() == before_rows.keys()
+    for c, (k, v) in before_rows.items():
+        assert np.array_equal(after[c][0], k) and np.array_equal(after[c][1], v), c
+    assert toy.mem.seq_rm(0, 7, -1)  # rollback by 2: position 4 is visible again
+    del toy.recr_tokens[0][-2:]
+    del toy.attn_hist[0][-2:]
+    check(toy, toy.decode({0: [11]}), (0,))
+    check(toy, toy.decode({0: [12, 13, 14]}), (0,))
+
+
+def test_item22_iswa_undo_rows_kept_only_when_asked(dev) -> None:
+    """Keeping rows costs copies only for reused cells, and only when asked."""
+    toy = small_window_toy(dev)
+    toy.decode({0: list(range(9))}, n_ubatch=5)
+    balloc = BatchAllocator(1)
+    balloc.init(Batch.for_sequences({0: [1, 2]}), toy.mem)
+    ctx = toy.mem.init_batch(balloc, 4)
+    assert ctx.keep_undo_rows is False  # the recurrent memory's default
+    assert ctx.apply()
+    rec = ctx.attn.swa._records[-1]
+    assert rec.saved is None and rec.overwrites.size == 2
+    assert ctx.attn.base._records[-1].overwrites.size == 0  # the full cache never reuses a cell
