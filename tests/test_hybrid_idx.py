@@ -173,3 +173,29 @@ def test_item9_regrouping_edits_repool(dev, edit, by_order):
         mem.seq_rm(0, 0, 2)  # attention drops the first two positions: pos_min moves
     assert mem.init_update().apply()
     toy.decode({0: [7]}, on_apply=model.on_apply)
+
+
+def test_k7_step4_failed_first_ubatch_keeps_the_marks(dev):
+    """K.7 step 4: a batch planned with stale marks whose first ubatch fails compute
+    (no next()) must leave the marks set; the driver's rollback only lowers them, and
+    the next batch re-pools every stale pool, so every pooled row holds its pool."""
+    C = POS_CLEAN
+    toy = HybridToy(dev, make_hybrid(dev, "idx", size=32, n_rs_seq=2))
+    mem, model = toy.mem, TagModel()
+    toy.decode({0: list(range(14)), 1: [3, 4]}, on_apply=model.on_apply)
+    mem.seq_rm(0, 0, 2)  # pos_min moves: every pool of 0 regroups onto cells whose rows hold no pool
+    assert marks(mem) == [0, C, C]
+    balloc = BatchAllocator(3)
+    balloc.init(Batch.for_sequences({0: [7], 1: [8]}), mem)
+    ctx = mem.init_batch(balloc, 8)
+    assert ctx.apply()
+    assert ctx.kpool_state.n_new == 3  # the stale pools [2..5], [6..9], [10..13] were due for re-pooling
+    ctx.recr.step()  # the recurrent graph ran, then the indexer part failed: nothing scattered, no next()
+    for row in ctx.idx.k_idxs().tolist():
+        model.tags[row] = "zero"  # the per-token rows were written with a zero pooled slot
+    assert marks(mem) == [0, C, C]  # not cleared: the first ubatch never computed
+    assert mem.seq_rm(0, 14, -1) and mem.seq_rm(1, 2, -1)  # the driver removes the failed tokens
+    assert marks(mem) == [0, 2, C]  # marks only moved down
+    news = []
+    toy.decode({0: [7], 1: [8]}, on_apply=lambda c: (news.append(c.kpool_state.n_new), model.on_apply(c)))
+    assert news == [3] and marks(mem) == [C, C, C]
