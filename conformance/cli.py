@@ -205,16 +205,22 @@ def _print_report(report: dict[str, Any], console: Any) -> int:
         failed += n_fail
         table.add_row(
             f"{dev['backend']} {dev['backend_version']}",
-            f"{dev['id']} ({dev['properties'].get('name', '')})",
+            dev["id"],
             str(row.get("pass", 0)),
             f"[red]{n_fail}[/red]" if n_fail else "0",
             str(row.get("not supported", 0)),
             str(row.get("xfail", 0)),
             f"{row.get('time_s', 0.0):.1f}s",
         )
-    for name, why in report.get("missing_backends", {}).items():
-        table.add_row(name, f"no device: {why}", "-", "-", "-", "-", "-")
+    for name in report.get("missing_backends", {}):
+        table.add_row(name, "no device", "-", "-", "-", "-", "-")
     console.print(table)
+    # Names and reasons go below the table: they are long, and a narrow
+    # terminal (or a CI log) would fold every column around them.
+    for dev in report["devices"]:
+        console.print(f"  {dev['id']}: {dev['properties'].get('name', '')}")
+    for name, why in report.get("missing_backends", {}).items():
+        console.print(f"  {name}: no usable device ({why})")
     failures = [c for c in report["cases"] if c["status"] == "fail"]
     for case in failures[:40]:
         console.print(f"[red]FAIL[/red] {case['device']} {case['case']}: {case['detail'][:400]}")
