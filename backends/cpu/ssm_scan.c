@@ -295,6 +295,230 @@ static void scan_mamba1_rows(void *pool, sc_dtype pdt, int64_t row_elems, int64_
 }
 #endif
 
+#ifdef SC_HAVE_AVX2
+/* -- Mamba-2 prefill in chunked (SSD) form --------------------------------------
+ *
+ * Token by token, each state element costs a load, a store and three FMAs per
+ * token, so the scan is load/store-bound far below the FMA peak.  Over a chunk
+ * of L tokens the same recurrence is a few small matrix products whose
+ * operands stay in registers for many FMAs each:
+ *
+ *   y_t   = lam_t (S C_t) + sum_{u<=t} D[t][u] (C_t . B_u) xd_u
+ *   S_end = lam_end S + sum_u D[end][u] xd_u B_u^T
+ *
+ * with xd_u = x_u dt_u, D[t][u] = exp(sum_{v=u+1..t} dA_v) the decay from
+ * token u to token t and lam_t = exp(sum_{v<=t} dA_v) the decay of the
+ * chunk's start state.  The decay exponents are running sums (segsum), never
+ * differences of cumulative sums, which would lose the short-range decays to
+ * cancellation.  The rounding differs from the token loop but stays within a
+ * few ulps of it per chunk.  A unit is still one (sequence, head), walked
+ * chunk by chunk by one thread, so the result is the same for any thread
+ * count. */
+#define SC_CHUNK 64
+/* Fewest chunked tokens for which the chunked form beats the token loop. */
+#ifndef SC_CHUNK_MIN
+#define SC_CHUNK_MIN 16
+#endif
+
+/* out[i][j] = sum_k A[i][k] B[j][k] for an mr x nr block (K % 8 == 0):
+ * dot products, reduced horizontally once at the end. */
+static inline __attribute__((always_inline)) void nt_block(int mr, int nr, int64_t K, const float *A, int64_t lda,
+                                                            const float *B, int64_t ldb, float *out, int64_t ldo) {
+    __m256 acc[3][4];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 a[3]; /* 12 accumulators + 3 rows of A + 1 of B: the 16 registers */
+        for (int i = 0; i < mr; i++) a[i] = _mm256_loadu_ps(A + i * lda + k);
+        for (int j = 0; j < nr; j++) {
+            const __m256 b = _mm256_loadu_ps(B + j * ldb + k);
+            for (int i = 0; i < mr; i++) acc[i][j] = _mm256_fmadd_ps(a[i], b, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        if (nr == 4) {
+            _mm_storeu_ps(out + i * ldo, sc_hsum4x8(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+        } else {
+            for (int j = 0; j < nr; j++) {
+                __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]), _mm256_extractf128_ps(acc[i][j], 1));
+                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                out[i * ldo + j] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+            }
+        }
+    }
+}
+
+/* out = A B^T for A [m][K], B [n][K] (K % 8 == 0), in 3 x 4 blocks. */
+static void gemm_nt(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                    float *out, int64_t ldo) {
+    int64_t i = 0;
+    for (; i + 3 <= m; i += 3) {
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) nt_block(3, 4, K, A + i * lda, lda, B + j * ldb, ldb, out + i * ldo + j, ldo);
+        for (; j < n; j++) nt_block(3, 1, K, A + i * lda, lda, B + j * ldb, ldb, out + i * ldo + j, ldo);
+    }
+    for (; i < m; i++) {
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) nt_block(1, 4, K, A + i * lda, lda, B + j * ldb, ldb, out + i * ldo + j, ldo);
+        for (; j < n; j++) nt_block(1, 1, K, A + i * lda, lda, B + j * ldb, ldb, out + i * ldo + j, ldo);
+    }
+}
+
+/* out[i][:] = beta out[i][:] + sum_k A[i][k] B[k][:] for an mr x (8 nv) block,
+ * lanes across the columns. */
+static inline __attribute__((always_inline)) void nn_block(int mr, int nv, int64_t K, const float *A, int64_t lda,
+                                                            const float *B, int64_t ldb, float *out, int64_t ldo,
+                                                            float beta) {
+    __m256 acc[4][3];
+    const __m256 bv = _mm256_set1_ps(beta);
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nv; j++)
+            acc[i][j] = _mm256_mul_ps(bv, _mm256_loadu_ps(out + i * ldo + 8 * j));
+    for (int64_t k = 0; k < K; k++) {
+        __m256 b[3];
+        for (int j = 0; j < nv; j++) b[j] = _mm256_loadu_ps(B + k * ldb + 8 * j);
+        for (int i = 0; i < mr; i++) {
+            const __m256 a = _mm256_broadcast_ss(A + i * lda + k);
+            for (int j = 0; j < nv; j++) acc[i][j] = _mm256_fmadd_ps(a, b[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nv; j++) _mm256_storeu_ps(out + i * ldo + 8 * j, acc[i][j]);
+}
+
+/* out = beta out + A B for A [m][K], B [K][n] (n % 8 == 0), in 4 x 24 blocks.
+ * Row i only sums k < kmax(i) = min(K, i_block_end + kpad) when `lower` is set:
+ * A is lower triangular there and the rest of its row is zero. */
+static void gemm_nn(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                    float *out, int64_t ldo, float beta, int lower) {
+    int64_t i = 0;
+    for (; i < m; i += 4) {
+        const int mr = m - i < 4 ? (int)(m - i) : 4;
+        const int64_t kk = lower ? (i + mr < K ? i + mr : K) : K;
+        const float *Ai = A + i * lda;
+        float *Oi = out + i * ldo;
+        int64_t j = 0;
+        if (mr == 4) {
+            for (; j + 24 <= n; j += 24) nn_block(4, 3, kk, Ai, lda, B + j, ldb, Oi + j, ldo, beta);
+            for (; j + 8 <= n; j += 8) nn_block(4, 1, kk, Ai, lda, B + j, ldb, Oi + j, ldo, beta);
+        } else {
+            for (; j + 24 <= n; j += 24)
+                for (int r = 0; r < mr; r++)
+                    nn_block(1, 3, kk, Ai + r * lda, lda, B + j, ldb, Oi + r * ldo + j, ldo, beta);
+            for (; j + 8 <= n; j += 8)
+                for (int r = 0; r < mr; r++)
+                    nn_block(1, 1, kk, Ai + r * lda, lda, B + j, ldb, Oi + r * ldo + j, ldo, beta);
+        }
+    }
+}
+
+/* Scratch of one thread for scan_mamba2_chunks. */
+typedef struct {
+    float *seg;  /* [L] running decay exponents of the current row */
+    float *D;    /* [L][L] decays, zero above the diagonal */
+    float *M;    /* [L][L] (C_t . B_u) D[t][u] */
+    float *xd;   /* [L][P] x_u dt_u */
+    float *wT;   /* [P][L] D[end][u] xd_u, transposed */
+    float *lam;  /* [L] */
+} sc_chunk_scratch;
+
+/* Advances the f32 state S [P][N] over tokens [0, n_c) of unit (s, h) in
+ * chunks, writing y for those tokens.  d and dA hold softplus(dt) and
+ * d * A for every token; Bs/Cs are token rows at strides bts/cts. */
+static void scan_mamba2_chunks(float *S, const sc_view *x, const float *d, const float *dA, const float *Bs,
+                               int64_t bts, const float *Cs, int64_t cts, float *y, int64_t s, int64_t h, int64_t n_t,
+                               int64_t n_c, int64_t H, int64_t P, int64_t N, sc_chunk_scratch *w) {
+    const int64_t L = SC_CHUNK, ldy = H * P;
+    const float *xs = x->data + s * x->strides[0] + h * x->strides[2];
+    for (int64_t c0 = 0; c0 < n_c; c0 += L) {
+        const int64_t Lc = n_c - c0 < L ? n_c - c0 : L;
+        const float *Bc = Bs + c0 * bts, *Cc = Cs + c0 * cts;
+        float *yc = y + ((s * n_t + c0) * H + h) * P;
+        /* Decays: row t of D from row t-1 by adding dA_t (segsum). */
+        float total = 0.0f;
+        for (int64_t t = 0; t < Lc; t++) {
+            const float a = dA[c0 + t];
+            for (int64_t u = 0; u < t; u++) w->seg[u] += a;
+            w->seg[t] = 0.0f;
+            total += a;
+            float *Dt = w->D + t * L;
+            int64_t u = 0;
+            for (; u + 8 <= t + 1; u += 8) _mm256_storeu_ps(Dt + u, sc_exp8(_mm256_loadu_ps(w->seg + u)));
+            for (; u <= t; u++) Dt[u] = sc_exp(w->seg[u]);
+            for (; u < L; u++) Dt[u] = 0.0f;
+            w->lam[t] = sc_exp(total);
+        }
+        const float lam_end = w->lam[Lc - 1];
+        const float *Dend = w->D + (Lc - 1) * L;
+        for (int64_t u = 0; u < Lc; u++) {
+            const float du = d[c0 + u];
+            const float *xu = xs + (c0 + u) * x->strides[1];
+            for (int64_t i = 0; i < P; i++) w->xd[u * P + i] = xu[i * x->strides[3]] * du;
+        }
+        for (int64_t i = 0; i < P; i++)
+            for (int64_t u = 0; u < Lc; u++) w->wT[i * L + u] = Dend[u] * w->xd[u * P + i];
+        /* y_t = lam_t (S C_t): dots over d_state, then the row scale. */
+        gemm_nt(Lc, P, N, Cc, cts, S, N, yc, ldy);
+        for (int64_t t = 0; t < Lc; t++) {
+            float *yt = yc + t * ldy;
+            const __m256 l = _mm256_set1_ps(w->lam[t]);
+            for (int64_t i = 0; i < P; i += 8) _mm256_storeu_ps(yt + i, _mm256_mul_ps(l, _mm256_loadu_ps(yt + i)));
+        }
+        /* M = (C B^T) o D, computed on and below the diagonal in 3-row
+         * blocks (D zeroes the block's columns past the diagonal) and zeroed
+         * to the right, where gemm_nn's 4-row blocks still read. */
+        for (int64_t t = 0; t < Lc; t += 3) {
+            const int64_t mr = Lc - t < 3 ? Lc - t : 3;
+            const int64_t nu = t + mr;
+            gemm_nt(mr, nu, N, Cc + t * cts, cts, Bc, bts, w->M + t * L, L);
+            for (int64_t r = t; r < t + mr; r++) {
+                for (int64_t u = 0; u < nu; u++) w->M[r * L + u] *= w->D[r * L + u];
+                for (int64_t u = nu; u < Lc; u++) w->M[r * L + u] = 0.0f;
+            }
+        }
+        /* y += M xd, then S = lam_end S + wT B. */
+        gemm_nn(Lc, P, Lc, w->M, L, w->xd, P, yc, ldy, 1.0f, 1);
+        gemm_nn(P, N, Lc, w->wT, L, Bc, bts, S, N, lam_end, 0);
+    }
+}
+
+/* Mamba-2 unit (s, h) with the first n_t - (n_snap - 1) tokens in chunks and
+ * the last n_snap - 1 token by token, so every snapshot plane is a state the
+ * recurrence passes through exactly as the token loop defines it.  The
+ * head's start slice is read whole into S before any plane is written. */
+static void scan_mamba2_chunked_unit(void *pool, sc_dtype pdt, int64_t row_elems, int64_t start_row,
+                                     int64_t dst_row, int n_snap, int64_t plane_stride, const sc_view *x,
+                                     const sc_view *dt, const float *A, const sc_view *B, const sc_view *C, float *y,
+                                     int64_t s, int64_t h, int64_t n_t, int64_t H, int64_t P, int64_t N, int64_t G,
+                                     float *dbuf, float *abuf, float *dAbuf, float *bpack, float *cpack, float *S,
+                                     sc_chunk_scratch *w) {
+    const int64_t g = h / (H / G);
+    const float Ah = A[h];
+    for (int64_t t = 0; t < n_t; t++) dbuf[t] = dt->data[s * dt->strides[0] + t * dt->strides[1] + h * dt->strides[2]];
+#pragma omp simd
+    for (int64_t t = 0; t < n_t; t++) {
+        float d = sc_softplus(dbuf[t]);
+        dbuf[t] = d;
+        dAbuf[t] = d * Ah;
+        abuf[t] = sc_exp(d * Ah);
+    }
+    int64_t bts, cts;
+    const float *Bs = tokens_of(B, s, g, n_t, N, bpack, &bts);
+    const float *Cs = tokens_of(C, s, g, n_t, N, cpack, &cts);
+    const int64_t off = h * P * N, n_c = n_t - (n_snap - 1);
+    sc_load_f32(row_ptr(pool, pdt, start_row, row_elems, off), pdt, S, P * N);
+    scan_mamba2_chunks(S, x, dbuf, dAbuf, Bs, bts, Cs, cts, y, s, h, n_t, n_c, H, P, N, w);
+    sc_store_f32(S, row_ptr(pool, pdt, dst_row + (n_t - n_c) * plane_stride, row_elems, off), pdt, P * N);
+    const float *xs = x->data + s * x->strides[0] + h * x->strides[2];
+    for (int64_t t = n_c; t < n_t; t++) {
+        const float d = dbuf[t];
+        for (int64_t i = 0; i < P; i++) w->xd[i] = xs[t * x->strides[1] + i * x->strides[3]] * d;
+        update_rows(S, S, P, N, Bs + t * bts, Cs + t * cts, abuf[t], w->xd, y + ((s * n_t + t) * H + h) * P);
+        sc_store_f32(S, row_ptr(pool, pdt, dst_row + (n_t - 1 - t) * plane_stride, row_elems, off), pdt, P * N);
+    }
+}
+#endif
+
 void sc_ssm_scan(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32_t *start_rows,
                  const int32_t *dst_rows, int n_snap, int64_t plane_stride, const sc_view *x, const sc_view *dt,
                  const float *A, int a_per_state, const sc_view *B, const sc_view *C, float *y, int64_t n_s,
@@ -356,6 +580,48 @@ void sc_ssm_scan(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32
     const int64_t n_units = n_s * H;
     const int need_pack = B->strides[3] != 1 || C->strides[3] != 1;
     const int team = n_units < n_threads ? (int)n_units : (n_threads < 1 ? 1 : n_threads);
+#ifdef SC_HAVE_AVX2
+    if (N % 8 == 0 && P % 8 == 0 && n_t - (n_snap - 1) >= SC_CHUNK_MIN) {
+        const int64_t L = SC_CHUNK;
+#pragma omp parallel num_threads(team) if (team > 1)
+        {
+            float *dbuf = (float *)sc_alloc(sizeof(float) * (size_t)n_t);
+            float *abuf = (float *)sc_alloc(sizeof(float) * (size_t)n_t);
+            float *dAbuf = (float *)sc_alloc(sizeof(float) * (size_t)n_t);
+            float *bpack = need_pack ? (float *)sc_alloc(sizeof(float) * (size_t)(n_t * N)) : NULL;
+            float *cpack = need_pack ? (float *)sc_alloc(sizeof(float) * (size_t)(n_t * N)) : NULL;
+            float *S = (float *)sc_alloc(sizeof(float) * (size_t)(P * N));
+            sc_chunk_scratch w;
+            w.seg = (float *)sc_alloc(sizeof(float) * (size_t)L);
+            w.D = (float *)sc_alloc(sizeof(float) * (size_t)(L * L));
+            w.M = (float *)sc_alloc(sizeof(float) * (size_t)(L * L));
+            w.xd = (float *)sc_alloc(sizeof(float) * (size_t)(L * P));
+            w.wT = (float *)sc_alloc(sizeof(float) * (size_t)(P * L));
+            w.lam = (float *)sc_alloc(sizeof(float) * (size_t)L);
+            int64_t lo, hi;
+            sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
+            for (int64_t u = lo; u < hi; u++) {
+                const int64_t s = u / H, h = u % H;
+                scan_mamba2_chunked_unit(pool, pool_dtype, row_elems, start_rows[s], dst_rows[s], n_snap,
+                                         plane_stride, x, dt, A, B, C, y, s, h, n_t, H, P, N, n_group, dbuf, abuf,
+                                         dAbuf, bpack, cpack, S, &w);
+            }
+            free(dbuf);
+            free(abuf);
+            free(dAbuf);
+            free(bpack);
+            free(cpack);
+            free(S);
+            free(w.seg);
+            free(w.D);
+            free(w.M);
+            free(w.xd);
+            free(w.wT);
+            free(w.lam);
+        }
+        return;
+    }
+#endif
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         float *dbuf = (float *)sc_alloc(sizeof(float) * (size_t)n_t);

@@ -180,6 +180,13 @@ SCAN_GRID = [
     (128, 16, 4, 2, 5, 2, 4, F16, "contig"),
     (128, 16, 4, 2, 2, 2, 4, BF16, "overlap"),
     (16, 1, 70, 1, 3, 2, 1, BF16, "contig"),
+    # Mamba-2 prefill long enough for the chunked form: whole and partial
+    # chunks, snapshot planes stepped after the chunks, strided B/C, f16 pools.
+    (128, 64, 4, 2, 150, 2, 1, F32, "contig"),
+    (64, 16, 4, 2, 70, 2, 4, F32, "overlap"),
+    (32, 8, 4, 2, 40, 2, 3, F32, "permuted"),
+    (128, 16, 4, 2, 65, 2, 4, F16, "contig"),
+    (32, 24, 3, 1, 17, 2, 2, BF16, "overlap"),
 ]
 
 
@@ -353,6 +360,27 @@ def _every_family(rng: np.random.Generator):  # type: ignore[no-untyped-def]
                 **scan_inputs(rng, N, P, H, G, n_t, n_s, "overlap"),
             },
             scan_call,
+        )
+    )
+
+    # Long enough for the chunked Mamba-2 form (whole chunks, a partial one,
+    # then K - 1 tokens stepped one by one).
+    long_t, long_dst, long_start, long_stride, long_rows = 90, *state_rows(rng, n_s, 90, K)
+
+    def long_scan_call(dev, pool, start_rows, dst_rows, x, dt, A, B, C, y, **_):  # type: ignore[no-untyped-def]
+        dev.ssm_scan(pool, start_rows, dst_rows, x, dt, A, B, C, y, n_snap=K, plane_stride=long_stride)
+
+    cases.append(
+        (
+            {
+                "pool": Arg(u(rng, (long_rows, H * P * N))),
+                "start_rows": Arg(long_start, DType.I32),
+                "dst_rows": Arg(long_dst, DType.I32),
+                "A": Arg(-u(rng, (H,), 0.2, 2)),
+                "y": Arg(u(rng, (n_s, long_t, H, P))),
+                **scan_inputs(rng, N, P, H, G, long_t, n_s, "contig"),
+            },
+            long_scan_call,
         )
     )
 
