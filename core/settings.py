@@ -5,9 +5,11 @@ The README documents the same table; a test checks the two agree.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+from collections.abc import Iterator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,18 @@ VARIABLES: tuple[Variable, ...] = (
         None,
         "When set to 1, print every plugin hook call and its result.",
     ),
+    Variable(
+        "OMP_WAIT_POLICY",
+        None,
+        "OpenMP wait policy of the C CPU backend's threads; when neither it nor `GOMP_SPINCOUNT` is set, "
+        "the kernels load with `passive` (idle threads sleep instead of spinning, which on a busy machine "
+        "costs a scheduler slice per call).",
+    ),
+    Variable(
+        "GOMP_SPINCOUNT",
+        None,
+        "libgomp's spin count before an idle thread sleeps; setting it keeps libgomp's own wait policy.",
+    ),
 )
 
 _BY_NAME = {v.name: v for v in VARIABLES}
@@ -74,7 +88,13 @@ def backend_allowlist() -> frozenset[str] | None:
 
 
 def num_threads() -> int:
-    value = get("STATECACHE_NUM_THREADS")
+    # Read at every kernel call (so a changed variable takes effect at once);
+    # parsing is cached per value, since a decode step is only a few us.
+    return _threads_from(os.environ.get("STATECACHE_NUM_THREADS"))
+
+
+@functools.lru_cache(maxsize=8)
+def _threads_from(value: str | None) -> int:
     if value:
         try:
             n = int(value)
@@ -94,6 +114,26 @@ def _available_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - non-Linux
         return max(1, os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def openmp_defaults() -> Iterator[None]:
+    """Load OpenMP code inside this block to get statecache's wait policy.
+
+    libgomp reads its settings once, when it is loaded.  Its default spins
+    idle threads for a while after each parallel region; with other jobs on
+    the cores the spinning thread holds a core the caller's next kernel
+    waits for.  Passive waiting costs a futex wake per call instead.  The
+    environment is restored afterwards so that nothing else the process or
+    its children load sees a changed variable."""
+    if get("OMP_WAIT_POLICY") is not None or get("GOMP_SPINCOUNT") is not None:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "passive"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def cache_dir() -> str:

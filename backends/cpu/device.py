@@ -40,7 +40,8 @@ def load_kernels() -> tuple[Any, Any, str]:
     ``(None, None, reason)``.  Never raises: discovery must survive a build
     without a compiler."""
     try:
-        from statecache.backends.cpu import _kernels  # type: ignore[attr-defined]
+        with settings.openmp_defaults():
+            from statecache.backends.cpu import _kernels  # type: ignore[attr-defined]
     except ImportError as exc:
         return None, None, f"the C kernels are not built ({exc}); reinstall statecache with a C compiler"
     lib = _kernels.lib
@@ -329,10 +330,21 @@ class CpuDevice(Device):
             cache[ctype] = ptr
         return ptr
 
-    def _rows(self, values: np.ndarray) -> tuple[Any, np.ndarray]:
+    def _rows(self, values: np.ndarray, buf: Buffer | None = None) -> tuple[Any, np.ndarray]:
         # Keep the int32 copy alive alongside its pointer until the call returns.
+        # The validated host shadow of an index buffer is the same array call
+        # after call (decode reuses its index buffers): its pointer is cached
+        # on the buffer, and used only while the shadow is still that array.
+        cache = getattr(buf, "_cffi", None)
+        if cache is not None:
+            hit = cache.get("rows")
+            if hit is not None and hit[0] is values:
+                return hit[1], values
         arr = np.ascontiguousarray(values, dtype=np.int32)
-        return self._ffi.from_buffer("int32_t[]", arr), arr
+        ptr = self._ffi.from_buffer("int32_t[]", arr)
+        if cache is not None and arr is values and buf.host_indices is values:  # type: ignore[union-attr]
+            cache["rows"] = (values, ptr)
+        return ptr, arr
 
     def _sview(self, buf: Buffer) -> Any:
         cache = getattr(buf, "_cffi", None)
@@ -346,10 +358,19 @@ class CpuDevice(Device):
         return v
 
     # -- primitives -----------------------------------------------------------------
-    def _copy(self, src: Buffer, src_rows: np.ndarray | None, dst: Buffer, dst_rows: np.ndarray | None, n: int) -> None:
+    def _copy(
+        self,
+        src: Buffer,
+        src_rows: np.ndarray | None,
+        dst: Buffer,
+        dst_rows: np.ndarray | None,
+        n: int,
+        src_index: Buffer | None = None,
+        dst_index: Buffer | None = None,
+    ) -> None:
         null = self._ffi.NULL
-        s_ptr, _s_keep = self._rows(src_rows) if src_rows is not None else (null, None)
-        d_ptr, _d_keep = self._rows(dst_rows) if dst_rows is not None else (null, None)
+        s_ptr, _s_keep = self._rows(src_rows, src_index) if src_rows is not None else (null, None)
+        d_ptr, _d_keep = self._rows(dst_rows, dst_index) if dst_rows is not None else (null, None)
         self._lib.sc_copy_rows(
             self._ptr(src),
             _DTYPE_CODE[src.dtype],
@@ -363,23 +384,23 @@ class CpuDevice(Device):
         )
 
     def _get_rows(self, src, rows_buf, dst, rows_host):  # type: ignore[no-untyped-def]
-        self._copy(src, rows_host, dst, None, len(rows_host))
+        self._copy(src, rows_host, dst, None, len(rows_host), src_index=rows_buf)
 
     def _set_rows(self, dst, rows_buf, src, rows_host):  # type: ignore[no-untyped-def]
-        self._copy(src, None, dst, rows_host, len(rows_host))
+        self._copy(src, None, dst, rows_host, len(rows_host), dst_index=rows_buf)
 
     def _copy_rows(self, src, src_rows, dst, dst_rows, src_host, dst_host):  # type: ignore[no-untyped-def]
-        self._copy(src, src_host, dst, dst_host, len(src_host))
+        self._copy(src, src_host, dst, dst_host, len(src_host), src_rows, dst_rows)
 
     def _zero_rows(self, dst, rows_buf, rows_host):  # type: ignore[no-untyped-def]
-        r_ptr, _keep = self._rows(rows_host)
+        r_ptr, _keep = self._rows(rows_host, rows_buf)
         self._lib.sc_zero_rows(
             self._ptr(dst), _DTYPE_CODE[dst.dtype], r_ptr, len(rows_host), dst.shape[1], self.num_threads
         )
 
     def _state_args(self, shp: Any, pool: Buffer, start_rows: Buffer, dst_rows: Buffer) -> tuple[Any, ...]:
-        start_ptr, start_keep = self._rows(self.index_values(start_rows))
-        dst_ptr, dst_keep = self._rows(self.index_values(dst_rows))
+        start_ptr, start_keep = self._rows(self.index_values(start_rows), start_rows)
+        dst_ptr, dst_keep = self._rows(self.index_values(dst_rows), dst_rows)
         args = (
             self._ptr(pool),
             _DTYPE_CODE[pool.dtype],

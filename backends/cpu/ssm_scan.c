@@ -314,7 +314,9 @@ static void scan_mamba1_rows(void *pool, sc_dtype pdt, int64_t row_elems, int64_
  * few ulps of it per chunk.  A unit is still one (sequence, head), walked
  * chunk by chunk by one thread, so the result is the same for any thread
  * count. */
+#ifndef SC_CHUNK
 #define SC_CHUNK 64
+#endif
 /* Fewest chunked tokens for which the chunked form beats the token loop. */
 #ifndef SC_CHUNK_MIN
 #define SC_CHUNK_MIN 16

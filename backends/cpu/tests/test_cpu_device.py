@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from cpu_cases import cpu_device
 
+from statecache import settings
 from statecache.backends.cpu import device as cpu_mod
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError
@@ -239,3 +240,38 @@ def test_registered_through_the_entry_point_with_priority() -> None:
     assert reg.get_device().id == "cpu:0"
     props = reg.get_device("cpu").properties
     assert props["host_visible"] if "host_visible" in props else props["caps"]["host_visible"]
+
+
+def test_openmp_kernels_load_passive_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    # libgomp reads its wait policy when it loads: the kernels are imported
+    # inside settings.openmp_defaults(), which must set passive only for that
+    # import and never override a user's choice.
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    with settings.openmp_defaults():
+        assert os.environ["OMP_WAIT_POLICY"] == "passive"
+    assert "OMP_WAIT_POLICY" not in os.environ
+    for name, value in (("OMP_WAIT_POLICY", "active"), ("GOMP_SPINCOUNT", "1000")):
+        monkeypatch.setenv(name, value)
+        with settings.openmp_defaults():
+            assert os.environ.get("OMP_WAIT_POLICY") == ("active" if name == "OMP_WAIT_POLICY" else None)
+            assert os.environ[name] == value
+        monkeypatch.delenv(name)
+
+
+def test_reused_index_buffers_follow_their_new_values() -> None:
+    # The backend caches the C pointer of an index buffer's validated host
+    # copy; a write, or a zero-copy export that lets the caller write, must
+    # make the next call use the new values.
+    dev = cpu_device()
+    pool_host = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)
+    pool, out = dev.upload(pool_host), dev.alloc((2, 8))
+    rows = dev.indices(np.array([0, 1]))
+    for want in ([0, 1], [3, 2]):
+        if want != [0, 1]:
+            dev.write(rows, np.array(want))
+        dev.get_rows(pool, rows, out)
+        np.testing.assert_array_equal(dev.download(out), pool_host[want])
+    np.asarray(rows)[...] = [1, 0]  # zero-copy write through the exported view
+    dev.get_rows(pool, rows, out)
+    np.testing.assert_array_equal(dev.download(out), pool_host[[1, 0]])
