@@ -37,9 +37,11 @@ def attention(q, k, v, bias):  # type: ignore[no-untyped-def]
     return (w / w.sum()) @ v[vis]
 
 
-def make_hybrid(dev, kind="hybrid", *, n_seq_max=3, size=24, unified=True, n_rs_seq=0, n_swa=4, seed=0, kpool=4):  # type: ignore[no-untyped-def]
+def make_hybrid(
+    dev, kind="hybrid", *, n_seq_max=3, size=24, unified=True, n_rs_seq=0, n_swa=4, seed=0, kpool=4, n_pad=8
+):  # type: ignore[no-untyped-def]
     recr = RecurrentMemory(toy_spec(), dev, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq)
-    common = dict(n_seq_max=n_seq_max, unified=unified, dtype="f32", n_pad=8)
+    common = dict(n_seq_max=n_seq_max, unified=unified, dtype="f32", n_pad=n_pad)
     if kind == "iswa":
         attn = KVCacheISWA(dev, [KVLayer(ATTN, E, E)], [ATTN], size=size, n_ubatch=8, n_swa=n_swa, **common)
         mem = HybridISWAMemory(attn, recr)
