@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from statecache.errors import ArgumentError, StateError
+from statecache.errors import ArgumentError
 from statecache.kv_cache import (
     TAG_KV,
     CompositeContext,
@@ -337,8 +337,8 @@ class HybridMemory(Memory):
             self.recr.seq_rm(seq, -1, -1)
 
     def _drop_read_parts(self, seq: int, flags: int) -> None:
-        """After a failed read: drop the destination from the parts the read
-        would have written (a partial read never touches full-attention caches)."""
+        """After a failed write (post-validation): drop the destination from the
+        parts the read would have written (a partial read never touches full-attention caches)."""
         if not flags & StateFlags.PARTIAL_ONLY:
             self.state_drop(seq)
             return
@@ -350,15 +350,23 @@ class HybridMemory(Memory):
             self.recr.clear(True)
 
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
+        """Restore every part from one blob, all or nothing.
+
+        Every section of every part is parsed, checked and placed before any
+        part is written, so a rejected blob (``StateError``: corrupt, truncated,
+        mismatched, or no room) leaves the whole memory exactly as it was
+        (stricter than upstream §8.4, which drops the destination).  Only a
+        failure while writing, after validation, drops the destination from the
+        parts the read would have written: no half-restored sequence survives."""
         if seq >= 0:
             self._check_seq(seq)
+        _, sections = unpack_sections(data)
+        plans = self.parse_all(sections, seq, flags)
         try:
-            _, sections = unpack_sections(data)
-            plans = self.parse_all(sections, seq, flags)
-        except StateError:
+            self.commit_all(plans)
+        except BaseException:
             self._drop_read_parts(seq, flags)
             raise
-        self.commit_all(plans)
 
 
 class HybridISWAMemory(HybridMemory):

@@ -592,15 +592,19 @@ class KVCache(Memory):
             self.book.heads[strm] = 0
 
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
+        """Restore from a blob.  The whole blob is parsed and placed before
+        anything is written, so a rejected blob (``StateError``) leaves the cache
+        exactly as it was; only a failure while writing (after validation)
+        drops the destination, so no half-restored sequence survives."""
+        _, sections = unpack_sections(data)
+        r = Reader(find_section(sections, TAG_KV))
+        plan = self.state_parse(r, seq)
+        r.at_end()
         try:
-            _, sections = unpack_sections(data)
-            r = Reader(find_section(sections, TAG_KV))
-            plan = self.state_parse(r, seq)
-            r.at_end()
-        except StateError:
+            self.state_commit(plan)
+        except BaseException:
             self._state_drop(seq)
             raise
-        self.state_commit(plan)
 
     def _state_drop(self, seq: int) -> None:
         """Upstream's failure contract: the destination ends empty."""
@@ -1079,13 +1083,14 @@ class KVCacheISWA(Memory):
         self.swa._state_drop(seq)
 
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
+        """As :meth:`KVCache.state_read`: rejected blobs change nothing."""
+        _, sections = unpack_sections(data)
+        plan = self.parse_sections(sections, seq, flags)
         try:
-            _, sections = unpack_sections(data)
-            plan = self.parse_sections(sections, seq, flags)
-        except StateError:
+            self.state_commit(plan)
+        except BaseException:
             self._state_drop(seq)
             raise
-        self.state_commit(plan)
 
 
 class ISWAContext(CompositeContext):

@@ -246,13 +246,15 @@ def test_failure_injection_plan(dev, kind, victim):
 
 @pytest.mark.parametrize(("kind", "victim"), VICTIMS)
 @pytest.mark.parametrize("seq", [1, -1])
-def test_failure_injection_state_read(dev, kind, victim, seq):
+def test_failure_injection_state_read_rejected_changes_nothing(dev, kind, victim, seq):
+    """Any part rejecting its section (StateError while parsing) leaves the whole
+    memory exactly as it was: every part parses and places before any writes."""
     src = HybridToy(dev, make_hybrid(dev, kind, seed=5))
     src.decode({0: [3, 4, 5], 1: [6]})
     blob = src.mem.state_write(0 if seq >= 0 else -1)
     dst = HybridToy(dev, make_hybrid(dev, kind, seed=6))
     parts = parts_of(dst.mem)
-    dst.decode({2: [9, 9]})
+    dst.decode({1: [7, 7, 7], 2: [9, 9]})
     before = books(dst.mem)
     part = parts[victim]
 
@@ -264,18 +266,39 @@ def test_failure_injection_state_read(dev, kind, victim, seq):
             setattr(part, name, bad_parse)
     with pytest.raises(StateError, match="injected"):
         dst.mem.state_read(blob, seq)
-    if seq >= 0:  # the destination is empty in every part; the other sequence untouched
+    assert same_books(before, books(dst.mem))
+    out = dst.decode({1: [8], 2: [4]})  # both sequences carry on as if nothing happened
+    check(dst, out, (1, 2))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seq", [1, -1])
+def test_failure_while_writing_state_drops_the_destination_everywhere(dev, kind, seq):
+    """A failure after validation (while writing rows) must not leave a
+    half-restored sequence in any part: the destination is dropped from all."""
+    src = HybridToy(dev, make_hybrid(dev, kind, seed=5))
+    src.decode({0: [3, 4, 5], 1: [6]})
+    blob = src.mem.state_write(0 if seq >= 0 else -1)
+    dst = HybridToy(dev, make_hybrid(dev, kind, seed=6))
+    dst.decode({1: [7, 7, 7], 2: [9, 9]})
+
+    def broken_apply(*a, **k):
+        raise RuntimeError("device lost while writing")
+
+    dst.mem.recr.apply_section = broken_apply  # attention is written first, then this fails
+    with pytest.raises(RuntimeError, match="device lost"):
+        dst.mem.state_read(blob, seq)
+    parts = parts_of(dst.mem)
+    if seq >= 0:
         for p in parts.values():
             assert p.seq_pos_max(1) == -1
-        assert dst.mem.seq_pos_max(2) == 1
-        for cache in list(dst.mem.kv_caches) + ([dst.mem.idx] if hasattr(dst.mem, "idx") else []):
-            assert cache.seq_pos_min(2) == 0 and cache.seq_pos_max(2) == 1
-        assert dst.mem.recr.cell_of(2) >= 0 and before[1].tail[2] == dst.mem.recr.cell_of(2)
+        assert dst.mem.seq_pos_max(2) == 1  # other sequences untouched
+        del dst.mem.recr.apply_section
         out = dst.decode({2: [4]})
         check(dst, out, (2,))
-    else:  # whole-memory restore failure: everything cleared, in every part
+    else:
         for p in parts.values():
-            assert p.seq_pos_max(2) == -1
+            assert p.seq_pos_max(1) == -1 and p.seq_pos_max(2) == -1
 
 
 @pytest.mark.parametrize("kind", KINDS)

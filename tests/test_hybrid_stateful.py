@@ -153,7 +153,8 @@ class HybridMachine(RuleBasedStateMachine):
         except StateError as e:
             # cells s shared with other sequences stay in use, so a restored copy needs
             # fresh ones; only the small iSWA window cache can run out.  The contract:
-            # the destination is dropped from every part, nothing else changes.
+            # a rejected blob changes nothing (s was removed just above, so it stays
+            # empty in every part).
             assert self.kind == "iswa" and "free" in str(e), e
             assert self.mem.seq_pos_max(s) == -1 and self.mem.recr.seq_pos_max(s) == -1
             self.toy.forget(s)

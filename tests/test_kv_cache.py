@@ -321,7 +321,7 @@ def test_state_whole_cache_round_trip(dev):
     "corrupt",
     ["truncate", "n_stream", "n_layer", "row_bytes", "type", "cell_count", "n_seq_id"],
 )
-def test_corrupt_kv_blob_errors_and_leaves_destination_empty(dev, corrupt):
+def test_corrupt_kv_blob_errors_and_changes_nothing(dev, corrupt):
     src = make_cache(dev)
     decode(src, {0: [5, 6, 7]})
     blob = bytearray(src.state_write(0))
@@ -345,11 +345,15 @@ def test_corrupt_kv_blob_errors_and_leaves_destination_empty(dev, corrupt):
         blob[h + 12 : h + 16] = (2).to_bytes(4, "little")
     dst = make_cache(dev)
     decode(dst, {1: [1, 2], 2: [3]})
+    k_before = [dst.k[il].numpy().copy() for il in sorted(dst.k)]
     with pytest.raises(StateError):
         dst.state_read(bytes(blob), 1)
-    assert dst.seq_pos_max(1) == -1 and dst.seq_pos_max(2) == 0  # destination dropped, others untouched
+    # Validated before anything is written: the destination keeps its own cells.
+    assert dst.seq_pos_max(1) == 1 and dst.seq_pos_max(2) == 0
+    for before, il in zip(k_before, sorted(dst.k), strict=True):
+        np.testing.assert_array_equal(dst.k[il].numpy(), before)
     out = decode(dst, {1: [5]})
-    np.testing.assert_allclose(out[(1, 0)], expected([(0, 5)], 5), rtol=1e-5)
+    np.testing.assert_allclose(out[(1, 2)], expected([(0, 1), (1, 2), (2, 5)], 5), rtol=1e-5)
 
 
 def test_state_write_refuses_pending_update(dev):
