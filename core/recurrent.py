@@ -751,10 +751,12 @@ class RecurrentMemory(Memory):
                 elif 0 < p0 < p1 <= P and b.src[c] == c:
                     # A hole inside the history (context shift): the state cannot
                     # forget those tokens, so the removal is accepted as upstream
-                    # does, but every plane older than "after p1 - 1" now describes
-                    # a history that no longer exists.  Cap the planes so a later
-                    # rollback across the hole is refused instead of restoring it.
-                    keep = max(1, int(b.snap_end[c]) - p1 + 2)
+                    # does, but a plane ending inside or before the hole describes
+                    # a position that no longer exists (or, once seq_add shifts the
+                    # later positions, is labelled wrongly).  Keep only planes that
+                    # end at p1 or later, so a rollback into or across the hole is
+                    # refused instead of restoring a history that is gone.
+                    keep = max(1, int(b.snap_end[c]) - p1 + 1)
                     if keep < int(b.snap_valid[c]):
                         b.snap_valid[c] = keep
                         self._version += 1

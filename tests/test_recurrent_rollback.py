@@ -211,3 +211,23 @@ def test_toy_is_not_trivially_zero(dev) -> None:  # type: ignore[no-untyped-def]
     t = Toy(dev, 1)
     out = t.decode({0: [1, 2]})
     assert out is not None and np.abs(out[(0, 1)]).max() > 1e-3
+
+
+def test_rollback_into_a_removed_hole_is_refused(dev) -> None:  # type: ignore[no-untyped-def]
+    """After seq_rm punches a hole [p0, p1) inside the history, no rollback may
+    land on a removed position (found by review: a plane ending at p1 - 1 stayed
+    reachable), while one that stays after the hole is still exact."""
+    t = Checked(dev, 1, n_rs_seq=3)
+    t.feed({0: list(range(1, 11))})  # positions 0..9 in one ubatch: planes reach "after 6"
+    assert t.mem.seq_rm(0, 8, 9)  # hole at position 8: accepted, the state keeps it
+    book, data = t.mem.book_snapshot(), data_snapshot(t)
+    assert not t.mem.seq_rm(0, 9, -1)  # would restore "after 8", a removed position
+    assert not t.mem.seq_rm(0, 8, -1)  # "after 7": across the hole
+    assert_unchanged(t, book, data)
+    assert t.mem.seq_pos_max(0) == 9
+    t2 = Checked(dev, 1, n_rs_seq=3)
+    t2.feed({0: list(range(1, 11))})
+    assert t2.mem.seq_rm(0, 5, 7)  # hole at 5..6; positions 7..9 still exist
+    assert accept(t2, 0, 9)  # roll back the last token: "after 8" is after the hole
+    assert t2.mem.seq_pos_max(0) == 8
+    t2.check_state(0)  # the state holds every token up to position 8, the hole's included
