@@ -278,8 +278,22 @@ class Device(abc.ABC):
             return Support(False, f"{self.id} needs contiguous inputs")
         return SUPPORTED
 
+    #: (caps, {(op, *params): Support}): see :meth:`_require`.
+    _support_memo: tuple[Caps, dict[tuple[Any, ...], Support]] | None = None
+
     def _require(self, op: str, **params: Any) -> None:
-        answer = self.supports(op, **params)
+        # Every primitive call asks; decode calls are a few microseconds, so
+        # answers are remembered per (op, params).  supports() depends only on
+        # them and on the caps (frozen; a device given new caps starts afresh).
+        memo = self._support_memo
+        if memo is None or memo[0] is not self.caps:
+            memo = self._support_memo = (self.caps, {})
+        key = (op, *params.items())
+        answer = memo[1].get(key)
+        if answer is None:
+            answer = self.supports(op, **params)
+            if len(memo[1]) < 1024:  # bounded: shapes vary little in practice
+                memo[1][key] = answer
         if not answer:
             raise CapabilityError(answer.reason)
 
@@ -543,7 +557,8 @@ class Device(abc.ABC):
             n_snap=n_snap,
             plane_stride=plane_stride,
         )
-        strided = not all(t.is_contiguous for t in (x, dt, B, C))
+        # Spelled out: a generator here costs a decode call about a microsecond.
+        strided = not (x.is_contiguous and dt.is_contiguous and B.is_contiguous and C.is_contiguous)
         self._require(
             "ssm_scan",
             dtype=pool.dtype,
@@ -609,7 +624,9 @@ class Device(abc.ABC):
             n_snap=n_snap,
             plane_stride=plane_stride,
         )
-        strided = not all(t.is_contiguous for t in (q, k, v, g, beta))
+        strided = not (
+            q.is_contiguous and k.is_contiguous and v.is_contiguous and g.is_contiguous and beta.is_contiguous
+        )
         self._require(
             "gated_delta_net",
             dtype=pool.dtype,

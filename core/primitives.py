@@ -9,6 +9,7 @@ same mistakes with the same message *before* any launch or write.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -63,6 +64,24 @@ class DeltaShape(StateWrite):
     n_head_v: int
     head_size: int
     variant: str  # "scalar" | "kda"
+
+
+# Shapes are frozen, so equal sizes may share one instance: building a frozen
+# dataclass costs microseconds (a setattr per field), a cache hit a hash of
+# the sizes, and decode repeats the same sizes call after call.
+@functools.lru_cache(maxsize=256)
+def _conv_shape(*sizes: int | str | bool) -> ConvShape:
+    return ConvShape(*sizes)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=256)
+def _scan_shape(*sizes: int | str) -> ScanShape:
+    return ScanShape(*sizes)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=256)
+def _delta_shape(*sizes: int | str) -> DeltaShape:
+    return DeltaShape(*sizes)  # type: ignore[arg-type]
 
 
 # -- helpers ------------------------------------------------------------------
@@ -239,6 +258,9 @@ def check_copy_rows(
 # -- stateful -----------------------------------------------------------------
 
 
+_INTEGER = (int, np.integer)  # a tuple: isinstance() with a union is slower, and this runs per call
+
+
 def _state_rows(
     dev: Device,
     pool: Buffer,
@@ -251,7 +273,7 @@ def _state_rows(
 ) -> None:
     """Check start/destination rows and the planes a call will write."""
     n_rows = pool.shape[0]
-    if not isinstance(n_snap, int | np.integer) or n_snap < 1:
+    if not isinstance(n_snap, _INTEGER) or n_snap < 1:
         raise ArgumentError("n_snap", f"must be an integer >= 1, got {n_snap!r}")
     if n_snap > 1 and plane_stride <= 0:
         raise ArgumentError("plane_stride", "must be > 0 when n_snap > 1")
@@ -338,16 +360,9 @@ def check_ssm_conv(
     y = _output(dev, y, "y", (n_s, n_t, ch))
     _distinct_storage(y, "y", (pool, "pool"), (x, "x"), (weight, "weight"), (bias, "bias"))
     _state_rows(dev, pool, start_rows, dst_rows, n_s, n_t, n_snap, plane_stride)
-    return ConvShape(
-        n_seqs=n_s,
-        n_tokens=n_t,
-        n_rows=pool.shape[0],
-        row_size=pool.shape[1],
-        n_snap=int(n_snap),
-        plane_stride=int(plane_stride),
-        channels=ch,
-        d_conv=d_conv,
-        has_bias=bias is not None,
+    # Positional, in field order: StateWrite's, then ConvShape's.
+    return _conv_shape(
+        n_s, n_t, pool.shape[0], pool.shape[1], int(n_snap), int(plane_stride), ch, d_conv, bias is not None
     )
 
 
@@ -391,10 +406,12 @@ def check_ssm_scan(
             raise ArgumentError("A", "Mamba-1 (A of [n_head, d_state]) needs head_dim == 1 and n_group == 1")
         if n_snap != 1:
             raise ArgumentError("n_snap", f"Mamba-1 scans emit only the final state (n_snap == 1), got {n_snap}")
-    _input(dev, x, "x", (n_s, n_t, n_head, head_dim))
+    # x, A and B are owned and their shapes were read from them: only their
+    # dtype is left to check (in the same order as for the other inputs).
+    _f32(x, "x")
     _input(dev, dt, "dt", (n_s, n_t, n_head))
-    _input(dev, A, "A", A.shape)
-    _input(dev, B, "B", (n_s, n_t, n_group, d_state))
+    _f32(A, "A")
+    _f32(B, "B")
     _input(dev, C, "C", (n_s, n_t, n_group, d_state))
     if pool.shape[1] != n_head * head_dim * d_state:
         raise ArgumentError(
@@ -403,18 +420,19 @@ def check_ssm_scan(
     y = _output(dev, y, "y", (n_s, n_t, n_head, head_dim))
     _distinct_storage(y, "y", (pool, "pool"), (x, "x"), (dt, "dt"), (A, "A"), (B, "B"), (C, "C"))
     _state_rows(dev, pool, start_rows, dst_rows, n_s, n_t, n_snap, plane_stride)
-    return ScanShape(
-        n_seqs=n_s,
-        n_tokens=n_t,
-        n_rows=pool.shape[0],
-        row_size=pool.shape[1],
-        n_snap=int(n_snap),
-        plane_stride=int(plane_stride),
-        n_head=n_head,
-        head_dim=head_dim,
-        d_state=d_state,
-        n_group=n_group,
-        variant=variant,
+    # Positional, in field order: StateWrite's, then ScanShape's.
+    return _scan_shape(
+        n_s,
+        n_t,
+        pool.shape[0],
+        pool.shape[1],
+        int(n_snap),
+        int(plane_stride),
+        n_head,
+        head_dim,
+        d_state,
+        n_group,
+        variant,
     )
 
 
@@ -461,15 +479,5 @@ def check_gated_delta_net(
     o = _output(dev, o, "o", (n_s, n_t, h_v, size))
     _distinct_storage(o, "o", (pool, "pool"), (q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta"))
     _state_rows(dev, pool, start_rows, dst_rows, n_s, n_t, n_snap, plane_stride)
-    return DeltaShape(
-        n_seqs=n_s,
-        n_tokens=n_t,
-        n_rows=pool.shape[0],
-        row_size=pool.shape[1],
-        n_snap=int(n_snap),
-        plane_stride=int(plane_stride),
-        n_head_k=h_k,
-        n_head_v=h_v,
-        head_size=size,
-        variant=variant,
-    )
+    # Positional, in field order: StateWrite's, then DeltaShape's.
+    return _delta_shape(n_s, n_t, pool.shape[0], pool.shape[1], int(n_snap), int(plane_stride), h_k, h_v, size, variant)

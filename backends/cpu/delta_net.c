@@ -86,7 +86,12 @@ void sc_gated_delta_net(void *pool, sc_dtype pool_dtype, int64_t row_elems, cons
     int64_t tile_rows = SC_GDN_TILE_BYTES / 4 / (S > 0 ? S : 1);
     tile_rows = tile_rows < 4 ? 4 : tile_rows - tile_rows % 4;
     const size_t es = sc_dtype_size(pool_dtype);
-    const int team = n_units < n_threads ? (int)n_units : (n_threads < 1 ? 1 : n_threads);
+    /* State streamed: every token passes over the state, plus the planes written
+     * (a token does more arithmetic per element than the scan: this undercounts,
+     * so the single-thread rule errs towards threads). */
+    const int64_t n_written = n_t + 1 < n_snap ? n_t + 1 : n_snap;
+    const int64_t work_bytes = n_s * Hv * S * S * (int64_t)sizeof(float) * (n_t + n_written);
+    const int team = sc_state_team(n_units, work_bytes, n_threads);
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         float *kpack = (float *)sc_alloc(sizeof(float) * (size_t)(n_t * S));

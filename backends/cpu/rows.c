@@ -39,6 +39,14 @@ int sc_cpu_isa_supported(void) {
     return 1;
 }
 
+int64_t sc_state_parallel_min_bytes = SC_STATE_PARALLEL_MIN_BYTES;
+
+int64_t sc_set_state_parallel_min_bytes(int64_t bytes) {
+    const int64_t previous = sc_state_parallel_min_bytes;
+    sc_state_parallel_min_bytes = bytes < 0 ? 0 : bytes;
+    return previous;
+}
+
 int sc_cpu_has_threads(void) {
 #ifdef _OPENMP
     return 1;

@@ -273,6 +273,20 @@ static inline int sc_team_size(void) {
 #endif
 }
 
+/* Threads for a stateful call: n_units independent units (each a (sequence,
+ * head) slice, so the result never depends on the split), streaming about
+ * work_bytes of state in all.  Below SC_STATE_PARALLEL_MIN_BYTES one thread
+ * runs everything: waking a parked OpenMP worker (futex wake plus a cold
+ * cache on its core) costs about as much as the ~20 us a second thread
+ * would save on a one-sequence decode of a 1 MiB state, and much more when
+ * the other core is busy. */
+#define SC_STATE_PARALLEL_MIN_BYTES ((int64_t)4 << 20)
+extern int64_t sc_state_parallel_min_bytes; /* SC_STATE_PARALLEL_MIN_BYTES unless a test changed it */
+static inline int sc_state_team(int64_t n_units, int64_t work_bytes, int n_threads) {
+    if (n_threads < 1 || work_bytes < sc_state_parallel_min_bytes) return 1;
+    return n_units < n_threads ? (int)n_units : n_threads;
+}
+
 static inline void *sc_alloc(size_t bytes) {
     size_t rounded = (bytes + SC_ALIGN - 1) / SC_ALIGN * SC_ALIGN;
     return aligned_alloc(SC_ALIGN, rounded ? rounded : SC_ALIGN);

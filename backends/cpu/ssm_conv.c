@@ -72,7 +72,9 @@ void sc_ssm_conv(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32
     const int64_t n_written = n_t + 1 < n_snap ? n_t + 1 : n_snap;
     const size_t es = sc_dtype_size(pool_dtype);
     const int64_t xs0 = x->strides[0], xs1 = x->strides[1], xs2 = x->strides[2];
-    const int team = n_units < n_threads ? (int)n_units : (n_threads < 1 ? 1 : n_threads);
+    /* Bytes moved: the window read and the planes written, plus x in and y out. */
+    const int64_t work_bytes = n_s * channels * (int64_t)sizeof(float) * (W * (1 + n_written) + 2 * n_t);
+    const int team = sc_state_team(n_units, work_bytes, n_threads);
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         float *ext = (float *)sc_alloc(sizeof(float) * (size_t)((W + (xs2 == 1 ? 0 : n_t)) * SC_CONV_BLOCK));

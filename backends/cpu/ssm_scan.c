@@ -526,10 +526,13 @@ void sc_ssm_scan(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32
                  const float *A, int a_per_state, const sc_view *B, const sc_view *C, float *y, int64_t n_s,
                  int64_t n_t, int64_t n_head, int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads) {
     const int64_t H = n_head, P = head_dim, N = d_state;
+    /* State streamed: every token passes over the state, plus the planes written. */
+    const int64_t n_written = n_t + 1 < n_snap ? n_t + 1 : n_snap;
+    const int64_t work_bytes = n_s * H * P * N * (int64_t)sizeof(float) * (n_t + n_written);
 #ifdef SC_HAVE_AVX2
     if (a_per_state && N % 8 == 0) {
         const int64_t n_blocks = (H + SC_M1_HEADS - 1) / SC_M1_HEADS, n_units = n_s * n_blocks;
-        const int team = n_units < n_threads ? (int)n_units : (n_threads < 1 ? 1 : n_threads);
+        const int team = sc_state_team(n_units, work_bytes, n_threads);
 #pragma omp parallel num_threads(team) if (team > 1)
         {
             float *dvec = (float *)sc_alloc(sizeof(float) * (size_t)SC_M1_HEADS);
@@ -555,7 +558,7 @@ void sc_ssm_scan(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32
 #endif
     if (a_per_state) {
         const int64_t n_blocks = (H + SC_M1_HEADS - 1) / SC_M1_HEADS, n_units = n_s * n_blocks;
-        const int team = n_units < n_threads ? (int)n_units : (n_threads < 1 ? 1 : n_threads);
+        const int team = sc_state_team(n_units, work_bytes, n_threads);
 #pragma omp parallel num_threads(team) if (team > 1)
         {
             float *dvec = (float *)sc_alloc(sizeof(float) * SC_M1_HEADS);
@@ -581,7 +584,7 @@ void sc_ssm_scan(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32
     }
     const int64_t n_units = n_s * H;
     const int need_pack = B->strides[3] != 1 || C->strides[3] != 1;
-    const int team = n_units < n_threads ? (int)n_units : (n_threads < 1 ? 1 : n_threads);
+    const int team = sc_state_team(n_units, work_bytes, n_threads);
 #ifdef SC_HAVE_AVX2
     if (N % 8 == 0 && P % 8 == 0 && n_t - (n_snap - 1) >= SC_CHUNK_MIN) {
         const int64_t L = SC_CHUNK;

@@ -38,6 +38,10 @@ int sc_cpu_isa_supported(void);
 const char *sc_cpu_isa(void);
 /* 1 when built with OpenMP (threads), else 0. */
 int sc_cpu_has_threads(void);
+/* Stateful calls streaming fewer bytes of state than this run on one thread
+ * (default 4 MiB); returns the previous value.  Tests set 0 to exercise the
+ * thread split on small shapes. */
+int64_t sc_set_state_parallel_min_bytes(int64_t bytes);
 
 /* rows.c: dst[dst_rows[i]] = convert(src[src_rows[i]]), i < n.  A NULL index
  * array means the identity (get_rows passes dst_rows = NULL, set_rows passes

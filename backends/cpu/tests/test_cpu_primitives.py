@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -422,6 +423,19 @@ def _every_family(rng: np.random.Generator):  # type: ignore[no-untyped-def]
     return cases
 
 
+@pytest.fixture(params=["split", "default"])
+def split_small_calls(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Small stateful calls normally run on one thread (waking a second costs
+    more than it saves); these shapes are small, so "split" lifts that rule to
+    test the thread split itself, "default" tests the rule as shipped."""
+    lib = cpu_device()._lib
+    previous = lib.sc_set_state_parallel_min_bytes(0 if request.param == "split" else 4 << 20)
+    assert previous == 4 << 20  # the shipped default, restored below
+    yield
+    lib.sc_set_state_parallel_min_bytes(previous)
+
+
+@pytest.mark.usefixtures("split_small_calls")
 def test_results_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
     dev = cpu_device()
     for i, (args, call) in enumerate(_every_family(np.random.default_rng(5))):
