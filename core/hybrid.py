@@ -265,6 +265,8 @@ class HybridMemory(Memory):
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         self._check_seq(seq)
+        if delta != 0:
+            self.recr.check_position_move(seq, p0, p1, "seq_add")  # refusals change nothing anywhere
         self.attn.seq_add(seq, p0, p1, delta)  # raises before any change on a shared cell
         self.recr.seq_add(seq, p0, p1, delta)
 
@@ -272,6 +274,8 @@ class HybridMemory(Memory):
         self._check_seq(seq)
         if d <= 0:
             raise ArgumentError("d", f"divisor must be >= 1, got {d}")
+        if d != 1:
+            self.recr.check_position_move(seq, p0, p1, "seq_div")
         self.attn.seq_div(seq, p0, p1, d)
         self.recr.seq_div(seq, p0, p1, d)
 

@@ -827,12 +827,36 @@ class RecurrentMemory(Memory):
         c = int(b.tail[seq])
         if c < 0 or not p0 <= b.pos[c] < p1:
             return
+        self._refuse_shared_move(seq, c, "seq_add")
         if b.pos[c] + delta < 0:  # shifted before the start: the state is gone
             self.seq_rm(seq, 0, -1)
             return
         b.pos[c] += delta
         b.snap_end[c] += delta  # positions are labels: snapshots shift with them
         self._version += 1
+
+    def check_position_move(self, seq: int, p0: int, p1: int, op: str = "seq_add") -> None:
+        """Raise (changing nothing) if ``seq_add``/``seq_div`` over [p0, p1) would be
+        refused; composites call it before touching any other part."""
+        p0, p1 = normalize_range(p0, p1)
+        if p0 >= p1 or not 0 <= seq < self.n_seq_max:
+            return
+        c = int(self._book.tail[seq])
+        if c >= 0 and p0 <= self._book.pos[c] < p1:
+            self._refuse_shared_move(seq, c, op)
+
+    def _refuse_shared_move(self, seq: int, c: int, op: str) -> None:
+        """Moving the position of a cell other sequences share would silently
+        relabel their state too (upstream does exactly that); refuse instead,
+        as a rollback of a shared cell is refused, and change nothing."""
+        b = self._book
+        if b.n_own[c] > 1:
+            others = [q for q in b.owners(c) if q != seq]
+            raise ArgumentError(
+                "seq",
+                f"{op}: sequence {seq} shares its recurrent state with sequences {others}; "
+                "moving its position would move theirs too",
+            )
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
         p0, p1 = normalize_range(p0, p1)
@@ -844,6 +868,7 @@ class RecurrentMemory(Memory):
         c = int(b.tail[seq])
         if c < 0 or not p0 <= b.pos[c] < p1:
             return
+        self._refuse_shared_move(seq, c, "seq_div")
         b.pos[c] //= d
         if b.src[c] == c:  # division breaks the plane -> position mapping
             b.snap_end[c], b.snap_valid[c] = b.pos[c], 1

@@ -333,3 +333,20 @@ def test_item22_prepare_failure_leaves_memory_usable(dev) -> None:  # type: igno
     assert_unchanged(t, book, data)
     t.feed({0: [3]})
     t.check_state(0)
+
+
+def test_seq_add_and_div_on_a_shared_state_are_refused(dev) -> None:  # type: ignore[no-untyped-def]
+    """Upstream moves every sharer of a cell; we refuse with a clear error and
+    change nothing (found by review: another sequence's positions moved)."""
+    from statecache.errors import ArgumentError
+
+    t = Checked(dev, 2, n_rs_seq=0)
+    t.feed({0: [1, 2, 3]})
+    t.mem.seq_cp(0, 1)
+    book, data = t.mem.book_snapshot(), data_snapshot(t)
+    with pytest.raises(ArgumentError, match=r"seq_add: sequence 1 shares its recurrent state with sequences \[0\]"):
+        t.mem.seq_add(1, 0, -1, 100)
+    with pytest.raises(ArgumentError, match="seq_div"):
+        t.mem.seq_div(1, 0, -1, 2)
+    assert_unchanged(t, book, data)
+    assert t.mem.seq_pos_max(0) == t.mem.seq_pos_max(1) == 2

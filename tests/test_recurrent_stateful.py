@@ -11,12 +11,14 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from recurrent_toy import VOCAB, Tables, Toy, oracle
 
 import statecache
+from statecache.errors import ArgumentError
 from statecache.memory import StateFlags
 
 N_SEQ = 3
@@ -143,9 +145,14 @@ class RecurrentMachine(RuleBasedStateMachine):
     @rule(data=st.data(), delta=st.integers(1, 4))
     def seq_add(self, data, delta: int) -> None:  # type: ignore[no-untyped-def]
         s = data.draw(st.sampled_from(sorted(self.hist)))
+        if len(self._sharers(s)) > 1:  # moving a shared state would move every sharer: refused
+            snap = self._snapshot()
+            with pytest.raises(ArgumentError, match="shares its recurrent state"):
+                self.mem.seq_add(s, 0, -1, delta)
+            self._assert_same(snap)
+            return
         self.mem.seq_add(s, 0, -1, delta)
-        for q in self._sharers(s):  # the shared cell's position moves for every sharer
-            self.offset[q] += delta
+        self.offset[s] += delta
 
     @precondition(lambda self: bool(self.hist))
     @rule(data=st.data(), whole=st.booleans())
