@@ -26,6 +26,7 @@ import numpy as np
 from statecache import __version__
 from statecache.backend import PRIMITIVES, Backend, Buffer, Caps, Device, DeviceKind, Support
 from statecache.backends.cuda import build
+from statecache.dlpack import DLDataType, DLDevice, DLTensor
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import StatecacheError
 
@@ -131,32 +132,12 @@ KDL_CUDA = 2
 _DL_CODES = {DType.F32: (2, 32), DType.F16: (2, 16), DType.BF16: (4, 16), DType.I32: (0, 32)}
 
 
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
 class _DLManagedTensor(ctypes.Structure):
     pass
 
 
 _DL_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
-_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DL_DELETER)]
+_DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DL_DELETER)]
 
 # Exported tensors by address: the struct, its shape/strides arrays and the
 # buffer, kept alive until the consumer calls the deleter.
@@ -200,9 +181,9 @@ def _dlpack_capsule(buf: Buffer, data_ptr: int, device_type: int, device_id: int
     strides = (ctypes.c_int64 * max(buf.ndim, 1))(*buf.strides)
     managed = _DLManagedTensor()
     managed.dl_tensor.data = data_ptr
-    managed.dl_tensor.device = _DLDevice(device_type, device_id)
+    managed.dl_tensor.device = DLDevice(device_type, device_id)
     managed.dl_tensor.ndim = buf.ndim
-    managed.dl_tensor.dtype = _DLDataType(code, bits, 1)
+    managed.dl_tensor.dtype = DLDataType(code, bits, 1)
     managed.dl_tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
     managed.dl_tensor.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
     managed.dl_tensor.byte_offset = 0
