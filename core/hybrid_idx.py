@@ -177,8 +177,11 @@ class HybridIdxMemory(HybridMemory):
             plans["idx"] = self.idx.state_parse(r, seq)
             r.at_end()
             a, i = plans["attn"], plans["idx"]
+            # Stream, cell, position *and* sequence set of every cell: the indexer
+            # follows the attention cells exactly (K.1), or its pools are wrong.
             same = len(a.placements) == len(i.placements) and all(
-                (pa[0], pa[1].tolist(), pa[2].tolist()) == (pi[0], pi[1].tolist(), pi[2].tolist())
+                (pa[0], pa[1].tolist(), pa[2].tolist(), [tuple(x) for x in pa[3]])
+                == (pi[0], pi[1].tolist(), pi[2].tolist(), [tuple(x) for x in pi[3]])
                 for pa, pi in zip(a.placements, i.placements)
             )
             if not same:

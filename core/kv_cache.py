@@ -359,9 +359,10 @@ class KVCache(Memory):
             if shift:
                 dst_cells.pos_add(idx, shift)
         self.book.heads[sd] = self.book.heads[ss]
-        # the buffer copy waits for the next update: later copies into the same
-        # destination replace earlier ones
-        self.pending_copies = [(a, b) for a, b in self.pending_copies if b != sd] + [(ss, sd)]
+        # The buffer copy waits for the next update.  Every request is kept, in
+        # order: the book is already copied, so a later copy out of ``sd`` (a
+        # chain 0 -> 1 -> 2) needs the earlier copy into ``sd`` to run first.
+        self.pending_copies.append((ss, sd))
 
     def seq_keep(self, seq: int) -> None:
         self._check_seq(seq)
@@ -809,7 +810,11 @@ class KVUpdateContext(MemoryContext):
                 cache.k_shift(cache, layer.il, cache.k[layer.il], self.shift_rows, self.shift_amounts)
         for cells in cache.cells:
             cells.reset_shift()
-        cache.pending_copies = [c for c in cache.pending_copies if c not in self.stream_copies]
+        # Drop exactly the copies this update ran (by position, not by value: the
+        # same pair may have been queued again since init_update()).
+        done = len(self.stream_copies)
+        if cache.pending_copies[:done] == self.stream_copies:
+            cache.pending_copies = cache.pending_copies[done:]
         self._done = True
         return True
 

@@ -199,3 +199,34 @@ def test_k7_step4_failed_first_ubatch_keeps_the_marks(dev):
     news = []
     toy.decode({0: [7], 1: [8]}, on_apply=lambda c: (news.append(c.kpool_state.n_new), model.on_apply(c)))
     assert news == [3] and marks(mem) == [C, C, C]
+
+
+def test_restore_refuses_an_indexer_section_with_other_sequences_than_attention():
+    """The indexer follows the attention cells exactly (K.1): a blob whose IDX
+    section tags a cell with another sequence is refused, and nothing changes
+    (found by review: it was accepted and the two books diverged)."""
+    import struct
+
+    from statecache.errors import StateError
+    from statecache.hybrid_idx import TAG_IDX
+    from statecache.state_io import pack_sections, unpack_sections
+
+    dev = statecache.get_device("reference")
+    mem = make_hybrid(dev, "idx", n_seq_max=3, size=24, kpool=4)
+    HybridToy(dev, mem).decode({0: [1, 2, 3, 4, 5], 1: [6, 7, 8, 9, 10]})
+    flags, sections = unpack_sections(mem.state_write())
+    patched = []
+    for tag, payload in sections:
+        if tag == TAG_IDX:
+            payload = bytearray(payload)
+            # u32 n_stream, u32 count, then cell 0: i32 pos, u32 n_ids, i32 id
+            assert struct.unpack_from("<i", payload, 16)[0] == 0
+            struct.pack_into("<i", payload, 16, 2)
+        patched.append((tag, bytes(payload)))
+    dst = make_hybrid(dev, "idx", n_seq_max=3, size=24, kpool=4)
+    HybridToy(dev, dst).decode({2: [4, 4]})
+    before = (dst.attn.seq_pos_max(2), dst.idx.seq_pos_max(2), dst.recr.seq_pos_max(2))
+    with pytest.raises(StateError, match=r"idx\.cells"):
+        dst.state_read(pack_sections(patched, flags))
+    assert (dst.attn.seq_pos_max(2), dst.idx.seq_pos_max(2), dst.recr.seq_pos_max(2)) == before
+    assert dst.attn.seq_pos_max(0) == dst.idx.seq_pos_max(0) == -1

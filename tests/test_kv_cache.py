@@ -423,3 +423,38 @@ def test_seq_add_on_a_shared_cell_is_refused_and_changes_nothing(dev):
     assert all(a.same_as(b) for a, b in zip(before, cache.cells))
     cache.seq_add(0, 0, 1, 5)  # position 0 is not shared: allowed
     assert cache.seq_pos_max(0) == 5 and cache.seq_pos_max(1) == 2
+
+
+def test_chained_cross_stream_copies_all_run_in_order(dev):
+    """seq_cp(0,1); seq_cp(1,2); seq_cp(3,1): the books are copied at once, the
+    buffers at the next update, so every queued copy must run, in order (found by
+    review: the first copy was dropped and stream 2 got stream 1's old rows)."""
+    from statecache.kv_cache import KVCache, KVLayer
+
+    kv = KVCache(dev, [KVLayer(0, 4, 4)], size=8, n_seq_max=4, unified=False, dtype="f32", n_pad=8)
+    for buf in kv.buffers():
+        dev.fill_bytes(buf, 3)
+    balloc = BatchAllocator(4)
+    balloc.init(Batch.for_sequences({0: [1, 2, 3], 1: [4, 5], 3: [7, 7, 7, 7]}, output_all=True), kv)
+    ctx = kv.init_batch(balloc, 512)
+    while True:
+        assert ctx.apply()
+        ub = ctx.get_ubatch()
+        cur = np.array([[100 * ub.seq_id[i][0] + ub.pos[i]] * 4 for i in range(ub.n_tokens)], np.float32)
+        ctx.cpy_k(0, cur)
+        ctx.cpy_v(0, cur)
+        if not ctx.next():
+            break
+    kv.seq_cp(0, 1)
+    kv.seq_cp(1, 2)
+    kv.seq_cp(3, 1)
+    upd = kv.init_update()
+    assert upd.apply()
+    assert kv.init_update().status is MemoryStatus.NO_UPDATE
+    k = kv.k[0].numpy()
+    # stream 1 holds seq 1 = a copy of seq 3; stream 2 holds seq 2 = a copy of seq 0
+    for strm, holder, origin, n in ((1, 1, 3, 4), (2, 2, 0, 3)):
+        cells = sorted(kv.cells[strm].seq_pos[holder])
+        assert [p for p, _ in cells] == list(range(n))
+        for pos, idx in cells:
+            assert k[strm * kv.size + idx, 0] == 100 * origin + pos, (strm, pos)
