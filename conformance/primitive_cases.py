@@ -522,13 +522,18 @@ class RowsParams:
 
 #: Values whose conversion every backend must round exactly like NumPy/ml_dtypes
 #: (through float32, round to nearest even): zeros, f16 subnormals, the f16
-#: maximum and the first value that overflows it, bf16 ties, infinities, NaN.
+#: maximum and the first value that overflows it, bf16 ties, infinities, NaN,
+#: and NaNs with payloads and either sign (NumPy keeps the top payload bits in
+#: f16; ml_dtypes makes every bf16 NaN the quiet 0x7fc0 with the sign kept).
 EDGE_VALUES = np.array(
     [
         *(0.0, -0.0, 1e-8, -6e-8, 6.1e-5, 65504.0, 65520.0, -65520.0, 1e38),
         *(1.00390625, 1.01171875, 3.0e-39, np.inf, -np.inf, np.nan, 1.0, -2.5),
     ],
     dtype=np.float32,
+)
+EDGE_VALUES = np.concatenate(
+    [EDGE_VALUES, np.array([0x7F812345, 0xFFA00001, 0x7FC00001, 0xFF800001], dtype=np.uint32).view(np.float32)]
 )
 
 

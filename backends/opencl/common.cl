@@ -16,16 +16,67 @@ inline float bf16_to_f32(ushort v) { return as_float(((uint)v) << 16); }
 inline ushort f32_to_bf16(float f) {
     uint u = as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
-        return (ushort)((u >> 16) | 0x0040u);  // NaN stays a (quiet) NaN
+        return (ushort)(((u >> 16) & 0x8000u) | 0x7fc0u);  // ml_dtypes: the quiet NaN, sign kept
     }
     u += 0x7fffu + ((u >> 16) & 1u);
     return (ushort)(u >> 16);
 }
 
+// vstore_half_rte's NaN bits are implementation-defined (PoCL writes 0x7fff);
+// NumPy keeps the sign and the top 10 payload bits, and never makes an inf.
+inline ushort f16_nan_bits(float f) {
+    const uint u = as_uint(f);
+    ushort r = (ushort)(0x7c00u | ((u & 0x7fffffu) >> 13));
+    if (r == 0x7c00u) r = 0x7c01u;
+    return (ushort)(((u >> 16) & 0x8000u) | r);
+}
+
+// vload_half may quiet a signalling NaN; NumPy widens the bits unchanged.
+inline float f16_nan_to_f32(ushort h) {
+    return as_float(((uint)(h & 0x8000u) << 16) | 0x7f800000u | ((uint)(h & 0x3ffu) << 13));
+}
+
+inline float load_f16(size_t i, __global const half *p) {
+    const ushort h = ((__global const ushort *)p)[i];
+    if ((h & 0x7c00u) == 0x7c00u && (h & 0x3ffu)) return f16_nan_to_f32(h);
+    return vload_half(i, p);
+}
+
+inline float8 load_f16_8(size_t i, __global const half *p) {
+    float8 v = vload_half8(0, p + i);
+    if (any(isnan(v))) {  // rare: redo the NaN lanes bit by bit
+        float w[8];
+        vstore8(v, 0, w);
+        for (int k = 0; k < 8; ++k) {
+            if (isnan(w[k])) w[k] = f16_nan_to_f32(((__global const ushort *)p)[i + k]);
+        }
+        v = vload8(0, w);
+    }
+    return v;
+}
+
+inline void store_f16(float v, size_t i, __global half *p) {
+    if (isnan(v)) {
+        ((__global ushort *)p)[i] = f16_nan_bits(v);
+    } else {
+        vstore_half_rte(v, i, p);
+    }
+}
+
+inline void store_f16_8(float8 v, size_t i, __global half *p) {
+    vstore_half8_rte(v, 0, p + i);
+    if (any(isnan(v))) {  // rare: patch the NaN lanes to NumPy's bits
+        const float w[8] = {v.s0, v.s1, v.s2, v.s3, v.s4, v.s5, v.s6, v.s7};
+        for (int k = 0; k < 8; ++k) {
+            if (isnan(w[k])) ((__global ushort *)p)[i + k] = f16_nan_bits(w[k]);
+        }
+    }
+}
+
 // Runtime-typed access, for the row kernels (one build serves every pair).
 inline float load_any(__global const uchar *base, int dtype, long i) {
     if (dtype == DT_F32) return ((__global const float *)base)[i];
-    if (dtype == DT_F16) return vload_half((size_t)i, (__global const half *)base);
+    if (dtype == DT_F16) return load_f16((size_t)i, (__global const half *)base);
     return bf16_to_f32(((__global const ushort *)base)[i]);
 }
 
@@ -33,7 +84,7 @@ inline void store_any(__global uchar *base, int dtype, long i, float v) {
     if (dtype == DT_F32) {
         ((__global float *)base)[i] = v;
     } else if (dtype == DT_F16) {
-        vstore_half_rte(v, (size_t)i, (__global half *)base);
+        store_f16(v, (size_t)i, (__global half *)base);
     } else {
         ((__global ushort *)base)[i] = f32_to_bf16(v);
     }
@@ -49,8 +100,8 @@ typedef float pool_t;
 #define POOL_STORE(p, i, v) ((p)[(i)] = (v))
 #elif POOL_DTYPE == DT_F16
 typedef half pool_t;
-#define POOL_LOAD(p, i) vload_half((size_t)(i), (p))
-#define POOL_STORE(p, i, v) vstore_half_rte((v), (size_t)(i), (p))
+#define POOL_LOAD(p, i) load_f16((size_t)(i), (p))
+#define POOL_STORE(p, i, v) store_f16((v), (size_t)(i), (p))
 #else
 typedef ushort pool_t;
 #define POOL_LOAD(p, i) bf16_to_f32((p)[(i)])
@@ -65,7 +116,7 @@ inline float softplus_f(float z) { return z > 20.0f ? z : log1p(exp(z)); }
 inline ushort8 f32_to_bf16_8(float8 f) {
     const uint8 u = as_uint8(f);
     const uint8 rounded = (u + (uint8)(0x7fffu) + ((u >> 16) & (uint8)(1u))) >> 16;
-    const uint8 quiet_nan = (u >> 16) | (uint8)(0x0040u);
+    const uint8 quiet_nan = ((u >> 16) & (uint8)(0x8000u)) | (uint8)(0x7fc0u);
     return convert_ushort8(select(rounded, quiet_nan, isnan(f)));
 }
 
@@ -74,8 +125,8 @@ inline ushort8 f32_to_bf16_8(float8 f) {
 #define POOL_LOAD8(p, i) vload8(0, (p) + (i))
 #define POOL_STORE8(p, i, v) vstore8((v), 0, (p) + (i))
 #elif POOL_DTYPE == DT_F16
-#define POOL_LOAD8(p, i) vload_half8(0, (p) + (i))
-#define POOL_STORE8(p, i, v) vstore_half8_rte((v), 0, (p) + (i))
+#define POOL_LOAD8(p, i) load_f16_8((size_t)(i), (p))
+#define POOL_STORE8(p, i, v) store_f16_8((v), (size_t)(i), (p))
 #else
 #define POOL_LOAD8(p, i) as_float8(convert_uint8(vload8(0, (p) + (i))) << 16)
 #define POOL_STORE8(p, i, v) vstore8(f32_to_bf16_8(v), 0, (p) + (i))

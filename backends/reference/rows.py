@@ -9,7 +9,9 @@ import numpy as np
 def _convert(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if rows.dtype == dtype:
         return rows
-    return rows.astype(np.float32).astype(dtype)
+    # NaN payloads and overflow to inf are defined results here, not errors.
+    with np.errstate(invalid="ignore", over="ignore"):
+        return rows.astype(np.float32).astype(dtype)
 
 
 def get_rows(src: np.ndarray, rows: np.ndarray, dst: np.ndarray) -> None:
