@@ -83,9 +83,9 @@ class _Run:
             # would be repeated as a collection error of every suite module.
             pytest.exit(f"statecache conformance: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
         if config.getoption("require_device"):
+            # The same rule as the CLI: a *named* backend without a usable device
+            # (or nothing selected at all) is an error; unnamed ones are listed.
             missing = {n: why for n, why in self.selection.missing.items() if n in self.selection.named}
-            if not self.selection.named:
-                missing = dict(self.selection.missing)
             if missing or not self.selection.devices:
                 why = "; ".join(f"{n}: {w}" for n, w in missing.items()) or "no device selected"
                 pytest.exit(f"--require-device: {why}", returncode=1)
@@ -165,7 +165,8 @@ def run_case(device: Any, case: Any) -> None:
 def _is_not_supported(report: pytest.TestReport) -> bool:
     if not report.skipped or not isinstance(report.longrepr, tuple):
         return False
-    return NOT_SUPPORTED in str(report.longrepr[2])
+    # Only run_case's own skip counts: its message starts with the marker.
+    return str(report.longrepr[2]).removeprefix("Skipped: ").startswith(NOT_SUPPORTED)
 
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> tuple[str, str, str] | None:
@@ -199,9 +200,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     elif _is_not_supported(report):
         rec["status"] = "not supported"
         rec["detail"] = str(report.longrepr[2]).split(NOT_SUPPORTED, 1)[1]  # type: ignore[index]
-    elif report.skipped and rec["status"] is None:
-        rec["status"] = "skipped"
-        rec["detail"] = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else ""
+    elif report.skipped:
+        # A case may end only as pass, fail, not supported or xfail: any other
+        # skip (a pytest.skip or importorskip inside a case or a backend) would
+        # hide a case that never ran, so it is a failure.
+        why = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else ""
+        report.outcome = "failed"
+        report.longrepr = f"skipped without a not-supported reason (a case must run or be gated by caps): {why}"
+        rec["status"] = "fail"
+        rec["detail"] = report.longrepr
     elif report.passed and report.when == "call" and rec["status"] is None:
         rec["status"] = "pass"
     return report

@@ -77,6 +77,13 @@ def select(
     else:
         chosen = names
         named = names
+        # A device id of a backend that is not being tested would be dropped
+        # without a word (``--backend cpu --device cpu:0,opencl:0``): refuse it.
+        stray = [i for i in ids if ":" in i and i.partition(":")[0] not in names]
+        if stray:
+            raise SelectionError(
+                f"--device {', '.join(stray)} names a backend not given to --backend ({', '.join(names)})"
+            )
     devices: list[Device] = []
     missing: dict[str, str] = {}
     for name in chosen:

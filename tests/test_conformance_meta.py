@@ -290,3 +290,40 @@ def test_plugin_is_inert_in_ordinary_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout
     assert "statecache conformance" not in proc.stdout
+
+
+def test_device_ids_of_backends_not_under_test_are_usage_errors(tmp_path):
+    # cpu:0 would have been dropped without a word while only toy is tested
+    proc = _cli(tmp_path, "--backend", "toy", "--device", "toy:0,cpu:0", "-k", "zero_rows")
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert "names a backend not given to --backend" in proc.stdout
+
+
+def test_a_skip_that_is_not_not_supported_is_a_failure(tmp_path):
+    """A backend that calls pytest.skip inside a primitive must not pass unseen."""
+    pkg = tmp_path / "pkg" / "statecache_skippy"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "from statecache.hookspecs import hookimpl\n"
+        "@hookimpl\n"
+        "def statecache_register_backends(registry):\n"
+        "    import pytest\n"
+        "    from statecache_toy.backend import ToyBackend\n"
+        "    b = ToyBackend('skippy', broken=False)\n"
+        "    def lazy(*a, **k):\n"
+        "        pytest.skip('not implemented yet')\n"
+        "    b._devices[0]._zero_rows = lazy\n"
+        "    registry.add(b)\n"
+    )
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "pkg"), env["PYTHONPATH"]])
+    report = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "statecache.conformance", "-p", "no:cacheprovider", "-q"]
+    cmd += ["--statecache-plugin", "statecache_skippy", "--backend", "skippy", "-k", "zero_rows"]
+    cmd += ["--conformance-report", str(report)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    data = json.loads(report.read_text())
+    statuses = {c["status"] for c in data["cases"] if c["case"].startswith("zero_rows")}
+    assert statuses == {"fail"}
+    assert all("skipped without a not-supported reason" in c["detail"] for c in data["cases"] if c["status"] == "fail")
