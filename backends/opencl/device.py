@@ -13,6 +13,7 @@ devices, so listing backends without the ``opencl`` extra never fails.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Any
@@ -64,6 +65,18 @@ def _transfer_view(host: np.ndarray) -> np.ndarray:
     return host
 
 
+def _serialized(method: Any) -> Any:
+    """Run a launch sequence under the device's lock: clSetKernelArg on a shared
+    kernel object and the shared scratch buffer are not safe across threads."""
+
+    @functools.wraps(method)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._launch_lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class OpenCLDevice(Device):
     """One OpenCL device; the context, queue and kernels are created on first use."""
 
@@ -96,6 +109,9 @@ class OpenCLDevice(Device):
             async_launch=True,
         )
         self._lock = threading.Lock()
+        # One launch sequence at a time: the kernels' arguments are set on shared
+        # cl.Kernel objects and the prep kernels share one scratch buffer.
+        self._launch_lock = threading.RLock()
         self._context: Any = None
         self._queue: Any = None
         self._kernels: build.KernelCache | None = None
@@ -219,6 +235,7 @@ class OpenCLDevice(Device):
         if self._queue is not None:
             self._queue.finish()
 
+    @_serialized
     def _copy_buffer(self, src: Buffer, dst: Buffer) -> None:
         """The native device copy (clEnqueueCopyBuffer): the memcpy bound."""
         import pyopencl as cl
@@ -293,12 +310,15 @@ class OpenCLDevice(Device):
         item = buffers[0].dtype.itemsize
         return (row_len * item) % 16 == 0 and all((b.offset * item) % 4 == 0 for b in buffers)
 
+    @_serialized
     def _get_rows(self, src: Buffer, rows: Buffer, dst: Buffer, rows_host: np.ndarray) -> None:
         self._launch_rows(src, rows.storage, dst, None, dst.shape[0], dst.shape[1])
 
+    @_serialized
     def _set_rows(self, dst: Buffer, rows: Buffer, src: Buffer, rows_host: np.ndarray) -> None:
         self._launch_rows(src, None, dst, rows.storage, src.shape[0], src.shape[1])
 
+    @_serialized
     def _copy_rows(
         self,
         src: Buffer,
@@ -310,6 +330,7 @@ class OpenCLDevice(Device):
     ) -> None:
         self._launch_rows(src, src_rows.storage, dst, dst_rows.storage, src_rows.shape[0], src.shape[1])
 
+    @_serialized
     def _zero_rows(self, dst: Buffer, rows: Buffer, rows_host: np.ndarray) -> None:
         n, row_len = rows.shape[0], dst.shape[1]
         if n == 0 or row_len == 0:
@@ -344,6 +365,7 @@ class OpenCLDevice(Device):
         """A read-only input as kernel arguments: storage, offset, strides (elements)."""
         return [buf.storage, _long(buf.offset), *(_long(s) for s in buf.strides)]
 
+    @_serialized
     def _ssm_conv(
         self,
         shp: P.ConvShape,
@@ -382,6 +404,7 @@ class OpenCLDevice(Device):
             per_item,
         )
 
+    @_serialized
     def _ssm_scan(
         self,
         shp: P.ScanShape,
@@ -445,6 +468,7 @@ class OpenCLDevice(Device):
             per_item,
         )
 
+    @_serialized
     def _gated_delta_net(
         self,
         shp: P.DeltaShape,

@@ -113,3 +113,46 @@ def test_supports_reports_kernel_limits(cl_device):
     assert cl_device.supports("gated_delta_net", head_size=128)
     assert not cl_device.supports("gated_delta_net", head_size=build.MAX_HEAD_SIZE + 1)
     assert cl_device.supports("ssm_scan", dtype="bf16")
+
+
+def test_launches_from_several_threads_match_serial_results():
+    """Kernel arguments live on shared cl.Kernel objects and the prep kernels
+    share one scratch buffer: concurrent callers must not mix their launches."""
+    import threading
+
+    import numpy as np
+
+    import statecache
+
+    dev = statecache.get_device("opencl:0")
+    rng = np.random.default_rng(5)
+    H, P, N = 4, 8, 16
+
+    def job(seed: int) -> np.ndarray:
+        r = np.random.default_rng(seed)
+        pool = dev.upload(r.standard_normal((2, H * P * N)).astype(np.float32))
+        args = [
+            dev.upload(r.standard_normal(shape).astype(np.float32))
+            for shape in ((1, 3, H, P), (1, 3, H), (H,), (1, 3, 1, N), (1, 3, 1, N))
+        ]
+        y = dev.alloc((1, 3, H, P))
+        idx = dev.indices([0])
+        for _ in range(20):
+            dev.ssm_scan(pool, idx, idx, *args, y)
+        return np.concatenate([y.numpy().ravel(), pool.numpy().ravel()])
+
+    seeds = [int(s) for s in rng.integers(0, 1 << 30, 6)]
+    serial = [job(s) for s in seeds]
+    results: dict[int, np.ndarray] = {}
+    threads = [threading.Thread(target=lambda i=i, s=s: results.__setitem__(i, job(s))) for i, s in enumerate(seeds)]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads between any two Python steps of a launch
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    for i in range(len(seeds)):
+        np.testing.assert_array_equal(results[i], serial[i])
