@@ -7,12 +7,22 @@ C kernels (vector loads) and costs nothing here.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from statecache.backend import Buffer
 from statecache.dtypes import DType
 
 ALIGNMENT = 64
+
+
+def physical_memory_bytes() -> int | None:
+    """RAM of this machine, for host devices' ``memory_bytes`` (None if unknown)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def aligned_empty(n_elements: int, dtype: DType) -> np.ndarray:

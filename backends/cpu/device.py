@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +26,7 @@ from statecache.backend import PRIMITIVES, Backend, Buffer, Caps, Device, Device
 from statecache.dlpack import DLDataType, DLTensor
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError
-from statecache.hostmem import aligned_empty
+from statecache.hostmem import aligned_empty, physical_memory_bytes
 
 #: The C ABI this Python code was written against (SC_CPU_ABI_VERSION).
 ABI_VERSION = 1
@@ -221,10 +220,7 @@ class CpuDevice(Device):
         self.kind = DeviceKind.CPU
         self.isa = ffi.string(lib.sc_cpu_isa()).decode()
         self.name = f"{_cpu_name()} (C kernels, {self.isa})"
-        try:
-            self.memory_bytes: int | None = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError, AttributeError):
-            self.memory_bytes = None
+        self.memory_bytes = physical_memory_bytes()
         self.caps = Caps(
             ops=frozenset(PRIMITIVES),
             storage_dtypes=STORAGE_DTYPES,

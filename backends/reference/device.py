@@ -6,15 +6,13 @@ rounds once when storing into the buffer's dtype.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from statecache import __version__
 from statecache.backend import PRIMITIVES, Backend, Buffer, Caps, Device, DeviceKind
 from statecache.backends.reference import delta_net, rows, ssm_conv, ssm_scan
 from statecache.dtypes import STORAGE_DTYPES, DType
-from statecache.hostmem import aligned_empty, as_array
+from statecache.hostmem import aligned_empty, as_array, physical_memory_bytes
 
 
 class ReferenceDevice(Device):
@@ -23,11 +21,7 @@ class ReferenceDevice(Device):
         self.backend_name = "reference"
         self.kind = DeviceKind.CPU
         self.name = "NumPy reference (float64 math)"
-        try:
-            pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            self.memory_bytes: int | None = int(pages)
-        except (ValueError, OSError, AttributeError):
-            self.memory_bytes = None
+        self.memory_bytes = physical_memory_bytes()
         self.caps = Caps(
             ops=frozenset(PRIMITIVES),
             storage_dtypes=STORAGE_DTYPES,
