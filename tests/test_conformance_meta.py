@@ -228,6 +228,17 @@ def test_broken_third_party_backend_fails_with_xfail_and_stale_entries(tmp_path)
     assert "stale expected failure" in proc.stdout
 
 
+def _run_plugin_pkg(tmp_path, module, backend, k):
+    """Run the kit with pytest on a plugin package written under tmp_path/pkg."""
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "pkg"), env["PYTHONPATH"]])
+    report = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "statecache.conformance", "-p", "no:cacheprovider", "-q"]
+    cmd += ["--statecache-plugin", module, "--backend", backend, "-k", k, "--conformance-report", str(report)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return proc, (json.loads(report.read_text()) if report.exists() else None)
+
+
 def test_not_supported_is_its_own_status(tmp_path):
     pkg = tmp_path / "pkg" / "statecache_nof16"
     pkg.mkdir(parents=True)
@@ -242,15 +253,8 @@ def test_not_supported_is_its_own_status(tmp_path):
         "    b._devices[0].caps = Caps(ops=frozenset(PRIMITIVES), storage_dtypes=frozenset({DType.F32}))\n"
         "    registry.add(b)\n"
     )
-    env = _env()
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "pkg"), env["PYTHONPATH"]])
-    report = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "pytest", "--pyargs", "statecache.conformance", "-p", "no:cacheprovider", "-q"]
-    cmd += ["--statecache-plugin", "statecache_nof16", "--backend", "nof16", "-k", "alloc_zero or zero_rows"]
-    cmd += ["--conformance-report", str(report)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc, data = _run_plugin_pkg(tmp_path, "statecache_nof16", "nof16", "alloc_zero or zero_rows")
     assert proc.returncode == 0, proc.stdout[-3000:]
-    data = json.loads(report.read_text())
     by_id = {c["case"]: c["status"] for c in data["cases"]}
     assert by_id["device.alloc_zero[f16]"] == "not supported"
     assert by_id["device.alloc_zero[f32]"] == "pass"
@@ -315,15 +319,8 @@ def test_a_skip_that_is_not_not_supported_is_a_failure(tmp_path):
         "    b._devices[0]._zero_rows = lazy\n"
         "    registry.add(b)\n"
     )
-    env = _env()
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "pkg"), env["PYTHONPATH"]])
-    report = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "pytest", "--pyargs", "statecache.conformance", "-p", "no:cacheprovider", "-q"]
-    cmd += ["--statecache-plugin", "statecache_skippy", "--backend", "skippy", "-k", "zero_rows"]
-    cmd += ["--conformance-report", str(report)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc, data = _run_plugin_pkg(tmp_path, "statecache_skippy", "skippy", "zero_rows")
     assert proc.returncode == 1, proc.stdout[-3000:]
-    data = json.loads(report.read_text())
     statuses = {c["status"] for c in data["cases"] if c["case"].startswith("zero_rows")}
     assert statuses == {"fail"}
     assert all("skipped without a not-supported reason" in c["detail"] for c in data["cases"] if c["status"] == "fail")
