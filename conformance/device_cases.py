@@ -83,6 +83,68 @@ def _refuses(dev: Device, seed: int) -> None:
         assert_exact(f"pool after a refused call ({what})", dev.download(pool), host)
 
 
+def _repeated_calls(dev: Device, seed: int) -> None:
+    """A decode loop passes the same buffer objects call after call (devices
+    may remember such calls instead of validating them again): the results
+    must be those of fresh calls, a rewritten index buffer must take effect,
+    and bad rows written into a buffer that worked before must still be
+    refused before anything is written."""
+    rng = rng_for(seed)
+    n_rows, ch, d_conv = 6, 8, 4
+    init = rng.uniform(-1, 1, (n_rows, ch * (d_conv - 1))).astype(np.float32)
+    weights = rng.uniform(-1, 1, (ch, d_conv)).astype(np.float32)
+    xs = rng.uniform(-1, 1, (3, 2, 1, ch)).astype(np.float32)
+    rows = ([0, 1], [0, 1], [4, 2])  # the third step rewrites the index buffers
+
+    pool, weight = dev.upload(init), dev.upload(weights)
+    x, y = dev.alloc((2, 1, ch)), dev.alloc((2, 1, ch))
+    start, dst = dev.indices(rows[0]), dev.indices(rows[0])
+    fresh_pool = dev.upload(init)
+    for step, step_rows in enumerate(rows):
+        dev.write(x, xs[step])
+        if step_rows != rows[step - 1]:
+            dev.write(start, step_rows)
+            dev.write(dst, step_rows)
+        dev.ssm_conv(pool, start, dst, x, weight, y, apply_silu=True)
+        fresh_y = dev.alloc((2, 1, ch))
+        dev.ssm_conv(
+            fresh_pool, dev.indices(step_rows), dev.indices(step_rows), dev.upload(xs[step]), dev.upload(weights),
+            fresh_y, apply_silu=True,
+        )  # fmt: skip
+        assert_exact(f"y of repeated call {step}", dev.download(y), dev.download(fresh_y))
+        assert_exact(f"pool after repeated call {step}", dev.download(pool), dev.download(fresh_pool))
+
+    # A new output buffer in place of one that is gone receives the result.
+    del y
+    y2 = dev.alloc((2, 1, ch))
+    dev.ssm_conv(pool, start, dst, x, weight, y2, apply_silu=True)
+    dev.ssm_conv(fresh_pool, start, dst, x, weight, fresh_y, apply_silu=True)
+    assert_exact("y in a new buffer after the old one was dropped", dev.download(y2), dev.download(fresh_y))
+
+    src = dev.upload(rng.uniform(-1, 1, (2, ch * (d_conv - 1))).astype(np.float32))
+    scatter = dev.indices([5, 3])
+    dev.set_rows(pool, scatter, src)
+    dev.set_rows(pool, scatter, src)
+    before = dev.download(pool)
+    attempts = {
+        "ssm_conv destination rewritten out of range": (
+            dst,
+            [4, n_rows],
+            lambda: dev.ssm_conv(pool, start, dst, x, weight, y2, apply_silu=True),
+        ),
+        "set_rows destinations rewritten to a duplicate": (scatter, [3, 3], lambda: dev.set_rows(pool, scatter, src)),
+    }
+    for what, (index, values, attempt) in attempts.items():
+        dev.write(index, values)
+        try:
+            attempt()
+        except ArgumentError:
+            pass
+        else:
+            raise ConformanceFailure(f"{what}: no ArgumentError raised")
+        assert_exact(f"pool after a refused call ({what})", dev.download(pool), before)
+
+
 def all_cases() -> list[Case]:
     cases: list[Case] = []
     holder: dict[str, Case] = {}
@@ -108,5 +170,11 @@ def all_cases() -> list[Case]:
         _refuses,
         ops=rows_ops,
         reqs=[Requirement(op, {"dtype": "f32"}) for op in rows_ops],
+    )
+    add(
+        "device.repeated_calls[f32]",
+        _repeated_calls,
+        ops=("ssm_conv", "set_rows"),
+        reqs=[Requirement("ssm_conv", {"dtype": "f32", "d_conv": 4}), Requirement("set_rows", {"dtype": "f32"})],
     )
     return cases

@@ -12,6 +12,10 @@ raises the same error for the same mistake, before anything is launched or
 written) and then calls the backend's ``_name`` implementation.  Backends
 override only the underscored methods.
 
+A validated call is remembered per argument identity
+(:mod:`statecache.launch_memo`), so a decode loop that passes the same
+buffers call after call pays for validation once.
+
 Launches may be asynchronous; :meth:`Device.synchronize` waits for all work
 queued on the device.  :meth:`Device.download` always synchronizes first.
 """
@@ -22,7 +26,7 @@ import abc
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +34,7 @@ import numpy as np
 from statecache import primitives as P
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError, CapabilityError
+from statecache.launch_memo import LaunchMemo
 
 #: Names of every primitive of the contract, in documentation order.
 PRIMITIVES: tuple[str, ...] = (
@@ -297,6 +302,43 @@ class Device(abc.ABC):
         if not answer:
             raise CapabilityError(answer.reason)
 
+    # -- launch memo: see statecache.launch_memo ---------------------------------
+    _launches: LaunchMemo | None = None
+
+    def _remembered(self, key: tuple[Any, ...], bufs: tuple[Any, ...], index_bufs: tuple[Any, ...]) -> Any:
+        """The remembered launch of an identical earlier call, or None."""
+        memo = self._launches
+        if memo is None:
+            return None
+        try:
+            return memo.lookup(key, self.caps, bufs, index_bufs)
+        except TypeError:  # an unhashable scalar: validation will say what is wrong
+            return None
+
+    def _remember(
+        self, key: tuple[Any, ...], bufs: tuple[Any, ...], index_bufs: tuple[Any, ...], checked: Any, op: str,
+        call_args: tuple[Any, ...],
+    ) -> Callable[[], None] | None:  # fmt: skip
+        """Remember a validated call; returns the backend's prepared launch, if any."""
+        launch = self._prepare_launch(op, call_args)
+        memo = self._launches
+        if memo is None:
+            memo = self._launches = LaunchMemo()
+        memo.store(key, self.caps, bufs, index_bufs, checked, launch)
+        return launch
+
+    def _prepare_launch(self, op: str, call_args: tuple[Any, ...]) -> Callable[[], None] | None:
+        """Optionally turn a validated call into a zero-argument launch.
+
+        ``call_args`` are the positional arguments of ``_<op>``.  The launch
+        is reused for later calls with the same arguments (same objects,
+        same index shadows), so it may precompute everything but must not
+        keep references to the buffers (the memo holds them weakly and
+        checks they are alive before launching).  ``None``, the default,
+        means every call goes through ``_<op>``.
+        """
+        return None
+
     # -- memory ---------------------------------------------------------------
     def alloc(self, shape: int | Sequence[int], dtype: DType | str = DType.F32) -> Buffer:
         """A new zero-filled contiguous buffer."""
@@ -370,9 +412,14 @@ class Device(abc.ABC):
             raise ArgumentError("dst", "shares storage with src")
         if src.size:
             self._copy_buffer(src, dst)
+        if dst.dtype is DType.I32:  # the copy is what validation must see from now on
+            dst.host_indices = None if src.host_indices is None else src.host_indices.copy()
 
     def _copy_buffer(self, src: Buffer, dst: Buffer) -> None:
         """Copy validated, non-empty, contiguous buffers (generic: one row copy)."""
+        if src.dtype is DType.I32:  # not a storage dtype: the row primitives refuse it
+            self._write(dst, self._read(src))
+            return
         zero = self.indices([0])
         self.copy_rows(src.view((1, src.size)), zero, dst.view((1, dst.size)), zero)
 
@@ -403,10 +450,23 @@ class Device(abc.ABC):
         Rows may come from any plane of a state pool.  ``src`` and ``dst``
         must be different storages.
         """
+        bufs = (src, rows, dst)
+        key = ("get_rows", id(src), id(rows), id(dst))
+        hit = self._remembered(key, bufs, (rows,))
+        if hit is not None:
+            if hit.launch is None:
+                self._get_rows(src, rows, dst, hit.shape)
+            else:
+                hit.launch()
+            return
         rows_np = P.check_rows_op(self, "get_rows", src=src, rows=rows, dst=dst)
         self._require("get_rows", dtype=src.dtype)
         self._require("get_rows", dtype=dst.dtype)
-        self._get_rows(src, rows, dst, rows_np)
+        launch = self._remember(key, bufs, (rows,), rows_np, "get_rows", (src, rows, dst, rows_np))
+        if launch is None:
+            self._get_rows(src, rows, dst, rows_np)
+        else:
+            launch()
 
     def set_rows(self, dst: Buffer, rows: Buffer, src: Buffer) -> None:
         """Scatter: ``dst[rows[i], :] = convert(src[i, :])``.
@@ -416,17 +476,43 @@ class Device(abc.ABC):
         its result would depend on the launch order).  Other rows of ``dst``
         are untouched.  ``src`` and ``dst`` must be different storages.
         """
+        bufs = (dst, rows, src)
+        key = ("set_rows", id(dst), id(rows), id(src))
+        hit = self._remembered(key, bufs, (rows,))
+        if hit is not None:
+            if hit.launch is None:
+                self._set_rows(dst, rows, src, hit.shape)
+            else:
+                hit.launch()
+            return
         rows_np = P.check_rows_op(self, "set_rows", src=src, rows=rows, dst=dst, unique=True)
         self._require("set_rows", dtype=src.dtype)
         self._require("set_rows", dtype=dst.dtype)
-        self._set_rows(dst, rows, src, rows_np)
+        launch = self._remember(key, bufs, (rows,), rows_np, "set_rows", (dst, rows, src, rows_np))
+        if launch is None:
+            self._set_rows(dst, rows, src, rows_np)
+        else:
+            launch()
 
     def zero_rows(self, dst: Buffer, rows: Buffer) -> None:
         """``dst[rows[i], :] = 0`` for contiguous 2-D ``dst``; ``rows`` int32 [N]
         in range (duplicates allowed: zeroing twice is harmless)."""
+        bufs = (dst, rows)
+        key = ("zero_rows", id(dst), id(rows))
+        hit = self._remembered(key, bufs, (rows,))
+        if hit is not None:
+            if hit.launch is None:
+                self._zero_rows(dst, rows, hit.shape)
+            else:
+                hit.launch()
+            return
         rows_np = P.check_zero_rows(self, dst=dst, rows=rows)
         self._require("zero_rows", dtype=dst.dtype)
-        self._zero_rows(dst, rows, rows_np)
+        launch = self._remember(key, bufs, (rows,), rows_np, "zero_rows", (dst, rows, rows_np))
+        if launch is None:
+            self._zero_rows(dst, rows, rows_np)
+        else:
+            launch()
 
     def copy_rows(self, src: Buffer, src_rows: Buffer, dst: Buffer, dst_rows: Buffer) -> None:
         """``dst[dst_rows[i], :] = convert(src[src_rows[i], :])``.
@@ -437,10 +523,23 @@ class Device(abc.ABC):
         destination row is also a source row: every read must be independent
         of every write, whatever the launch order.
         """
-        src_np, dst_np = P.check_copy_rows(self, src=src, src_rows=src_rows, dst=dst, dst_rows=dst_rows)
+        bufs = (src, src_rows, dst, dst_rows)
+        key = ("copy_rows", id(src), id(src_rows), id(dst), id(dst_rows))
+        hit = self._remembered(key, bufs, (src_rows, dst_rows))
+        if hit is not None:
+            if hit.launch is None:
+                self._copy_rows(src, src_rows, dst, dst_rows, *hit.shape)
+            else:
+                hit.launch()
+            return
+        checked = P.check_copy_rows(self, src=src, src_rows=src_rows, dst=dst, dst_rows=dst_rows)
         self._require("copy_rows", dtype=src.dtype)
         self._require("copy_rows", dtype=dst.dtype)
-        self._copy_rows(src, src_rows, dst, dst_rows, src_np, dst_np)
+        launch = self._remember(key, bufs, (src_rows, dst_rows), checked, "copy_rows", (*bufs, *checked))
+        if launch is None:
+            self._copy_rows(src, src_rows, dst, dst_rows, *checked)
+        else:
+            launch()
 
     def ssm_conv(
         self,
@@ -484,6 +583,17 @@ class Device(abc.ABC):
         written.  A sequence's start row may be one of its own written rows
         (in-place decode, rollback); it must not be another sequence's.
         """
+        bufs = (pool, start_rows, dst_rows, x, weight, bias, y)
+        silu = bool(apply_silu)
+        key = ("ssm_conv", n_snap, plane_stride, silu, id(pool), id(start_rows), id(dst_rows), id(x), id(weight),
+               id(bias), id(y))  # fmt: skip
+        hit = self._remembered(key, bufs, (start_rows, dst_rows))
+        if hit is not None:
+            if hit.launch is None:
+                self._ssm_conv(hit.shape, *bufs, silu)
+            else:
+                hit.launch()
+            return
         shp = P.check_ssm_conv(
             self,
             pool=pool,
@@ -497,7 +607,11 @@ class Device(abc.ABC):
             plane_stride=plane_stride,
         )
         self._require("ssm_conv", dtype=pool.dtype, n_snap=n_snap, strided=not x.is_contiguous, d_conv=shp.d_conv)
-        self._ssm_conv(shp, pool, start_rows, dst_rows, x, weight, bias, y, apply_silu)
+        launch = self._remember(key, bufs, (start_rows, dst_rows), shp, "ssm_conv", (shp, *bufs, silu))
+        if launch is None:
+            self._ssm_conv(shp, *bufs, silu)
+        else:
+            launch()
 
     def ssm_scan(
         self,
@@ -543,6 +657,16 @@ class Device(abc.ABC):
         call is exact).  Nothing else of the pool is written.  Start-row
         aliasing rules as for :meth:`ssm_conv`.
         """
+        bufs = (pool, start_rows, dst_rows, x, dt, A, B, C, y)
+        key = ("ssm_scan", n_snap, plane_stride, id(pool), id(start_rows), id(dst_rows), id(x), id(dt), id(A),
+               id(B), id(C), id(y))  # fmt: skip
+        hit = self._remembered(key, bufs, (start_rows, dst_rows))
+        if hit is not None:
+            if hit.launch is None:
+                self._ssm_scan(hit.shape, *bufs)
+            else:
+                hit.launch()
+            return
         shp = P.check_ssm_scan(
             self,
             pool=pool,
@@ -568,7 +692,11 @@ class Device(abc.ABC):
             d_state=shp.d_state,
             head_dim=shp.head_dim,
         )
-        self._ssm_scan(shp, pool, start_rows, dst_rows, x, dt, A, B, C, y)
+        launch = self._remember(key, bufs, (start_rows, dst_rows), shp, "ssm_scan", (shp, *bufs))
+        if launch is None:
+            self._ssm_scan(shp, *bufs)
+        else:
+            launch()
 
     def gated_delta_net(
         self,
@@ -610,6 +738,16 @@ class Device(abc.ABC):
 
         Snapshots exactly as :meth:`ssm_scan`.
         """
+        bufs = (pool, start_rows, dst_rows, q, k, v, g, beta, o)
+        key = ("gated_delta_net", n_snap, plane_stride, scale, id(pool), id(start_rows), id(dst_rows), id(q), id(k),
+               id(v), id(g), id(beta), id(o))  # fmt: skip
+        hit = self._remembered(key, bufs, (start_rows, dst_rows))
+        if hit is not None:
+            if hit.launch is None:
+                self._gated_delta_net(hit.shape[0], *bufs, hit.shape[1])
+            else:
+                hit.launch()
+            return
         shp = P.check_gated_delta_net(
             self,
             pool=pool,
@@ -636,7 +774,12 @@ class Device(abc.ABC):
             head_size=shp.head_size,
         )
         eff_scale = float(scale) if scale is not None else 1.0 / math.sqrt(shp.head_size)
-        self._gated_delta_net(shp, pool, start_rows, dst_rows, q, k, v, g, beta, o, eff_scale)
+        args = (shp, *bufs, eff_scale)
+        launch = self._remember(key, bufs, (start_rows, dst_rows), (shp, eff_scale), "gated_delta_net", args)
+        if launch is None:
+            self._gated_delta_net(*args)
+        else:
+            launch()
 
     # -- what a backend implements --------------------------------------------
     @abc.abstractmethod

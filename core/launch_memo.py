@@ -1,0 +1,112 @@
+"""Validated launches remembered by argument identity.
+
+A decode step calls every primitive with the same buffers as the step
+before: the same pools, the index buffers the memory keeps per row set, and
+the activation buffers a runtime allocates once.  Validating those calls
+gives the same answer every time, yet costs more than a single-sequence
+decode kernel (about ten microseconds of Python).  :class:`LaunchMemo`
+remembers, per primitive and per tuple of argument identities, that a call
+was valid and how to launch it, so that the next identical call goes
+straight to the kernel.
+
+A remembered launch is reused only while it is still right:
+
+* every argument is the very object validated (weak references: the memo
+  never keeps a pool alive, and a new buffer that happens to get a dead
+  one's ``id`` does not match);
+* every index buffer still holds the host shadow that was checked
+  (``write()`` replaces it; a zero-copy export to NumPy, DLPack or torch
+  drops it, and a buffer without a shadow is never remembered, since its
+  contents could change behind the validator's back);
+* the device's capabilities are the same object (``supports()`` answers
+  depend on them).
+
+Buffer geometry (shape, strides, offset, storage, dtype) is fixed at
+construction, so identity covers it.  Scalars (``n_snap``, ``plane_stride``,
+``scale`` ...) are part of the key.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from statecache.backend import Buffer
+
+#: Entries kept per device.  A model has a few primitives per layer, each
+#: with a handful of batch shapes in use: far fewer than this.
+MEMO_LIMIT = 4096
+
+
+class Remembered:
+    """One validated call: what to check and what to run."""
+
+    __slots__ = ("caps", "launch", "refs", "shadows", "shape")
+
+    def __init__(
+        self,
+        caps: object,
+        refs: tuple[weakref.ref[Buffer] | None, ...],
+        shadows: tuple[Any, ...],
+        shape: Any,
+        launch: Callable[[], None] | None,
+    ) -> None:
+        self.caps = caps
+        self.refs = refs
+        self.shadows = shadows
+        self.shape = shape  # what the validator returned (sizes or index values)
+        self.launch = launch  # a backend's prepared launch, or None: call _op(shape, ...)
+
+
+class LaunchMemo:
+    """Per-device map from ``(op, scalars..., ids...)`` to :class:`Remembered`."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[Any, ...], Remembered] = {}
+
+    def lookup(
+        self, key: tuple[Any, ...], caps: object, bufs: Sequence[Buffer | None], index_bufs: Sequence[Buffer]
+    ) -> Remembered | None:
+        entry = self._entries.get(key)
+        if entry is None or entry.caps is not caps:
+            return None
+        for ref, buf in zip(entry.refs, bufs):
+            if (None if ref is None else ref()) is not buf:
+                return None
+        for shadow, buf in zip(entry.shadows, index_bufs):
+            if buf.host_indices is not shadow:
+                return None
+        return entry
+
+    def store(
+        self,
+        key: tuple[Any, ...],
+        caps: object,
+        bufs: Sequence[Buffer | None],
+        index_bufs: Sequence[Buffer],
+        shape: Any,
+        launch: Callable[[], None] | None,
+    ) -> None:
+        shadows = tuple(buf.host_indices for buf in index_bufs)
+        if any(s is None for s in shadows) or not all(buf.is_contiguous for buf in index_bufs):
+            return  # contents only the device knows: validate every call
+        if len(self._entries) >= MEMO_LIMIT:
+            self._prune()
+        refs = tuple(None if buf is None else weakref.ref(buf) for buf in bufs)
+        self._entries[key] = Remembered(caps, refs, shadows, shape, launch)
+
+    def _prune(self) -> None:
+        # Drop entries whose buffers are gone; if that frees too little (a
+        # caller making new buffers every call), start afresh.
+        live = {k: e for k, e in self._entries.items() if all(r is None or r() is not None for r in e.refs)}
+        self._entries = live if len(live) < MEMO_LIMIT // 2 else {}
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)

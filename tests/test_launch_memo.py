@@ -1,0 +1,155 @@
+"""The launch memo: repeated identical calls skip validation, and only while
+that is right (see statecache.launch_memo).  Every backend also runs the
+conformance case ``device.repeated_calls``."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+from statecache import primitives as P
+from statecache.errors import ArgumentError
+from statecache.launch_memo import MEMO_LIMIT, LaunchMemo
+from statecache.registry import get_device
+
+
+@pytest.fixture(params=["reference", "cpu"])
+def dev(request):  # type: ignore[no-untyped-def]
+    return get_device(request.param)
+
+
+def _scan_args(dev, rng, n_s=2):  # type: ignore[no-untyped-def]
+    H, P_, N = 2, 4, 8
+    pool = dev.upload(rng.uniform(-1, 1, (4, H * P_ * N)).astype(np.float32))
+    x = dev.upload(rng.uniform(-1, 1, (n_s, 1, H, P_)).astype(np.float32))
+    dt = dev.upload(rng.uniform(-2, 1, (n_s, 1, H)).astype(np.float32))
+    A = dev.upload(-rng.uniform(0.5, 1, (H,)).astype(np.float32))
+    B = dev.upload(rng.uniform(-1, 1, (n_s, 1, 1, N)).astype(np.float32))
+    C = dev.upload(rng.uniform(-1, 1, (n_s, 1, 1, N)).astype(np.float32))
+    y = dev.alloc((n_s, 1, H, P_))
+    rows = dev.indices(np.arange(n_s))
+    return pool, rows, rows, x, dt, A, B, C, y
+
+
+def _count_checks(monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
+    calls = [0]
+    real = P.check_ssm_scan
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(P, "check_ssm_scan", counting)
+    return calls
+
+
+def test_identical_calls_are_validated_once(dev, rng, monkeypatch) -> None:
+    calls = _count_checks(monkeypatch)
+    args = _scan_args(dev, rng)
+    for _ in range(3):
+        dev.ssm_scan(*args)
+    assert calls[0] == 1
+    dev.ssm_scan(*args, n_snap=1, plane_stride=2)  # another scalar: another call
+    assert calls[0] == 2
+    dev.write(args[1], [1, 0])  # a rewritten index buffer is validated again
+    dev.ssm_scan(*args)
+    assert calls[0] == 3
+
+
+def test_remembered_call_matches_validated_call(dev, rng) -> None:
+    args = _scan_args(dev, rng)
+    pool0 = dev.download(args[0])
+    for _ in range(3):
+        dev.ssm_scan(*args)
+    remembered = dev.download(args[0]), dev.download(args[-1])
+    dev.write(args[0], pool0)
+    for _ in range(3):  # fresh x/y views every call: never remembered
+        dev.ssm_scan(*args[:3], args[3].view(args[3].shape), *args[4:8], y := dev.alloc(args[-1].shape))
+    np.testing.assert_array_equal(dev.download(args[0]), remembered[0])
+    np.testing.assert_array_equal(dev.download(y), remembered[1])
+
+
+def test_memo_does_not_keep_buffers_alive(dev, rng) -> None:
+    args = list(_scan_args(dev, rng))
+    dev.ssm_scan(*args)
+    pool_ref = weakref.ref(args[0])
+    del args
+    gc.collect()
+    assert pool_ref() is None
+
+
+def test_unhashable_scalar_is_an_argument_error(dev, rng) -> None:
+    args = _scan_args(dev, rng)
+    with pytest.raises(ArgumentError, match="n_snap"):
+        dev.ssm_scan(*args, n_snap=[1])  # type: ignore[arg-type]
+
+
+def test_refused_after_remembered_success_changes_nothing(dev, rng) -> None:
+    args = _scan_args(dev, rng)
+    dev.ssm_scan(*args)
+    dev.ssm_scan(*args)
+    before = dev.download(args[0]), dev.download(args[-1])
+    dev.write(args[2], [0, 9])  # start and destination rows share this buffer
+    with pytest.raises(ArgumentError, match="out of range"):
+        dev.ssm_scan(*args)
+    np.testing.assert_array_equal(dev.download(args[0]), before[0])
+    np.testing.assert_array_equal(dev.download(args[-1]), before[1])
+
+
+def test_cpu_index_written_through_an_export_is_validated_again(rng) -> None:
+    dev = get_device("cpu")
+    args = _scan_args(dev, rng)
+    dev.ssm_scan(*args)
+    np.asarray(args[1])[1] = 99  # zero-copy view: the validator never saw this
+    with pytest.raises(ArgumentError, match="index 99 out of range"):
+        dev.ssm_scan(*args)
+
+
+def test_dead_buffer_with_a_reused_id_does_not_match() -> None:
+    class Buf:
+        host_indices = None
+        is_contiguous = True
+
+    memo = LaunchMemo()
+    old = Buf()
+    key = ("op", id(old))
+    memo.store(key, "caps", (old,), (), "checked", None)
+    assert memo.lookup(key, "caps", (old,), ()) is not None
+    assert memo.lookup(key, "other caps", (old,), ()) is None
+    del old
+    newcomer = Buf()  # may or may not get the old id: the key is reused explicitly
+    assert memo.lookup(key, "caps", (newcomer,), ()) is None
+
+
+def test_index_buffer_without_host_shadow_is_never_remembered() -> None:
+    class Index:
+        host_indices = None
+        is_contiguous = True
+
+    memo = LaunchMemo()
+    idx = Index()
+    memo.store(("op", id(idx)), "caps", (idx,), (idx,), "checked", None)
+    assert len(memo) == 0
+
+
+def test_memo_stays_bounded() -> None:
+    class Buf:
+        host_indices = None
+        is_contiguous = True
+
+    memo = LaunchMemo()
+    keep = [Buf() for _ in range(MEMO_LIMIT + 10)]
+    for i, buf in enumerate(keep):
+        memo.store(("op", i), "caps", (buf,), (), None, None)
+    assert len(memo) <= MEMO_LIMIT
+
+
+def test_index_buffer_overwritten_by_copy_buffer_is_validated_with_its_new_values(dev, rng) -> None:
+    args = _scan_args(dev, rng)
+    dev.ssm_scan(*args)
+    dev.copy_buffer(dev.indices([0, 7]), args[1])
+    with pytest.raises(ArgumentError, match="index 7 out of range"):
+        dev.ssm_scan(*args)
