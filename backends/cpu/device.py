@@ -328,7 +328,13 @@ class CpuDevice(Device):
         return v
 
     # -- primitives -----------------------------------------------------------------
-    def _copy(
+    # Each ``_<op>_call`` turns validated arguments into (kernel, arguments
+    # without the thread count, arrays to keep alive).  ``_<op>`` launches it
+    # at once; :meth:`_prepare_launch` keeps it for the launch memo, so that
+    # a repeated decode call costs one cffi call.  Pointers are plain
+    # addresses (no reference to a Buffer): the memo checks that the buffers
+    # are alive before it launches.
+    def _copy_call(
         self,
         src: Buffer,
         src_rows: np.ndarray | None,
@@ -337,11 +343,11 @@ class CpuDevice(Device):
         n: int,
         src_index: Buffer | None = None,
         dst_index: Buffer | None = None,
-    ) -> None:
+    ) -> tuple[Any, tuple[Any, ...], Any]:
         null = self._ffi.NULL
-        s_ptr, _s_keep = self._rows(src_rows, src_index) if src_rows is not None else (null, None)
-        d_ptr, _d_keep = self._rows(dst_rows, dst_index) if dst_rows is not None else (null, None)
-        self._lib.sc_copy_rows(
+        s_ptr, s_keep = self._rows(src_rows, src_index) if src_rows is not None else (null, None)
+        d_ptr, d_keep = self._rows(dst_rows, dst_index) if dst_rows is not None else (null, None)
+        args = (
             self._ptr(src),
             _DTYPE_CODE[src.dtype],
             s_ptr,
@@ -350,23 +356,22 @@ class CpuDevice(Device):
             d_ptr,
             n,
             src.shape[1],
-            self.num_threads,
         )
+        return self._lib.sc_copy_rows, args, (s_keep, d_keep)
 
-    def _get_rows(self, src, rows_buf, dst, rows_host):  # type: ignore[no-untyped-def]
-        self._copy(src, rows_host, dst, None, len(rows_host), src_index=rows_buf)
+    def _get_rows_call(self, src, rows_buf, dst, rows_host):  # type: ignore[no-untyped-def]
+        return self._copy_call(src, rows_host, dst, None, len(rows_host), src_index=rows_buf)
 
-    def _set_rows(self, dst, rows_buf, src, rows_host):  # type: ignore[no-untyped-def]
-        self._copy(src, None, dst, rows_host, len(rows_host), dst_index=rows_buf)
+    def _set_rows_call(self, dst, rows_buf, src, rows_host):  # type: ignore[no-untyped-def]
+        return self._copy_call(src, None, dst, rows_host, len(rows_host), dst_index=rows_buf)
 
-    def _copy_rows(self, src, src_rows, dst, dst_rows, src_host, dst_host):  # type: ignore[no-untyped-def]
-        self._copy(src, src_host, dst, dst_host, len(src_host), src_rows, dst_rows)
+    def _copy_rows_call(self, src, src_rows, dst, dst_rows, src_host, dst_host):  # type: ignore[no-untyped-def]
+        return self._copy_call(src, src_host, dst, dst_host, len(src_host), src_rows, dst_rows)
 
-    def _zero_rows(self, dst, rows_buf, rows_host):  # type: ignore[no-untyped-def]
-        r_ptr, _keep = self._rows(rows_host, rows_buf)
-        self._lib.sc_zero_rows(
-            self._ptr(dst), _DTYPE_CODE[dst.dtype], r_ptr, len(rows_host), dst.shape[1], self.num_threads
-        )
+    def _zero_rows_call(self, dst, rows_buf, rows_host):  # type: ignore[no-untyped-def]
+        r_ptr, keep = self._rows(rows_host, rows_buf)
+        args = (self._ptr(dst), _DTYPE_CODE[dst.dtype], r_ptr, len(rows_host), dst.shape[1])
+        return self._lib.sc_zero_rows, args, keep
 
     def _state_args(self, shp: Any, pool: Buffer, start_rows: Buffer, dst_rows: Buffer) -> tuple[Any, ...]:
         start_ptr, start_keep = self._rows(self.index_values(start_rows), start_rows)
@@ -382,9 +387,9 @@ class CpuDevice(Device):
         )
         return args, (start_keep, dst_keep)
 
-    def _ssm_conv(self, shp, pool, start_rows, dst_rows, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
-        state, _keep = self._state_args(shp, pool, start_rows, dst_rows)
-        self._lib.sc_ssm_conv(
+    def _ssm_conv_call(self, shp, pool, start_rows, dst_rows, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
+        state, keep = self._state_args(shp, pool, start_rows, dst_rows)
+        args = (
             *state,
             self._sview(x),
             self._ptr(weight, "float *"),
@@ -395,16 +400,17 @@ class CpuDevice(Device):
             shp.channels,
             shp.d_conv,
             int(bool(apply_silu)),
-            self.num_threads,
         )
+        return self._lib.sc_ssm_conv, args, keep
 
-    def _ssm_scan(self, shp, pool, start_rows, dst_rows, x, dt, A, B, C, y):  # type: ignore[no-untyped-def]
-        state, _keep = self._state_args(shp, pool, start_rows, dst_rows)
-        self._lib.sc_ssm_scan(
+    def _ssm_scan_call(self, shp, pool, start_rows, dst_rows, x, dt, A, B, C, y):  # type: ignore[no-untyped-def]
+        state, keep = self._state_args(shp, pool, start_rows, dst_rows)
+        dense_A = _contiguous(self, A)  # a copy when strided: never kept past this call
+        args = (
             *state,
             self._sview(x),
             self._sview(dt),
-            self._ptr(_contiguous(self, A), "float *"),
+            self._ptr(dense_A, "float *"),
             int(shp.variant == "mamba1"),
             self._sview(B),
             self._sview(C),
@@ -415,12 +421,12 @@ class CpuDevice(Device):
             shp.head_dim,
             shp.d_state,
             shp.n_group,
-            self.num_threads,
         )
+        return self._lib.sc_ssm_scan, args, (keep, dense_A)
 
-    def _gated_delta_net(self, shp, pool, start_rows, dst_rows, q, k, v, g, beta, o, scale):  # type: ignore[no-untyped-def]
-        state, _keep = self._state_args(shp, pool, start_rows, dst_rows)
-        self._lib.sc_gated_delta_net(
+    def _gated_delta_net_call(self, shp, pool, start_rows, dst_rows, q, k, v, g, beta, o, scale):  # type: ignore[no-untyped-def]
+        state, keep = self._state_args(shp, pool, start_rows, dst_rows)
+        args = (
             *state,
             self._sview(q),
             self._sview(k),
@@ -435,8 +441,45 @@ class CpuDevice(Device):
             shp.n_head_v,
             shp.head_size,
             float(scale),
-            self.num_threads,
         )
+        return self._lib.sc_gated_delta_net, args, keep
+
+    def _launch(self, call: tuple[Any, tuple[Any, ...], Any]) -> None:
+        kernel, args, _keep = call
+        kernel(*args, self.num_threads)
+
+    def _get_rows(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(self._get_rows_call(*args))
+
+    def _set_rows(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(self._set_rows_call(*args))
+
+    def _copy_rows(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(self._copy_rows_call(*args))
+
+    def _zero_rows(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(self._zero_rows_call(*args))
+
+    def _ssm_conv(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(self._ssm_conv_call(*args))
+
+    def _ssm_scan(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(self._ssm_scan_call(*args))
+
+    def _gated_delta_net(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(self._gated_delta_net_call(*args))
+
+    def _prepare_launch(self, op: str, call_args: tuple[Any, ...]) -> Any:
+        if op == "ssm_scan" and not call_args[6].is_contiguous:
+            return None  # A is packed per call: a kept copy would miss the caller's updates
+        kernel, args, keep = getattr(self, f"_{op}_call")(*call_args)
+        num_threads = settings.num_threads
+
+        def launch() -> None:
+            kernel(*args, num_threads())
+
+        launch.keep = keep  # type: ignore[attr-defined]  # index arrays (and a packed A) the pointers point into
+        return launch
 
 
 def _address(buf: Buffer) -> int:
