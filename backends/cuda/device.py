@@ -228,7 +228,7 @@ class Allocation:
                 pass
 
 
-#: Host sources of queued uploads kept alive before a forced synchronize.
+#: Bytes of upload sources and launch temporaries kept alive before a forced synchronize.
 _MAX_PENDING_HOST_BYTES = 64 << 20
 
 _TYPESTR = {DType.F32: "<f4", DType.F16: "<f2", DType.I32: "<i4"}
@@ -238,6 +238,13 @@ class CudaBuffer(Buffer):
     """A Buffer over device memory, visible to torch / CuPy without copies."""
 
     __slots__ = ()
+
+    def _drop_index_shadow(self) -> None:
+        # The kernels read index buffers from device memory: once a consumer
+        # can write this one, validation must read it back instead of trusting
+        # the host copy (and the launch memo stops remembering calls with it).
+        if self.dtype is DType.I32:
+            self.host_indices = None
 
     def data_ptr(self) -> int:
         """Address of the first element (the view's offset included)."""
@@ -250,6 +257,7 @@ class CudaBuffer(Buffer):
         bf16 has no typestr in the interface; use ``__dlpack__`` for it."""
         if self.dtype not in _TYPESTR:
             raise AttributeError(f"{self.dtype} has no __cuda_array_interface__ typestr; use __dlpack__")
+        self._drop_index_shadow()
         device: CudaDevice = self.device  # type: ignore[assignment]
         itemsize = self.dtype.itemsize
         return {
@@ -283,6 +291,7 @@ class CudaBuffer(Buffer):
             raise BufferError(f"buffer lives on {self.__dlpack_device__()}, not on {tuple(dl_device)}")
         if stream != -1:
             self.device.synchronize()
+        self._drop_index_shadow()
         device_type, device_id = self.__dlpack_device__()
         return _dlpack_capsule(self, self.data_ptr(), device_type, device_id)
 
@@ -323,7 +332,11 @@ class CudaDevice(Device):
         self._stream = stream[0]
         self.stream_handle = int(ffi.cast("uintptr_t", self._stream))
         self.caps = self._caps()
-        self._pending_host: list[np.ndarray] = []
+        # Host sources of queued uploads and device temporaries of queued
+        # launches: both must outlive the work that reads them, so they are
+        # released at synchronize() (freeing device memory early would rely on
+        # cudaFree happening to synchronize, which pools and cudaFreeAsync do not).
+        self._pending_host: list[Any] = []
         self._pending_bytes = 0
 
     def _caps(self) -> Caps:
@@ -365,6 +378,7 @@ class CudaDevice(Device):
         if rows.is_contiguous:
             return self._ptr(rows, "const int32_t *"), rows
         tmp = self.indices(host)
+        self._keep_until_synchronized(tmp, tmp.nbytes)
         return self._ptr(tmp, "const int32_t *"), tmp
 
     # -- capabilities -----------------------------------------------------------
@@ -396,10 +410,13 @@ class CudaDevice(Device):
             # The runtime stages pageable sources before returning, but the
             # docs only promise "might be synchronous": keep the source alive
             # until the stream is known to be past the copy.
-            self._pending_host.append(host)
-            self._pending_bytes += host.nbytes
-            if self._pending_bytes > _MAX_PENDING_HOST_BYTES:
-                self.synchronize()
+            self._keep_until_synchronized(host, host.nbytes)
+
+    def _keep_until_synchronized(self, obj: Any, nbytes: int) -> None:
+        self._pending_host.append(obj)
+        self._pending_bytes += nbytes
+        if self._pending_bytes > _MAX_PENDING_HOST_BYTES:
+            self.synchronize()
 
     def _read(self, buffer: Buffer) -> np.ndarray:
         if buffer.size == 0:
