@@ -80,6 +80,13 @@ class HybridContext(CompositeContext):
     whose recurrent rows or reused K/V cells were overwritten are dropped
     from the whole hybrid (``memory`` is set by the memory that built the
     context) and returned.
+
+    A subclass whose ``apply()`` changes more than the parts' books (the
+    k-pool layout and stale marks of hybrid-idx) takes part in undo through
+    three hooks: :meth:`_undo_extra_snapshot` (taken with the books, before
+    the parts apply), :meth:`_undo_extra_check` (may refuse, before anything
+    changes) and :meth:`_undo_extra_restore`.  A subclass that overrides
+    ``apply()`` without them cannot undo.
     """
 
     def __init__(self, attn: MemoryContext, recr: MemoryContext, extra: Sequence[MemoryContext] = ()) -> None:
@@ -87,7 +94,7 @@ class HybridContext(CompositeContext):
         self.recr = recr
         super().__init__([attn, *extra, recr])
         self.memory: Memory | None = None
-        self._undo_log: list[tuple[Any, ...]] = []
+        self._undo_log: list[tuple[tuple[Any, ...], Any]] = []  # (books, extra) before each apply
         self.keep_undo_rows = bool(getattr(recr, "keep_undo_rows", False))
 
     def _leaves(self) -> list[MemoryContext]:
@@ -113,30 +120,47 @@ class HybridContext(CompositeContext):
             if isinstance(p, KVCacheContext) or p is self.recr:
                 p.keep_undo_rows = self._keep_undo_rows  # type: ignore[attr-defined]
 
+    # -- undo hooks for subclasses whose apply() changes more than the parts' books ----------
+    def _undo_extra_snapshot(self) -> Any:
+        """What ``apply()`` changes besides the parts' books, taken before the parts apply."""
+        return None
+
+    def _undo_extra_check(self, extras: Sequence[Any]) -> None:
+        """Raise :class:`ContextError`, changing nothing, when the ubatches whose
+        :meth:`_undo_extra_snapshot` are ``extras`` (oldest first) can no longer be undone."""
+
+    def _undo_extra_restore(self, extra: Any) -> None:
+        """Put back what :meth:`_undo_extra_snapshot` returned (after the books are restored)."""
+
     def apply(self) -> bool:
         snap = self.snapshot()
+        extra = self._undo_extra_snapshot()
         ok = self.apply_from(snap)
         if ok:
-            self._undo_log.append(snap)
+            self._undo_log.append((snap, extra))
         return ok
 
     def undo(self, n: int | None = None) -> tuple[int, ...]:
         """Take back the last ``n`` applied ubatches (default: all); returns the dropped sequences."""
-        if type(self).apply is not HybridContext.apply:
-            raise ContextError(f"{type(self).__name__}.apply() keeps state that undo() cannot restore")
+        cls = type(self)
+        if cls.apply is not HybridContext.apply and cls._undo_extra_restore is HybridContext._undo_extra_restore:
+            raise ContextError(f"{cls.__name__}.apply() keeps state that undo() cannot restore")
         k = len(self._undo_log) if n is None else int(n)
         if not 0 <= k <= len(self._undo_log):
             raise ContextError(f"cannot undo {n} ubatches; {len(self._undo_log)} can be undone")
         if k == 0:
             return ()
+        self._undo_extra_check([extra for _, extra in self._undo_log[-k:]])  # refuses, changing nothing
         dropped = set(self.recr.undo(k))  # refuses, changing nothing, when the memory changed since
         kv = [p for p in self._leaves() if isinstance(p, KVCacheContext)]
         damaged = [(p, p.undo_rows(k)) for p in kv]
-        self.restore(self._undo_log[-k])  # the recurrent part has no snapshot: its undo did it
+        snap, extra = self._undo_log[-k]
+        self.restore(snap)  # the recurrent part has no snapshot: its undo did it
         del self._undo_log[-k:]
         for p in self._leaves():
             if isinstance(p, UBatchContext):
                 p.i_next = self.recr.i_next  # type: ignore[attr-defined]
+        self._undo_extra_restore(extra)
         for p, rows in damaged:
             dropped |= p.damaged_seqs(rows)
         if dropped and self.memory is not None:
