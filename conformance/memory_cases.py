@@ -441,7 +441,11 @@ HYBRID_ONLY: dict[str, tuple[Callable[[MakeRunner, int], None], int]] = {
 #: memory kind -> (model layers, storage dtypes run, core modules it needs)
 MODELS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "recurrent": (RECURRENT_LAYERS, ("f32",), ("statecache.recurrent", "statecache.recurrent_step")),
-    "hybrid": (HYBRID_LAYERS, ("f32", "f16", "bf16"), ("statecache.recurrent", "statecache.kv_cache", "statecache.hybrid")),
+    "hybrid": (
+        HYBRID_LAYERS,
+        ("f32", "f16", "bf16"),
+        ("statecache.recurrent", "statecache.kv_cache", "statecache.hybrid"),
+    ),
 }
 
 _ROW_OPS = ("get_rows", "set_rows", "zero_rows", "copy_rows")
