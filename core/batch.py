@@ -24,10 +24,29 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from statecache.errors import BatchError
+from statecache.errors import ArgumentError, BatchError
 
 #: Largest n_seq_max accepted (upstream's LLAMA_MAX_SEQ).
 MAX_SEQ = 256
+
+#: Positions per token of an M-RoPE batch (upstream's ``n_pos_per_embd``): sections
+#: 0 temporal (the 1-D position), 1 y, 2 x, 3 unused by the memory.
+N_POS_MROPE = 4
+
+
+class PosError(BatchError, ArgumentError):
+    """``Batch.pos`` has a shape or type the allocator cannot use.
+
+    Both an :class:`~statecache.errors.ArgumentError` naming ``pos`` and a
+    :class:`~statecache.errors.BatchError` with rule ``"pos"`` (what a bad 1-D
+    ``pos`` always raised)."""
+
+    def __init__(self, message: str) -> None:
+        self.argument = "pos"
+        self.token = None
+        self.seq = None
+        self.rule = "pos"
+        Exception.__init__(self, f"pos: {message}")
 
 
 class SeqIds(Sequence[tuple[int, ...]]):
@@ -87,7 +106,10 @@ class Batch:
     """A batch as submitted by a runtime.
 
     ``tokens`` int [n] or ``embd`` float [n, n_embd] (exactly one of them);
-    ``pos`` int [n] or None (auto-filled); ``seq_ids`` one sequence of ids per
+    ``pos`` int [n], or int [4, n] for M-RoPE (section-major like upstream:
+    ``pos[0]`` the temporal position, used wherever a 1-D position is,
+    ``pos[1]`` y, ``pos[2]`` x, ``pos[3]`` unused by the memory), or None
+    (auto-filled, 1-D); ``seq_ids`` one sequence of ids per
     token or None (every token in sequence 0); ``output`` bool [n] or None
     (only the last token, or every token when the allocator is asked for
     all outputs).
@@ -123,6 +145,12 @@ class UBatch:
     sequence ids (primary id first).  ``token_idx`` maps every token back to
     its index in the batch.  When no token couples sequences, ``seq_id`` and
     ``set_seq_ids`` are :class:`SeqIds` (array backed, list-like).
+
+    ``pos`` is always the 1-D (temporal) position of every token.  An M-RoPE
+    ubatch also carries ``pos_sections``, int32 ``[4, n_tokens]``
+    section-major (row 0 equals ``pos``, rows 1 and 2 are y and x, row 3 is
+    passed through); it is None for a 1-D ubatch.  :attr:`pos_ext` gives the
+    ``(x, y)`` pairs the KV cells and the mask use.
     """
 
     equal_seqs: bool
@@ -136,10 +164,29 @@ class UBatch:
     output: np.ndarray
     seq_id_unq: tuple[int, ...]
     set_seq_ids: Sequence[tuple[int, ...]]
+    pos_sections: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
         return int(self.token_idx.size)
+
+    @property
+    def n_pos(self) -> int:
+        """Positions per token: 1, or 4 for M-RoPE (upstream's ``n_pos``)."""
+        return 1 if self.pos_sections is None else int(self.pos_sections.shape[0])
+
+    @property
+    def is_pos_2d(self) -> bool:
+        """Whether the tokens carry 2-D ``(x, y)`` positions (upstream: ``n_pos >= 3``)."""
+        return self.n_pos >= 3
+
+    @property
+    def pos_ext(self) -> np.ndarray | None:
+        """int64 ``[n_tokens, 2]``: the ``(x, y)`` of every token (sections 2 and 1),
+        or None for a 1-D ubatch."""
+        if self.pos_sections is None or not self.is_pos_2d:
+            return None
+        return np.stack([self.pos_sections[2], self.pos_sections[1]], axis=1).astype(np.int64)
 
     @property
     def n_seqs_unq(self) -> int:
@@ -166,9 +213,11 @@ class UBatch:
         return cls(False, 0, 0, z, None, None, z.astype(np.int32), [], z.astype(bool), (), [])
 
     @classmethod
-    def reserve(cls, n_seq_tokens: int, seq_pos: Sequence[tuple[int, int]]) -> UBatch:
+    def reserve(cls, n_seq_tokens: int, seq_pos: Sequence[tuple[int, int]], pos_ext: Any = None) -> UBatch:
         """A blank equal ubatch (no tokens): one set per ``(seq, last_pos)``
         entry, ``n_seq_tokens`` tokens each, positions ending at last_pos.
+        ``pos_ext``: optional int ``[n_tokens, 2]`` ``(x, y)`` per token, which
+        makes it an M-RoPE ubatch (sections ``[pos, y, x, 0]``).
         Used when restoring state."""
         n_s = len(seq_pos)
         pos = np.concatenate(
@@ -177,6 +226,12 @@ class UBatch:
         )
         seq_id = [(s,) for s, _ in seq_pos for _ in range(n_seq_tokens)]
         n = n_s * n_seq_tokens
+        sections = None
+        if pos_ext is not None:
+            ext = np.asarray(pos_ext)
+            if ext.shape != (n, 2) or (ext.size and not np.issubdtype(ext.dtype, np.integer)):
+                raise ArgumentError("pos_ext", f"must be an integer array of shape {(n, 2)}, got {ext.shape}")
+            sections = np.stack([pos, ext[:, 1], ext[:, 0], np.zeros(n, dtype=np.int32)]).astype(np.int32)
         return cls(
             True,
             n_seq_tokens,
@@ -189,6 +244,7 @@ class UBatch:
             np.zeros(n, dtype=bool),
             tuple(sorted({s for s, _ in seq_pos})),
             [(s,) for s, _ in seq_pos],
+            sections,
         )
 
 
@@ -213,6 +269,7 @@ class BatchAllocator:
         self.token: np.ndarray | None = None
         self.embd: np.ndarray | None = None
         self.pos = np.zeros(0, dtype=np.int32)
+        self.pos_sections: np.ndarray | None = None  # int32 [4, n] for an M-RoPE batch
         self.seq_id: Sequence[tuple[int, ...]] = []
         self.primary = np.zeros(0, dtype=np.int64)
         self.output = np.zeros(0, dtype=bool)
@@ -319,6 +376,7 @@ class BatchAllocator:
                     pos_mem[s] = memory.seq_pos_max(s)
 
         # positions
+        sections: np.ndarray | None = None
         if batch.pos is None:
             if not coupled and uniq_primary.size == n:  # one token per sequence (decode)
                 pos = (pos_mem[primary] + 1).astype(np.int32)
@@ -339,17 +397,17 @@ class BatchAllocator:
                         nxt[s] = p + 1
                 pos = np.asarray(pos_l, dtype=np.int32)
         else:
-            pos = np.asarray(batch.pos)
-            if pos.shape != (n,) or not np.issubdtype(pos.dtype, np.integer):
-                raise BatchError(f"pos must be an integer array of {n} entries, got shape {pos.shape}", rule="pos")
-            pos = pos.astype(np.int32)
+            pos, sections = _parse_pos(batch.pos, n)
             if (pos < 0).any():
                 i = int(np.flatnonzero(pos < 0)[0])
                 raise BatchError(f"token {i}: negative position {int(pos[i])}", token=i, rule="pos_negative")
 
-        # per-sequence rules: start right after the memory, consecutive in batch order
-        # (auto-filled positions of uncoupled sequences satisfy them by construction)
-        if batch.pos is not None or coupled:
+        # per-sequence rules on the temporal position: start right after the memory,
+        # consecutive in batch order (auto-filled positions of uncoupled sequences satisfy
+        # them by construction); M-RoPE relaxes them (see _check_positions_mrope)
+        if sections is not None:
+            self._check_positions_mrope(seq_id, primary, pos, pos_mem, coupled, embd is not None)
+        elif batch.pos is not None or coupled:
             self._check_positions(seq_id, primary, pos, pos_mem, coupled)
 
         # outputs
@@ -392,6 +450,7 @@ class BatchAllocator:
             self._seq_to_set_arr[uniq_seq] = np.arange(len(set_ids))
 
         self.token, self.embd, self.pos, self.seq_id, self.primary = token, embd, pos, seq_id, primary
+        self.pos_sections = sections
         self.output, self.has_coupled = output, coupled
         self.seq_id_unq = tuple(sorted(all_ids)) if coupled else tuple(uniq_primary.tolist())
         self._set_of_token, self._set_masks, self._set_ids = set_of_token, set_masks, set_ids
@@ -439,6 +498,58 @@ class BatchAllocator:
                 token=i,
                 seq=s,
                 rule=rule,
+            )
+
+    @staticmethod
+    def _check_positions_mrope(
+        seq_id: Sequence[tuple[int, ...]],
+        primary: np.ndarray,
+        pos: np.ndarray,
+        pos_mem: np.ndarray,
+        coupled: bool,
+        is_embd: bool,
+    ) -> None:
+        """Position rules of an M-RoPE batch (spec 6.1), on the temporal section: a
+        sequence the memory holds must start strictly after its last position
+        (tokens) or not before it (embeddings, e.g. an image continuing a grid);
+        positions may jump and repeat (an image's patches share one) but must not
+        decrease in batch order."""
+        n = pos.size
+        if coupled:
+            tok_seq = np.fromiter((s for ids in seq_id for s in ids), dtype=np.int64)
+            tok_idx = np.repeat(np.arange(n), [len(ids) for ids in seq_id])
+        else:
+            tok_seq = primary
+            tok_idx = np.arange(n)
+        order = np.lexsort((tok_idx, tok_seq))
+        ss, ti = tok_seq[order], tok_idx[order]
+        pp = pos[ti].astype(np.int64)
+        new_seq = _first_of_run(ss)
+        starts = np.flatnonzero(new_seq)
+        p_mem = pos_mem[ss[starts]]
+        too_early = (pp[starts] < p_mem) if is_embd else (pp[starts] <= p_mem)
+        bad_start = starts[(p_mem >= 0) & too_early]
+        if bad_start.size:
+            k = int(bad_start[0])
+            s, i = int(ss[k]), int(ti[k])
+            need = "at or after" if is_embd else "after"
+            raise BatchError(
+                f"token {i}: sequence {s} must continue {need} position {int(pos_mem[s])} (the memory holds up "
+                f"to it; M-RoPE), got {int(pp[k])}",
+                token=i,
+                seq=s,
+                rule="pos_start",
+            )
+        step_bad = np.flatnonzero(~new_seq & (pp < np.roll(pp, 1)))
+        if step_bad.size:
+            k = int(step_bad[0])
+            i, s = int(ti[k]), int(ss[k])
+            raise BatchError(
+                f"token {i}: sequence {s} goes back from position {int(pp[k - 1])} to {int(pp[k])} "
+                "(M-RoPE positions of a sequence must not decrease in batch order)",
+                token=i,
+                seq=s,
+                rule="pos_order",
             )
 
     @staticmethod
@@ -543,6 +654,7 @@ class BatchAllocator:
             output=out,
             seq_id_unq=unq,
             set_seq_ids=set_ids,
+            pos_sections=None if self.pos_sections is None else self.pos_sections[:, idx],
         )
 
     def split_simple(self, n_ubatch: int) -> UBatch:
@@ -656,6 +768,24 @@ class BatchAllocator:
                 idx.append(i)
                 cur = m
         return self._emit(np.asarray(idx), True, len(idx), [first_ids])
+
+
+def _parse_pos(value: Any, n: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(pos int32 [n], sections int32 [4, n] or None)`` from ``Batch.pos``."""
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as exc:  # ragged nested lists
+        raise PosError(f"must be an integer array of shape ({n},) or ({N_POS_MROPE}, {n})") from exc
+    if arr.shape not in ((n,), (N_POS_MROPE, n)) or not np.issubdtype(arr.dtype, np.integer):
+        kind = f"dtype {arr.dtype}" if arr.shape in ((n,), (N_POS_MROPE, n)) else f"shape {arr.shape}"
+        raise PosError(
+            f"must be an integer array of shape ({n},) (one position per token) or ({N_POS_MROPE}, {n}) "
+            f"(M-RoPE sections t, y, x, unused), got {kind}"
+        )
+    if arr.ndim == 1:
+        return arr.astype(np.int32), None
+    sections = arr.astype(np.int32)  # a fresh array: the caller's pos is never aliased
+    return sections[0].copy(), sections
 
 
 def _first_of_run(a: np.ndarray) -> np.ndarray:

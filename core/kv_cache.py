@@ -50,6 +50,12 @@ TAG_KV = b"KVAT"
 TAG_KV_BASE = b"KVBS"
 TAG_KV_SWA = b"KVSW"
 
+#: Flag in a KV section's per-stream ``cell_count`` word: every cell's metadata
+#: ends with its M-RoPE 2-D extension ``i32 x, i32 y``.  Written only when some
+#: cell's extension differs from ``(pos, pos)`` (what a 1-D ubatch stores), so a
+#: 1-D cache writes the same bytes as before and older blobs read unchanged.
+KV_CELL_COUNT_EXT = 1 << 31
+
 #: Signature of the runtime's RoPE re-rotation hook: (cache, layer index, K
 #: buffer, global rows, per-row position shift).
 KShiftFn = Callable[["KVCache", int, Buffer, np.ndarray, np.ndarray], None]
@@ -103,6 +109,8 @@ class KVStatePlan:
     placements: list[tuple[int, np.ndarray, np.ndarray, list[tuple[int, ...]]]]
     k_rows: dict[int, list[np.ndarray]]
     v_rows: dict[int, list[np.ndarray]]
+    # per placement: the cells' 2-D extensions (x, y), int64 [count, 2]
+    exts: list[np.ndarray] = dataclasses.field(default_factory=list)
 
 
 class KVCache(Memory):
@@ -239,6 +247,11 @@ class KVCache(Memory):
 
     def _apply_ubatch(self, book: _Book, sinfo: SlotInfo, ub: UBatch) -> None:
         pos = np.asarray(ub.pos, dtype=np.int64)
+        # the cell's 2-D extension: the token's M-RoPE (x, y) = sections (2, 1) as
+        # upstream's apply_ubatch; a 1-D ubatch stores (pos, pos)
+        ext = ub.pos_ext
+        if ext is None:
+            ext = np.stack([pos, pos], axis=1)
         max_rm: dict[tuple[int, int], int] = {}
         for i in range(ub.n_tokens):
             strm, idx = int(sinfo.streams[i]), int(sinfo.cells[i])
@@ -249,8 +262,7 @@ class KVCache(Memory):
                     key = (strm, s)
                     max_rm[key] = max(max_rm.get(key, -1), cells.pos_get(idx))
                 cells.rm(idx)
-            p = int(pos[i])
-            cells.pos_set(idx, p, (p, p))
+            cells.pos_set(idx, int(pos[i]), (int(ext[i, 0]), int(ext[i, 1])))
             for s in ub.seq_id[i]:
                 cells.seq_add(idx, s)
         # purge: a sequence keeps every position between its min and max
@@ -427,6 +439,10 @@ class KVCache(Memory):
         n_kv = self.n_kv() if n_kv is None else n_kv
         primary = ub.primary
         pos = np.asarray(ub.pos, dtype=np.int64)
+        # M-RoPE: a cell at the token's temporal position is in the future when its
+        # (y, x) is later than the token's (upstream compares 2-D positions only for a
+        # ubatch that carries them)
+        ext = ub.pos_ext
         out = np.empty((ub.n_tokens, n_kv), dtype=np.float32)
         streams = np.zeros(ub.n_tokens, dtype=np.int64) if self.unified else primary
         for strm in np.unique(streams):
@@ -440,7 +456,7 @@ class KVCache(Memory):
                 swa_type=self.swa_type,
                 n_swa=self.n_swa,
                 alibi=alibi,
-                token_ext=np.stack([pos[sel], pos[sel]], axis=1),
+                token_ext=None if ext is None else ext[sel],
             )
         return out
 
@@ -465,15 +481,20 @@ class KVCache(Memory):
                 idxs = np.array(sorted(idx for _, idx in cells.seq_pos[seq]), dtype=np.int64)
             else:
                 idxs = np.flatnonzero(cells.pos != EMPTY)
-            w.u32(int(idxs.size))
+            ext = cells.ext[idxs]
+            has_ext = bool((ext != cells.pos[idxs, None]).any())
+            w.u32(int(idxs.size) | (KV_CELL_COUNT_EXT if has_ext else 0))
             if not idxs.size:
                 continue
-            for idx in idxs:
+            for k, idx in enumerate(idxs):
                 w.i32(int(cells.pos[idx]))
                 ids = [seq] if seq >= 0 else cells.seqs_of(int(idx))
                 w.u32(len(ids))
                 for s in ids:
                     w.i32(s)
+                if has_ext:
+                    w.i32(int(ext[k, 0]))
+                    w.i32(int(ext[k, 1]))
             rows = idxs + strm * self.size
             w.u32(len(self.layers))
             for bufs in (self.k, self.v):
@@ -498,11 +519,15 @@ class KVCache(Memory):
         placements = []
         k_rows: dict[int, list[np.ndarray]] = {layer.il: [] for layer in self.layers}
         v_rows: dict[int, list[np.ndarray]] = {il: [] for il in self.v}
+        exts: list[np.ndarray] = []
         for strm in streams:
-            count = r.u32(f"{self.name}.cell_count")
+            word = r.u32(f"{self.name}.cell_count")
+            has_ext = bool(word & KV_CELL_COUNT_EXT)
+            count = word & ~KV_CELL_COUNT_EXT
             if count > self.size:
                 raise StateError(f"{self.name}.cell_count", f"{count} cells do not fit a stream of {self.size}")
             pos = np.zeros(count, dtype=np.int64)
+            ext = np.zeros((count, 2), dtype=np.int64)
             sets: list[tuple[int, ...]] = []
             for c in range(count):
                 p = r.i32(f"{self.name}.pos")
@@ -523,7 +548,12 @@ class KVCache(Memory):
                 else:
                     sets.append((seq,))
                 pos[c] = p
-            if seq >= 0 and len(set(pos.tolist())) != count:
+                if has_ext:
+                    ext[c] = (r.i32(f"{self.name}.ext_x"), r.i32(f"{self.name}.ext_y"))
+                else:
+                    ext[c] = (p, p)
+            # M-RoPE: an image's cells share a temporal position, never a whole (pos, x, y)
+            if seq >= 0 and len(set(zip(pos.tolist(), ext[:, 0].tolist(), ext[:, 1].tolist()))) != count:
                 raise StateError(f"{self.name}.pos", "duplicate positions in a per-sequence blob")
             if count:
                 n_layer = r.u32(f"{self.name}.n_layer")
@@ -568,7 +598,8 @@ class KVCache(Memory):
             else:
                 dest = np.arange(count, dtype=np.int64)
             placements.append((strm, dest, pos, sets))
-        return KVStatePlan(seq, placements, k_rows, v_rows)
+            exts.append(ext)
+        return KVStatePlan(seq, placements, k_rows, v_rows, exts)
 
     def state_commit(self, plan: KVStatePlan) -> None:
         if plan.seq >= 0:
@@ -579,9 +610,10 @@ class KVCache(Memory):
             if not dest.size:
                 continue
             cells = self.cells[strm]
+            ext = plan.exts[k_strm] if plan.exts else np.stack([pos, pos], axis=1)
             for k in range(dest.size):
                 idx = int(dest[k])
-                cells.pos_set(idx, int(pos[k]), (int(pos[k]), int(pos[k])))
+                cells.pos_set(idx, int(pos[k]), (int(ext[k, 0]), int(ext[k, 1])))
                 for s in sets[k]:
                     cells.seq_add(idx, s)
             rows = self.device.indices(dest + strm * self.size)

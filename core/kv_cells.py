@@ -182,7 +182,8 @@ class KVCells:
 
     def pos_add(self, i: int, d: int) -> bool:
         """Shift cell ``i`` by ``d``; a position pushed below 0 empties the
-        cell (True returned).  The shift accumulates for the RoPE update."""
+        cell (True returned).  The shift accumulates for the RoPE update.  The
+        2-D extension is left as it is (upstream's ``pos_add``: only ``pos`` moves)."""
         assert self.pos[i] != EMPTY
         new = int(self.pos[i]) + d
         self.shift[i] += d
@@ -194,6 +195,7 @@ class KVCells:
         return False
 
     def pos_div(self, i: int, d: int) -> None:
+        """Divide the position of cell ``i`` by ``d`` (the extension is kept, as upstream)."""
         assert self.pos[i] != EMPTY and d > 0
         old = int(self.pos[i])
         new = old // d

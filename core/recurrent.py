@@ -600,7 +600,7 @@ class RecurrentMemory(Memory):
         first, last = pos[:, 0].astype(np.int64), pos[:, -1].astype(np.int64)
         old_pos = b.pos[cells]
         consecutive = (old_pos < 0) | (old_pos == first - 1)
-        if not consecutive.all():
+        if not consecutive.all() and ub.pos_sections is None:  # M-RoPE positions may jump: no warning
             k = int(np.flatnonzero(~consecutive)[0])
             warnings.warn(
                 f"sequence {int(q[k])}: ubatch starts at position {int(first[k])} but the state is at "
@@ -617,6 +617,12 @@ class RecurrentMemory(Memory):
                 b.n_own[lo + k] = len(ids)
         b.snap_end[cells] = last
         b.snap_valid[cells] = np.where(consecutive, min(n_t + 1, self.n_snap), min(n_t, self.n_snap))
+        if n_t > 1 and ub.pos_sections is not None:
+            # M-RoPE positions may repeat or jump inside a ubatch (an image grid shares
+            # one temporal position): plane j then holds no state "after snap_end - j",
+            # so only the final state stays reachable.
+            one_per_token = (np.diff(pos, axis=1) == 1).all(axis=1)
+            b.snap_valid[cells] = np.where(one_per_token, b.snap_valid[cells], 1)
         # 7. zero row: first cell of the slot whose row no cell names as its source
         src = b.src
         refs = np.bincount(src[src >= 0] % size, minlength=size)
@@ -676,13 +682,15 @@ class RecurrentMemory(Memory):
         start_rows = b.src[lo : lo + n_seqs].copy()
         if (start_rows < 0).any():
             return None
+        if n_t > 1 and ub.pos_sections is not None:
+            return None  # M-RoPE positions: the general path decides which planes stay reachable
         if b.head > b.used + 2 * n_seqs:
             b.head = 0
         pos = ub.pos.reshape(n_seqs, n_t)
         first, last = pos[:, 0].astype(np.int64), pos[:, -1].astype(np.int64)
         old = b.pos[lo : lo + n_seqs]
         consecutive = (old < 0) | (old == first - 1)
-        if not consecutive.all():
+        if not consecutive.all() and ub.pos_sections is None:  # M-RoPE positions may jump: no warning
             s = int(np.flatnonzero(~consecutive)[0])
             warnings.warn(
                 f"sequence {int(q[s])}: ubatch starts at position {int(first[s])} but the state is at {int(old[s])}",
