@@ -276,11 +276,12 @@ static inline int sc_team_size(void) {
 /* Threads for a stateful call: n_units independent units (each a (sequence,
  * head) slice, so the result never depends on the split), streaming about
  * work_bytes of state in all.  Below SC_STATE_PARALLEL_MIN_BYTES one thread
- * runs everything: waking a parked OpenMP worker (futex wake plus a cold
- * cache on its core) costs about as much as the ~20 us a second thread
- * would save on a one-sequence decode of a 1 MiB state, and much more when
- * the other core is busy. */
-#define SC_STATE_PARALLEL_MIN_BYTES ((int64_t)4 << 20)
+ * runs everything: waking a parked OpenMP worker costs a futex wake (a few
+ * us) plus a cold start on its core.  Measured with `bench/primitives.py`
+ * on 2 cores, fastest of 4 rounds: one-sequence decode of Mamba-2 (1 MiB of
+ * state) 30 -> 26 us, GDN (1 MiB) 41 -> 32 us, Mamba-1 (320 KiB) 57 -> 40 us
+ * when split; below ~256 KiB in all the wake costs what the split saves. */
+#define SC_STATE_PARALLEL_MIN_BYTES ((int64_t)512 << 10)
 extern int64_t sc_state_parallel_min_bytes; /* SC_STATE_PARALLEL_MIN_BYTES unless a test changed it */
 static inline int sc_state_team(int64_t n_units, int64_t work_bytes, int n_threads) {
     if (n_threads < 1 || work_bytes < sc_state_parallel_min_bytes) return 1;

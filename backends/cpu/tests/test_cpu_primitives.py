@@ -429,8 +429,8 @@ def split_small_calls(request: pytest.FixtureRequest) -> Iterator[None]:
     more than it saves); these shapes are small, so "split" lifts that rule to
     test the thread split itself, "default" tests the rule as shipped."""
     lib = cpu_device()._lib
-    previous = lib.sc_set_state_parallel_min_bytes(0 if request.param == "split" else 4 << 20)
-    assert previous == 4 << 20  # the shipped default, restored below
+    previous = lib.sc_set_state_parallel_min_bytes(0 if request.param == "split" else 512 << 10)
+    assert previous == 512 << 10  # the shipped default, restored below
     yield
     lib.sc_set_state_parallel_min_bytes(previous)
 
