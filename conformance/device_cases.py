@@ -7,9 +7,11 @@ other comparison meaningless).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from statecache.backend import Device
+from statecache.backend import Buffer, Device
 from statecache.conformance.cases import Case, ConformanceFailure, Requirement, assert_exact, rng_for
 from statecache.conformance.primitive_cases import EDGE_VALUES
 from statecache.dtypes import DType
@@ -74,13 +76,18 @@ def _refuses(dev: Device, seed: int) -> None:
         "copy reading a row it writes": lambda: dev.copy_rows(pool, dev.indices([1, 2]), pool, dev.indices([2, 4])),
     }
     for what, attempt in attempts.items():
-        try:
-            attempt()
-        except ArgumentError:
-            pass
-        else:
-            raise ConformanceFailure(f"{what}: no ArgumentError raised")
-        assert_exact(f"pool after a refused call ({what})", dev.download(pool), host)
+        _expect_refusal(dev, what, attempt, pool, host)
+
+
+def _expect_refusal(dev: Device, what: str, attempt: Callable[[], None], pool: Buffer, unchanged: np.ndarray) -> None:
+    """``attempt`` raises ArgumentError and ``pool`` still holds ``unchanged``."""
+    try:
+        attempt()
+    except ArgumentError:
+        pass
+    else:
+        raise ConformanceFailure(f"{what}: no ArgumentError raised")
+    assert_exact(f"pool after a refused call ({what})", dev.download(pool), unchanged)
 
 
 def _repeated_calls(dev: Device, seed: int) -> None:
@@ -136,13 +143,7 @@ def _repeated_calls(dev: Device, seed: int) -> None:
     }
     for what, (index, values, attempt) in attempts.items():
         dev.write(index, values)
-        try:
-            attempt()
-        except ArgumentError:
-            pass
-        else:
-            raise ConformanceFailure(f"{what}: no ArgumentError raised")
-        assert_exact(f"pool after a refused call ({what})", dev.download(pool), before)
+        _expect_refusal(dev, what, attempt, pool, before)
 
 
 def all_cases() -> list[Case]:

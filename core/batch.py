@@ -461,17 +461,7 @@ class BatchAllocator:
     def _check_positions(
         seq_id: Sequence[tuple[int, ...]], primary: np.ndarray, pos: np.ndarray, pos_mem: np.ndarray, coupled: bool
     ) -> None:
-        n = pos.size
-        if coupled:
-            tok_seq = np.fromiter((s for ids in seq_id for s in ids), dtype=np.int64)
-            tok_idx = np.repeat(np.arange(n), [len(ids) for ids in seq_id])
-        else:
-            tok_seq = primary
-            tok_idx = np.arange(n)
-        order = np.lexsort((tok_idx, tok_seq))
-        ss, ti = tok_seq[order], tok_idx[order]
-        pp = pos[ti].astype(np.int64)
-        new_seq = _first_of_run(ss)
+        ss, ti, pp, new_seq = _per_sequence_order(seq_id, primary, pos, coupled)
         starts = np.flatnonzero(new_seq)
         p_start = pos_mem[ss[starts]]
         bad_start = starts[(p_start >= 0) & (pp[starts] != p_start + 1)]
@@ -514,17 +504,7 @@ class BatchAllocator:
         (tokens) or not before it (embeddings, e.g. an image continuing a grid);
         positions may jump and repeat (an image's patches share one) but must not
         decrease in batch order."""
-        n = pos.size
-        if coupled:
-            tok_seq = np.fromiter((s for ids in seq_id for s in ids), dtype=np.int64)
-            tok_idx = np.repeat(np.arange(n), [len(ids) for ids in seq_id])
-        else:
-            tok_seq = primary
-            tok_idx = np.arange(n)
-        order = np.lexsort((tok_idx, tok_seq))
-        ss, ti = tok_seq[order], tok_idx[order]
-        pp = pos[ti].astype(np.int64)
-        new_seq = _first_of_run(ss)
+        ss, ti, pp, new_seq = _per_sequence_order(seq_id, primary, pos, coupled)
         starts = np.flatnonzero(new_seq)
         p_mem = pos_mem[ss[starts]]
         too_early = (pp[starts] < p_mem) if is_embd else (pp[starts] <= p_mem)
@@ -768,6 +748,24 @@ class BatchAllocator:
                 idx.append(i)
                 cur = m
         return self._emit(np.asarray(idx), True, len(idx), [first_ids])
+
+
+def _per_sequence_order(
+    seq_id: Sequence[tuple[int, ...]], primary: np.ndarray, pos: np.ndarray, coupled: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every (sequence, token) pair sorted by sequence, then batch order: the
+    sequence, token index, position, and whether it starts its sequence's run.
+    A coupled token appears once per sequence it belongs to."""
+    n = pos.size
+    if coupled:
+        tok_seq = np.fromiter((s for ids in seq_id for s in ids), dtype=np.int64)
+        tok_idx = np.repeat(np.arange(n), [len(ids) for ids in seq_id])
+    else:
+        tok_seq = primary
+        tok_idx = np.arange(n)
+    order = np.lexsort((tok_idx, tok_seq))
+    ss, ti = tok_seq[order], tok_idx[order]
+    return ss, ti, pos[ti].astype(np.int64), _first_of_run(ss)
 
 
 def _parse_pos(value: Any, n: int) -> tuple[np.ndarray, np.ndarray | None]:
