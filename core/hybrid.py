@@ -28,6 +28,13 @@ Where we differ from upstream, on purpose:
 * ``state_read`` validates every section of every part before writing any;
   a bad blob raises with the destination dropped from every part (upstream
   contract) and every other sequence untouched.
+* Undo after a failed compute (§10 item 22, :meth:`HybridContext.undo`) is
+  refused, changing nothing, when the memory was edited after the first
+  ubatch it would take back was applied, also by an edit only the attention
+  part sees (a hole inside the history, a shift applied by an update), which
+  restoring the attention books would silently take back.  The memory counts
+  its edits for that: clear, a ``seq_rm`` that changes something, seq_cp,
+  seq_keep, seq_add, seq_div, a state read or drop, an applied update.
 """
 
 from __future__ import annotations
@@ -79,22 +86,24 @@ class HybridContext(CompositeContext):
     at once; the default is the recurrent memory's); otherwise the sequences
     whose recurrent rows or reused K/V cells were overwritten are dropped
     from the whole hybrid (``memory`` is set by the memory that built the
-    context) and returned.
+    context) and returned.  Each apply also records the memory's edit count
+    (:attr:`HybridMemory._edits`): undo refuses, changing nothing, when the
+    memory was edited since the first ubatch it would take back was applied
+    (the recurrent version alone misses edits of the attention part only).
 
     A subclass whose ``apply()`` changes more than the parts' books (the
     k-pool layout and stale marks of hybrid-idx) takes part in undo through
-    three hooks: :meth:`_undo_extra_snapshot` (taken with the books, before
-    the parts apply), :meth:`_undo_extra_check` (may refuse, before anything
-    changes) and :meth:`_undo_extra_restore`.  A subclass that overrides
-    ``apply()`` without them cannot undo.
+    two hooks: :meth:`_undo_extra_snapshot` (taken with the books, before
+    the parts apply) and :meth:`_undo_extra_restore`.  A subclass that
+    overrides ``apply()`` without them cannot undo.
     """
 
     def __init__(self, attn: MemoryContext, recr: MemoryContext, extra: Sequence[MemoryContext] = ()) -> None:
         self.attn = attn
         self.recr = recr
         super().__init__([attn, *extra, recr])
-        self.memory: Memory | None = None
-        self._undo_log: list[tuple[tuple[Any, ...], Any]] = []  # (books, extra) before each apply
+        self.memory: HybridMemory | None = None
+        self._undo_log: list[tuple[tuple[Any, ...], Any, int | None]] = []  # (books, extra, edits) before each apply
         self.keep_undo_rows = bool(getattr(recr, "keep_undo_rows", False))
 
     def _leaves(self) -> list[MemoryContext]:
@@ -125,19 +134,16 @@ class HybridContext(CompositeContext):
         """What ``apply()`` changes besides the parts' books, taken before the parts apply."""
         return None
 
-    def _undo_extra_check(self, extras: Sequence[Any]) -> None:
-        """Raise :class:`ContextError`, changing nothing, when the ubatches whose
-        :meth:`_undo_extra_snapshot` are ``extras`` (oldest first) can no longer be undone."""
-
     def _undo_extra_restore(self, extra: Any) -> None:
         """Put back what :meth:`_undo_extra_snapshot` returned (after the books are restored)."""
 
     def apply(self) -> bool:
         snap = self.snapshot()
         extra = self._undo_extra_snapshot()
+        edits = None if self.memory is None else self.memory._edits
         ok = self.apply_from(snap)
         if ok:
-            self._undo_log.append((snap, extra))
+            self._undo_log.append((snap, extra, edits))
         return ok
 
     def undo(self, n: int | None = None) -> tuple[int, ...]:
@@ -150,11 +156,12 @@ class HybridContext(CompositeContext):
             raise ContextError(f"cannot undo {n} ubatches; {len(self._undo_log)} can be undone")
         if k == 0:
             return ()
-        self._undo_extra_check([extra for _, extra in self._undo_log[-k:]])  # refuses, changing nothing
-        dropped = set(self.recr.undo(k))  # refuses, changing nothing, when the memory changed since
+        snap, extra, edits = self._undo_log[-k]
+        if self.memory is not None and edits != self.memory._edits:
+            raise ContextError("the memory changed after these ubatches were applied; they can no longer be undone")
+        dropped = set(self.recr.undo(k))  # refuses, changing nothing, when the recurrent memory changed since
         kv = [p for p in self._leaves() if isinstance(p, KVCacheContext)]
         damaged = [(p, p.undo_rows(k)) for p in kv]
-        snap, extra = self._undo_log[-k]
         self.restore(snap)  # the recurrent part has no snapshot: its undo did it
         del self._undo_log[-k:]
         for p in self._leaves():
@@ -169,6 +176,23 @@ class HybridContext(CompositeContext):
         return tuple(sorted(dropped))
 
 
+class HybridUpdateContext(HybridContext):
+    """``init_update()``'s context: applying it edits the memory (shifts, stream copies)."""
+
+    def __init__(
+        self, memory: HybridMemory, attn: MemoryContext, recr: MemoryContext, extra: Sequence[MemoryContext] = ()
+    ) -> None:
+        super().__init__(attn, recr, extra)
+        self.memory = memory
+
+    def apply(self) -> bool:
+        try:
+            return super().apply()
+        finally:
+            if self.memory is not None:
+                self.memory._edits += 1
+
+
 class HybridMemory(Memory):
     """Attention + recurrent memory (hybrid, or hybrid-iSWA when ``attn`` is an iSWA pair)."""
 
@@ -179,6 +203,9 @@ class HybridMemory(Memory):
         self.recr = recr
         self.n_seq_max = attn.n_seq_max
         self.device = recr.device
+        #: Edits of the books outside a batch (sequence operations, state reads and
+        #: drops, applied updates): ubatches applied before one can no longer be undone.
+        self._edits = 0
 
     # -- parts -------------------------------------------------------------------
     @property
@@ -233,7 +260,7 @@ class HybridMemory(Memory):
             return StatusContext(MemoryStatus.FAILED_PREPARE, f"({plans})")
         attn, recr = self._contexts(ubs, plans)
         ctx = HybridContext(attn, recr)
-        ctx.memory = self
+        ctx.memory = self  # undo checks the edit count and drops damaged sequences through it
         return ctx
 
     def init_full(self) -> MemoryContext:
@@ -244,7 +271,7 @@ class HybridMemory(Memory):
         r = self.recr.init_update(optimize)
         if a.status is MemoryStatus.NO_UPDATE and r.status is MemoryStatus.NO_UPDATE:
             return StatusContext(MemoryStatus.NO_UPDATE)
-        return HybridContext(a, r)
+        return HybridUpdateContext(self, a, r)
 
     def get_can_shift(self) -> bool:
         return self.attn.get_can_shift()
@@ -255,14 +282,30 @@ class HybridMemory(Memory):
             raise ArgumentError(name, f"sequence {seq} outside [0, n_seq_max={self.n_seq_max})")
 
     def clear(self, data: bool = True) -> None:
+        self._edits += 1
         self.attn.clear(data)
         self.recr.clear(data)
+
+    def _rm_witness(self) -> tuple[Any, ...]:
+        """What a ``seq_rm`` that changes something changes: the recurrent version and
+        the number of (cell, sequence) pairs of every attention cache."""
+        pairs = sum(len(p) for cache in self.kv_caches for cells in cache.cells for p in cells.seq_pos)
+        return self.recr._version, pairs
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
         if seq >= self.n_seq_max:
             return False  # the recurrent contract: refused, nothing changed
+        before = self._rm_witness()
         if not self.recr.seq_rm(seq, p0, p1):
             return False
+        try:
+            return self._seq_rm_rest(seq, p0, p1)
+        finally:
+            if self._rm_witness() != before:
+                self._edits += 1  # a removal of nothing leaves open batches undoable
+
+    def _seq_rm_rest(self, seq: int, p0: int, p1: int) -> bool:
+        """``seq_rm`` in the parts after the recurrent one, which accepted it."""
         return self.attn.seq_rm(seq, p0, p1)
 
     def _check_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
@@ -278,12 +321,14 @@ class HybridMemory(Memory):
         self._check_cp(src, dst, p0, p1)
         if src == dst:
             return
+        self._edits += 1
         self.attn.seq_rm(dst, -1, -1)
         self.attn.seq_cp(src, dst, p0, p1)
         self.recr.seq_cp(src, dst, p0, p1)
 
     def seq_keep(self, seq: int) -> None:
         self._check_seq(seq)
+        self._edits += 1
         self.attn.seq_keep(seq)
         self.recr.seq_keep(seq)
 
@@ -291,6 +336,7 @@ class HybridMemory(Memory):
         self._check_seq(seq)
         if delta != 0:
             self.recr.check_position_move(seq, p0, p1, "seq_add")  # refusals change nothing anywhere
+        self._edits += 1
         self.attn.seq_add(seq, p0, p1, delta)  # raises before any change on a shared cell
         self.recr.seq_add(seq, p0, p1, delta)
 
@@ -300,6 +346,7 @@ class HybridMemory(Memory):
             raise ArgumentError("d", f"divisor must be >= 1, got {d}")
         if d != 1:
             self.recr.check_position_move(seq, p0, p1, "seq_div")
+        self._edits += 1
         self.attn.seq_div(seq, p0, p1, d)
         self.recr.seq_div(seq, p0, p1, d)
 
@@ -352,12 +399,14 @@ class HybridMemory(Memory):
         }
 
     def commit_all(self, plans: dict[str, Any]) -> None:
+        self._edits += 1
         if plans["attn"] is not None:
             self.attn.state_commit(plans["attn"])
         self.recr.apply_section(plans["recr"])
 
     def state_drop(self, seq: int) -> None:
         """Drop the destination from every part (the failure contract of §8.4)."""
+        self._edits += 1
         if seq < 0:
             self.clear(True)
         else:
@@ -367,6 +416,7 @@ class HybridMemory(Memory):
     def _drop_read_parts(self, seq: int, flags: int) -> None:
         """After a failed write (post-validation): drop the destination from the
         parts the read would have written (a partial read never touches full-attention caches)."""
+        self._edits += 1
         if not flags & StateFlags.PARTIAL_ONLY:
             self.state_drop(seq)
             return

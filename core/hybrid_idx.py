@@ -15,10 +15,10 @@ Undo after a failed compute (llama-memory-spec §10 item 22) works as for the
 plain hybrid (:meth:`HybridContext.undo`), and also puts back the k-pool
 layout, the stale marks (a ``next()`` that cleared them is undone too) and
 the context's ubatch bookkeeping, so applying the same ubatches again gives
-the same k-pool inputs.  Because the marks are memory state the recurrent
-part does not see, the memory counts its edits (every sequence operation,
-state read and applied update): an undo is refused, changing nothing, when
-the memory was edited since the first ubatch it would take back was applied.
+the same k-pool inputs.  An undo is refused, changing nothing, when the
+memory was edited since the first ubatch it would take back was applied (the
+edit count of :class:`HybridMemory`); here that also covers edits that only
+set stale marks, such as ``seq_div`` by 1.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from statecache.errors import ArgumentError, StateError
-from statecache.hybrid import HybridContext, HybridMemory
+from statecache.hybrid import HybridContext, HybridMemory, HybridUpdateContext
 from statecache.kpool import KPoolInputs, KPoolLayout, KPoolState, SeqLayout, StaleMarks, Token, stale_pos
 from statecache.kv_cache import KVCache, KVLayer
 from statecache.memory import ContextError, MemoryContext, MemoryStatus, StateFlags, StatusContext, normalize_range
@@ -85,7 +85,6 @@ class HybridIdxMemory(HybridMemory):
         self.head_size = int(head_size)
         self.layout = KPoolLayout(kpool, by_order, attn.n_seq_max, attn.size, attn.n_stream)
         self.marks = StaleMarks(attn.n_seq_max)
-        self._edits = 0  # sequence operations, state reads, applied updates: an open batch can no longer undo
 
     def fill_garbage(self, seed: int) -> None:
         super().fill_garbage(seed)
@@ -119,31 +118,28 @@ class HybridIdxMemory(HybridMemory):
         r = self.recr.init_update(optimize)
         if all(c.status is MemoryStatus.NO_UPDATE for c in (a, i, r)):
             return StatusContext(MemoryStatus.NO_UPDATE)
-        return _UpdateContext(self, a, r, i)
+        return HybridUpdateContext(self, a, r, [i])
 
     # -- sequence operations with stale marks (K.7) ---------------------------------------
     def clear(self, data: bool = True) -> None:
-        self._edits += 1
         super().clear(data)
         self.idx.clear(data)
         self.marks.set(-1, 0)
 
-    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
-        if seq >= self.n_seq_max:
-            return False
-        if not self.recr.seq_rm(seq, p0, p1):
-            return False  # refused: no part changed, no mark
-        self._edits += 1
+    def _rm_witness(self) -> tuple[Any, ...]:
+        return (*super()._rm_witness(), self.marks.copy().tobytes())  # a mark alone is a change
+
+    def _seq_rm_rest(self, seq: int, p0: int, p1: int) -> bool:
+        # the recurrent part accepted (when it refuses: no part changed, no mark)
         q0, _ = normalize_range(p0, p1)
         st = stale_pos(seq, q0, self.idx.seq_pos_min(seq) if seq >= 0 else 0)
         self.idx.seq_rm(seq, p0, p1)
         self.marks.set(seq, st)
-        return self.attn.seq_rm(seq, p0, p1)
+        return super()._seq_rm_rest(seq, p0, p1)
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         if not (p0 <= 0 and p1 < 0):
             raise ArgumentError("p0/p1", f"hybrid-idx copies whole sequences only, got [{p0}, {p1})")
-        self._edits += 1
         super().seq_cp(src, dst, p0, p1)
         if src != dst:
             self.idx.seq_rm(dst, -1, -1)  # the indexer follows the attention cells exactly
@@ -152,13 +148,11 @@ class HybridIdxMemory(HybridMemory):
             self.marks.set(dst, 0)
 
     def seq_keep(self, seq: int) -> None:
-        self._edits += 1
         super().seq_keep(seq)
         self.idx.seq_keep(seq)
         self.marks.set(-1, 0)
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
-        self._edits += 1
         super().seq_add(seq, p0, p1, delta)
         q0, q1 = normalize_range(p0, p1)
         if delta == 0 or q0 >= q1:
@@ -168,7 +162,6 @@ class HybridIdxMemory(HybridMemory):
         self.marks.set(seq, st)
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
-        self._edits += 1
         super().seq_div(seq, p0, p1, d)
         self.idx.seq_div(seq, p0, p1, d)
         self.marks.set(seq, 0)
@@ -208,14 +201,12 @@ class HybridIdxMemory(HybridMemory):
         return plans
 
     def commit_all(self, plans: dict[str, Any]) -> None:
-        self._edits += 1
         super().commit_all(plans)
         if plans["idx"] is not None:
             self.idx.state_commit(plans["idx"])
             self.marks.set(plans["idx"].seq, 0)
 
     def state_drop(self, seq: int) -> None:
-        self._edits += 1
         super().state_drop(seq)
         if seq >= 0:
             self.idx._state_drop(seq)
@@ -224,25 +215,10 @@ class HybridIdxMemory(HybridMemory):
         self.marks.set(seq, 0)
 
 
-class _UpdateContext(HybridContext):
-    """``init_update()``'s context: applying it edits the memory (shifts, stream copies)."""
-
-    def __init__(self, mem: HybridIdxMemory, attn: MemoryContext, recr: MemoryContext, idx: MemoryContext) -> None:
-        super().__init__(attn, recr, [idx])
-        self.mem = mem
-
-    def apply(self) -> bool:
-        try:
-            return super().apply()
-        finally:
-            self.mem._edits += 1
-
-
 @dataclasses.dataclass(frozen=True)
 class _UndoExtra:
     """What ``HybridIdxContext.apply()`` (and a later ``next()``) change besides the books."""
 
-    edits: int
     layout: list[SeqLayout]
     marks: np.ndarray
     i_cur: int
@@ -256,13 +232,13 @@ class HybridIdxContext(HybridContext):
     :meth:`undo` (inherited) also restores the k-pool layout, the stale marks
     and ``i_cur`` / ``kpool_state`` as they were before the first ubatch it
     takes back was applied; it refuses, changing nothing, when the memory was
-    edited since (see the module docstring).
+    edited since (the edit count of :class:`HybridMemory`).
     """
 
     def __init__(self, mem: HybridIdxMemory, attn: MemoryContext, idx: MemoryContext, recr: MemoryContext) -> None:
         super().__init__(attn, recr, [idx])
         self.mem = mem
-        self.memory = mem  # undo drops damaged sequences through the hybrid-idx operations (marks)
+        self.memory = mem  # undo checks its edit count, drops damaged sequences through its operations (marks)
         self.idx = idx
         self.stale_batch = mem.marks.copy()  # the marks as planned (K.7 step 1)
         self.i_cur = 0
@@ -285,11 +261,7 @@ class HybridIdxContext(HybridContext):
     def _undo_extra_snapshot(self) -> _UndoExtra:
         mem = self.mem
         layout = [seq.copy() for seq in mem.layout.seqs]  # apply() edits the layouts in place
-        return _UndoExtra(mem._edits, layout, mem.marks.copy(), self.i_cur, self._state_for, self.kpool_state)
-
-    def _undo_extra_check(self, extras: Sequence[Any]) -> None:
-        if extras[0].edits != self.mem._edits:
-            raise ContextError("the memory changed after these ubatches were applied; they can no longer be undone")
+        return _UndoExtra(layout, mem.marks.copy(), self.i_cur, self._state_for, self.kpool_state)
 
     def _undo_extra_restore(self, extra: Any) -> None:
         mem = self.mem

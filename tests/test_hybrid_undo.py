@@ -2,7 +2,9 @@
 the recurrent part undoes (exactly, or by dropping damaged sequences), the K/V
 rows a ubatch took from cells the old attention book still uses (sliding-window
 reuse) come back (or their sequences are dropped), and the attention books go
-back to their state before apply()."""
+back to their state before apply().  An undo is refused, changing nothing, when
+the memory was edited since the first ubatch it would take back was applied, also
+by an edit only the attention part sees."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import statecache
 from statecache.batch import Batch, BatchAllocator
 from statecache.hybrid import HybridISWAMemory
 from statecache.kv_cache import KVCacheISWA, KVLayer
-from statecache.memory import MemoryStatus
+from statecache.memory import ContextError, MemoryStatus
 from statecache.recurrent import RecurrentMemory
 
 
@@ -25,25 +27,34 @@ def dev():
     return statecache.get_device("reference")
 
 
-def failing_decode(toy: HybridToy, batch, mode: str, n_ubatch: int = 4):
-    """Apply every ubatch of ``batch``; all compute fine except the last, which fails as
-    ``mode`` says ("never": before the graph, "kept": after it, rows kept, "ran": after
-    it, rows not kept).  Returns what undo() returned."""
+def compute(toy: HybridToy, ctx, keep: bool) -> None:  # type: ignore[no-untyped-def]
+    """The graph of the applied ubatch: recurrent step, attention K/V rows."""
+    ub = ctx.get_ubatch()
+    run_layers(toy.dev, ctx.recr.step(keep_undo_rows=keep), toy.tables, ub.token.reshape(ub.n_seqs, ub.n_seq_tokens))
+    actx = ctx.attn.swa if isinstance(toy.mem.attn, KVCacheISWA) else ctx.attn
+    actx.cpy_k(ATTN, np.stack([emb(int(t), 1) for t in ub.token]))
+    actx.cpy_v(ATTN, np.stack([emb(int(t), 2) for t in ub.token]))
+
+
+def plan(toy: HybridToy, batch, n_ubatch: int = 4):  # type: ignore[no-untyped-def]
     balloc = BatchAllocator(toy.mem.n_seq_max)
     balloc.init(Batch.for_sequences(batch, output_all=True), toy.mem)
     ctx = toy.mem.init_batch(balloc, n_ubatch)
     assert ctx.status is MemoryStatus.SUCCESS
+    return ctx
+
+
+def failing_decode(toy: HybridToy, batch, mode: str, n_ubatch: int = 4):
+    """Apply every ubatch of ``batch``; all compute fine except the last, which fails as
+    ``mode`` says ("never": before the graph, "kept": after it, rows kept, "ran": after
+    it, rows not kept).  Returns what undo() returned."""
+    ctx = plan(toy, batch, n_ubatch)
     ctx.keep_undo_rows = mode != "ran"
     while True:
-        ub = ctx.get_ubatch()
         assert ctx.apply()
         last = ctx.recr.i_next == len(ctx.recr.ubatches) - 1
         if not (last and mode == "never"):
-            step = ctx.recr.step(keep_undo_rows=mode != "ran")
-            run_layers(toy.dev, step, toy.tables, ub.token.reshape(ub.n_seqs, ub.n_seq_tokens))
-            actx = ctx.attn.swa if isinstance(toy.mem.attn, KVCacheISWA) else ctx.attn
-            actx.cpy_k(ATTN, np.stack([emb(int(t), 1) for t in ub.token]))
-            actx.cpy_v(ATTN, np.stack([emb(int(t), 2) for t in ub.token]))
+            compute(toy, ctx, keep=mode != "ran")
         if last:
             return ctx, ctx.undo()
         assert ctx.next()
@@ -81,6 +92,123 @@ def test_item22_hybrid_lossy_undo_drops_from_every_part(dev, kind: str) -> None:
         toy.forget(s)
     out = toy.decode({0: [1, 2], 1: [3]})  # the memory keeps working from scratch for them
     check(toy, out, (0, 1))
+
+
+def state_of(mem):  # type: ignore[no-untyped-def]
+    """Books of every part (with the hybrid-idx marks) and the whole state blob."""
+    return books(mem), mem.state_write()
+
+
+def assert_same_state(a, b) -> None:  # type: ignore[no-untyped-def]
+    assert same_books(a[0], b[0])
+    assert a[1] == b[1]
+
+
+def decoded(toy: HybridToy, batch) -> None:  # type: ignore[no-untyped-def]
+    """The oracle's side of a batch decoded outside :meth:`HybridToy.decode`."""
+    for s, ts in batch.items():
+        hist = toy.attn_hist.setdefault(s, [])
+        p0 = hist[-1][0] + 1 if hist else 0
+        toy.recr_tokens.setdefault(s, []).extend(ts)
+        hist.extend((p0 + k, t) for k, t in enumerate(ts))
+
+
+def hole(toy: HybridToy, s: int, p0: int, p1: int) -> None:
+    """``seq_rm(s, p0, p1)`` strictly inside the history: only the attention part
+    changes (the recurrent part accepts it as a no-op on its state and its version)."""
+    v_recr = toy.mem.recr._version
+    assert toy.mem.seq_rm(s, p0, p1)
+    assert toy.mem.recr._version == v_recr  # the recurrent part alone would not refuse an undo
+    toy.attn_hist[s] = [(p, t) for p, t in toy.attn_hist[s] if not p0 <= p < p1]
+
+
+@pytest.mark.parametrize("edit", ["hole", "update"])
+@pytest.mark.parametrize("kind", ["hybrid", "iswa", "idx"])
+def test_item22_undo_refused_after_an_attention_only_edit(dev, kind: str, edit: str) -> None:
+    """After the ubatch was applied (it failed after its graph, rows kept), an edit only
+    the attention part sees: a hole inside a history, or an applied update (the pending
+    shift of an earlier seq_add).  Restoring the attention books would silently take it
+    back: undo is refused, and every book and the state blob are as after the edit."""
+    toy = HybridToy(dev, make_hybrid(dev, kind))
+    history(toy)  # sequence 0 at positions 0..3, sequence 1 at 0..2
+    mem = toy.mem
+    if edit == "update":
+        mem.seq_add(1, 2, -1, 1)  # a pending attention shift of sequence 1, before the batch
+        toy.attn_hist[1] = [(p + (p >= 2), t) for p, t in toy.attn_hist[1]]
+    batch = {0: [8, 9]}
+    ctx = plan(toy, batch)
+    ctx.keep_undo_rows = True
+    assert ctx.apply()
+    compute(toy, ctx, keep=True)
+    if edit == "hole":
+        hole(toy, 1, 1, 2)
+    else:
+        v_recr = mem.recr._version
+        assert mem.init_update().apply()
+        assert mem.recr._version == v_recr
+    after = state_of(mem)
+    for n in (None, 1):
+        with pytest.raises(ContextError, match="changed"):
+            ctx.undo(n)
+        assert_same_state(state_of(mem), after)
+    assert not ctx.next()  # the batch stands (its graph did run): the memory keeps working
+    decoded(toy, batch)
+    check(toy, toy.decode({0: [30], 1: [31]}), (0, 1))
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "iswa", "idx"])
+def test_item22_edit_between_two_applies_blocks_undo_of_both(dev, kind: str) -> None:
+    """An attention-only edit after the first ubatch was applied and before the second:
+    undoing both would take it back (refused, nothing changed); the second ubatch's
+    snapshot was taken after it, so undoing that one alone is exact, and the batch then
+    completes as one that never failed."""
+    toy = HybridToy(dev, make_hybrid(dev, kind))
+    history(toy)
+    mem = toy.mem
+    batch = {0: [20, 21, 22, 23, 24, 25]}
+    ctx = plan(toy, batch)
+    assert len(ctx.recr.ubatches) == 2
+    ctx.keep_undo_rows = True
+    assert ctx.apply()
+    compute(toy, ctx, keep=True)
+    assert ctx.next()
+    hole(toy, 1, 1, 2)
+    mid = state_of(mem)
+    assert ctx.apply()
+    compute(toy, ctx, keep=True)  # ... and fails after the graph, rows kept
+    after = state_of(mem)
+    for n in (None, 2):
+        with pytest.raises(ContextError, match="changed"):
+            ctx.undo(n)
+        assert_same_state(state_of(mem), after)
+    assert ctx.undo(1) == ()
+    assert_same_state(state_of(mem), mid)
+    with pytest.raises(ContextError, match="changed"):
+        ctx.undo(1)  # the first ubatch was applied before the edit
+    assert_same_state(state_of(mem), mid)
+    assert ctx.apply()  # the second ubatch again, and now it computes
+    compute(toy, ctx, keep=True)
+    assert not ctx.next()
+    decoded(toy, batch)
+    check(toy, toy.decode({0: [30], 1: [31]}), (0, 1))
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "iswa"])
+def test_item22_seq_rm_of_nothing_keeps_undo(dev, kind: str) -> None:
+    """Only a seq_rm that changes something counts as an edit: removing an empty
+    sequence or a range past the end leaves the applied ubatch undoable, exactly."""
+    toy = HybridToy(dev, make_hybrid(dev, kind))
+    history(toy)
+    mem = toy.mem
+    before = state_of(mem)
+    ctx = plan(toy, {0: [8, 9]})
+    ctx.keep_undo_rows = True
+    assert ctx.apply()
+    compute(toy, ctx, keep=True)
+    assert mem.seq_rm(2, -1, -1) and mem.seq_rm(1, 10, -1)
+    assert ctx.undo() == ()
+    assert_same_state(state_of(mem), before)
+    check(toy, toy.decode({0: [30], 1: [31]}), (0, 1))
 
 
 def small_window_toy(dev) -> HybridToy:
