@@ -72,6 +72,8 @@ class HostEmulationDevice(CudaDevice):
         self._stream = runtime.ffi.NULL
         self.stream_handle = 0
         self.caps = self._caps()
+        self._pending_host = []
+        self._pending_bytes = 0
 
     def _activate(self) -> None:
         pass
@@ -98,7 +100,10 @@ class HostEmulationDevice(CudaDevice):
         return np.array(view, copy=True)
 
     def synchronize(self) -> None:
-        pass
+        # Launches ran when queued: nothing to wait for, but what was kept
+        # until the stream is past it is released here as on a GPU.
+        self._pending_host.clear()
+        self._pending_bytes = 0
 
     def copy_buffer(self, src, dst) -> None:  # type: ignore[no-untyped-def]
         raise NotImplementedError("the emulation has no device-to-device copy")
