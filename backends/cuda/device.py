@@ -442,61 +442,39 @@ class CudaDevice(Device):
         """cudaMemcpyAsync device to device: the bandwidth bound benchmarks use."""
         self._launch("memcpy_d2d_async", self._ptr(dst), self._ptr(src), src.nbytes)
 
-    # -- rows -------------------------------------------------------------------
-    def _get_rows(self, src, rows, dst, rows_host):  # type: ignore[no-untyped-def]
+    # -- primitives ---------------------------------------------------------------
+    # Each ``_<op>_call`` turns validated arguments into (entry point, launch
+    # arguments); ``_<op>`` queues it at once, and :meth:`_prepare_launch`
+    # keeps it for the launch memo, so that a repeated decode call queues
+    # without rebuilding its argument struct.  The arguments hold device
+    # addresses and cffi structs, never a Buffer: the memo checks that the
+    # buffers are alive before it launches.
+    def _get_rows_call(self, src, rows, dst, rows_host):  # type: ignore[no-untyped-def]
         rows_p, _keep = self._rows_ptr(rows, rows_host)
-        ffi = self.runtime.ffi
-        self._launch(
-            "copy_rows",
-            self._ptr(src),
-            DTYPE_CODES[src.dtype],
-            rows_p,
-            self._ptr(dst),
-            DTYPE_CODES[dst.dtype],
-            ffi.NULL,
-            dst.shape[0],
-            src.shape[1],
-        )
+        null = self.runtime.ffi.NULL
+        args = (self._ptr(src), DTYPE_CODES[src.dtype], rows_p, self._ptr(dst), DTYPE_CODES[dst.dtype], null)
+        return "copy_rows", (*args, dst.shape[0], src.shape[1])
 
-    def _set_rows(self, dst, rows, src, rows_host):  # type: ignore[no-untyped-def]
+    def _set_rows_call(self, dst, rows, src, rows_host):  # type: ignore[no-untyped-def]
         rows_p, _keep = self._rows_ptr(rows, rows_host)
-        ffi = self.runtime.ffi
-        self._launch(
-            "copy_rows",
-            self._ptr(src),
-            DTYPE_CODES[src.dtype],
-            ffi.NULL,
-            self._ptr(dst),
-            DTYPE_CODES[dst.dtype],
-            rows_p,
-            src.shape[0],
-            src.shape[1],
-        )
+        null = self.runtime.ffi.NULL
+        args = (self._ptr(src), DTYPE_CODES[src.dtype], null, self._ptr(dst), DTYPE_CODES[dst.dtype], rows_p)
+        return "copy_rows", (*args, src.shape[0], src.shape[1])
 
-    def _zero_rows(self, dst, rows, rows_host):  # type: ignore[no-untyped-def]
+    def _zero_rows_call(self, dst, rows, rows_host):  # type: ignore[no-untyped-def]
         rows_p, _keep = self._rows_ptr(rows, rows_host)
-        self._launch("zero_rows", self._ptr(dst), DTYPE_CODES[dst.dtype], rows_p, rows.shape[0], dst.shape[1])
+        return "zero_rows", (self._ptr(dst), DTYPE_CODES[dst.dtype], rows_p, rows.shape[0], dst.shape[1])
 
-    def _copy_rows(self, src, src_rows, dst, dst_rows, src_host, dst_host):  # type: ignore[no-untyped-def]
+    def _copy_rows_call(self, src, src_rows, dst, dst_rows, src_host, dst_host):  # type: ignore[no-untyped-def]
         src_p, _keep_src = self._rows_ptr(src_rows, src_host)
         dst_p, _keep_dst = self._rows_ptr(dst_rows, dst_host)
-        self._launch(
-            "copy_rows",
-            self._ptr(src),
-            DTYPE_CODES[src.dtype],
-            src_p,
-            self._ptr(dst),
-            DTYPE_CODES[dst.dtype],
-            dst_p,
-            src_rows.shape[0],
-            src.shape[1],
-        )
+        args = (self._ptr(src), DTYPE_CODES[src.dtype], src_p, self._ptr(dst), DTYPE_CODES[dst.dtype], dst_p)
+        return "copy_rows", (*args, src_rows.shape[0], src.shape[1])
 
-    # -- stateful ---------------------------------------------------------------
-    def _state_args(self, args: Any, shp: Any, pool: Buffer, start_rows: Buffer, dst_rows: Buffer) -> list[Buffer]:
-        """Fill the shared state fields; returns temporaries to keep alive."""
-        start_p, keep_start = self._rows_ptr(start_rows, self.index_values(start_rows))
-        dst_p, keep_dst = self._rows_ptr(dst_rows, self.index_values(dst_rows))
+    def _state_args(self, args: Any, shp: Any, pool: Buffer, start_rows: Buffer, dst_rows: Buffer) -> None:
+        """Fill the shared state fields (strided index temporaries are kept until synchronize)."""
+        start_p, _keep_start = self._rows_ptr(start_rows, self.index_values(start_rows))
+        dst_p, _keep_dst = self._rows_ptr(dst_rows, self.index_values(dst_rows))
         st = args.state
         st.pool = self._ptr(pool)
         st.start_rows = start_p
@@ -507,17 +485,16 @@ class CudaDevice(Device):
         st.n_seqs = shp.n_seqs
         st.n_tokens = shp.n_tokens
         st.n_snap = shp.n_snap
-        return [keep_start, keep_dst]
 
     def _new_args(self, struct: str) -> Any:
         args = self.runtime.ffi.new(f"{struct} *")
         args.struct_size = self.runtime.ffi.sizeof(struct)
         return args
 
-    def _ssm_conv(self, shp, pool, start_rows, dst_rows, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
+    def _ssm_conv_call(self, shp, pool, start_rows, dst_rows, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
         rt = self.runtime
         a = self._new_args("statecache_cuda_conv_args")
-        _keep = self._state_args(a, shp, pool, start_rows, dst_rows)
+        self._state_args(a, shp, pool, start_rows, dst_rows)
         _view(rt, a.x, x)
         _view(rt, a.weight, weight)
         if bias is not None:
@@ -526,12 +503,12 @@ class CudaDevice(Device):
         a.channels = shp.channels
         a.d_conv = shp.d_conv
         a.apply_silu = int(bool(apply_silu))
-        self._launch("ssm_conv", a)
+        return "ssm_conv", (a,)
 
-    def _ssm_scan(self, shp, pool, start_rows, dst_rows, x, dt, A, B, C, y):  # type: ignore[no-untyped-def]
+    def _ssm_scan_call(self, shp, pool, start_rows, dst_rows, x, dt, A, B, C, y):  # type: ignore[no-untyped-def]
         rt = self.runtime
         a = self._new_args("statecache_cuda_scan_args")
-        _keep = self._state_args(a, shp, pool, start_rows, dst_rows)
+        self._state_args(a, shp, pool, start_rows, dst_rows)
         for field, buf in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
             _view(rt, getattr(a, field), buf)
         a.y = self._ptr(y, "float *")
@@ -540,12 +517,12 @@ class CudaDevice(Device):
         a.d_state = shp.d_state
         a.n_group = shp.n_group
         a.mamba1 = int(shp.variant == "mamba1")
-        self._launch("ssm_scan", a)
+        return "ssm_scan", (a,)
 
-    def _gated_delta_net(self, shp, pool, start_rows, dst_rows, q, k, v, g, beta, o, scale):  # type: ignore[no-untyped-def]
+    def _gated_delta_net_call(self, shp, pool, start_rows, dst_rows, q, k, v, g, beta, o, scale):  # type: ignore[no-untyped-def]
         rt = self.runtime
         a = self._new_args("statecache_cuda_delta_args")
-        _keep = self._state_args(a, shp, pool, start_rows, dst_rows)
+        self._state_args(a, shp, pool, start_rows, dst_rows)
         for field, buf in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
             _view(rt, getattr(a, field), buf)
         a.o = self._ptr(o, "float *")
@@ -554,7 +531,44 @@ class CudaDevice(Device):
         a.n_head_v = shp.n_head_v
         a.head_size = shp.head_size
         a.kda = int(shp.variant == "kda")
-        self._launch("gated_delta_net", a)
+        return "gated_delta_net", (a,)
+
+    def _get_rows(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(*_flat(self._get_rows_call(*args)))
+
+    def _set_rows(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(*_flat(self._set_rows_call(*args)))
+
+    def _zero_rows(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(*_flat(self._zero_rows_call(*args)))
+
+    def _copy_rows(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(*_flat(self._copy_rows_call(*args)))
+
+    def _ssm_conv(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(*_flat(self._ssm_conv_call(*args)))
+
+    def _ssm_scan(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(*_flat(self._ssm_scan_call(*args)))
+
+    def _gated_delta_net(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(*_flat(self._gated_delta_net_call(*args)))
+
+    def _prepare_launch(self, op: str, call_args: tuple[Any, ...]) -> Any:
+        if any(isinstance(a, Buffer) and a.dtype is DType.I32 and not a.is_contiguous for a in call_args):
+            return None  # a strided index view is re-uploaded per call into a temporary
+        entry, args = getattr(self, f"_{op}_call")(*call_args)
+        launch_now = self._launch
+
+        def launch() -> None:
+            launch_now(entry, *args)
+
+        return launch
+
+
+def _flat(call: tuple[str, tuple[Any, ...]]) -> tuple[Any, ...]:
+    entry, args = call
+    return (entry, *args)
 
 
 # -- backend ----------------------------------------------------------------------

@@ -65,3 +65,25 @@ def test_contiguous_index_buffer_needs_no_temporary(emu) -> None:
     emu.synchronize()
     _ptr, keep = emu._rows_ptr(rows, rows.host_indices)
     assert keep is rows and emu._pending_host == []
+
+
+def test_repeated_calls_conformance_case_through_prepared_launches(emu) -> None:
+    """The conformance case for remembered calls, on the real CudaDevice
+    marshalling: repeated calls go through prepared launches (argument structs
+    built once) and must equal fresh calls."""
+    from statecache.conformance.catalog import all_cases
+
+    (case,) = [c for c in all_cases() if c.id == "device.repeated_calls[f32]"]
+    case.run(emu)
+    prepared = [e for e in emu._launches._entries.values() if e.launch is not None]
+    assert prepared, "no call was remembered with a prepared launch"
+
+
+def test_strided_index_calls_are_not_prepared(emu) -> None:
+    pool = emu.upload(np.zeros((4, 3), np.float32))
+    rows = emu.indices([0, 9, 2, 9]).view((2,), (2,))  # rows 0 and 2
+    src = emu.upload(np.ones((2, 3), np.float32))
+    assert emu._prepare_launch("set_rows", (pool, rows, src, np.array([0, 2], np.int32))) is None
+    emu.set_rows(pool, rows, src)
+    np.testing.assert_array_equal(emu.download(pool)[[0, 2]], 1.0)
+    np.testing.assert_array_equal(emu.download(pool)[[1, 3]], 0.0)
