@@ -153,3 +153,47 @@ def test_index_buffer_overwritten_by_copy_buffer_is_validated_with_its_new_value
     dev.copy_buffer(dev.indices([0, 7]), args[1])
     with pytest.raises(ArgumentError, match="index 7 out of range"):
         dev.ssm_scan(*args)
+
+
+def test_steady_decode_through_the_memory_validates_once(dev, rng, monkeypatch) -> None:
+    """What the memo is for: a runtime that keeps its activation buffers and
+    decodes step after step through the memory (which reuses its pools and
+    index buffers) pays for validation once for the steady call, and the states
+    still equal a decode with fresh buffers every step."""
+    from statecache.batch import Batch, BatchAllocator
+    from statecache.spec import MemorySpec, RecurrentLayerSpec, make_memory
+
+    H, P_, N = 2, 4, 8
+    layer = RecurrentLayerSpec.mamba2(d_inner=H * P_, d_state=N, d_conv=4, n_group=1, head_dim=P_)
+    A = dev.upload(-rng.uniform(0.5, 1, H).astype(np.float32))
+    steps = rng.uniform(-1, 1, (6, 2, 1, H * P_ + 2 * N + H)).astype(np.float32)
+
+    def run(keep_buffers: bool) -> np.ndarray:
+        mem = make_memory(MemorySpec.build(1, {0: layer}), dev, n_seq_max=2, n_rs_seq=2)
+        kept = dev.alloc((2, 1, H * P_ + 2 * N + H)), dev.alloc((2, 1, H, P_))
+        for t, values in enumerate(steps):
+            balloc = BatchAllocator(2)
+            balloc.init(Batch.for_sequences({0: [t], 1: [t]}), mem)
+            ctx = mem.init_batch(balloc, n_ubatch=8)
+            assert ctx.apply()
+            inp, y = kept if keep_buffers else (dev.alloc(kept[0].shape), dev.alloc(kept[1].shape))
+            dev.write(inp, values)
+            row = H * P_ + 2 * N + H
+            x = inp.view((2, 1, H, P_), (row, row, P_, 1))
+            B = inp.view((2, 1, 1, N), (row, row, N, 1), H * P_)
+            C = inp.view((2, 1, 1, N), (row, row, N, 1), H * P_ + N)
+            dt = inp.view((2, 1, H), (row, row, 1), H * P_ + 2 * N)
+            if keep_buffers:  # a runtime keeps its views too
+                x, B, C, dt = kept_views.setdefault("v", (x, B, C, dt))
+            ctx.step().scan(0, x, dt, A, B, C, y)
+            assert not ctx.next()
+        return dev.download(mem.pools[0]["s"])
+
+    kept_views: dict[str, tuple] = {}
+    fresh = run(keep_buffers=False)
+    calls = _count_checks(monkeypatch)
+    kept = run(keep_buffers=True)
+    # the first step starts both sequences from the zero row (its own start-row
+    # buffer); every later step is the same in-place call, validated once
+    assert calls[0] == 2, f"{calls[0]} validations for {len(steps)} decode steps"
+    np.testing.assert_array_equal(kept, fresh)
