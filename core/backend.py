@@ -128,18 +128,22 @@ class Buffer:
 
     ``host_indices`` is a host copy of an int32 buffer's contents, kept when
     the buffer was filled from the host, so that index validation (range,
-    duplicates) never needs a device round trip.
+    duplicates) never needs a device round trip.  Assigning it (a new copy,
+    or None when the contents may have changed behind it) also withdraws the
+    copies of every other Buffer over the same storage: a write through a
+    view must not leave its parent validated against old values.
     """
 
     __slots__ = (
         "__weakref__",
         "_contig",
         "_index_cache",
+        "_shadow",
+        "_shadow_gen",
         "_size",
         "capacity",
         "device",
         "dtype",
-        "host_indices",
         "offset",
         "shape",
         "storage",
@@ -168,8 +172,27 @@ class Buffer:
         # Geometry never changes after construction: decide contiguity once
         # (primitives ask on every call, and decode calls are microseconds).
         self._contig = self.strides == _c_strides(self.shape) or self._size <= 1
-        self.host_indices: np.ndarray | None = None
+        self._shadow: np.ndarray | None = None  # see host_indices
+        self._shadow_gen = 0
         self._index_cache: Any = None  # statecache.primitives caches index facts here
+
+    # -- host copy of an index buffer -----------------------------------------
+    @property
+    def host_indices(self) -> np.ndarray | None:
+        """The host copy of this int32 buffer's contents, or None when only the
+        device knows them (never filled from the host, exported, or another
+        Buffer over the same storage was written since)."""
+        shadow = self._shadow
+        if shadow is not None and _STORAGE_WRITES.get(id(self.storage), 0) != self._shadow_gen:
+            self._shadow = shadow = None
+        return shadow
+
+    @host_indices.setter
+    def host_indices(self, value: np.ndarray | None) -> None:
+        if self.dtype is DType.I32:
+            key = id(self.storage)
+            self._shadow_gen = _STORAGE_WRITES[key] = _STORAGE_WRITES.get(key, 0) + 1
+        self._shadow = value
 
     # -- geometry -----------------------------------------------------------
     @property
@@ -217,6 +240,13 @@ class Buffer:
     def __repr__(self) -> str:
         extra = "" if self.is_contiguous and self.offset == 0 else f", strides={self.strides}, offset={self.offset}"
         return f"Buffer({self.device.id}, {self.dtype}, shape={self.shape}{extra})"
+
+
+#: id(storage) -> how many times the contents of that int32 storage were set
+#: or handed out; a Buffer's host copy is valid only at the count it was
+#: taken at.  Ids of freed storages may be reused: a new storage's first
+#: write just continues the old count, which no live Buffer holds.
+_STORAGE_WRITES: dict[int, int] = {}
 
 
 def _c_strides(shape: Sequence[int]) -> tuple[int, ...]:

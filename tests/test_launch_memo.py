@@ -197,3 +197,22 @@ def test_steady_decode_through_the_memory_validates_once(dev, rng, monkeypatch) 
     # buffer); every later step is the same in-place call, validated once
     assert calls[0] == 2, f"{calls[0]} validations for {len(steps)} decode steps"
     np.testing.assert_array_equal(kept, fresh)
+
+
+def test_write_through_a_view_withdraws_the_parent_host_copy(dev, rng) -> None:
+    """An index buffer written through a view of it is validated with its new
+    values: out of range refused (pool unchanged), in range used."""
+    pool = dev.upload(rng.uniform(-1, 1, (6, 3)).astype(np.float32))
+    src = dev.upload(rng.uniform(-1, 1, (4, 3)).astype(np.float32))
+    rows = dev.indices([0, 1, 2, 3])
+    dev.set_rows(pool, rows, src)  # remembered with the copy [0, 1, 2, 3]
+    tail = rows.view((2,), (1,), 2)
+    dev.write(tail, [7, 8])
+    before = dev.download(pool)
+    with pytest.raises(ArgumentError, match="index 7 out of range"):
+        dev.set_rows(pool, rows, src)
+    np.testing.assert_array_equal(dev.download(pool), before)
+    dev.write(tail, [5, 4])
+    dev.set_rows(pool, rows, src)
+    np.testing.assert_array_equal(dev.download(pool)[[0, 1, 5, 4]], dev.download(src))
+    np.testing.assert_array_equal(dev.download(pool)[[2, 3]], before[[2, 3]])
