@@ -259,6 +259,12 @@ class HybridMemory(Memory):
         if isinstance(plans, str):
             return StatusContext(MemoryStatus.FAILED_PREPARE, f"({plans})")
         attn, recr = self._contexts(ubs, plans)
+        return self._batch_context(ubs, plans, attn, recr)
+
+    def _batch_context(
+        self, ubs: Sequence[UBatch], plans: tuple[Any, Any], attn: MemoryContext, recr: MemoryContext
+    ) -> HybridContext:
+        """The context of a planned batch (hybrid-idx adds its indexer part)."""
         ctx = HybridContext(attn, recr)
         ctx.memory = self  # undo checks the edit count and drops damaged sequences through it
         return ctx

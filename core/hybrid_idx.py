@@ -37,7 +37,7 @@ from statecache.memory import ContextError, MemoryContext, MemoryStatus, StateFl
 from statecache.state_io import Reader, Writer, find_section
 
 if TYPE_CHECKING:
-    from statecache.batch import BatchAllocator, UBatch
+    from statecache.batch import UBatch
     from statecache.recurrent import RecurrentMemory
 
 TAG_IDX = b"IDXK"
@@ -95,14 +95,9 @@ class HybridIdxMemory(HybridMemory):
         return strm, self.idx.cells[strm].seq_cells(s)
 
     # -- plans ----------------------------------------------------------------------
-    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
-        ubs = self.split(balloc, n_ubatch, embd_all)
-        if ubs is None:
-            return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
-        plans = self._plan(ubs)
-        if isinstance(plans, str):
-            return StatusContext(MemoryStatus.FAILED_PREPARE, f"({plans})")
-        attn, recr = self._contexts(ubs, plans)
+    def _batch_context(
+        self, ubs: Sequence[UBatch], plans: tuple[Any, Any], attn: MemoryContext, recr: MemoryContext
+    ) -> HybridContext:
         idx = self.idx.make_context(ubs, plans[1])  # the attention slots, not a search of its own
         return HybridIdxContext(self, attn, idx, recr)
 
