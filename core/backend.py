@@ -194,6 +194,13 @@ class Buffer:
             self._shadow_gen = _STORAGE_WRITES[key] = _STORAGE_WRITES.get(key, 0) + 1
         self._shadow = value
 
+    def mark_exported(self) -> None:
+        """A backend calls this when it hands the memory to a consumer that may
+        write it (NumPy, DLPack, the CUDA array interface): from then on index
+        validation reads the contents back instead of trusting a host copy
+        (and the launch memo stops remembering calls with this storage)."""
+        self.host_indices = None
+
     # -- geometry -----------------------------------------------------------
     @property
     def ndim(self) -> int:

@@ -163,10 +163,7 @@ class CpuBuffer(Buffer):
         )
 
     def _exported(self) -> np.ndarray:
-        # The caller may now write an index buffer behind the validator's
-        # back: drop the host shadow so the next validation reads memory.
-        if self.dtype is DType.I32:
-            self.host_indices = None
+        self.mark_exported()  # the caller may now write it behind the validator's back
         return self.host_view()
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:

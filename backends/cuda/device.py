@@ -239,13 +239,6 @@ class CudaBuffer(Buffer):
 
     __slots__ = ()
 
-    def _drop_index_shadow(self) -> None:
-        # The kernels read index buffers from device memory: once a consumer
-        # can write this one, validation must read it back instead of trusting
-        # the host copy (and the launch memo stops remembering calls with it).
-        if self.dtype is DType.I32:
-            self.host_indices = None
-
     def data_ptr(self) -> int:
         """Address of the first element (the view's offset included)."""
         return int(self.storage.ptr) + self.offset * self.dtype.itemsize
@@ -257,7 +250,7 @@ class CudaBuffer(Buffer):
         bf16 has no typestr in the interface; use ``__dlpack__`` for it."""
         if self.dtype not in _TYPESTR:
             raise AttributeError(f"{self.dtype} has no __cuda_array_interface__ typestr; use __dlpack__")
-        self._drop_index_shadow()
+        self.mark_exported()  # the kernels read indices from device memory, which the consumer may write
         device: CudaDevice = self.device  # type: ignore[assignment]
         itemsize = self.dtype.itemsize
         return {
@@ -291,7 +284,7 @@ class CudaBuffer(Buffer):
             raise BufferError(f"buffer lives on {self.__dlpack_device__()}, not on {tuple(dl_device)}")
         if stream != -1:
             self.device.synchronize()
-        self._drop_index_shadow()
+        self.mark_exported()  # the kernels read indices from device memory, which the consumer may write
         device_type, device_id = self.__dlpack_device__()
         return _dlpack_capsule(self, self.data_ptr(), device_type, device_id)
 

@@ -45,10 +45,16 @@ def test_exported_index_buffer_drops_its_host_shadow() -> None:
         assert buf.host_indices is None
 
 
-def test_exported_float_buffer_keeps_nothing_to_drop() -> None:
-    buf = CudaBuffer(_Device(), _Storage(), DType.F32, (4,))  # type: ignore[arg-type]
-    buf.__cuda_array_interface__  # noqa: B018 - the property is the export
-    assert buf.host_indices is None
+def test_export_withdraws_host_copies_of_its_own_storage_only() -> None:
+    device = _Device()
+    index = _index_buffer(device)
+    values = CudaBuffer(device, _Storage(), DType.F32, (4,))  # type: ignore[arg-type]
+    values.__cuda_array_interface__  # noqa: B018 - the property is the export
+    assert values.host_indices is None
+    assert index.host_indices is not None  # another storage: its copy still holds
+    view = index.view((2,), (1,), 2)
+    view.__dlpack__()  # a consumer may write the parent's elements through it
+    assert index.host_indices is None
 
 
 def test_strided_index_temporary_lives_until_synchronize(emu) -> None:
