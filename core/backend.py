@@ -353,9 +353,14 @@ class Device(abc.ABC):
             return None
 
     def _remember(
-        self, key: tuple[Any, ...], bufs: tuple[Any, ...], index_bufs: tuple[Any, ...], checked: Any, op: str,
+        self,
+        key: tuple[Any, ...],
+        bufs: tuple[Any, ...],
+        index_bufs: tuple[Any, ...],
+        checked: Any,
+        op: str,
         call_args: tuple[Any, ...],
-    ) -> Callable[[], None] | None:  # fmt: skip
+    ) -> Callable[[], None] | None:
         """Remember a validated call; returns the backend's prepared launch, if any."""
         launch = self._prepare_launch(op, call_args)
         memo = self._launches
