@@ -294,9 +294,9 @@ class HybridMemory(Memory):
 
     def _rm_witness(self) -> tuple[Any, ...]:
         """What a ``seq_rm`` that changes something changes: the recurrent version and
-        the number of (cell, sequence) pairs of every attention cache."""
-        pairs = sum(len(p) for cache in self.kv_caches for cells in cache.cells for p in cells.seq_pos)
-        return self.recr._version, pairs
+        the count of (cell, sequence) pairs every attention stream has dropped."""
+        removals = sum(cells.removals for cache in self.kv_caches for cells in cache.cells)
+        return self.recr._version, removals
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
         if seq >= self.n_seq_max:

@@ -45,6 +45,7 @@ class KVCells:
         self.used = 0
         self.has_shift = False
         self.seq_pos: list[list[tuple[int, int]]] = [[] for _ in range(self.n_seq_max)]
+        self.removals = 0  # (cell, sequence) pairs ever dropped: tells a caller whether an edit removed anything
 
     # -- copies (plans run on a clone, so planning never mutates the book) ---
     def clone(self) -> KVCells:
@@ -58,6 +59,7 @@ class KVCells:
         out.used = self.used
         out.has_shift = self.has_shift
         out.seq_pos = copy.deepcopy(self.seq_pos)
+        out.removals = self.removals
         return out
 
     def same_as(self, other: KVCells) -> bool:
@@ -129,6 +131,7 @@ class KVCells:
         k = bisect.bisect_left(pairs, (p, i))
         assert k < len(pairs) and pairs[k] == (p, i)
         del pairs[k]
+        self.removals += 1
 
     # -- cell mutations -----------------------------------------------------------
     def pos_set(self, i: int, p: int, ext: tuple[int, int] = (0, 0)) -> None:
@@ -208,6 +211,7 @@ class KVCells:
         self.has_shift = False
 
     def reset(self) -> None:
+        self.removals += sum(len(pairs) for pairs in self.seq_pos)
         self.pos[:] = EMPTY
         self.ext[:] = 0
         self.shift[:] = 0
