@@ -11,6 +11,12 @@ For every state tensor of a recurrent layer the step
    size``, so the final state lands in plane 0 and the snapshots (including
    the input state when ``n_t < n_snap``) in the planes above.
 
+Every argument is checked before anything is written: the shapes against
+the ubatch and the layer's state rows (so an error names the argument that
+is wrong, not one it was compared with), then the primitive's own contract
+and the device's capabilities.  A refused call changes nothing and may be
+made again, corrected; only a call that started writing counts as done.
+
 Every read happens before any write.  When the plan says a row is both read
 and written by different parties (``inputs.staged``: a reorder swapped cells,
 two new sequences share the zero row, a copy-on-write reader of a cell that
@@ -30,10 +36,12 @@ back if the compute fails.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from statecache import primitives as P
 from statecache.backend import Buffer
 from statecache.errors import ArgumentError
 
@@ -65,8 +73,9 @@ class RecurrentStep:
             self._start = self._dst
         else:
             self._start = dev.indices(inp.start_rows)
-        self._ex_src = dev.indices(inp.extra_src) if inp.extra_src.size else None
-        self._ex_dst = dev.indices(inp.extra_dst) if inp.extra_dst.size else None
+        copy_src, copy_dst = inp.copy_src, inp.copy_dst  # extras, and planes of moved cells
+        self._ex_src = dev.indices(copy_src) if copy_src.size else None
+        self._ex_dst = dev.indices(copy_dst) if copy_dst.size else None
         if inp.staged:
             n = inp.n_seqs
             local = np.arange(n, dtype=np.int64)
@@ -85,17 +94,19 @@ class RecurrentStep:
         except KeyError:
             raise ArgumentError("layer", f"layer {layer} has no recurrent state tensor {name!r}") from None
 
-    def _mark(self, layer: int, name: str) -> None:
-        key = (layer, name)
-        if key in self.done:
+    def _not_done(self, layer: int, name: str) -> None:
+        if (layer, name) in self.done:
             raise ArgumentError("layer", f"state tensor {name!r} of layer {layer} already stepped for this ubatch")
-        self.done.add(key)
+
+    def _layer_params(self, layer: int) -> Mapping[str, int]:
+        spec = self.memory.spec.layers[layer] if 0 <= layer < self.memory.spec.n_layer else None
+        return {} if spec is None else spec.params
 
     @property
     def overwrites(self) -> np.ndarray:
         """Every pool row (any plane) this step writes, sorted, without repeats."""
         inp = self.inputs
-        parts = [inp.written_rows(), inp.extra_dst]
+        parts = [inp.written_rows(), inp.copy_dst]
         if not inp.staged and self._zero is not None and self._needs_zero:
             parts.append(np.asarray([inp.rs_z], dtype=np.int64))
         return np.unique(np.concatenate(parts))
@@ -113,13 +124,20 @@ class RecurrentStep:
             dev.get_rows(pool, dev.indices(rec.overwrites), saved)
         rec.written[(layer, name)] = (pool, saved)
 
-    def _run(self, layer: int, name: str, launch) -> None:  # type: ignore[no-untyped-def]
-        """Zero, materialise extras and launch the primitive for one pool."""
-        self._mark(layer, name)
+    def _run(self, layer: int, name: str, launch: _Launch, validate: _Launch | None = None) -> None:
+        """Validate, then zero, materialise extras and launch the primitive for one pool.
+
+        ``validate`` gets the arguments ``launch`` will get and raises, before any
+        write, when the call would be refused; the tensor counts as stepped only
+        once writing starts, so a refused call may be retried corrected."""
+        self._not_done(layer, name)
         dev, inp = self.device, self.inputs
         pool = self._pool(layer, name)
-        self._before_write(layer, name, pool)
         if not inp.staged:
+            if validate is not None:
+                validate(pool, self._start, self._dst, inp.size)
+            self.done.add((layer, name))
+            self._before_write(layer, name, pool)
             if self._zero is not None and self._needs_zero:
                 dev.zero_rows(pool, self._zero)
             if self._ex_src is not None and self._ex_dst is not None:
@@ -129,11 +147,15 @@ class RecurrentStep:
         # staged: read everything first
         n = inp.n_seqs
         tmp = dev.alloc((n * inp.n_snap, pool.shape[1]), pool.dtype)
+        if validate is not None:
+            validate(tmp, self._local, self._local, n)
+        self.done.add((layer, name))
+        self._before_write(layer, name, pool)
         dev.copy_rows(pool, self._read_rows, tmp, self._local)
         if self._fresh_local_idx is not None:
             dev.zero_rows(tmp, self._fresh_local_idx)
         if self._ex_src is not None and self._ex_dst is not None:
-            ex = dev.alloc((inp.extra_src.size, pool.shape[1]), pool.dtype)
+            ex = dev.alloc((self._ex_src.shape[0], pool.shape[1]), pool.dtype)
             dev.get_rows(pool, self._ex_src, ex)
             dev.set_rows(pool, self._ex_dst, ex)
         launch(tmp, self._local, self._local, n)
@@ -153,24 +175,46 @@ class RecurrentStep:
     ) -> None:
         """``ssm_conv`` on the layer's conv-window pool (``x`` [n_seqs, n_seq_tokens, ch])."""
         snap = self.inputs.n_snap
+        dev = self.device
+
+        def validate(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+            self._conv_shapes(layer, pool.shape[1], x, weight, y, bias)
+            shp = P.check_ssm_conv(
+                dev, pool=pool, start_rows=start, dst_rows=dst, x=x, weight=weight, y=y, bias=bias,
+                n_snap=snap, plane_stride=stride,
+            )  # fmt: skip
+            dev._require("ssm_conv", dtype=pool.dtype, n_snap=snap, strided=not x.is_contiguous, d_conv=shp.d_conv)
 
         def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            self.device.ssm_conv(
+            dev.ssm_conv(
                 pool, start, dst, x, weight, y, bias=bias, apply_silu=apply_silu, n_snap=snap, plane_stride=stride
             )
 
-        self._run(layer, tensor, launch)
+        self._run(layer, tensor, launch, validate)
 
     def scan(
         self, layer: int, x: Buffer, dt: Buffer, A: Buffer, B: Buffer, C: Buffer, y: Buffer, *, tensor: str = "s"
     ) -> None:
         """``ssm_scan`` (Mamba-1/2) on the layer's state pool."""
         snap = self.inputs.n_snap
+        dev = self.device
+
+        def validate(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+            self._scan_shapes(layer, pool.shape[1], x, dt, A, B, C, y)
+            shp = P.check_ssm_scan(
+                dev, pool=pool, start_rows=start, dst_rows=dst, x=x, dt=dt, A=A, B=B, C=C, y=y,
+                n_snap=snap, plane_stride=stride,
+            )  # fmt: skip
+            strided = not (x.is_contiguous and dt.is_contiguous and B.is_contiguous and C.is_contiguous)
+            dev._require(
+                "ssm_scan", dtype=pool.dtype, n_snap=snap, strided=strided, variant=shp.variant,
+                d_state=shp.d_state, head_dim=shp.head_dim,
+            )  # fmt: skip
 
         def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            self.device.ssm_scan(pool, start, dst, x, dt, A, B, C, y, n_snap=snap, plane_stride=stride)
+            dev.ssm_scan(pool, start, dst, x, dt, A, B, C, y, n_snap=snap, plane_stride=stride)
 
-        self._run(layer, tensor, launch)
+        self._run(layer, tensor, launch, validate)
 
     def delta(
         self,
@@ -187,13 +231,26 @@ class RecurrentStep:
     ) -> None:
         """``gated_delta_net`` (GDN / KDA) on the layer's state pool."""
         snap = self.inputs.n_snap
+        dev = self.device
+
+        def validate(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+            self._delta_shapes(layer, pool.shape[1], q, k, v, g, beta, o)
+            shp = P.check_gated_delta_net(
+                dev, pool=pool, start_rows=start, dst_rows=dst, q=q, k=k, v=v, g=g, beta=beta, o=o,
+                n_snap=snap, plane_stride=stride,
+            )  # fmt: skip
+            strided = not (
+                q.is_contiguous and k.is_contiguous and v.is_contiguous and g.is_contiguous and beta.is_contiguous
+            )
+            dev._require(
+                "gated_delta_net", dtype=pool.dtype, n_snap=snap, strided=strided, variant=shp.variant,
+                head_size=shp.head_size,
+            )  # fmt: skip
 
         def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            self.device.gated_delta_net(
-                pool, start, dst, q, k, v, g, beta, o, n_snap=snap, plane_stride=stride, scale=scale
-            )
+            dev.gated_delta_net(pool, start, dst, q, k, v, g, beta, o, n_snap=snap, plane_stride=stride, scale=scale)
 
-        self._run(layer, tensor, launch)
+        self._run(layer, tensor, launch, validate)
 
     def copy_only(self, layer: int, tensor: str) -> None:
         """Materialise extras for a state tensor that this ubatch does not advance
@@ -203,3 +260,107 @@ class RecurrentStep:
             return None
 
         self._run(layer, tensor, launch)
+
+    # -- shapes against the ubatch and the layer (names the argument that is wrong) ----
+    def _tokens_dims(self, name: str, buf: object, ndim: int, layout: str) -> tuple[int, ...]:
+        """The shape of a per-token input, checked against the ubatch: ``ndim`` axes,
+        the first two ``[n_seqs, n_seq_tokens]``."""
+        inp = self.inputs
+        want = (inp.n_seqs, inp.n_seq_tokens)
+        shape = _shape_of(buf, name)
+        if len(shape) != ndim or shape[:2] != want:
+            raise ArgumentError(
+                name,
+                f"shape {shape} must be [{layout}] with n_seqs={want[0]}, n_seq_tokens={want[1]} (this ubatch)",
+            )
+        return shape
+
+    def _conv_shapes(self, layer: int, row: int, x: object, weight: object, y: object, bias: object | None) -> None:
+        par = self._layer_params(layer)
+        w = _shape_of(weight, "weight")
+        if "channels" in par and "d_conv" in par:
+            if w != (par["channels"], par["d_conv"]):
+                raise ArgumentError("weight", f"shape {w} must be [channels={par['channels']}, d_conv={par['d_conv']}]")
+        elif len(w) != 2 or w[1] < 2 or w[0] * (w[1] - 1) != row:
+            raise ArgumentError(
+                "weight",
+                f"shape {w} must be [channels, d_conv] with channels * (d_conv - 1) = {row}, "
+                f"the conv window this layer's state rows hold",
+            )
+        ch = w[0]
+        xs = self._tokens_dims("x", x, 3, "n_seqs, n_seq_tokens, channels")
+        if xs[2] != ch:
+            raise ArgumentError("x", f"shape {xs} has {xs[2]} channels, the layer's conv has {ch}")
+        ys = _shape_of(y, "y")
+        if ys != xs:
+            raise ArgumentError("y", f"shape {ys} must be {xs} (one output per input of x)")
+        if bias is not None and _shape_of(bias, "bias") != (ch,):
+            raise ArgumentError("bias", f"shape {_shape_of(bias, 'bias')} must be [channels={ch}]")
+
+    def _scan_shapes(
+        self, layer: int, row: int, x: object, dt: object, A: object, B: object, C: object, y: object
+    ) -> None:
+        par = self._layer_params(layer)
+        xs = self._tokens_dims("x", x, 4, "n_seqs, n_seq_tokens, n_head, head_dim")
+        n_s, n_t = xs[:2]
+        dts, As = _shape_of(dt, "dt"), _shape_of(A, "A")
+        if "n_head" in par and "head_dim" in par:
+            h, hd = par["n_head"], par["head_dim"]
+        elif len(dts) == 3 and len(As) >= 1 and dts[2] == As[0] != xs[2]:
+            h, hd = As[0], xs[3]  # dt and A agree on the head count: x is the odd one out
+        else:
+            h, hd = xs[2], xs[3]
+        if xs[2:] != (h, hd) or row % (h * hd):
+            raise ArgumentError(
+                "x", f"shape {xs}: [n_head, head_dim] = {xs[2:]} does not fit this layer's state rows of {row}"
+            )
+        n = par.get("d_state", row // (h * hd))
+        if dts != (n_s, n_t, h):
+            raise ArgumentError("dt", f"shape {dts} must be [n_seqs={n_s}, n_seq_tokens={n_t}, n_head={h}]")
+        if As not in ((h,), (h, n)):
+            raise ArgumentError("A", f"shape {As} must be [n_head={h}] (Mamba-2) or [n_head={h}, d_state={n}]")
+        Bs, Cs = _shape_of(B, "B"), _shape_of(C, "C")
+        for name, sh in (("B", Bs), ("C", Cs)):
+            if len(sh) != 4 or sh[:2] != (n_s, n_t) or sh[3] != n or sh[2] < 1 or h % sh[2]:
+                raise ArgumentError(
+                    name, f"shape {sh} must be [n_seqs={n_s}, n_seq_tokens={n_t}, n_group (dividing {h}), d_state={n}]"
+                )
+        if Cs != Bs:
+            raise ArgumentError("C", f"shape {Cs} must equal B's {Bs}")
+        ys = _shape_of(y, "y")
+        if ys != xs:
+            raise ArgumentError("y", f"shape {ys} must be {xs} (one output per input of x)")
+
+    def _delta_shapes(
+        self, layer: int, row: int, q: object, k: object, v: object, g: object, beta: object, o: object
+    ) -> None:
+        par = self._layer_params(layer)
+        vs = self._tokens_dims("v", v, 4, "n_seqs, n_seq_tokens, H_v, S")
+        n_s, n_t, h_v, size = vs
+        if ("n_head" in par and (par["n_head"], par["head_dim"]) != (h_v, size)) or h_v * size * size != row:
+            raise ArgumentError("v", f"shape {vs}: [H_v, S] = {vs[2:]} does not fit this layer's state rows of {row}")
+        qs = self._tokens_dims("q", q, 4, "n_seqs, n_seq_tokens, H_k, S")
+        h_k = par.get("n_head_k", qs[2])
+        if qs != (n_s, n_t, h_k, size) or h_k < 1 or h_v % h_k:
+            raise ArgumentError("q", f"shape {qs} must be [{n_s}, {n_t}, H_k (dividing H_v={h_v}), S={size}]")
+        ks = _shape_of(k, "k")
+        if ks != qs:
+            raise ArgumentError("k", f"shape {ks} must equal q's {qs}")
+        gs = _shape_of(g, "g")
+        if gs not in ((n_s, n_t, h_v), (n_s, n_t, h_v, size)):
+            raise ArgumentError("g", f"shape {gs} must be [{n_s}, {n_t}, {h_v}] or [{n_s}, {n_t}, {h_v}, {size}]")
+        bs = _shape_of(beta, "beta")
+        if bs != (n_s, n_t, h_v):
+            raise ArgumentError("beta", f"shape {bs} must be [{n_s}, {n_t}, {h_v}]")
+        os_ = _shape_of(o, "o")
+        if os_ != vs:
+            raise ArgumentError("o", f"shape {os_} must be {vs} (one output per value of v)")
+
+
+_Launch = Callable[[Buffer, Buffer, Buffer, int], None]
+
+
+def _shape_of(buf: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(buf, Buffer):
+        raise ArgumentError(name, f"expected a Buffer, got {type(buf).__name__}")
+    return tuple(buf.shape)
