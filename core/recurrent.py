@@ -40,6 +40,7 @@ from statecache.backend import Buffer, Device
 from statecache.batch import BatchAllocator, SeqIds, UBatch
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, BatchError, StateError
+from statecache.launch_memo import LaunchMemo
 from statecache.memory import (
     POS_MAX,
     ContextError,
@@ -427,6 +428,8 @@ class RecurrentMemory(Memory):
         self.keep_undo_rows = bool(keep_undo_rows)
         self._last_apply: _ApplyRecord | None = None
         self._row_idx_cache: dict[tuple[int, int], Buffer] = {}
+        #: calls the recurrent step validated before its first write (see RecurrentStep._validate)
+        self._step_checks = LaunchMemo()
 
     # -- introspection ----------------------------------------------------------
     @property
