@@ -280,6 +280,7 @@ class HybridMemory(Memory):
         return self.attn.make_context(ubs, plans[1]), RecurrentContext(self.recr, ubs, plans[0])
 
     def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
         ubs = self.split(balloc, n_ubatch, embd_all)
         if ubs is None:
             return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")

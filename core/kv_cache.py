@@ -322,6 +322,7 @@ class KVCache(Memory):
         return KVCacheContext(self, ubatches, sinfos)
 
     def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
         ubs = self.split(balloc, n_ubatch)
         if ubs is None:
             return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
@@ -1136,6 +1137,7 @@ class KVCacheISWA(Memory):
         return ISWAContext(self, ubatches, plan)
 
     def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
         ubs = self.split(balloc, n_ubatch)
         if ubs is None:
             return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")

@@ -496,6 +496,7 @@ class RecurrentMemory(Memory):
 
     # -- plans ------------------------------------------------------------------
     def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
         balloc.split_reset()
         ubatches: list[UBatch] = []
         keep = self.n_rs_seq + 1 if self.n_rs_seq > 0 else 0
