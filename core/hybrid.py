@@ -48,6 +48,7 @@ Where we differ from upstream, on purpose:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -359,20 +360,17 @@ class HybridMemory(Memory):
         P = self.recr.seq_pos_max(seq)
         end = p0 - 1 if p0 <= P < p1 else P
         for cache in self.kv_caches:
-            pairs = cache.cells[cache.stream_of(seq)].seq_pos[seq]
-            kept = [p for p, _ in pairs if not p0 <= p < p1]
-            if max(kept, default=-1) != end:
+            if _last_kept(cache.cells[cache.stream_of(seq)].seq_pos[seq], p0, p1) != end:
                 return False
         if isinstance(self.attn, KVCacheISWA) and p0 <= P < p1 and end >= 0:  # a rollback
             base, swa = self.attn.base, self.attn.swa
-            held = {p for p, _ in swa.cells[swa.stream_of(seq)].seq_pos[seq]}
-            need = {
-                p
-                for p, _ in base.cells[base.stream_of(seq)].seq_pos[seq]
-                if p <= end and not is_masked_swa(swa.n_swa, swa.swa_type, p, end + 1)
-            }
-            if not need <= held:
-                return False
+            need = _window_positions(base.cells[base.stream_of(seq)].seq_pos[seq], swa, end)
+            if need:
+                pairs = swa.cells[swa.stream_of(seq)].seq_pos[seq]
+                lo = bisect.bisect_left(pairs, (min(need), -1))
+                hi = bisect.bisect_right(pairs, (end, 2**62))
+                if not need <= {p for p, _ in pairs[lo:hi]}:
+                    return False
         return True
 
     def _seq_rm_rest(self, seq: int, p0: int, p1: int) -> bool:
@@ -558,6 +556,27 @@ class HybridMemory(Memory):
         except BaseException:
             self._drop_read_parts(seq, flags)
             raise
+
+
+def _last_kept(pairs: Sequence[tuple[int, int]], p0: int, p1: int) -> int:
+    """The last position of a sorted ``(pos, cell)`` list outside [p0, p1) (-1: none); O(log n)."""
+    if not pairs:
+        return -1
+    if pairs[-1][0] >= p1:
+        return pairs[-1][0]
+    k = bisect.bisect_left(pairs, (p0, -1))
+    return pairs[k - 1][0] if k > 0 else -1
+
+
+def _window_positions(pairs: Sequence[tuple[int, int]], swa: KVCache, end: int) -> set[int]:
+    """Positions up to ``end`` of a sorted ``(pos, cell)`` list that the window of a token at
+    ``end + 1`` reads (every window type hides more the further back a position is)."""
+    out: set[int] = set()
+    k = bisect.bisect_right(pairs, (end, 2**62)) - 1
+    while k >= 0 and not is_masked_swa(swa.n_swa, swa.swa_type, pairs[k][0], end + 1):
+        out.add(pairs[k][0])
+        k -= 1
+    return out
 
 
 class HybridISWAMemory(HybridMemory):

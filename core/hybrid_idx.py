@@ -180,7 +180,9 @@ class HybridIdxMemory(HybridMemory):
     def _seq_rm_allowed(self, seq: int, p0: int, p1: int) -> bool:
         if not super()._seq_rm_allowed(seq, p0, p1):
             return False
-        _, pairs = self.pairs_of(seq)
+        pairs = self.idx.cells[self.idx.stream_of(seq)].seq_pos[seq]  # not a copy: O(1) for a rollback
+        if not pairs or p1 > pairs[-1][0]:
+            return True  # a tail removal (a rollback) keeps every other cell's rank and position
         return self._groupings_agree(seq, {c: None for p, c in pairs if p0 <= p < p1})
 
     def _check_regroup(self, seq: int, p0: int, p1: int, new_pos: Any, op: str) -> None:
