@@ -347,6 +347,9 @@ def check_ssm_conv(
         raise ArgumentError("x", f"empty shape {x.shape}")
     weight = _own(dev, weight, "weight")
     if weight.ndim != 2 or weight.shape[0] != ch:
+        y_ch = _own(dev, y, "y").shape[-1:]
+        if weight.ndim == 2 and y_ch == (weight.shape[0],):  # weight and y agree: x is the odd one out
+            raise ArgumentError("x", f"shape {x.shape} has {ch} channels, weight and y have {weight.shape[0]}")
         raise ArgumentError("weight", f"shape {weight.shape} must be [channels={ch}, d_conv]")
     d_conv = weight.shape[1]
     if d_conv < 2:
@@ -356,6 +359,12 @@ def check_ssm_conv(
     if bias is not None:
         _input(dev, bias, "bias", (ch,))
     if pool.shape[1] != ch * (d_conv - 1):
+        if pool.shape[1] % ch == 0:  # a window of whole columns: the kernel width is what disagrees
+            raise ArgumentError(
+                "weight",
+                f"d_conv {d_conv} needs pool rows of channels * (d_conv - 1) = {ch * (d_conv - 1)}, the pool's rows "
+                f"hold {pool.shape[1]} (d_conv {pool.shape[1] // ch + 1})",
+            )
         raise ArgumentError("pool", f"row size {pool.shape[1]} must be channels * (d_conv - 1) = {ch * (d_conv - 1)}")
     y = _output(dev, y, "y", (n_s, n_t, ch))
     _distinct_storage(y, "y", (pool, "pool"), (x, "x"), (weight, "weight"), (bias, "bias"))
@@ -400,6 +409,9 @@ def check_ssm_scan(
     elif A.shape == (n_head, d_state):
         variant = "mamba1"
     else:
+        dt_shape = _own(dev, dt, "dt").shape
+        if A.ndim >= 1 and A.shape[0] != n_head and dt_shape == (n_s, n_t, A.shape[0]):  # x is the odd one out
+            raise ArgumentError("x", f"shape {x.shape} has {n_head} heads, A and dt have {A.shape[0]}")
         raise ArgumentError("A", f"shape {A.shape} must be [n_head={n_head}] or [n_head={n_head}, d_state={d_state}]")
     if variant == "mamba1":
         if head_dim != 1 or n_group != 1:
@@ -412,6 +424,11 @@ def check_ssm_scan(
     _input(dev, dt, "dt", (n_s, n_t, n_head))
     _f32(A, "A")
     _f32(B, "B")
+    C_shape = _own(dev, C, "C").shape
+    row = pool.shape[1]
+    if C_shape != B.shape and row % (n_head * head_dim) == 0 and C_shape[-1:] == (row // (n_head * head_dim),):
+        # C agrees with the pool's d_state: B is the odd one out
+        raise ArgumentError("B", f"shape {B.shape} disagrees with C {C_shape} and the pool's d_state")
     _input(dev, C, "C", (n_s, n_t, n_group, d_state))
     if pool.shape[1] != n_head * head_dim * d_state:
         raise ArgumentError(
