@@ -420,6 +420,7 @@ class HybridMemory(Memory):
         if delta != 0:  # refusals change nothing anywhere
             self.recr.check_position_move(seq, p0, p1, "seq_add", delta)
             self.attn.check_position_move(seq, p0, p1, "seq_add", delta)
+            self._check_move_keeps_ends(seq, p0, p1, lambda p: p + delta, "delta")
         self._edits += 1
         self.attn.seq_add(seq, p0, p1, delta)
         self.recr.seq_add(seq, p0, p1, delta)
@@ -429,10 +430,32 @@ class HybridMemory(Memory):
         d = check_divisor(d)
         if d != 1:
             self.recr.check_position_move(seq, p0, p1, "seq_div")
+            self._check_move_keeps_ends(seq, p0, p1, lambda p: p // d, "d")
             self.attn.check_position_move(seq, p0, p1, "seq_div")
         self._edits += 1
         self.attn.seq_div(seq, p0, p1, d)
         self.recr.seq_div(seq, p0, p1, d)
+
+    def _check_move_keeps_ends(self, seq: int, p0: int, p1: int, move: Any, name: str) -> None:
+        """Refuse (changing nothing) a position move after which the parts would end
+        ``seq`` at different positions: the recurrent part moves its one position
+        (the last) only when it is in [p0, p1), each attention cache moves every
+        cell in the range, so moving the last position below positions the range
+        leaves behind (or a range that stops short of the end) splits them."""
+        q0, q1 = normalize_range(p0, p1)
+        P = self.recr.seq_pos_max(seq)
+        end = move(P) if q0 <= P < q1 else P
+        end = max(end, -1)
+        for cache in self.kv_caches:
+            pairs = cache.cells[cache.stream_of(seq)].seq_pos[seq]
+            got = max((move(p) if q0 <= p < q1 else p for p, _ in pairs), default=-1)
+            if max(got, -1) != end:
+                raise ArgumentError(
+                    name,
+                    f"moving [{q0}, {q1}) of sequence {seq} would end its attention cells at {max(got, -1)} and its "
+                    f"recurrent state at {end}; the parts of a hybrid must agree (remove the positions in between "
+                    "first, as a context shift does)",
+                )
 
     def seq_pos_min(self, seq: int) -> int:
         self._check_seq(seq)
