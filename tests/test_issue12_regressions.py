@@ -15,7 +15,7 @@ import zlib
 
 import numpy as np
 import pytest
-from hybrid_toy import ATTN, E, HybridToy, emb, make_hybrid, run_layers
+from hybrid_toy import ATTN, E, HybridToy, make_hybrid
 from recurrent_toy import CH, D_CONV, HV, H, N, P, S, Tables, Toy, oracle, toy_spec
 from test_hybrid import check
 
@@ -41,7 +41,7 @@ def _kv_fingerprint(cache: KVCache) -> tuple:
         for c in cache.cells
     )
     data = tuple(b.numpy().tobytes() for b in cache.buffers())
-    return cells, tuple(cache.book.heads), tuple(cache.pending_copies), cache.version, data
+    return cells, tuple(cache.book.heads), tuple(cache.pending_copies), getattr(cache, "version", None), data
 
 
 def fingerprint(mem) -> tuple:  # type: ignore[no-untyped-def]
@@ -49,12 +49,12 @@ def fingerprint(mem) -> tuple:  # type: ignore[no-untyped-def]
     if isinstance(mem, RecurrentMemory):
         b = mem.book_snapshot()
         data = tuple(buf.numpy().tobytes() for pools in mem.pools.values() for buf in pools.values())
-        return b.a.tobytes(), b.head, b.used, mem.version, data
+        return b.a.tobytes(), b.head, b.used, getattr(mem, "version", None), data
     if isinstance(mem, KVCache):
         return _kv_fingerprint(mem)
     if isinstance(mem, KVCacheISWA):
         return fingerprint(mem.base), fingerprint(mem.swa)
-    out = [fingerprint(mem.attn), fingerprint(mem.recr), mem.version]
+    out = [fingerprint(mem.attn), fingerprint(mem.recr), getattr(mem, "version", None)]
     if hasattr(mem, "idx"):
         out += [fingerprint(mem.idx), mem.marks.copy().tobytes()]
     return tuple(out)
@@ -717,8 +717,3 @@ def test_item12_hybrid_state_write_after_a_big_shift_is_refused_before() -> None
     with pytest.raises(ArgumentError, match="int32"):
         toy.mem.seq_add(0, 0, -1, 2**31)
     assert HybridMemory.state_write(toy.mem)  # the blob writes
-
-
-def test_emb_helper_is_deterministic() -> None:  # keeps the K/V tables of the toy honest
-    np.testing.assert_array_equal(emb(3, 1), emb(3, 1))
-    assert run_layers is not None
