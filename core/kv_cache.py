@@ -700,7 +700,7 @@ class KVCache(Memory):
         exactly as it was; only a failure while writing (after validation)
         drops the destination, so no half-restored sequence survives."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
-        _, sections = unpack_sections(data, flags)
+        _, sections = unpack_sections(data)  # PARTIAL_ONLY changes nothing a single cache writes
         r = Reader(find_section(sections, TAG_KV))
         plan = self.state_parse(r, seq)
         r.at_end()

@@ -1087,7 +1087,8 @@ class RecurrentMemory(Memory):
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         if hasattr(data, "read") and not isinstance(data, bytes | bytearray | memoryview):
             data = data.read()
-        _, sections = unpack_sections(data, flags)
+        # PARTIAL_ONLY does not change what a recurrent memory writes: only unknown flag bits are refused
+        _, sections = unpack_sections(data)
         plan = self.parse_section(find_section(sections, SECTION_TAG), seq)
         self.apply_section(plan)
 

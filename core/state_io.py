@@ -153,9 +153,10 @@ def pack_sections(sections: Sequence[tuple[bytes, bytes]], flags: int = 0) -> by
 def unpack_sections(data: Any, flags: int | None = None) -> tuple[int, list[tuple[bytes, memoryview]]]:
     """Validate the header, section lengths and checksums; returns ``(flags, [(tag, payload)])``.
 
-    ``flags``: the flags the caller reads with.  The blob's flags must not carry
-    unknown bits, and their ``PARTIAL_ONLY`` bit must equal the caller's (a
-    partial blob holds other sections than a full one)."""
+    The blob's flags must not carry unknown bits.  ``flags``: the flags a
+    memory whose sections depend on ``PARTIAL_ONLY`` (an iSWA pair, a hybrid)
+    reads with; the blob's ``PARTIAL_ONLY`` bit must then equal the caller's
+    (a partial blob holds other sections than a full one)."""
     try:
         raw = bytes(data) if not isinstance(data, bytes | bytearray | memoryview) else data
     except TypeError as exc:
