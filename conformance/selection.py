@@ -13,15 +13,12 @@ import os
 from collections.abc import Iterable, Sequence
 
 from statecache.backend import Backend, Device
+from statecache.errors import SelectionError
 from statecache.registry import BackendRegistry
 
 #: Name of the expected-failures file a backend package may ship next to its
 #: ``__init__.py``: one case id (or fnmatch pattern) per line, ``#`` comments.
 XFAIL_FILENAME = "conformance_xfails.txt"
-
-
-class SelectionError(Exception):
-    """The user asked for something that does not exist (a usage error)."""
 
 
 @dataclasses.dataclass

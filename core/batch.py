@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from statecache.errors import ArgumentError, BatchError
+from statecache.errors import PosError as PosError  # re-exported: it was defined here
 
 #: Largest n_seq_max accepted (upstream's LLAMA_MAX_SEQ).
 MAX_SEQ = 256
@@ -32,21 +33,6 @@ MAX_SEQ = 256
 #: Positions per token of an M-RoPE batch (upstream's ``n_pos_per_embd``): sections
 #: 0 temporal (the 1-D position), 1 y, 2 x, 3 unused by the memory.
 N_POS_MROPE = 4
-
-
-class PosError(BatchError, ArgumentError):
-    """``Batch.pos`` has a shape or type the allocator cannot use.
-
-    Both an :class:`~statecache.errors.ArgumentError` naming ``pos`` and a
-    :class:`~statecache.errors.BatchError` with rule ``"pos"`` (what a bad 1-D
-    ``pos`` always raised)."""
-
-    def __init__(self, message: str) -> None:
-        self.argument = "pos"
-        self.token = None
-        self.seq = None
-        self.rule = "pos"
-        Exception.__init__(self, f"pos: {message}")
 
 
 class SeqIds(Sequence[tuple[int, ...]]):

@@ -26,7 +26,8 @@ import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from statecache.errors import StatecacheError
+# Re-exported: ContextError was defined here before the errors moved to one module.
+from statecache.errors import ContextError as ContextError
 
 if TYPE_CHECKING:
     from statecache.batch import BatchAllocator, UBatch
@@ -72,10 +73,6 @@ class StateFlags(enum.IntFlag):
     NONE = 0
     PARTIAL_ONLY = 1
     ON_DEVICE = 2
-
-
-class ContextError(StatecacheError):
-    """A context was used out of order (ubatch of a failed plan, apply past the end)."""
 
 
 class MemoryContext(abc.ABC):

@@ -39,7 +39,7 @@ import numpy as np
 from statecache.backend import Buffer, Device
 from statecache.batch import BatchAllocator, SeqIds, UBatch
 from statecache.dtypes import DType
-from statecache.errors import ArgumentError, BatchError, StateError
+from statecache.errors import ArgumentError, BatchError, InvariantError, StatecacheWarning, StateError
 from statecache.memory import (
     POS_MAX,
     ContextError,
@@ -59,7 +59,7 @@ _EMPTY_ROWS = np.zeros(0, dtype=np.int64)
 _EMPTY_ROWS.flags.writeable = False
 
 
-class NonConsecutivePositionWarning(UserWarning):
+class NonConsecutivePositionWarning(StatecacheWarning):
     """find_slot saw a ubatch that does not continue a sequence's position (§2.8 step 6)."""
 
 
@@ -430,13 +430,18 @@ class RecurrentMemory(Memory):
         return self._book.copy()
 
     def check_invariants(self) -> None:
+        """Raise :class:`InvariantError` naming the book invariant (I1-I3 of
+        docs/memory-semantics.md#recurrent-book) that no longer holds."""
         b = self._book
         t = b.tail
         owned = t[t >= 0]
-        assert np.array_equal(np.bincount(owned, minlength=self.size), b.n_own), "n_own disagrees with tail (I1)"
+        if not np.array_equal(np.bincount(owned, minlength=self.size), b.n_own):
+            raise InvariantError("I1", "n_own disagrees with tail")
         empty = b.n_own == 0
-        assert (b.pos[empty] == -1).all() and (b.src[empty] == -1).all(), "an empty cell keeps data (I3)"
-        assert int((~empty).sum()) == b.used, (int((~empty).sum()), b.used)
+        if not ((b.pos[empty] == -1).all() and (b.src[empty] == -1).all()):
+            raise InvariantError("I3", "an empty cell keeps data")
+        if int((~empty).sum()) != b.used:
+            raise InvariantError("I2", f"used is {b.used} but {int((~empty).sum())} cells are owned")
 
     def _row_indices(self, head: int, n: int) -> Buffer:
         """Device index buffer of rows ``head .. head + n`` (cached: steps never write index buffers)."""

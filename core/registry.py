@@ -19,7 +19,12 @@ import pluggy
 
 from statecache import hookspecs, settings
 from statecache.backend import Backend, Device
-from statecache.errors import BackendNotFoundError, BackendUnavailableError
+from statecache.errors import (
+    BackendDiscoveryWarning,
+    BackendNotFoundError,
+    BackendUnavailableError,
+    DuplicateBackendWarning,
+)
 
 ENTRY_POINT_GROUP = "statecache.backends"
 
@@ -31,10 +36,6 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "(apt-get install pocl-opencl-icd)",
     "cuda": "the statecache distribution, with nvcc and a CUDA driver on the machine",
 }
-
-
-class DuplicateBackendWarning(UserWarning):
-    """Two plugins or distributions claim the same backend name."""
 
 
 @dataclasses.dataclass
@@ -189,7 +190,9 @@ class BackendRegistry:
                 try:
                     out.extend(entry.backend.devices())
                 except Exception as exc:  # pragma: no cover - defensive
-                    warnings.warn(f"backend {entry.name!r} failed to list devices: {exc}", stacklevel=2)
+                    warnings.warn(
+                        f"backend {entry.name!r} failed to list devices: {exc}", BackendDiscoveryWarning, stacklevel=2
+                    )
         return out
 
     def get_device(self, name: str | None = None) -> Device:
