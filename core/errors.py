@@ -109,6 +109,11 @@ class IntegrationError(StatecacheError, ImportError):
         super().__init__(f"{have}; statecache needs {runtime} {needed} (pip install 'statecache[{extra}]')")
 
 
+class SettingsError(StatecacheError, ValueError):
+    """An environment variable holds a value statecache cannot use (the
+    message names the variable and the value)."""
+
+
 class SelectionError(StatecacheError):
     """The user asked for a backend, device, plugin or file that does not exist
     (a usage error of the conformance kit)."""
