@@ -15,9 +15,9 @@ case; never a failure, never a silent skip), xfail (listed as expected).
 
 from __future__ import annotations
 
+import datetime
 import json
 import platform
-import time
 from typing import Any
 
 import pytest
@@ -91,7 +91,8 @@ class _Run:
                 pytest.exit(f"--require-device: {why}", returncode=1)
         self.results: dict[str, dict[str, Any]] = {}  # nodeid -> record
         self.stale: list[tuple[str, str, str]] = []
-        self.started = time.time()
+        #: when the run began, in UTC (the report gives it as ISO 8601)
+        self.started = datetime.datetime.now(datetime.UTC)
 
     def record(self, item: pytest.Item) -> dict[str, Any]:
         device = item.callspec.params["conformance_device"]  # type: ignore[attr-defined]
@@ -280,7 +281,7 @@ def build_report(run: _Run) -> dict[str, Any]:
         "statecache_version": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "started": run.started,
+        "started": run.started.isoformat(timespec="seconds"),
         "devices": devices,
         "missing_backends": run.selection.missing,
         "stale_expected_failures": [{"backend": b, "entry": e, "source": s} for b, e, s in run.stale],

@@ -5,6 +5,7 @@ the pytest plugin stays inert in ordinary runs."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import pathlib
@@ -274,6 +275,8 @@ def test_cli_runs_the_kit_and_prints_a_table(tmp_path):
     assert "toy:0" in proc.stdout and "not supported" in proc.stdout
     data = json.loads(report.read_text())
     assert {c["status"] for c in data["cases"]} == {"pass"}
+    started = datetime.datetime.fromisoformat(data["started"])  # ISO 8601, in UTC
+    assert started.utcoffset() == datetime.timedelta(0)
 
 
 def test_cli_exit_codes(tmp_path):
