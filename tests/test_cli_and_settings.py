@@ -290,3 +290,29 @@ def test_perf_honours_k_and_report_shows_progress_and_explains_its_columns(tmp_p
     assert datetime.datetime.fromisoformat(data["started"]).tzinfo is not None
     assert main(["conformance", "--perf", "--backend", "cpu", "-k", "no_such_shape"]) == EXIT_USAGE
     assert "-k 'no_such_shape' selects no benchmark shape" in capsys.readouterr().out
+
+
+def test_backends_prints_a_long_reason_whole_even_in_a_narrow_table(monkeypatch, capsys):
+    from statecache import Backend, registry
+    from statecache.hookspecs import hookimpl
+
+    why = "the driver said: " + "very long explanation " * 12 + "[see docs/install.md]"
+
+    class Broken(Backend):
+        name = "broken"
+
+        def availability(self):
+            return True, ""
+
+        def devices(self):
+            raise RuntimeError(why)
+
+    class Plugin:
+        @hookimpl
+        def statecache_register_backends(self, registry):
+            registry.add(Broken())
+
+    real = registry.BackendRegistry
+    monkeypatch.setattr(registry, "BackendRegistry", lambda: real(load_entry_points=False, plugins=[Plugin()]))
+    assert main(["backends", "--width", "60"]) == EXIT_OK
+    assert f"broken: unavailable: listing devices raised RuntimeError: {why}\n" in capsys.readouterr().out
