@@ -1,11 +1,11 @@
-"""Batches, their validation, and the three ubatch splitters (spec §6).
+"""Batches, their validation, and the three ubatch splitters (docs/memory-semantics.md#batches).
 
 A :class:`Batch` is what a runtime submits: tokens (or embeddings), optional
 positions, sequence ids per token and output flags.  A
-:class:`BatchAllocator` validates it against a memory (§6.1), auto-fills what
+:class:`BatchAllocator` validates it against a memory (docs/memory-semantics.md#batch-validation), auto-fills what
 was left out, and then cuts it into :class:`UBatch` es with
 :meth:`~BatchAllocator.split_simple`, :meth:`~BatchAllocator.split_equal` or
-:meth:`~BatchAllocator.split_seq` (§6.3).  Every token is emitted exactly
+:meth:`~BatchAllocator.split_seq` (docs/memory-semantics.md#splitters).  Every token is emitted exactly
 once; :attr:`BatchAllocator.out_ids` records the batch index of every output
 token in the order the ubatches emitted them, so a caller can put logits back
 in its own order.
@@ -123,7 +123,7 @@ class Batch:
 
 @dataclasses.dataclass
 class UBatch:
-    """One unit of work for a memory and a graph (spec §6.2).
+    """One unit of work for a memory and a graph (docs/memory-semantics.md#ubatch).
 
     For an equal split (``equal_seqs``) the tokens form ``n_seqs`` sets of
     ``n_seq_tokens`` tokens each, set-major: token ``s * n_seq_tokens + t``
@@ -269,7 +269,7 @@ class BatchAllocator:
         self._seq_to_set_arr = np.full(self.n_seq_max + 1, -1, dtype=np.int64)
         self.split_reset()
 
-    # -- validation (§6.1) ----------------------------------------------------
+    # -- validation (docs/memory-semantics.md#batch-validation) ---------------
     def init(
         self,
         batch: Batch,
@@ -553,7 +553,7 @@ class BatchAllocator:
             return SeqIds(primary), primary
         return seq_id, primary
 
-    # -- splitting (§6.3) -----------------------------------------------------
+    # -- splitting (docs/memory-semantics.md#splitters) -----------------------
     @property
     def n_outputs(self) -> int:
         return int(self.output.sum())

@@ -1,10 +1,10 @@
-"""The attention KV cell book of one stream (spec §5.1).
+"""The attention KV cell book of one stream (docs/memory-semantics.md#kv-cells).
 
 Per cell: a position (``-1`` = empty), a 2-D position extension ``(x, y)``
 for M-RoPE ties, an accumulated pending shift (for the runtime's RoPE
 re-rotation), and the set of sequences holding the cell.  Per sequence: the
 ordered list of ``(pos, cell)`` pairs it holds, so that ``seq_pos_min`` and
-``seq_pos_max`` are O(1) and the k-pool layout (kpool-spec K.1) can read a
+``seq_pos_max`` are O(1) and the k-pool layout (docs/memory-semantics.md#kpool-layout) can read a
 sequence's cells in order without scanning the stream.
 
 Everything here is host-side bookkeeping; no device buffer is touched.

@@ -1,4 +1,4 @@
-"""What a model's recurrent memory holds: per-layer state sizes per family (spec §2.1).
+"""What a model's recurrent memory holds: per-layer state sizes per family (docs/memory-semantics.md#state-sizes).
 
 A :class:`MemorySpec` lists the model's layers (``n_layer`` counts every
 layer, attention ones too) and, for each recurrent layer, its
@@ -56,7 +56,7 @@ class RecurrentLayerSpec:
     def rollback_capable(self) -> bool:
         return self.family in ROLLBACK_FAMILIES
 
-    # -- family constructors (hyperparameters -> row sizes, spec §2.1) ----------
+    # -- family constructors (hyperparameters -> row sizes, docs/memory-semantics.md#state-sizes) ----------
     @classmethod
     def mamba1(cls, *, d_inner: int, d_state: int, d_conv: int) -> RecurrentLayerSpec:
         # Mamba-1 is Mamba-2 with head_dim 1, n_head = d_inner, one group (B, C not convolved).
@@ -158,7 +158,7 @@ class MemorySpec:
 
     def effective_n_rs_seq(self, n_rs_seq: int) -> int:
         """Rollback planes actually used: 0 unless every recurrent layer is rollback-capable
-        (spec §10 item 35); a model with no recurrent layer keeps it (positions only)."""
+        (docs/memory-semantics.md#inv-35); a model with no recurrent layer keeps it (positions only)."""
         if n_rs_seq < 0:
             raise ArgumentError("n_rs_seq", f"must be >= 0, got {n_rs_seq}")
         if not self.recurrent_layers:
@@ -217,7 +217,7 @@ class AttentionLayerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class IndexerSpec:
-    """The key-only indexer cache of hybrid-idx models (kpool-spec K.1)."""
+    """The key-only indexer cache of hybrid-idx models (docs/memory-semantics.md#kpool-rows)."""
 
     layers: tuple[int, ...]
     head_size: int

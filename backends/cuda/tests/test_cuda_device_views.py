@@ -8,7 +8,6 @@ import pytest
 
 from statecache.conformance.catalog import cases_of
 
-
 # copy_buffer is a cudaMemcpy the host emulation does not have (the GPU runs those cases).
 VIEW_CASES = [c for c in cases_of("device") if "view" in c.id and "copy_buffer" not in c.id]
 
