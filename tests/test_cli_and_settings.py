@@ -222,7 +222,13 @@ def test_plugin_module_in_the_current_directory_is_found(tmp_path):
 
 def test_progress_shows_each_device_with_its_own_count():
     proc = _statecache(
-        "conformance", "--plugin", "statecache_toy", "--backend", "toy,toy_oob", "-k", "device.indices or fill_bytes"
+        "conformance",
+        "--plugin",
+        "statecache_toy",
+        "--backend",
+        "toy,toy_oob",
+        "-k",
+        "device.indices or fill_bytes_view",
     )
     assert proc.returncode == 0, proc.stdout[-3000:]
     bars = {line.split()[0]: line for line in proc.stdout.splitlines() if "━" in line and " failed " in line}
