@@ -149,6 +149,15 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if source is not None:
             item.add_marker(pytest.mark.xfail(reason=f"expected failure of {device.backend_name} ({source})"))
     run.stale = run.expect.stale(c.id for c in all_cases())
+    # One device after another (stable: each device keeps the suite's order), so
+    # progress, timings and a device that hangs are each about one device.
+    rank = {device.id: i for i, device in enumerate(run.selection.devices)}
+
+    def device_rank(item: pytest.Item) -> int:
+        device = getattr(getattr(item, "callspec", None), "params", {}).get("conformance_device")
+        return rank.get(getattr(device, "id", ""), len(rank))
+
+    items.sort(key=device_rank)
 
 
 def run_case(device: Any, case: Any) -> None:
