@@ -22,7 +22,16 @@ import tempfile
 from collections import Counter
 from typing import IO, Any
 
-from statecache.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, make_console, reported_warnings, say, usage_error
+from statecache.cli import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    NON_TERMINAL_WIDTH,
+    make_console,
+    reported_warnings,
+    say,
+    usage_error,
+)
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "add_parser", "run"]
 
@@ -65,7 +74,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="import and register this statecache plugin module (a backend not installed as an entry point); "
         "looked for on the import path, then in the current directory",
     )
-    p.add_argument("--width", type=int, default=None, help="output width (default: the terminal's, or 200)")
+    p.add_argument(
+        "--width", type=int, default=None, help=f"output width (default: the terminal's, or {NON_TERMINAL_WIDTH})"
+    )
     p.set_defaults(func=run)
     return p
 
