@@ -1,4 +1,4 @@
-"""The attention KV cache (spec §5) and its iSWA pair (§5.6).
+"""The attention KV cache (docs/memory-semantics.md#kv-cells) and its iSWA pair (docs/memory-semantics.md#iswa).
 
 The cell book lives in :class:`~statecache.kv_cells.KVCells` (one per
 stream); K and V live on the device, one buffer per layer shaped
@@ -12,7 +12,7 @@ whole-stream buffer copies queued by cross-stream ``seq_cp`` (done with
 ``copy_rows`` when applied) and the per-cell position shifts that the
 runtime's RoPE must re-rotate K by; applying the update clears both.
 
-State blobs (§5.7, our format) are read in two phases: :meth:`KVCache.
+State blobs (docs/state-format.md) are read in two phases: :meth:`KVCache.
 state_parse` validates everything and chooses the destination cells without
 touching anything; :meth:`KVCache.state_commit` writes.  Composite memories
 parse every part before committing any.
@@ -118,7 +118,7 @@ class KVStatePlan:
 
 
 class KVCache(Memory):
-    """An attention KV cache over some layers (spec §5).
+    """An attention KV cache over some layers (docs/memory-semantics.md#kv-cells).
 
     ``unified``: one stream shared by every sequence, else one stream per
     sequence.  ``swa_type``/``n_swa``: the sliding window used both by the
@@ -226,7 +226,7 @@ class KVCache(Memory):
         used = max(c.used_max_p1() for c in self.cells)
         return n_kv_for(used, self.size, self.n_pad)
 
-    # -- placement (§5.3) -----------------------------------------------------------
+    # -- placement (docs/memory-semantics.md#kv-placement) --------------------------
     def split(self, balloc: BatchAllocator, n_ubatch: int) -> list[UBatch] | None:
         balloc.split_reset()
         out = []
@@ -347,7 +347,7 @@ class KVCache(Memory):
         would move later tokens down, and their window would reach cells already gone."""
         return not self.evicts
 
-    # -- sequence operations (§5.4) -------------------------------------------------
+    # -- sequence operations (docs/memory-semantics.md#kv-sequence-ops) -------------
     def _seq_rm_cells(self, book: _Book, strm: int, seq: int, p0: int, p1: int) -> bool:
         """Drop ``seq`` from its cells in [p0, p1); True when it held any."""
         cells = book.cells[strm]
@@ -519,7 +519,7 @@ class KVCache(Memory):
             )
         return out
 
-    # -- state (§5.7, our format) -------------------------------------------------------
+    # -- state (docs/state-format.md) ---------------------------------------------------
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
         w = Writer()
         self.state_write_into(w, seq)
@@ -940,7 +940,7 @@ def iswa_sizes(
     swa_full: bool,
     rollback_depth: int = 0,
 ) -> int:
-    """Size of the window cache of an iSWA pair (§5.6); ``rollback_depth`` more
+    """Size of the window cache of an iSWA pair (docs/memory-semantics.md#iswa); ``rollback_depth`` more
     positions per sequence stay in it so that a rollback finds its window."""
     if swa_full:
         return size
@@ -1055,7 +1055,7 @@ class ISWAPlan:
 
 
 class KVCacheISWA(Memory):
-    """iSWA pair (§5.6): a base cache for the full-attention layers and a
+    """iSWA pair (docs/memory-semantics.md#iswa): a base cache for the full-attention layers and a
     window cache, ``iswa_sizes`` big, for the sliding-window layers.  Both are
     planned for the same ubatches; positions are answered by the window
     cache (the base is a superset).

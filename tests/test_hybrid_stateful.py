@@ -210,7 +210,7 @@ class HybridMachine(RuleBasedStateMachine):
 
     def window_holdings(self, s: int) -> list[tuple[int, int]]:
         """iSWA: the history the window cache still holds.  Its cells are reused once
-        masked for the sequence's next token and the purge rule (spec §10 item 50) then
+        masked for the sequence's next token and the purge rule (docs/memory-semantics.md#inv-50) then
         drops every position up to the reused one, so it holds exactly the positions from
         its ``seq_pos_min`` up.  Checked here: nothing it gave up was visible to the next
         token.  A context shift moves later tokens down, so the next token's window can
