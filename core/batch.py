@@ -336,7 +336,11 @@ class BatchAllocator:
                 raise BatchError(f"tokens must be a 1-D integer array, got shape {token.shape}", rule="payload")
             if token.size and not np.issubdtype(token.dtype, np.integer):
                 raise BatchError(f"tokens must be integer ids, got dtype {token.dtype}", rule="payload")
-            if token.size and (token.min() < INT32_MIN or token.max() > INT32_MAX):
+            if (
+                token.size
+                and not np.can_cast(token.dtype, np.int32)
+                and (token.min() < INT32_MIN or token.max() > INT32_MAX)
+            ):
                 i = int(np.flatnonzero((token < INT32_MIN) | (token > INT32_MAX))[0])
                 raise BatchError(f"token {i}: id {int(token[i])} is outside int32", token=i, rule="token_range")
             token = token.astype(np.int32)
@@ -825,7 +829,7 @@ def _parse_pos(value: Any, n: int) -> tuple[np.ndarray, np.ndarray | None]:
             f"must be an integer array of shape ({n},) (one position per token) or ({N_POS_MROPE}, {n}) "
             f"(M-RoPE sections t, y, x, unused), got {kind}"
         )
-    if arr.size and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
+    if arr.size and not np.can_cast(arr.dtype, np.int32) and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
         bad = np.argwhere((arr < INT32_MIN) | (arr > INT32_MAX))[0]
         i = int(bad[-1])
         raise PosError(f"token {i}: position {int(arr[tuple(bad)])} is outside int32 [{INT32_MIN}, {INT32_MAX}]")

@@ -687,7 +687,7 @@ def test_item11_float_tokens_are_named_as_a_dtype_problem() -> None:
 
 
 def test_item12_batch_positions_outside_int32_are_refused() -> None:
-    for pos in ([2**33], [2**31], [1, -(2**31) - 1]):
+    for pos in ([2**33], [2**31], [1, -(2**31) - 1], np.array([2**31], dtype=np.uint32)):
         b = BatchAllocator(2)
         with pytest.raises(BatchError) as info:
             b.init(Batch(tokens=[1] * len(pos), pos=pos))
