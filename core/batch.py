@@ -419,9 +419,9 @@ class BatchAllocator:
         # positions
         sections: np.ndarray | None = None
         if batch.pos is None:
-            ids = np.fromiter(all_ids, dtype=np.int64) if coupled else uniq_primary
-            if int(pos_mem[ids].max()) + n > INT32_MAX:  # auto-filled positions would pass int32
-                s = int(ids[np.argmax(pos_mem[ids])])
+            in_batch = np.fromiter(all_ids, dtype=np.int64) if coupled else uniq_primary
+            if int(pos_mem[in_batch].max()) + n > INT32_MAX:  # auto-filled positions would pass int32
+                s = int(in_batch[np.argmax(pos_mem[in_batch])])
                 raise BatchError(
                     f"sequence {s} is at position {int(pos_mem[s])}: the next positions would pass int32",
                     seq=s,

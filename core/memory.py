@@ -67,10 +67,10 @@ def check_int32(value: Any, name: str) -> int:
 
 def check_divisor(d: Any) -> int:
     """The divisor of ``seq_div``: an int32 integer >= 1 (:class:`ArgumentError` naming ``d``)."""
-    d = check_int32(d, "d")
-    if d < 1:
-        raise ArgumentError("d", f"divisor must be >= 1, got {d}")
-    return d
+    divisor = check_int32(d, "d")
+    if divisor < 1:
+        raise ArgumentError("d", f"divisor must be >= 1, got {divisor}")
+    return divisor
 
 
 def check_shifted(pos: int, delta: int) -> None:
