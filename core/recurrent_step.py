@@ -200,47 +200,19 @@ class RecurrentStep:
         tensor: str = "r",
     ) -> None:
         """``ssm_conv`` on the layer's conv-window pool (``x`` [n_seqs, n_seq_tokens, ch])."""
-        snap = self.inputs.n_snap
-        dev = self.device
-
-        def validate(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            self._conv_shapes(layer, pool.shape[1], x, weight, y, bias)
-            shp = P.check_ssm_conv(
-                dev, pool=pool, start_rows=start, dst_rows=dst, x=x, weight=weight, y=y, bias=bias,
-                n_snap=snap, plane_stride=stride,
-            )  # fmt: skip
-            dev._require("ssm_conv", dtype=pool.dtype, n_snap=snap, strided=not x.is_contiguous, d_conv=shp.d_conv)
-
-        def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            dev.ssm_conv(
-                pool, start, dst, x, weight, y, bias=bias, apply_silu=apply_silu, n_snap=snap, plane_stride=stride
-            )
-
-        self._run(layer, tensor, launch, validate, ("ssm_conv", snap, bool(apply_silu)), (x, weight, y, bias))
+        self._primitive(
+            "ssm_conv", layer, tensor, {"x": x, "weight": weight, "y": y}, {"bias": bias},
+            {"apply_silu": bool(apply_silu)}, lambda row: self._conv_shapes(layer, row, x, weight, y, bias), (x,),
+        )  # fmt: skip
 
     def scan(
         self, layer: int, x: Buffer, dt: Buffer, A: Buffer, B: Buffer, C: Buffer, y: Buffer, *, tensor: str = "s"
     ) -> None:
         """``ssm_scan`` (Mamba-1/2) on the layer's state pool."""
-        snap = self.inputs.n_snap
-        dev = self.device
-
-        def validate(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            self._scan_shapes(layer, pool.shape[1], x, dt, A, B, C, y)
-            shp = P.check_ssm_scan(
-                dev, pool=pool, start_rows=start, dst_rows=dst, x=x, dt=dt, A=A, B=B, C=C, y=y,
-                n_snap=snap, plane_stride=stride,
-            )  # fmt: skip
-            strided = not (x.is_contiguous and dt.is_contiguous and B.is_contiguous and C.is_contiguous)
-            dev._require(
-                "ssm_scan", dtype=pool.dtype, n_snap=snap, strided=strided, variant=shp.variant,
-                d_state=shp.d_state, head_dim=shp.head_dim,
-            )  # fmt: skip
-
-        def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            dev.ssm_scan(pool, start, dst, x, dt, A, B, C, y, n_snap=snap, plane_stride=stride)
-
-        self._run(layer, tensor, launch, validate, ("ssm_scan", snap), (x, dt, A, B, C, y))
+        self._primitive(
+            "ssm_scan", layer, tensor, {"x": x, "dt": dt, "A": A, "B": B, "C": C, "y": y}, {}, {},
+            lambda row: self._scan_shapes(layer, row, x, dt, A, B, C, y), (x, dt, B, C),
+        )  # fmt: skip
 
     def delta(
         self,
@@ -256,27 +228,42 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``gated_delta_net`` (GDN / KDA) on the layer's state pool."""
-        snap = self.inputs.n_snap
-        dev = self.device
+        self._primitive(
+            "gated_delta_net", layer, tensor, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "o": o}, {},
+            {"scale": scale}, lambda row: self._delta_shapes(layer, row, q, k, v, g, beta, o), (q, k, v, g, beta),
+        )  # fmt: skip
+
+    def _primitive(
+        self,
+        op: str,
+        layer: int,
+        tensor: str,
+        args: dict[str, Buffer],
+        optional: dict[str, Buffer | None],
+        scalars: dict[str, Any],
+        shapes: Callable[[int], None],
+        inputs: tuple[Buffer, ...],
+    ) -> None:
+        """Run primitive ``op`` (``Device.<op>``, validated by ``primitives.check_<op>``) on the
+        layer's pool.  ``args``: its buffers in call order; ``optional``: keyword buffers;
+        ``scalars``: keyword scalars the validator does not take; ``shapes(row_size)``:
+        the checks against the ubatch and the layer; ``inputs``: the buffers that may be
+        strided views (the capability check asks)."""
+        dev, snap = self.device, self.inputs.n_snap
+        check = getattr(P, f"check_{op}")  # the validator the device runs too
+        call = getattr(dev, op)
 
         def validate(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            self._delta_shapes(layer, pool.shape[1], q, k, v, g, beta, o)
-            shp = P.check_gated_delta_net(
-                dev, pool=pool, start_rows=start, dst_rows=dst, q=q, k=k, v=v, g=g, beta=beta, o=o,
-                n_snap=snap, plane_stride=stride,
-            )  # fmt: skip
-            strided = not (
-                q.is_contiguous and k.is_contiguous and v.is_contiguous and g.is_contiguous and beta.is_contiguous
-            )
-            dev._require(
-                "gated_delta_net", dtype=pool.dtype, n_snap=snap, strided=strided, variant=shp.variant,
-                head_size=shp.head_size,
-            )  # fmt: skip
+            shapes(pool.shape[1])
+            shp = check(dev, pool=pool, start_rows=start, dst_rows=dst, **args, **optional, n_snap=snap,
+                        plane_stride=stride)  # fmt: skip
+            self._require(op, pool, shp, inputs)
 
         def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            dev.gated_delta_net(pool, start, dst, q, k, v, g, beta, o, n_snap=snap, plane_stride=stride, scale=scale)
+            call(pool, start, dst, *args.values(), **optional, **scalars, n_snap=snap, plane_stride=stride)
 
-        self._run(layer, tensor, launch, validate, ("gated_delta_net", snap, scale), (q, k, v, g, beta, o))
+        key = (op, snap, *scalars.values())
+        self._run(layer, tensor, launch, validate, key, (*args.values(), *optional.values()))
 
     def copy_only(self, layer: int, tensor: str) -> None:
         """Materialise extras for a state tensor that this ubatch does not advance
@@ -286,6 +273,13 @@ class RecurrentStep:
             return None
 
         self._run(layer, tensor, launch)
+
+    def _require(self, op: str, pool: Buffer, shp: P.StateWrite, inputs: tuple[Buffer, ...]) -> None:
+        """The device's capability check of ``op`` with the sizes validation returned,
+        asked before the first write (the same parameters the device's own call asks)."""
+        sizes = {name: getattr(shp, name) for name in _CAPABILITY_SIZES[op]}
+        strided = not all(buf.is_contiguous for buf in inputs)
+        self.device._require(op, dtype=pool.dtype, n_snap=shp.n_snap, strided=strided, **sizes)
 
     # -- shapes against the ubatch and the layer (names the argument that is wrong) ----
     def _tokens_dims(self, name: str, buf: object, ndim: int, layout: str) -> tuple[int, ...]:
@@ -384,6 +378,13 @@ class RecurrentStep:
 
 
 _Launch = Callable[[Buffer, Buffer, Buffer, int], None]
+
+#: Per primitive, the sizes its capability check looks at (as in Device.ssm_conv & co.).
+_CAPABILITY_SIZES = {
+    "ssm_conv": ("d_conv",),
+    "ssm_scan": ("variant", "d_state", "head_dim"),
+    "gated_delta_net": ("variant", "head_size"),
+}
 
 
 def _shape_of(buf: Any, name: str) -> tuple[int, ...]:
