@@ -911,8 +911,13 @@ class RecurrentMemory(Memory):
         if b.pos[c] + delta < 0:  # shifted before the start: the state is gone
             self.seq_rm(seq, 0, -1)
             return
+        # Positions are labels: a snapshot plane moves with the position it holds, but
+        # only the positions inside [p0, p1) move.  A plane of an earlier position
+        # would take a label that now belongs to a later token (the attention part
+        # keeps that earlier position where it was), so it is no longer offered.
+        b.snap_valid[c] = max(1, min(int(b.snap_valid[c]), int(b.snap_end[c]) - p0 + 1))
         b.pos[c] += delta
-        b.snap_end[c] += delta  # positions are labels: snapshots shift with them
+        b.snap_end[c] += delta
         self._version += 1
 
     def check_position_move(self, seq: int, p0: int, p1: int, op: str = "seq_add", delta: int = 0) -> None:

@@ -157,7 +157,10 @@ class HybridMachine(RuleBasedStateMachine):
         """A copy that leaves out part of the source: a recurrent state cannot be cut."""
         src = data.draw(st.sampled_from([s for s in self.live() if len(self.toy.attn_hist[s]) > 1]))
         hist = self.toy.attn_hist[src]
-        p0, p1 = data.draw(st.sampled_from([(hist[1][0], -1), (0, hist[-1][0])]))
+        ranges = [(0, hist[-1][0])]  # leaves the last position out
+        if hist[0][0] < hist[-1][0]:
+            ranges.append((hist[0][0] + 1, -1))  # leaves the first position out
+        p0, p1 = data.draw(st.sampled_from(ranges))
         before = books(self.mem)
         with pytest.raises(ArgumentError, match="p0/p1"):
             self.mem.seq_cp(src, (src + 1) % N_SEQ, p0, p1)

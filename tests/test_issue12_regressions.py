@@ -723,3 +723,31 @@ def test_item12_hybrid_state_write_after_a_big_shift_is_refused_before() -> None
     with pytest.raises(ArgumentError, match="int32"):
         toy.mem.seq_add(0, 0, -1, 2**31)
     assert HybridMemory.state_write(toy.mem)  # the blob writes
+
+
+def test_item_class_seq_add_drops_planes_of_positions_it_does_not_move() -> None:
+    """A shift of the last position only: the planes of earlier positions would take
+    labels of later tokens, so a rollback onto them is refused (parts stay together)."""
+    toy = HybridToy(DEV, make_hybrid(DEV, n_rs_seq=2))
+    mem = toy.mem
+    toy.decode({1: [0, 0, 0]})  # positions 0, 1, 2 in one write: planes for 2, 1, 0
+    mem.seq_add(1, 2, -1, -1)  # 2 -> 1: the attention holds 0, 1, 1
+    parts_agree(mem)
+    before = fingerprint(mem)
+    assert mem.seq_rm(1, 1, -1) is False  # would need the state after position 0 alone
+    assert fingerprint(mem) == before
+    t = Toy(DEV, 1, n_rs_seq=2)
+    t.decode({0: [1, 2, 3]})
+    t.mem.seq_add(0, 2, -1, 5)  # only position 2 moves (to 7)
+    assert t.mem.seq_rm(0, 7, -1) is False  # position 6 never existed
+    t.mem.seq_add(0, 0, -1, 1)  # every position moves: the plane of the shifted write stays
+    t2 = Toy(DEV, 1, n_rs_seq=2)
+    t2.decode({0: [1, 2, 3]})
+    t2.mem.seq_add(0, 0, -1, 4)
+    assert t2.mem.seq_rm(0, 6, -1)  # a rollback of one over the whole shifted history is exact
+    assert t2.mem.seq_pos_max(0) == 5
+    _, ref = oracle(DEV, t2.tables, [1, 2])
+    got = t2.state(0)
+    for layer in ref:
+        for name in ref[layer]:
+            np.testing.assert_allclose(got[layer][name], ref[layer][name], atol=3e-5)
