@@ -383,11 +383,13 @@ class HybridMachine(RuleBasedStateMachine):
 
 
 def _settings() -> settings:
-    """60 examples of 15 steps under the CI profile; any other profile (``dev``,
-    ``stress``) decides the number of examples."""
-    profile = settings.get_profile(settings._current_profile or "ci")
-    n = 60 if settings._current_profile in (None, "ci") else profile.max_examples
-    return settings(profile, max_examples=n, stateful_step_count=15, deadline=None)
+    """60 examples of 15 steps under the CI profile; the ``stress`` profile decides both,
+    ``dev`` the number of examples."""
+    name = settings._current_profile or "ci"
+    profile = settings.get_profile(name)
+    n = 60 if name == "ci" else profile.max_examples
+    steps = profile.stateful_step_count if name == "stress" else 15
+    return settings(profile, max_examples=n, stateful_step_count=steps, deadline=None)
 
 
 HybridMachine.TestCase.settings = _settings()

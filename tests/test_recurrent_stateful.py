@@ -221,7 +221,9 @@ class RecurrentMachine(RuleBasedStateMachine):
                     np.testing.assert_allclose(got[L][n], ref[L][n], atol=ATOL, err_msg=f"seq {s} L{L} {n}")
 
 
+_PROFILE = settings._current_profile or "ci"
 RecurrentMachine.TestCase.settings = settings(
-    settings.get_profile(settings._current_profile or "ci"), stateful_step_count=30
+    settings.get_profile(_PROFILE),
+    stateful_step_count=settings.get_profile(_PROFILE).stateful_step_count if _PROFILE == "stress" else 30,
 )
 TestRecurrentStateful = RecurrentMachine.TestCase
