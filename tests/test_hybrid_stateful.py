@@ -182,9 +182,16 @@ class HybridMachine(RuleBasedStateMachine):
         k = data.draw(st.integers(1, min(3, len(hist) - 1, len(self.toy.recr_tokens[s]) - 1)))
         before = books(self.mem)
         must = k <= self.budget.get(s, 0) and not self.shared(s)  # exact rollback within the planes
-        if self.mem.seq_rm(s, hist[-k][0], -1):
-            del self.toy.recr_tokens[s][-k:]
-            del hist[-k:]
+        p0 = hist[-k][0]
+        if self.mem.seq_rm(s, p0, -1):
+            # every token at p0 or later goes (after an end move two may share a position);
+            # they are the newest ones, whose influence the recurrent state drops
+            gone = sum(1 for p, _ in hist if p >= p0)
+            if p0 == 0:
+                self.forget(s)
+                return
+            del self.toy.recr_tokens[s][-gone:]
+            self.toy.attn_hist[s] = [(p, t) for p, t in hist if p < p0]
             self.budget[s] = 0  # a rollback is pending: a second one is refused
         else:
             assert not must, f"a rollback of {k} within a budget of {self.budget[s]} was refused"
