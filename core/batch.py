@@ -456,6 +456,7 @@ class BatchAllocator:
         # them by construction); M-RoPE relaxes them (see _check_positions_mrope)
         if sections is not None:
             self._check_positions_mrope(seq_id, primary, pos, pos_mem, coupled, embd is not None)
+            _check_whole_positions_unique(seq_id, primary, sections, coupled)
         elif batch.pos is not None or coupled:
             self._check_positions(seq_id, primary, pos, pos_mem, coupled)
 
@@ -815,6 +816,32 @@ def _per_sequence_order(
     order = np.lexsort((tok_idx, tok_seq))
     ss, ti = tok_seq[order], tok_idx[order]
     return ss, ti, pos[ti].astype(np.int64), _first_of_run(ss)
+
+
+def _check_whole_positions_unique(
+    seq_id: Sequence[tuple[int, ...]], primary: np.ndarray, sections: np.ndarray, coupled: bool
+) -> None:
+    """An M-RoPE batch may repeat a temporal position (an image's patches share one),
+    never a whole ``(t, y, x)`` within a sequence: two such cells could not be told
+    apart (by the mask's tie-break, or in a state blob)."""
+    n = sections.shape[1]
+    if coupled:
+        seqs = np.fromiter((s for ids in seq_id for s in ids), dtype=np.int64)
+        tok = np.repeat(np.arange(n), [len(ids) for ids in seq_id])
+    else:
+        seqs, tok = primary, np.arange(n)
+    rows = np.stack([seqs, sections[0, tok], sections[1, tok], sections[2, tok]], axis=1)
+    _, first, counts = np.unique(rows, axis=0, return_index=True, return_counts=True)
+    if (counts > 1).any():
+        dup = rows[first[counts > 1][0]]
+        i = int(tok[np.flatnonzero((rows == dup).all(axis=1))[1]])
+        raise BatchError(
+            f"token {i}: sequence {int(dup[0])} holds position (t={int(dup[1])}, y={int(dup[2])}, x={int(dup[3])}) "
+            "twice in this batch",
+            token=i,
+            seq=int(dup[0]),
+            rule="pos_duplicate",
+        )
 
 
 def _parse_pos(value: Any, n: int) -> tuple[np.ndarray, np.ndarray | None]:

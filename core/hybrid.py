@@ -431,7 +431,7 @@ class HybridMemory(Memory):
         if d != 1:
             self.recr.check_position_move(seq, p0, p1, "seq_div")
             self._check_move_keeps_ends(seq, p0, p1, lambda p: p // d, "d")
-            self.attn.check_position_move(seq, p0, p1, "seq_div")
+            self.attn.check_position_move(seq, p0, p1, "seq_div", d=d)
         self._edits += 1
         self.attn.seq_div(seq, p0, p1, d)
         self.recr.seq_div(seq, p0, p1, d)

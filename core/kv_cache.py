@@ -449,26 +449,42 @@ class KVCache(Memory):
         if d == 1 or p0 >= p1:
             return
         cells = self.cells[strm]
-        self._check_unshared(cells, seq, p0, p1, "seq_div")
+        self.check_position_move(seq, p0, p1, "seq_div", d=d)
         moved = [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]
         if moved:
             self._version += 1
         for _, idx in moved:
             cells.pos_div(idx, d)
 
-    def check_position_move(self, seq: int, p0: int, p1: int, op: str = "seq_add", delta: int = 0) -> None:
-        """Raise (changing nothing) if ``seq_add``/``seq_div`` over [p0, p1) would be
-        refused: a cell shared with another sequence, or (``delta``) a position
-        moved past int32.  Composites call it for every part before touching any."""
+    def check_position_move(self, seq: int, p0: int, p1: int, op: str = "seq_add", delta: int = 0, d: int = 1) -> None:
+        """Raise (changing nothing) if ``seq_add`` (by ``delta``) / ``seq_div`` (by ``d``)
+        over [p0, p1) would be refused: a cell shared with another sequence, a
+        position moved past int32, or two cells of ``seq`` left at one whole
+        position (with their 2-D extension): a sequence never holds that (a state
+        blob could not tell them apart, docs/state-format.md).  Composites call it
+        for every part before touching any."""
         cells = self.cells[self.stream_of(seq)]
         q0, q1 = normalize_range(p0, p1)
         if q0 >= q1:
             return
         self._check_unshared(cells, seq, q0, q1, op)
+        pairs = cells.seq_pos[seq]
         if delta > 0:
-            inside = [p for p, _ in cells.seq_pos[seq] if q0 <= p < q1]
+            inside = [p for p, _ in pairs if q0 <= p < q1]
             if inside:
                 check_shifted(max(inside), delta)
+        if (delta or d != 1) and pairs:
+            seen: set[tuple[int, int, int]] = set()
+            for p, c in pairs:
+                q = (p + delta if delta else p // d) if q0 <= p < q1 else p
+                key = (q, int(cells.ext[c, 0]), int(cells.ext[c, 1]))
+                if q >= 0 and key in seen:
+                    raise ArgumentError(
+                        "delta" if delta else "d",
+                        f"{op} would leave two cells of sequence {seq} at position {q} (same 2-D extension); "
+                        "remove the positions it would land on first, as a context shift does",
+                    )
+                seen.add(key)
 
     @staticmethod
     def _check_unshared(cells: KVCells, seq: int, p0: int, p1: int, op: str) -> None:
@@ -1185,10 +1201,10 @@ class KVCacheISWA(Memory):
         self.base.seq_keep(seq)
         self.swa.seq_keep(seq)
 
-    def check_position_move(self, seq: int, p0: int, p1: int, op: str = "seq_add", delta: int = 0) -> None:
+    def check_position_move(self, seq: int, p0: int, p1: int, op: str = "seq_add", delta: int = 0, d: int = 1) -> None:
         """Raise (changing nothing) if the move would be refused by either cache."""
         for c in self.caches:
-            c.check_position_move(seq, p0, p1, op, delta)
+            c.check_position_move(seq, p0, p1, op, delta, d)
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         delta = check_int32(delta, "delta")
@@ -1198,7 +1214,7 @@ class KVCacheISWA(Memory):
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
         d = check_divisor(d)
-        self.check_position_move(seq, p0, p1, "seq_div")
+        self.check_position_move(seq, p0, p1, "seq_div", d=d)
         self.base.seq_div(seq, p0, p1, d)
         self.swa.seq_div(seq, p0, p1, d)
 

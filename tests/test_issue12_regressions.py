@@ -751,3 +751,30 @@ def test_item_class_seq_add_drops_planes_of_positions_it_does_not_move() -> None
     for layer in ref:
         for name in ref[layer]:
             np.testing.assert_allclose(got[layer][name], ref[layer][name], atol=3e-5)
+
+
+@pytest.mark.parametrize("kind", ["kv", "kv_iswa", "hybrid"])
+def test_item6_class_no_edit_leaves_a_sequence_at_one_whole_position_twice(kind: str) -> None:
+    """A blob with one sequence at one (pos, x, y) twice is refused, so no edit may
+    produce that book either (the memory must read back what it writes): a shift
+    that lands a cell on another of its sequence's is refused, nothing changed."""
+    mem = any_memory(kind)
+    fill(mem, {0: [1, 2, 3]})
+    mem.seq_add(0, 2, -1, -1)  # 2 -> 1: another cell holds 1, but with another extension (from position 1)
+    fill(mem, {0: [4]})  # a new cell at 2, extension (2, 2): the one moved from 2 has it too
+    before = fingerprint(mem)
+    with pytest.raises(ArgumentError) as info:
+        mem.seq_add(0, 2, -1, -1)
+    assert info.value.argument == "delta"
+    assert fingerprint(mem) == before
+    assert mem.init_update().apply()  # the pending K shift
+    blob = mem.state_write()
+    mem.state_read(blob)  # every reachable book reads back
+    assert mem.state_write() == blob
+
+
+def test_item6_class_mrope_batch_repeating_a_whole_position_is_refused() -> None:
+    pos = np.array([[5, 5], [1, 1], [2, 2], [0, 0]])  # two patches at t=5, y=1, x=2
+    with pytest.raises(BatchError, match="twice") as info:
+        BatchAllocator(2).init(Batch(embd=np.zeros((2, 3), np.float32), pos=pos))
+    assert info.value.rule == "pos_duplicate"
