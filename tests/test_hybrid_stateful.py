@@ -122,7 +122,15 @@ class HybridMachine(RuleBasedStateMachine):
     @rule(data=st.data(), seqs=st.sets(st.integers(0, N_SEQ - 1), min_size=1), n_ubatch=st.integers(4, 9))
     def decode(self, data, seqs, n_ubatch: int) -> None:  # type: ignore[no-untyped-def]
         batch = {s: data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=5)) for s in sorted(seqs)}
-        self.check_decode(batch, self.toy.decode(batch, n_ubatch))
+        before = books(self.mem)
+        out = self.toy.decode(batch, n_ubatch)
+        if out is None:
+            # Only the small window cache can run out: cells shared after a seq_cp are never
+            # reused, so n_swa cells per sequence is no bound then.  A failed plan changes nothing.
+            assert self.kind == "iswa", "a batch did not fit"
+            assert same_books(before, books(self.mem))
+            return
+        self.check_decode(batch, out)
 
     @precondition(lambda self: self.total() < MAX_TOKENS - 10)
     @rule(data=st.data(), n_ubatch=st.integers(4, 6))
