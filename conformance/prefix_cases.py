@@ -117,7 +117,8 @@ class _Mixers(StepMixers):
 
 
 class ModelRuntime:
-    """A minimal runtime: the tiny model computing batches through one memory."""
+    """A minimal runtime: the tiny model computing batches through one memory
+    (``n_rs_seq`` rollback planes for speculative steps)."""
 
     def __init__(self, dev: Device, kind: str, n_seq_max: int, seed: int = 0, n_rs_seq: int = 0) -> None:
         self.dev = dev
@@ -126,6 +127,9 @@ class ModelRuntime:
         self.layers = model_layers(kind)
         self.weights = Weights.random(1234, self.layers)
         self.swa_layers = frozenset({3}) if kind == "hybrid_iswa" else frozenset()
+        #: per sequence, where each call (ubatch) that wrote it ended: the memory's
+        #: splitter may cut a batch's pieces further, and only the calls made matter
+        self.calls: dict[int, list[int]] = {}
 
     def run(self, pieces: Mapping[int, Sequence[int]], n_ubatch: int = 512) -> dict[int, np.ndarray]:
         """Compute one batch (each sequence's tokens continue its state); returns the
@@ -158,6 +162,9 @@ class ModelRuntime:
                     i = s * ub.n_seq_tokens + t
                     for q in ub.seq_id[i]:
                         got[(q, int(ub.pos[i]))] = logits[s, t]
+                last = (s + 1) * ub.n_seq_tokens - 1
+                for q in ub.seq_id[last]:
+                    self.calls.setdefault(q, []).append(int(ub.pos[last]) + 1)
             if not ctx.next():
                 break
         out = {}
@@ -165,6 +172,15 @@ class ModelRuntime:
             pos = sorted(p for q, p in got if q == s)
             out[s] = np.stack([got[(s, p)] for p in pos])
         return out
+
+
+#: One call of a run: the position it ended at, or ``(end, rejected)``: a speculative
+#: call that also wrote the ``rejected`` draft tokens and was rolled back to ``end``.
+Call = int | tuple[int, tuple[int, ...]]
+
+
+def call_end(call: Call) -> int:
+    return call[0] if isinstance(call, tuple) else call
 
 
 class ColdOracle:
@@ -179,23 +195,27 @@ class ColdOracle:
         self.weights: Weights | None = None
         self.cold_runs = 0
 
-    def record(self, tokens: Sequence[int], history: Sequence[int]) -> None:
-        for k, b in enumerate(history):
-            self.made.setdefault(tuple(tokens[:b]), set()).add(tuple(history[: k + 1]))
+    def record(self, tokens: Sequence[int], history: Sequence[Call]) -> None:
+        for k, call in enumerate(history):
+            self.made.setdefault(tuple(tokens[: call_end(call)]), set()).add(tuple(history[: k + 1]))
 
-    def cold(self, tokens: Sequence[int], history: Sequence[int]) -> np.ndarray:
+    def cold(self, tokens: Sequence[int], history: Sequence[Call]) -> np.ndarray:
         rt = self.make()
         self.weights = rt.weights
         self.cold_runs += 1
         outs, prev = [], 0
-        for b in history:
-            outs.append(rt.run({0: tokens[prev:b]})[0])
+        for call in history:
+            b = call_end(call)
+            rejected = list(call[1]) if isinstance(call, tuple) else []
+            outs.append(rt.run({0: [*tokens[prev:b], *rejected]})[0][: b - prev])
+            if rejected and not rt.mem.seq_rm(0, b, -1):
+                raise ConformanceFailure(f"cold run: the rollback of {len(rejected)} drafted tokens was refused")
             prev = b
         return np.concatenate(outs)
 
-    def check(self, label: str, tokens: Sequence[int], p: int, after: Sequence[int], warm: np.ndarray) -> None:
+    def check(self, label: str, tokens: Sequence[int], p: int, after: Sequence[Call], warm: np.ndarray) -> None:
         """``tokens``: all the warm sequence absorbed; ``p``: where it resumed; ``after``:
-        its call boundaries after ``p``; ``warm``: its logits for positions ``p ..``."""
+        its calls after ``p``; ``warm``: its logits for positions ``p ..``."""
         tokens = list(tokens)
         if warm.shape[0] != len(tokens) - p:
             raise ConformanceFailure(f"{label}: {warm.shape[0]} warm outputs for positions {p}..{len(tokens) - 1}")
@@ -203,7 +223,7 @@ class ColdOracle:
         if not hists:
             raise ConformanceFailure(f"{label}: resumed after {p} tokens that no earlier run ended a call at")
         first_err = ""
-        for h in sorted(hists):
+        for h in sorted(hists, key=repr):
             cold = self.cold(tokens, [*h, *after])[p:]
             diff = cold != warm  # bitwise: f32, and NaN would be a failure anyway
             if not diff.any():
@@ -226,7 +246,8 @@ class ColdOracle:
 class Served:
     request: Any
     logits: np.ndarray
-    after: list[int]
+    after: list[Call]
+    generated: list[int]
 
 
 def serve(
@@ -235,31 +256,51 @@ def serve(
     oracle: ColdOracle | None,
     seq: int,
     prompt: Sequence[int],
-    gen: Sequence[int] = (),
+    gen: Sequence[int | tuple[Sequence[int], Sequence[int]]] = (),
     *,
     extra: Any = None,
     label: str = "",
 ) -> Served:
-    """One request through the cache: start, prefill piece by piece, decode ``gen``
-    one token at a time, finish; then the cold-run check."""
+    """One request through the cache: start, prefill piece by piece, generate, finish;
+    then the cold-run check.  ``gen`` items: a token (one decode step), or
+    ``(accepted, rejected)``: a speculative step that decodes both in one call and
+    rolls the rejected drafts back (the memory needs ``n_rs_seq >= len(rejected)``)."""
     prompt = list(prompt)
     req = cache.start(seq, prompt, extra)
     if rt.mem.seq_pos_max(seq) != req.resume - 1:
         raise ConformanceFailure(f"{label}: sequence at {rt.mem.seq_pos_max(seq)} after a hit of {req.resume}")
-    outs, after, prev = [], [], req.resume
+    outs: list[np.ndarray] = []
+    after: list[Call] = []  # the calls the memory made for seq (its splitter may cut a piece)
+    prev = req.resume
+
+    def run(tokens: list[int]) -> np.ndarray:
+        n0 = len(rt.calls.get(seq, []))
+        out = rt.run({seq: tokens})[seq]
+        after.extend(rt.calls[seq][n0:])
+        return out
+
     for end in req.pieces:
-        outs.append(rt.run({seq: prompt[prev:end]})[seq])
-        after.append(end)
+        outs.append(run(prompt[prev:end]))
         prev = end
         cache.reached(req, end)
-    for t in gen:
-        outs.append(rt.run({seq: [int(t)]})[seq])
-        after.append(after[-1] + 1)
-    cache.finish(req, list(gen))
+    generated: list[int] = []
+    for item in gen:
+        acc, rej = ([int(item)], []) if isinstance(item, int | np.integer) else (list(item[0]), list(item[1]))
+        n_calls = len(after)
+        outs.append(run([*acc, *rej])[: len(acc)])
+        generated += acc
+        end = len(prompt) + len(generated)
+        if rej:
+            if not rt.mem.seq_rm(seq, end, -1):
+                raise ConformanceFailure(f"{label}: rolling back {len(rej)} drafted tokens was refused")
+            if len(after) != n_calls + 1:
+                raise ConformanceFailure(f"{label}: a speculative step was split into several calls")
+            after[-1] = (end, tuple(rej))
+    cache.finish(req, generated)
     logits = np.concatenate(outs)
     if oracle is not None:
-        oracle.check(label or f"request on sequence {seq}", [*prompt, *gen], req.resume, after, logits)
-    return Served(req, logits, after)
+        oracle.check(label or f"request on sequence {seq}", [*prompt, *generated], req.resume, after, logits)
+    return Served(req, logits, after, generated)
 
 
 def _tokens(rng: np.random.Generator, n: int, avoid: Sequence[int] = ()) -> list[int]:
@@ -453,4 +494,4 @@ def all_cases() -> list[Case]:
     return [_case(name, fn, kind) for name, (fn, kinds) in SCENARIOS.items() for kind in kinds]
 
 
-__all__ = ["KINDS", "ColdOracle", "ModelRuntime", "Served", "all_cases", "build_memory", "serve"]
+__all__ = ["KINDS", "Call", "ColdOracle", "ModelRuntime", "Served", "all_cases", "build_memory", "call_end", "serve"]

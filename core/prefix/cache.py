@@ -633,6 +633,18 @@ class PrefixCache:
             self._demote(victims[0])
         return True
 
+    def sweep(self) -> int:
+        """Drop the device entries the memory no longer holds (a runtime's ``seq_keep``
+        or ``clear`` removed their sequences); returns how many.  Lookups find
+        them anyway when they would use them; this only frees their accounting."""
+        lost = [
+            e for e in self.tree.entries() if e.device_seq is not None and not self.store.alive(e.device_seq, e.length)
+        ]
+        for e in lost:
+            self.metrics.lost += 1
+            self._drop(e)
+        return len(lost)
+
     def clear(self) -> None:
         """Forget every checkpoint (releasing the reserved sequences)."""
         for req in self._active.values():
