@@ -35,6 +35,7 @@ Scenarios, per memory kind (recurrent, hybrid, hybrid-iSWA, hybrid-idx):
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -130,6 +131,8 @@ class ModelRuntime:
         #: per sequence, where each call (ubatch) that wrote it ended: the memory's
         #: splitter may cut a batch's pieces further, and only the calls made matter
         self.calls: dict[int, list[int]] = {}
+        #: seconds spent in the model's forward (the work a hit saves), apart from planning
+        self.compute_s = 0.0
 
     def run(self, pieces: Mapping[int, Sequence[int]], n_ubatch: int = 512) -> dict[int, np.ndarray]:
         """Compute one batch (each sequence's tokens continue its state); returns the
@@ -156,7 +159,9 @@ class ModelRuntime:
                 raise ConformanceFailure("apply() failed")
             step = ctx.recr.step() if hybrid else ctx.step()  # type: ignore[attr-defined]
             mix = _Mixers(self.dev, step, ctx.attn if hybrid else None, self.swa_layers)  # type: ignore[attr-defined]
+            t0 = time.perf_counter()
             logits = forward(self.dev, mix, self.weights, ub.token.reshape(ub.n_seqs, ub.n_seq_tokens))
+            self.compute_s += time.perf_counter() - t0
             for s in range(ub.n_seqs):
                 for t in range(ub.n_seq_tokens):
                     i = s * ub.n_seq_tokens + t

@@ -76,6 +76,7 @@ class PrefixConfig:
         device through its checkpoints (None: no limit beyond the memory's).
     :param policy: eviction policy name (:mod:`statecache.prefix.policy`).
     :param value_alpha: weight of efficiency against recency in ``value``.
+    :param decay: how fast ``adaptive`` forgets an unused entry, in requests.
     :param flops_per_token: cost model of the ``value`` policy: FLOPs of one
         token independent of the context (0 with ``flops_per_attended`` 0:
         count tokens instead).
@@ -95,6 +96,7 @@ class PrefixConfig:
     attention_budget: int | None = None
     policy: str = DEFAULT_POLICY
     value_alpha: float = 1.0
+    decay: float = 2.0
     flops_per_token: float = 0.0
     flops_per_attended: float = 0.0
     salt: bytes = b""
@@ -116,7 +118,7 @@ class PrefixConfig:
                 raise ArgumentError(name, f"must be >= 0 or None, got {v}")
         if self.flops_per_token < 0 or self.flops_per_attended < 0:
             raise ArgumentError("flops_per_token", "FLOP costs must be >= 0")
-        get_policy(self.policy, self.value_alpha)
+        get_policy(self.policy, self.value_alpha, self.decay)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,14 +212,17 @@ class PrefixCache:
             raise ArgumentError("reserved", f"sequences {busy} hold state; the cache needs empty ones")
         self.reserved = frozenset(res)
         self.store: CheckpointStore = store if store is not None else ParkedStore(memory, res)
-        self.policy = get_policy(config.policy, config.value_alpha)
+        self.policy = get_policy(config.policy, config.value_alpha, config.decay)
         self.tree = Tree()
         dev_budget = UNLIMITED if config.device_budget is None else config.device_budget
         self.device = Tier("device", dev_budget)
         self.host = Tier("host", config.host_budget)
         self.metrics = Metrics()
         self._active: dict[int, Request] = {}
+        #: requests started (the clock of last_use and of the policies' ages)
         self._clock = 0
+        #: checkpoints created (orders entries taken within one request)
+        self._serial = 0
         self._warned = False
         self._warn_static()
 
@@ -284,6 +289,11 @@ class PrefixCache:
         self._clock += 1
         return self._clock
 
+    def _stamp(self, entry: Entry) -> None:
+        self._serial += 1
+        entry.last_use = self._clock
+        entry.created = self._serial
+
     def _check_seq(self, seq: int) -> None:
         if not isinstance(seq, int) or not 0 <= seq < int(self.memory.n_seq_max):
             raise ArgumentError("seq", f"{seq!r} is not a sequence id in [0, n_seq_max={self.memory.n_seq_max})")
@@ -330,6 +340,11 @@ class PrefixCache:
         if hit is not None:
             met.hits += 1
             met.hit_tokens += resume
+            if hit.hits == 0:
+                met.reused[hit.origin] = met.reused.get(hit.origin, 0) + 1
+            k = len(hit.node.children)
+            shape = "leaf" if k == 0 else "chain" if k == 1 else "branch"
+            met.hit_shapes[shape] = met.hit_shapes.get(shape, 0) + 1
             hit.hits += 1
             hit.last_use = now
             self._pin(hit, +1)  # before the promotion, so making device room cannot evict it
@@ -377,9 +392,10 @@ class PrefixCache:
         req.checkpoints = plan
         ends = set(range((r // c.chunk + 1) * c.chunk, n, c.chunk)) | set(plan) | {n}
         req.pieces = tuple(sorted(ends))
-        if not plan and not c.end_of_generation:
+        never = not (c.end_of_prompt or c.end_of_generation or 0 < c.before_end < n or 0 < c.interval <= n)
+        if never:  # not this request only: no request of this length can ever leave a checkpoint
             self._warn(
-                f"a {n}-token prompt gets no checkpoint (interval {c.interval}, before_end {c.before_end}, "
+                f"a {n}-token prompt never gets a checkpoint (interval {c.interval}, before_end {c.before_end}, "
                 "end_of_prompt and end_of_generation off)"
             )
 
@@ -413,6 +429,20 @@ class PrefixCache:
         if origin is None:
             return False
         return self._capture(req.seq, req.namespace, req.prompt[:end], origin)
+
+    def checkpoint(self, req: Request, generated: Sequence[int] = (), origin: str = "interval") -> bool:
+        """Take a checkpoint now, after the prompt and ``generated`` (e.g. at an
+        interval boundary during a long generation); returns whether one was taken.
+
+        :raises ArgumentError: the sequence is not after ``prompt + generated``, or
+            ``origin`` is not a checkpoint origin (nothing changed).
+        """
+        self._check_request(req)
+        if origin not in ORIGINS or origin == "loaded":
+            raise ArgumentError("origin", f"{origin!r} is not one of {', '.join(o for o in ORIGINS if o != 'loaded')}")
+        total = req.prompt + check_tokens(generated, "generated")
+        self._check_at(req, len(total), "generated")
+        return self._capture(req.seq, req.namespace, total, origin)
 
     def finish(self, req: Request, generated: Sequence[int] = ()) -> bool:
         """The request is done; ``generated``: the tokens its state absorbed after the
@@ -449,7 +479,20 @@ class PrefixCache:
         entry.pins += step
         self._tier(entry).pin_step(entry.nbytes, before, entry.pins)
 
-    def _saved(self, entry: Entry) -> float:
+    # -- what the policies may ask (statecache.prefix.policy.PolicyContext) ----------------
+    @property
+    def now(self) -> int:
+        return self._clock
+
+    def first_hit_rate(self, origin: str) -> float:
+        m = self.metrics
+        return (m.reused.get(origin, 0) + 1) / (m.checkpoints.get(origin, 0) + 2)
+
+    def chain_share(self) -> float:
+        h = self.metrics.hit_shapes
+        return (h.get("chain", 0) + 1) / (sum(h.values()) + 2)
+
+    def saved(self, entry: Entry) -> float:
         """What evicting ``entry`` costs a later hit: the work back to its nearest ancestor entry."""
         anc = self.tree.ancestor_entry(entry.node)
         a, b = (anc.length if anc is not None else 0), entry.length
@@ -460,7 +503,7 @@ class PrefixCache:
 
     def _evictable(self, tier: str, exclude: Entry | None = None) -> list[Entry]:
         out = [e for e in self.tree.entries() if e.pins == 0 and e.tier == tier and e is not exclude]
-        return self.policy.order(out, self._saved)
+        return self.policy.order(out, self)
 
     def _drop(self, entry: Entry) -> None:
         if entry.device_seq is not None:
@@ -520,7 +563,7 @@ class PrefixCache:
             return True
         victims = self._evictable("host")
         if newcomer is not None:
-            order = self.policy.order([*victims, newcomer], self._saved)
+            order = self.policy.order([*victims, newcomer], self)
             freed = 0
             for v in order:
                 if v is newcomer:
@@ -559,10 +602,9 @@ class PrefixCache:
         return len(tokens) - self._held_cover(self.tree.walk(ns, tokens))
 
     def _capture(self, seq: int, ns: bytes, tokens: tuple[int, ...], origin: str) -> bool:
-        now = self._tick()
         node = self.tree.find(ns, tokens)
         if node is not None and node.entry is not None:
-            node.entry.last_use = now
+            node.entry.last_use = self._clock
             self.metrics.captures_present += 1
             return False
         L = len(tokens)
@@ -571,7 +613,7 @@ class PrefixCache:
             if handle is not None:
                 node = self.tree.insert(ns, tokens)
                 entry = Entry(node, L, origin, self.layout.checkpoint_bytes, device_seq=handle)
-                entry.last_use = entry.created = now
+                self._stamp(entry)
                 self.tree.attach(node, entry)
                 self.device.admit(entry.nbytes, False)
                 self.metrics.count_checkpoint(origin)
@@ -585,7 +627,7 @@ class PrefixCache:
             if blob and self._host_room(len(blob), None):
                 node = self.tree.insert(ns, tokens)
                 entry = Entry(node, L, origin, len(blob), host_blob=blob)
-                entry.last_use = entry.created = now
+                self._stamp(entry)
                 self.tree.attach(node, entry)
                 self.host.admit(entry.nbytes, False)
                 self.metrics.count_checkpoint(origin)
@@ -779,7 +821,6 @@ class PrefixCache:
                 node = self.tree.find(ns, toks)
                 if node is not None and node.entry is not None:
                     continue
-                now = self._tick()
                 if self.host.fits(len(blob)):
                     node = self.tree.insert(ns, toks)
                     entry = Entry(node, len(toks), origin, len(blob), host_blob=blob, hits=hits)
@@ -795,7 +836,7 @@ class PrefixCache:
                     self.device.admit(entry.nbytes, False)
                 else:
                     continue
-                entry.last_use = entry.created = now
+                self._stamp(entry)
                 added.append(entry)
                 self.metrics.count_checkpoint("loaded")
         except BaseException:

@@ -25,6 +25,10 @@ class Metrics:
     recomputed_tokens: int = 0
     #: checkpoints taken, by origin (interval, junction, before_end, prompt_end, generation_end, loaded)
     checkpoints: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: checkpoints hit at least once, by origin (with ``checkpoints``: which kinds pay off here)
+    reused: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: hits by the shape of the entry's node then: ``leaf`` (no child), ``chain`` (one), ``branch`` (more)
+    hit_shapes: dict[str, int] = dataclasses.field(default_factory=dict)
     #: a planned checkpoint that no tier had room for (every resident entry pinned or too big)
     captures_skipped: int = 0
     #: a planned checkpoint already present (same tokens, same namespace): touched instead

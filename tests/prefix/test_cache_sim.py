@@ -136,9 +136,9 @@ def test_value_policy_prefers_saved_work_per_byte():
     pol = get_policy("value", alpha=10.0)
     mem, cache = make()
     serve(cache, mem, 0, P)  # 8, 16, 17, 19: 17 and 19 save 1 and 2 tokens over their ancestors
-    order = pol.order(list(cache.entries()), cache._saved)
+    order = pol.order(list(cache.entries()), cache)
     assert [e.length for e in order][:2] == [17, 19]
-    with pytest.raises(ArgumentError, match="known: lru, slru, value"):
+    with pytest.raises(ArgumentError, match="known: adaptive, lru, slru, value"):
         get_policy("fifo")
 
 
@@ -199,7 +199,7 @@ def test_no_op_configuration_warns_once():
         PrefixCache(mem, reserved=(), config=PrefixConfig(chunk=4, interval=8))
     cfg = PrefixConfig(chunk=4, interval=64, before_end=0, end_of_prompt=False, end_of_generation=False)
     cache = PrefixCache(mem, reserved=[6, 7], config=cfg)
-    with pytest.warns(PrefixCacheNoOpWarning, match="gets no checkpoint") as rec:
+    with pytest.warns(PrefixCacheNoOpWarning, match="never gets a checkpoint") as rec:
         serve(cache, mem, 0, P)
         serve(cache, mem, 1, P)
     assert len(rec) == 1
@@ -258,3 +258,29 @@ def test_attention_budget_limits_cells_held():
     serve(cache, mem, 1, list(range(50, 66)))
     assert cache.tree.held_tokens <= 20
     check_invariants(cache)
+
+
+def test_adaptive_keeps_the_states_conversations_resume_from():
+    """Two conversations take turns; each turn's long tool output leaves routine checkpoints
+    and the turn before lies on a chain below the new end.  With room for three
+    checkpoints, the default policy keeps both conversations' last ends of generation
+    (every turn after the first resumes there); plain LRU does not."""
+
+    def run(policy: str) -> list[int]:
+        mem, cache = make(n_res=3, policy=policy, before_end=2)
+        ctx = {0: [*range(100, 106)], 1: [*range(200, 206)]}
+        resumed = []
+        for turn in range(5):
+            for conv in (0, 1):
+                tool = [1000 * (conv + 1) + 10 * turn + k for k in range(9)]
+                gen = [7, 8, 9]
+                prompt = ctx[conv] + tool
+                req = serve(cache, mem, conv, prompt, gen)
+                if turn:
+                    resumed.append(req.resume == len(ctx[conv]))
+                ctx[conv] = prompt + gen
+        check_invariants(cache)
+        return resumed
+
+    assert all(run("adaptive"))
+    assert not all(run("lru"))

@@ -50,7 +50,7 @@ def sim_cache():  # type: ignore[no-untyped-def]
 
 
 def test_a_skipped_pin_step_is_caught(monkeypatch):
-    mem, cache = sim_cache()
+    _, cache = sim_cache()
     monkeypatch.setattr(Tier, "pin_step", lambda self, nbytes, before, after: None)
     cache.start(1, P)  # pins the hit entry, but its bytes stay "evictable"
     with pytest.raises(InvariantError) as info:
@@ -59,7 +59,7 @@ def test_a_skipped_pin_step_is_caught(monkeypatch):
 
 
 def test_a_skipped_hold_step_is_caught():
-    mem, cache = sim_cache()
+    _, cache = sim_cache()
     cache.tree.held_tokens += 1
     with pytest.raises(InvariantError, match="P4"):
         check_invariants(cache)
