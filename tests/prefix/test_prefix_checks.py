@@ -215,3 +215,29 @@ def test_memories_the_cache_cannot_serve_are_refused():
     other = build_memory(DEV, "hybrid", 3, seed=0)
     with pytest.raises(ArgumentError, match="outside"):
         PrefixCache(other, reserved=[3])
+
+
+def test_no_memory_imports_the_prefix_cache_and_it_imports_no_backend():
+    import ast
+    import pathlib
+
+    core = pathlib.Path(statecache.__file__).parent
+    for path in core.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in names if m.startswith("statecache.prefix")], f"{path.name} imports statecache.prefix"
+    code = textwrap.dedent(
+        """
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('torch', 'cffi', '_cffi_backend', 'pyopencl'):
+                    raise ImportError('blocked: ' + name)
+        sys.meta_path.insert(0, Block())
+        import statecache.prefix, statecache.prefix.sim
+        print('ok')
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
