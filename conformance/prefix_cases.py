@@ -324,7 +324,7 @@ def _expect(label: str, got: Any, want: Any) -> None:
 def _setup(dev: Device, kind: str, seed: int, **config: Any) -> tuple[ModelRuntime, Any, ColdOracle]:
     from statecache.prefix import PrefixCache, PrefixConfig
 
-    n_live, n_res = 2, 12
+    n_live, n_res = 2, 24  # room for every checkpoint: these scenarios test placement, not eviction
     rt = ModelRuntime(dev, kind, n_live + n_res, seed)
     cfg = PrefixConfig(**{"chunk": 8, "interval": 16, "before_end": 4, **config})
     cache = PrefixCache(rt.mem, reserved=range(n_live, n_live + n_res), config=cfg)
@@ -357,6 +357,7 @@ def exact_hits(dev: Device, kind: str, seed: int) -> None:
     _expect("F resumed at (E's junction; A's end needs one token left)", f.request.resume, 35)
     g = serve(rt, cache, oracle, 0, a_prompt[:20], extra="adapter-x", label="G: another extra key")
     _expect("G resumed at (other namespace)", g.request.resume, 0)
+    _expect("evictions (the resume points above assume none)", cache.metrics.evictions_device, 0)
     check_invariants(cache)
 
 
