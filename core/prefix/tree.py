@@ -110,6 +110,14 @@ class Walk:
     partial: Node | None
 
 
+def _shared(edge: tuple[int, ...], tokens: Sequence[int], i: int) -> int:
+    """How many tokens of ``edge`` match ``tokens[i:]`` (the first one is known to)."""
+    k, lim = 1, min(len(edge), len(tokens) - i)
+    while k < lim and edge[k] == tokens[i + k]:
+        k += 1
+    return k
+
+
 class Tree:
     """Radix trees over token ids, one root per namespace (P1)."""
 
@@ -136,12 +144,8 @@ class Tree:
             child = node.children.get(tokens[i])
             if child is None:
                 break
-            edge = child.edge
-            k = 1
-            lim = min(len(edge), n - i)
-            while k < lim and edge[k] == tokens[i + k]:
-                k += 1
-            if k < len(edge):
+            k = _shared(child.edge, tokens, i)
+            if k < len(child.edge):
                 return Walk(tuple(nodes), i + k, child)
             nodes.append(child)
             node = child
@@ -156,13 +160,7 @@ class Tree:
         return None
 
     def entries(self) -> Iterator[Entry]:
-        for root in self.roots.values():
-            stack = [root]
-            while stack:
-                node = stack.pop()
-                if node.entry is not None:
-                    yield node.entry
-                stack.extend(node.children.values())
+        return (node.entry for node in self.nodes() if node.entry is not None)
 
     def nodes(self) -> Iterator[Node]:
         for root in self.roots.values():
@@ -187,12 +185,8 @@ class Tree:
                 leaf = Node(tuple(tokens[i:]), n, node)
                 node.children[tokens[i]] = leaf
                 return leaf
-            edge = child.edge
-            k = 1
-            lim = min(len(edge), n - i)
-            while k < lim and edge[k] == tokens[i + k]:
-                k += 1
-            if k < len(edge):
+            k = _shared(child.edge, tokens, i)
+            if k < len(child.edge):
                 child = self._split(child, k)
             node = child
             i += k

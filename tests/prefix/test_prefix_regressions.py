@@ -118,3 +118,20 @@ def test_a_reused_checkpoint_row_never_leaks_a_previous_tenant():
             used.setdefault(e.device_seq, set()).add(e.node.tokens())
     assert all(len(v) > 2 for v in used.values())  # every id had several tenants
     check_invariants(cache)
+
+
+def test_tiers_that_share_host_memory_are_counted_once_each():
+    """On a host backend the device tier is host memory too: each tier keeps its own
+    budget and count, and the host-memory figure is their sum (never one hidden)."""
+    from statecache.prefix import describe
+
+    ckpt = describe(ModelRuntime(DEV, "recurrent", 1).mem).checkpoint_bytes
+    rt, cache, oracle = setup("recurrent", device_budget=2 * ckpt, host_budget=1 << 20)
+    assert cache.layout.host_memory
+    serve(rt, cache, oracle, 0, toks(20, 40))
+    st = cache.stats()
+    assert st["entries_device"] == 2 and st["entries_host"] >= 1
+    assert st["bytes_device"] == 2 * cache.layout.checkpoint_bytes
+    assert st["bytes_host"] == sum(len(e.host_blob) for e in cache.entries() if e.host_blob is not None)
+    assert st["bytes_in_host_memory"] == st["bytes_device"] + st["bytes_host"]
+    check_invariants(cache)
