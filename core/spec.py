@@ -501,8 +501,8 @@ def _shard_layer(spec: RecurrentLayerSpec, rank: int, world: int) -> tuple[Recur
         S, Hv, Hk = p["head_dim"], p["n_head"], p["n_head_k"]
         if Hv % Hk:
             raise ArgumentError("n_head", f"{Hv} value heads are not a multiple of {Hk} key heads")
-        hk = _split("n_head_k", Hk, world, "key heads")
         _split("n_head", Hv, world, "value heads")
+        hk = _split("n_head_k", Hk, world, "key heads")
         k_heads = np.arange(rank * hk, (rank + 1) * hk)
         # value head h reads key head h % Hk (the primitive tiles key heads over value
         # heads): a rank holds the value heads of its key heads, in increasing order,

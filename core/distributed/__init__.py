@@ -18,7 +18,7 @@ docs/distributed.md shows how a runtime wires both, and the limits.
 
 from __future__ import annotations
 
-from statecache.distributed.books import BookCheck, BookField, book_fields, check_books, first_divergence
+from statecache.distributed.books import BookCheck, BookField, book_digest, book_fields, check_books, first_divergence
 from statecache.distributed.checkpoint import (
     gather_memory,
     gather_state,
@@ -37,6 +37,7 @@ __all__ = [
     "BookField",
     "Transfer",
     "TransferError",
+    "book_digest",
     "book_fields",
     "check_books",
     "first_divergence",

@@ -95,6 +95,7 @@ def gather_state(blobs: Sequence[Any], spec: MemorySpec | ModelSpec) -> bytes:
     world = len(blobs)
     if world < 1:
         raise StateError("blobs", "no blob to gather")
+    spec.shard(0, world)
     parsed = [_parse_all(b) for b in blobs]
     flags0, _, secs0 = parsed[0]
     for r, (flags, shard, secs) in enumerate(parsed):
@@ -173,6 +174,7 @@ def _gather_block(spec: MemorySpec | ModelSpec, secs: list[Section], blocks: lis
 def scatter_state(blob: Any, spec: MemorySpec | ModelSpec, world: int) -> list[bytes]:
     """The blobs of ranks ``0 .. world-1`` (each with its ``SHRD`` section) from one
     unsharded blob of ``spec``; a split the spec refuses raises ArgumentError."""
+    spec.shard(0, world)  # a split the spec refuses is refused here, naming the layer and field
     flags, shard, secs = _parse_all(blob)
     if shard is not None and shard != (0, 1):
         raise StateError("shard", f"blob is rank {shard[0]} of {shard[1]}; gather the ranks' blobs first")

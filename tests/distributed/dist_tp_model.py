@@ -104,14 +104,19 @@ def shard_weights(w: M.Weights, rank: int, world: int, allreduce: Callable[[np.n
     return dataclasses.replace(w, per_layer=per_layer)
 
 
-def decode(mem: Any, weights: M.Weights, tokens_by_seq: dict[int, list[int]], world: int = 1) -> dict[int, np.ndarray]:
+def decode(
+    mem: Any, weights: M.Weights, tokens_by_seq: dict[int, list[int]], world: int = 1, check: Any = None
+) -> dict[int, np.ndarray]:
     """Run one batch through ``mem`` (a hybrid memory of the model, or of one rank's
-    shard when ``world > 1``); returns each sequence's logits ``[n_tokens, VOCAB]``."""
+    shard when ``world > 1``); returns each sequence's logits ``[n_tokens, VOCAB]``.
+    ``check``: a :class:`~statecache.distributed.BookCheck` that checks the books at every apply."""
     dev = mem.device
     balloc = BatchAllocator(mem.n_seq_max)
     balloc.init(Batch.for_sequences(tokens_by_seq, output_all=True), mem)
     ctx = mem.init_batch(balloc, 512)
     assert not ctx.status.is_fail, ctx.status
+    if check is not None:
+        ctx = check.wrap(ctx)
     got: dict[int, dict[int, np.ndarray]] = {}
     while True:
         ub = ctx.get_ubatch()

@@ -13,6 +13,7 @@ from dist_tp_model import decode, make_memory, shard_weights
 import statecache
 from statecache.conformance import model as M
 from statecache.distributed import (
+    BookCheck,
     BookDivergenceError,
     TransferError,
     book_fields,
@@ -52,12 +53,11 @@ def tensor_parallel(rank: int, world: int, device: str) -> dict[str, Any]:
     w = M.Weights.random(SEED, M.HYBRID_LAYERS)
     mem = make_memory(dev, spec.shard(rank, world))
     sw = shard_weights(w, rank, world, allreduce)
-    tp = [decode(mem, sw, PROMPTS, world)]
-    check_books(mem)
+    check = BookCheck(mem)  # debug mode: the books are compared after every apply
+    tp = [decode(mem, sw, PROMPTS, world, check)]
     for step in STEPS:
-        tp.append(decode(mem, sw, step, world))
-        check_books(mem)
-    out: dict[str, Any] = {"tp": tp, "books": books(mem)}
+        tp.append(decode(mem, sw, step, world, check))
+    out: dict[str, Any] = {"tp": tp, "books": books(mem), "checks": check.steps}
     blob = gather_memory(mem, spec)  # the unsharded checkpoint, on rank 0
     # scatter it into fresh shard memories: they continue exactly like the originals
     fresh = make_memory(dev, spec.shard(rank, world))

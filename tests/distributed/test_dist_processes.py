@@ -55,6 +55,8 @@ def test_ranks_books_agree_after_tensor_parallel_steps(two_ranks):
     b0, b1 = (r["tp"]["books"] for r in two_ranks)
     assert b0.keys() == b1.keys() and all(np.array_equal(b0[k], b1[k]) for k in b0)
     assert (b0["recurrent.pos"] >= 0).sum() == 2  # both sequences hold a cell: the books are not empty
+    checks = [r["tp"]["checks"] for r in two_ranks]  # one per applied ubatch (the prompts take more than one)
+    assert checks[0] == checks[1] > len(workers.STEPS)
 
 
 def test_gathered_checkpoint_restores_the_unsharded_model(two_ranks):
