@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 import time
 import zlib
 from typing import Any
@@ -102,7 +103,7 @@ def _header(nbytes: int, pos_min: int, pos_max: int, flags: int, crc: int | None
     return [*words, _header_hash(words)]
 
 
-def _check_header(words: list[int], src: int) -> str | None:
+def _check_header(words: list[int]) -> str | None:
     """Why the header is corrupt, or None."""
     if words[0] != MAGIC:
         return f"magic is {words[0]:#x}, expected {MAGIC:#x}"
@@ -177,20 +178,23 @@ def send_sequence(
         except TransferError:
             pass
         raise
+    _offer(ch, blob, pos_min, pos_max, int(flags), checksum, f"sequence {seq_id}")
+    return Transfer(len(blob), pos_min, pos_max, time.perf_counter() - t0)
+
+
+def _offer(ch: _Channel, blob: bytes, pos_min: int, pos_max: int, flags: int, checksum: bool, what: str) -> None:
+    """The sender's side of the protocol for one payload (see the module docstring)."""
     crc = zlib.crc32(blob) if checksum else None
-    hdr = ch.ints(_header(len(blob), pos_min, pos_max, int(flags), crc))
-    sent = ch.send(hdr, "sending the header")
+    sent = ch.send(ch.ints(_header(len(blob), pos_min, pos_max, flags, crc)), "sending the header")
     code = ch.hear("waiting for the answer to the header")
     if code != OK:
-        raise TransferError(dst, f"rank {dst} refused sequence {seq_id}: {REASONS[code]}")
-    payload = as_tensor(blob, ch.device)
-    sent_payload = ch.send(payload, "sending the payload")
+        raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
+    sent_payload = ch.send(as_tensor(blob, ch.device), "sending the payload")
     code = ch.hear("waiting for the answer to the payload")
-    wait(sent, timeout, dst, "sending the header")
-    wait(sent_payload, timeout, dst, "sending the payload")
+    wait(sent, ch.timeout, ch.peer, "sending the header")
+    wait(sent_payload, ch.timeout, ch.peer, "sending the payload")
     if code != OK:
-        raise TransferError(dst, f"rank {dst} refused sequence {seq_id}: {REASONS[code]}")
-    return Transfer(len(blob), pos_min, pos_max, time.perf_counter() - t0)
+        raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
 
 
 def default_max_bytes(memory: Any) -> int:
@@ -223,8 +227,37 @@ def recv_sequence(
     t0 = time.perf_counter()
     ch = _Channel(src, group, tag, timeout)
     limit = default_max_bytes(memory) if max_bytes is None else int(max_bytes)
+    data, (nbytes, pos_min, pos_max, flags) = _take(ch, limit)
+    try:
+        _check_positions(data, pos_max)
+    except StateError:
+        ch.answer(REFUSED)
+        raise
+    # what a failure after validation must put back (an empty destination: nothing to save)
+    held = max(memory.seq_pos_min(seq_id), memory.seq_pos_max(seq_id)) >= 0  # either part of a hybrid
+    backup = memory.state_write(seq_id, flags) if held else None
+    try:
+        memory.state_read(data, seq_id, flags)
+    except StateError:
+        ch.answer(REFUSED)  # state_read validates everything before writing: nothing changed
+        raise
+    except BaseException:
+        if backup is not None:
+            memory.state_read(backup, seq_id, flags)  # failed after validating: put the old state back
+        else:
+            memory.seq_rm(seq_id, -1, -1)
+        ch.answer(FAILED)
+        raise
+    ch.answer(OK)
+    return Transfer(nbytes, pos_min, pos_max, time.perf_counter() - t0)
+
+
+def _take(ch: _Channel, limit: int) -> tuple[memoryview, tuple[int, int, int, int]]:
+    """The receiver's side up to a payload it has checked: ``(payload, (bytes, pos_min,
+    pos_max, state flags))``; the final answer is the caller's."""
+    src = ch.peer
     words = [int(x) for x in ch.recv(ch.ints([0] * _HEADER_WORDS), "receiving the header").tolist()]
-    bad = _check_header(words, src)
+    bad = _check_header(words)
     if bad is not None:
         ch.answer(BAD_HEADER)
         raise TransferError(src, f"corrupt header from rank {src}: {bad}; nothing was received")
@@ -235,30 +268,35 @@ def recv_sequence(
         ch.answer(TOO_LARGE)
         raise TransferError(src, f"rank {src} announced {nbytes} bytes, more than max_bytes={limit}; refused")
     ch.answer(OK)
-    payload = ch.torch.empty(nbytes, dtype=ch.torch.uint8, device=ch.device)
+    payload = _receive_buffer(ch, nbytes)
     ch.recv(payload, "receiving the payload")
     data = host_view(payload)
     if flags_word & _CRC_PRESENT and zlib.crc32(data) != crc:
         ch.answer(BAD_CHECKSUM)
         raise TransferError(src, f"the payload from rank {src} does not match its CRC-32; nothing was written")
-    flags = flags_word & 0xFFFF
-    try:
-        _check_positions(data, pos_max)
-    except StateError:
-        ch.answer(REFUSED)
-        raise
-    backup = memory.state_write(seq_id, flags)
-    try:
-        memory.state_read(data, seq_id, flags)
-    except StateError:
-        ch.answer(REFUSED)  # state_read validates everything before writing: nothing changed
-        raise
-    except BaseException:
-        memory.state_read(backup, seq_id, flags)  # failed after validating: put the old state back
-        ch.answer(FAILED)
-        raise
-    ch.answer(OK)
-    return Transfer(nbytes, pos_min, pos_max, time.perf_counter() - t0)
+    return data, (nbytes, pos_min, pos_max, flags_word & 0xFFFF)
+
+
+_BUFFERS = threading.local()
+
+
+def _receive_buffer(ch: _Channel, nbytes: int) -> Any:
+    """``nbytes`` of a receive buffer kept for the next transfer (per thread and device):
+    touching fresh pages for every payload costs about as much as receiving it.  The
+    payload is only read until ``state_read`` has copied it, so reuse is safe."""
+    key = str(ch.device)
+    cache = getattr(_BUFFERS, "by_device", None)
+    if cache is None:
+        cache = _BUFFERS.by_device = {}
+    buf = cache.get(key)
+    if buf is None or buf.numel() < nbytes:
+        buf = cache[key] = ch.torch.empty(nbytes, dtype=ch.torch.uint8, device=ch.device)
+    return buf[:nbytes]
+
+
+def release_buffers() -> None:
+    """Free the receive buffers this thread keeps for its next transfer."""
+    _BUFFERS.by_device = {}
 
 
 def _check_positions(data: Any, pos_max: int) -> None:
