@@ -142,8 +142,7 @@ def first_divergence(books: Sequence[Sequence[BookField]]) -> BookDivergenceErro
                 index = i
         if index is not None:
             for r in (0, *ranks):
-                book = {f.name: f for f in books[r]}
-                seqs |= _owners(book, books[r][k], index)
+                seqs |= _owners({f.name: f for f in books[r]}, books[r][k], index)
             if f0.per == "seq":
                 seqs.add(index)
             elif f0.values.ndim == 2 and f0.owners == f0.name:  # a sequence-set row: the flags that differ

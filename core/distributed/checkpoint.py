@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from statecache.distributed.sections import TAG_IDX, RowBlock, Section, parse_section
+from statecache.distributed.sections import RowBlock, Section, parse_section
+from statecache.hybrid_idx import TAG_IDX
 from statecache.errors import StateError
 from statecache.memory import StateFlags
 from statecache.spec import MemorySpec, ModelSpec
@@ -211,7 +212,7 @@ def save_shard(memory: Any, rank: int, world: int, seq: int = -1, flags: int = S
     """``memory.state_write(seq, flags)`` of tensor-parallel rank ``rank`` of ``world``,
     marked with its rank so it restores only there."""
     mflags, sections = unpack_sections(memory.state_write(seq, flags))
-    return pack_sections([_shard_section(rank, world), *sections], mflags)
+    return pack_sections([_shard_section(rank, world), *((t, bytes(p)) for t, p in sections)], mflags)
 
 
 def restore_shard(memory: Any, blob: Any, rank: int, world: int, seq: int = -1, flags: int = StateFlags.NONE) -> None:
@@ -221,7 +222,7 @@ def restore_shard(memory: Any, blob: Any, rank: int, world: int, seq: int = -1, 
     mflags, shard, sections = _split_blob(blob)
     if shard is not None and shard != (rank, world):
         raise StateError("shard", f"blob is rank {shard[0]} of {shard[1]}, this memory is rank {rank} of {world}")
-    memory.state_read(pack_sections(sections, mflags), seq, flags)
+    memory.state_read(pack_sections([(t, bytes(p)) for t, p in sections], mflags), seq, flags)
 
 
 # -- over a torch.distributed group ------------------------------------------------------

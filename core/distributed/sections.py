@@ -61,7 +61,7 @@ class RowBlock:
     @property
     def elements(self) -> int:
         """Elements per row."""
-        return self.rows.shape[1] // self.dtype.itemsize
+        return int(self.rows.shape[1]) // self.dtype.itemsize
 
 
 @dataclasses.dataclass

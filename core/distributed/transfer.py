@@ -201,7 +201,7 @@ def default_max_bytes(memory: Any) -> int:
     """The largest payload :func:`recv_sequence` accepts by default: twice every byte the
     memory holds (a sequence's rows never exceed its memory; metadata per cell is
     smaller than a cell's rows) plus 1 MiB."""
-    return 2 * sum(memory.memory_breakdown().values()) + (1 << 20)
+    return 2 * int(sum(memory.memory_breakdown().values())) + (1 << 20)
 
 
 def recv_sequence(
