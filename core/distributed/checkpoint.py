@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from statecache.distributed.sections import RowBlock, Section, parse_section
-from statecache.hybrid_idx import TAG_IDX
 from statecache.errors import StateError
+from statecache.hybrid_idx import TAG_IDX
 from statecache.memory import StateFlags
 from statecache.spec import MemorySpec, ModelSpec
 from statecache.state_io import pack_sections, unpack_sections
