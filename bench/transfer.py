@@ -40,7 +40,8 @@ from typing import Any
 
 def spec_and_memory(device: str, tokens: int) -> tuple[Any, Any]:
     import statecache
-    from statecache.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec, make_memory
+    from statecache.factory import make_memory
+    from statecache.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec
 
     gdn = RecurrentLayerSpec.gdn(n_head=16, head_dim=128, d_conv=4)
     spec = ModelSpec.build(

@@ -1,4 +1,4 @@
-"""What a model's recurrent memory holds: per-layer state sizes per family (spec §2.1).
+"""What a model's recurrent memory holds: per-layer state sizes per family (docs/memory-semantics.md#state-sizes).
 
 A :class:`MemorySpec` lists the model's layers (``n_layer`` counts every
 layer, attention ones too) and, for each recurrent layer, its
@@ -6,24 +6,20 @@ layer, attention ones too) and, for each recurrent layer, its
 delta / wkv state ``s``, plus optional extras) with their row sizes in
 elements.  The family constructors compute those sizes from the usual
 hyperparameters.  :meth:`MemorySpec.memory_breakdown` gives the bytes per
-device a recurrent memory allocates; :func:`make_memory` builds the memory
-for a pure-recurrent model.
+device a recurrent memory allocates; :func:`statecache.factory.make_memory`
+builds the memory a spec describes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError
-
-if TYPE_CHECKING:
-    from statecache.backend import Device
-    from statecache.recurrent import RecurrentMemory
 
 #: Families whose every state tensor gets snapshot planes from the primitives, so
 #: rollback (n_rs_seq > 0) is exact for them.  Mamba-1's scan emits only its
@@ -62,7 +58,7 @@ class RecurrentLayerSpec:
     def rollback_capable(self) -> bool:
         return self.family in ROLLBACK_FAMILIES
 
-    # -- family constructors (hyperparameters -> row sizes, spec §2.1) ----------
+    # -- family constructors (hyperparameters -> row sizes, docs/memory-semantics.md#state-sizes) ----------
     @classmethod
     def mamba1(cls, *, d_inner: int, d_state: int, d_conv: int) -> RecurrentLayerSpec:
         # Mamba-1 is Mamba-2 with head_dim 1, n_head = d_inner, one group (B, C not convolved).
@@ -183,7 +179,7 @@ class MemorySpec:
 
     def effective_n_rs_seq(self, n_rs_seq: int) -> int:
         """Rollback planes actually used: 0 unless every recurrent layer is rollback-capable
-        (spec §10 item 35); a model with no recurrent layer keeps it (positions only)."""
+        (docs/memory-semantics.md#inv-35); a model with no recurrent layer keeps it (positions only)."""
         if n_rs_seq < 0:
             raise ArgumentError("n_rs_seq", f"must be >= 0, got {n_rs_seq}")
         if not self.recurrent_layers:
@@ -220,22 +216,6 @@ class MemorySpec:
             nbytes = sum(t.row_size for t in spec.tensors) * n_seq_max * planes * self.dtype.itemsize
             out[dev] = out.get(dev, 0) + nbytes
         return out
-
-
-def make_memory(
-    spec: MemorySpec | ModelSpec,
-    device: Device,
-    n_seq_max: int,
-    n_rs_seq: int = 0,
-    **kwargs: Any,
-) -> RecurrentMemory | Any:
-    """The memory of a pure-recurrent model (every stateful layer recurrent); a
-    :class:`ModelSpec` (attention / indexer layers too) picks its class itself."""
-    if isinstance(spec, ModelSpec):
-        return make_model_memory(spec, device, n_seq_max, n_rs_seq, **kwargs)
-    from statecache.recurrent import RecurrentMemory
-
-    return RecurrentMemory(spec, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq, **kwargs)
 
 
 # -- attention and indexer layers (hybrid models) --------------------------------------
@@ -280,7 +260,7 @@ class AttentionLayerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class IndexerSpec:
-    """The key-only indexer cache of hybrid-idx models (kpool-spec K.1)."""
+    """The key-only indexer cache of hybrid-idx models (docs/memory-semantics.md#kpool-rows)."""
 
     layers: tuple[int, ...]
     head_size: int
@@ -366,7 +346,7 @@ class ModelSpec:
 
     def kv_bytes(self, n_seq_max: int, n_ctx: int) -> int:
         """Bytes of K and V for ``n_seq_max`` sequences of ``n_ctx`` positions
-        (full-size caches; an iSWA window cache is smaller, see :func:`make_memory`)."""
+        (full-size caches; an iSWA window cache is smaller, see :func:`statecache.factory.make_memory`)."""
         width = sum(a.n_embd_k + a.n_embd_v for a in self.attention.values())
         return width * n_seq_max * n_ctx * self.kv_dtype.itemsize
 
@@ -385,55 +365,6 @@ class ModelSpec:
         if kv:
             out[device] = out.get(device, 0) + kv
         return out
-
-
-def make_model_memory(
-    spec: ModelSpec,
-    device: Device,
-    n_seq_max: int,
-    n_rs_seq: int = 0,
-    *,
-    n_ctx: int,
-    unified: bool = True,
-    n_ubatch: int = 512,
-    swa_full: bool = False,
-    n_pad: int = 256,
-    k_shift: Any = None,
-) -> Any:
-    """Pure attention (KVCache / KVCacheISWA), pure recurrent, hybrid, hybrid-iSWA
-    or hybrid-idx, as the spec says.  ``n_ctx``: positions per sequence."""
-    from statecache.kv_cache import KVCache, KVCacheISWA, KVLayer
-    from statecache.recurrent import RecurrentMemory
-
-    kind = spec.kind
-    if kind == "recurrent":
-        return RecurrentMemory(spec.recurrent, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq)
-    layers = [KVLayer(il, a.n_embd_k, a.n_embd_v) for il, a in sorted(spec.attention.items())]
-    size = n_ctx * n_seq_max if unified else n_ctx
-    common: dict[str, Any] = dict(n_seq_max=n_seq_max, unified=unified, dtype=spec.kv_dtype, n_pad=n_pad)
-    if kind in ("attention_iswa", "hybrid_iswa"):
-        swa_layers = [il for il, a in spec.attention.items() if a.swa]
-        attn: Any = KVCacheISWA(
-            device, layers, swa_layers, size=size, n_ubatch=n_ubatch, n_swa=spec.n_swa,
-            swa_type=spec.swa_type, swa_full=swa_full, k_shift=k_shift, **common,
-        )  # fmt: skip
-    else:
-        attn = KVCache(device, layers, size=size, k_shift=k_shift, **common)
-    if kind.startswith("attention"):
-        return attn
-    recr = RecurrentMemory(spec.recurrent, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq)
-    if kind == "hybrid_idx":
-        from statecache.hybrid_idx import HybridIdxMemory
-
-        ix = spec.indexer
-        assert ix is not None
-        return HybridIdxMemory(
-            attn, recr, ix.layers, head_size=ix.head_size, row_factor=ix.row_factor, kpool=ix.kpool,
-            by_order=ix.by_order,
-        )  # fmt: skip
-    from statecache.hybrid import HybridISWAMemory, HybridMemory
-
-    return HybridISWAMemory(attn, recr) if kind == "hybrid_iswa" else HybridMemory(attn, recr)
 
 
 # -- tensor-parallel shards (Megatron / vLLM: whole heads per rank) -----------------------
@@ -535,3 +466,15 @@ def _shard_layer(spec: RecurrentLayerSpec, rank: int, world: int) -> tuple[Recur
     window = p["d_conv"] - 1
     index["r"] = _blocks(index["r"] * window, window)  # channels -> elements of the [channel, window] row
     return dataclasses.replace(local, params={**local.params, **tp}), index
+
+
+def __getattr__(name: str) -> Any:
+    # make_memory and make_model_memory moved to statecache.factory, above the
+    # memories (this module is data and sits below them).  Resolved on first
+    # use so that old imports keep working without this floor importing the
+    # memories at import time.
+    if name in ("make_memory", "make_model_memory"):
+        from statecache import factory
+
+        return getattr(factory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from statecache.batch import Batch, BatchAllocator
-from statecache.spec import AttentionLayerSpec, IndexerSpec, MemorySpec, ModelSpec, RecurrentLayerSpec, make_memory
+from statecache.factory import make_memory
+from statecache.spec import AttentionLayerSpec, IndexerSpec, MemorySpec, ModelSpec, RecurrentLayerSpec
 
 GDN = RecurrentLayerSpec.gdn(n_head=4, head_dim=2, d_conv=3, n_head_k=2)
 M2 = RecurrentLayerSpec.mamba2(d_inner=8, d_state=2, d_conv=3, n_group=2, head_dim=2)

@@ -136,6 +136,6 @@ def decode(
 
 def make_memory(dev: Any, spec: Any, n_seq_max: int = 2, n_ctx: int = 48, **kw: Any) -> Any:
     """A hybrid memory of ``spec`` (the model's, or a shard of it)."""
-    from statecache.spec import make_memory as factory
+    from statecache.factory import make_memory as factory
 
     return factory(spec, dev, n_seq_max, kw.pop("n_rs_seq", 0), n_ctx=n_ctx, n_pad=8, **kw)

@@ -19,7 +19,8 @@ from statecache.conformance import model as M
 from statecache.distributed import gather_state, reshard, restore_shard, save_shard, scatter_state
 from statecache.distributed.sections import RowBlock, Section, parse_section
 from statecache.errors import ArgumentError, StateError
-from statecache.spec import AttentionLayerSpec, MemorySpec, ModelSpec, RecurrentLayerSpec, make_memory
+from statecache.factory import make_memory
+from statecache.spec import AttentionLayerSpec, MemorySpec, ModelSpec, RecurrentLayerSpec
 from statecache.state_io import pack_sections, unpack_sections
 
 
