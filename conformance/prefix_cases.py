@@ -72,7 +72,8 @@ def model_layers(kind: str) -> tuple[str, ...]:
 def build_memory(dev: Device, kind: str, n_seq_max: int, seed: int, n_rs_seq: int = 0, dtype: str = "f32") -> Any:
     """A garbage-filled memory of the tiny model, of one of :data:`KINDS`."""
     from statecache.conformance.model import A_DIM, A_HEADS_KV
-    from statecache.spec import AttentionLayerSpec, IndexerSpec, ModelSpec, make_memory
+    from statecache.factory import make_memory
+    from statecache.spec import AttentionLayerSpec, IndexerSpec, ModelSpec
 
     if kind not in KINDS:
         raise ValueError(f"unknown memory kind {kind!r}; known: {KINDS}")

@@ -12,8 +12,9 @@ memory imports it.
 
 from __future__ import annotations
 
+from statecache.errors import InvariantError
 from statecache.prefix.cache import PrefixCache, PrefixConfig, PrefixMatch, Request
-from statecache.prefix.check import InvariantError, check_invariants
+from statecache.prefix.check import check_invariants
 from statecache.prefix.key import namespace
 from statecache.prefix.metrics import Metrics, PrefixCacheNoOpWarning
 from statecache.prefix.policy import DEFAULT_POLICY, POLICIES, get_policy

@@ -2,7 +2,7 @@
 
 :func:`check_invariants` rebuilds every counter from the nodes and compares
 (no ``assert``: a stripped assert would check nothing), raising
-:class:`InvariantError` with the number of the invariant (P1-P6 of
+:class:`~statecache.errors.InvariantError` with the number of the invariant (P1-P6 of
 :mod:`statecache.prefix.tree`) and what differs.
 """
 
@@ -10,22 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from statecache.errors import StatecacheError
+from statecache.errors import InvariantError
 from statecache.prefix.tree import ORIGINS, Node
 
 if TYPE_CHECKING:
     from statecache.prefix.cache import PrefixCache
-
-
-class InvariantError(StatecacheError):
-    """An internal invariant does not hold (a bug in statecache, not in the caller).
-
-    ``invariant``: its name (``"P5"``).
-    """
-
-    def __init__(self, invariant: str, message: str) -> None:
-        self.invariant = invariant
-        super().__init__(f"{invariant}: {message}")
 
 
 def _fail(inv: str, msg: str) -> None:
@@ -33,7 +22,7 @@ def _fail(inv: str, msg: str) -> None:
 
 
 def check_invariants(cache: PrefixCache, memory: bool = True) -> None:
-    """Raise :class:`InvariantError` unless P1-P6 hold for ``cache``.
+    """Raise :class:`~statecache.errors.InvariantError` unless P1-P6 hold for ``cache``.
 
     :param memory: also check that every device entry's sequence is still at
         its length in the memory (skip it where a test drops them on purpose).

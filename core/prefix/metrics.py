@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from statecache.errors import StatecacheWarning
 
-class PrefixCacheNoOpWarning(UserWarning):
+
+class PrefixCacheNoOpWarning(StatecacheWarning):
     """The configuration makes the prefix cache unable to reuse anything for this
     model or these requests (issued once per cache)."""
 

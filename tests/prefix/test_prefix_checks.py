@@ -203,8 +203,8 @@ def _spec_of(kind):  # type: ignore[no-untyped-def]
 
 
 def test_memories_the_cache_cannot_serve_are_refused():
+    from statecache.factory import make_memory
     from statecache.kv_cache import KVCache, KVLayer
-    from statecache.spec import make_memory
 
     kv = KVCache(DEV, [KVLayer(0, 4, 4)], size=16, n_seq_max=2)
     with pytest.raises(ArgumentError, match="no recurrent part"):
