@@ -97,6 +97,21 @@ def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), p.size - 1))
 
 
+def speculative_pick(p: np.ndarray, draft: int | None, rng: np.random.Generator) -> int:
+    """One token from distribution ``p`` given a deterministic draft token: keep the draft with
+    probability ``p[draft]``, else draw from ``p`` without it (renormalised).  The result is
+    distributed exactly as ``p`` (``P(t) = p[d] [t = d] + (1 - p[d]) p[t] / (1 - p[d])``), so
+    drafting never changes what a seeded request samples in distribution.  Without a draft:
+    a plain draw."""
+    if draft is None:
+        return _draw(p, rng)
+    if rng.random() < p[draft]:
+        return int(draft)
+    rest = p.copy()
+    rest[draft] = 0.0
+    return _draw(rest, rng) if rest.sum() > 0 else int(draft)
+
+
 @dataclasses.dataclass
 class Request:
     """One generation request; :attr:`generated` grows as it runs."""
@@ -319,9 +334,13 @@ class Engine:
         try:
             logits = lm.forward(batch)
         except BaseException:
-            for _, _, _, scratch in plans:
+            # the memory undid the batch; requests whose states it had to drop cannot go on
+            for req, _, _, scratch in plans:
                 if scratch is not None:
                     mem.seq_rm(scratch, -1, -1)
+                if req.seq in lm.last_dropped:
+                    self._finish(req, "failed")
+            self._compact()
             raise
         self.forwards += 1
         self.steps += 1
@@ -350,14 +369,7 @@ class Engine:
             if s.greedy:
                 t = int(np.argmax(rows[i]))
             else:
-                p = s.probs(rows[i])
-                if d is not None and req.rng.random() < p[d]:
-                    t = d
-                else:
-                    if d is not None:
-                        p = p.copy()
-                        p[d] = 0.0
-                    t = _draw(p, req.rng) if p.sum() > 0 else int(np.argmax(rows[i]))
+                t = speculative_pick(s.probs(rows[i]), d, req.rng)
             new.append(t)
             used_rows.append(i)
             if d is None or t != d:

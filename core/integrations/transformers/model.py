@@ -62,7 +62,10 @@ class StatecacheCausalLM:
     storage of the recurrent states; ``kv_dtype``: of K/V (default: the
     model's dtype, so attention reads them without a conversion).
     ``unified_kv``: one KV stream for every sequence instead of one each.
-    ``n_ubatch``: most tokens per ubatch.
+    ``n_ubatch``: most tokens per ubatch.  ``keep_undo_rows``: every step first copies the
+    state rows it overwrites, so that a forward that fails half way is undone exactly; without
+    it the undo is consistent but drops the sequences whose rows were overwritten (their ids are
+    in :attr:`last_dropped` and in a note on the exception).
 
     The parameters the primitives read (conv weights, A) are copied to the
     device once; call :meth:`refresh` after changing the model's weights.
@@ -81,6 +84,7 @@ class StatecacheCausalLM:
         unified_kv: bool = False,
         n_ubatch: int = 512,
         kv_pad: int = 32,
+        keep_undo_rows: bool = False,
     ) -> None:
         self.model = model
         self.family = family_of(model)
@@ -109,6 +113,9 @@ class StatecacheCausalLM:
         self.n_ubatch = int(n_ubatch)
         self.n_vocab = int(model.config.vocab_size)
         self.n_ctx = int(n_ctx)
+        self.keep_undo_rows = bool(keep_undo_rows)
+        #: sequences the undo of the last failed forward had to drop (empty: it was exact)
+        self.last_dropped: tuple[int, ...] = ()
         attn = {self.slots[(i, "attention")]: p["attention"] for i, p in enumerate(self.parts) if "attention" in p}
         self._attn_slots = {i: self.slots[(i, "attention")] for i, p in enumerate(self.parts) if "attention" in p}
         if attn:
@@ -194,6 +201,8 @@ class StatecacheCausalLM:
         ctx = self.memory.init_batch(balloc, self.n_ubatch)
         if ctx.status.is_fail:
             raise MemoryPlanError(f"the memory could not place the batch {getattr(ctx, 'reason', '')}".rstrip())
+        if self.keep_undo_rows:
+            ctx.keep_undo_rows = True
         outs = []
         applied = False
         try:
@@ -205,9 +214,11 @@ class StatecacheCausalLM:
                     outs.append(self._ubatch(ctx, ctx.get_ubatch()))
                     if not ctx.next():
                         break
-        except BaseException:
+        except BaseException as exc:
             if applied:
-                ctx.undo()
+                self.last_dropped = tuple(ctx.undo())
+                if self.last_dropped:
+                    exc.add_note(f"statecache undid the batch and dropped sequences {list(self.last_dropped)}")
             raise
         logits = torch.cat(outs) if len(outs) > 1 else outs[0]
         order = np.asarray(balloc.out_ids, dtype=np.int64)
