@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()  # generate() warns about eos_token_id=-1 (no early stop) every call
     ftz = False if args.keep_denormals else bool(torch.set_flush_denormal(True))
     models = _models(transformers)
     names = list(models) if args.families == "all" else args.families.split(",")

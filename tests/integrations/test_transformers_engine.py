@@ -24,6 +24,7 @@ from statecache.integrations.transformers import (  # noqa: E402
     NgramDraft,
     Sampling,
     StatecacheCausalLM,
+    supported_model_types,
 )
 from statecache.integrations.transformers.engine import speculative_pick  # noqa: E402
 
@@ -72,6 +73,7 @@ def test_unsupported_model_type_is_refused_by_name():
     )
     with pytest.raises(IntegrationError, match=r"'llama'.*supported: .*mamba2"):
         StatecacheCausalLM(transformers.LlamaForCausalLM(cfg))
+    assert "qwen3_next" in supported_model_types() and "llama" not in supported_model_types()
 
 
 def test_unsupported_layer_is_refused_by_layer_and_reason():
@@ -154,8 +156,8 @@ def test_speculative_sampling_rolls_back_exactly(bamba):  # type: ignore[no-unty
 def test_speculative_pick_has_the_target_distribution():
     rng = np.random.default_rng(0)
     p = rng.dirichlet(np.ones(6))
-    n = 60000
-    for draft in (int(np.argmax(p)), int(np.argmin(p)), None):
+    n = 20000
+    for draft in (int(np.argmax(p)), int(np.argmin(p))):
         counts = np.bincount([speculative_pick(p, draft, rng) for _ in range(n)], minlength=6)
         sigma = np.sqrt(n * p * (1 - p))
         assert np.all(np.abs(counts - n * p) < 5 * sigma + 1), (draft, counts / n, p)

@@ -36,6 +36,7 @@ from statecache.spec import RecurrentLayerSpec
 
 from .bridge import Bridge, Workspace
 from .errors import IntegrationError
+from .mamba import conv_arguments, neg_exp
 
 
 @dataclasses.dataclass
@@ -74,27 +75,21 @@ def gdn_layout(mixer: Any, il: int, bridge: Bridge) -> GdnLayout:
         )
     if hv % hk:
         raise IntegrationError(f"layer {il}: {hv} value heads are not a multiple of {hk} key heads")
-    act = getattr(mixer, "activation", "silu")
-    if act not in ("silu", "swish"):
-        raise IntegrationError(f"layer {il} ({type(mixer).__name__}): conv activation {act!r} is not SiLU")
-    w = mixer.conv1d.weight
-    conv_dim, d_conv = int(w.shape[0]), int(w.shape[-1])
-    if conv_dim != (2 * hk + hv) * dk:
-        raise IntegrationError(f"layer {il}: conv has {conv_dim} channels, expected q, k and v")
-    torch = bridge.torch
-    with torch.no_grad():
-        return GdnLayout(
-            il=il,
-            n_head_k=hk,
-            n_head_v=hv,
-            head_dim=dk,
-            d_conv=d_conv,
-            conv_dim=conv_dim,
-            conv_weight=bridge.upload(w, (conv_dim, d_conv)),
-            conv_bias=None if mixer.conv1d.bias is None else bridge.upload(mixer.conv1d.bias),
-            neg_A=-torch.exp(mixer.A_log.detach().float()).to(bridge.torch_device),
-            dt_bias=mixer.dt_bias.detach().float().to(bridge.torch_device),
-        )
+    conv = conv_arguments(mixer, il, bridge)
+    if conv.channels != (2 * hk + hv) * dk:
+        raise IntegrationError(f"layer {il}: conv has {conv.channels} channels, expected q, k and v")
+    return GdnLayout(
+        il=il,
+        n_head_k=hk,
+        n_head_v=hv,
+        head_dim=dk,
+        d_conv=conv.d_conv,
+        conv_dim=conv.channels,
+        conv_weight=conv.weight,
+        conv_bias=conv.bias,
+        neg_A=neg_exp(bridge, mixer.A_log),
+        dt_bias=mixer.dt_bias.detach().float().to(bridge.torch_device),
+    )
 
 
 def _l2norm_(torch: Any, x: Any) -> Any:

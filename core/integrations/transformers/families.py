@@ -93,6 +93,27 @@ class Family:
         raise NotImplementedError
 
 
+class DecoderFamily(Family):
+    """The layout most hybrid causal LMs share: ``model.model.embed_tokens``,
+    ``model.model.layers``, ``model.model.rotary_emb`` (absent or None without RoPE)."""
+
+    def decoder_layers(self) -> Any:
+        return self.model.model.layers
+
+    def embed(self, ids: Any) -> Any:
+        return self.model.model.embed_tokens(ids)
+
+    def rotary(self, h: Any, pos: Any) -> Any:
+        rot = getattr(self.model.model, "rotary_emb", None)
+        return None if rot is None else rot(h, pos)
+
+
+def residual_ffn(h: Any, norm: Any, ffn: Any) -> Any:
+    """``h + ffn(norm(h))``; MoE blocks that also return router logits give a tuple."""
+    y = ffn(norm(h))
+    return h + (y[0] if isinstance(y, tuple) else y)
+
+
 # -- pure recurrent: Mamba, FalconMamba, Mamba-2 -------------------------------------------------
 
 
@@ -129,35 +150,26 @@ class MambaFamily(Family):
 # -- Mamba-2 / attention hybrids -----------------------------------------------------------------
 
 
-class BambaFamily(Family):
+class BambaFamily(DecoderFamily):
     """BambaForCausalLM: ``input_layernorm -> (mamba | self_attn) -> + residual ->
     pre_ff_layernorm -> feed_forward -> + residual``."""
 
     model_types = ("bamba",)
     mixer_kinds = {"BambaMixer": "mamba2", "BambaAttention": "attention"}
 
-    def decoder_layers(self) -> Any:
-        return self.model.model.layers
-
     def parts_of(self, i: int, layer: Any) -> list[Any]:
         return [layer.mamba if layer.block_type == "linear_attention" else layer.self_attn]
-
-    def embed(self, ids: Any) -> Any:
-        return self.model.model.embed_tokens(ids)
-
-    def rotary(self, h: Any, pos: Any) -> Any:
-        return self.model.model.rotary_emb(h, pos)
 
     def layer(self, i: int, h: Any, run: LayerRun) -> Any:
         blk = self.model.model.layers[i]
         h = h + run.mix(i, blk.input_layernorm(h))
-        return h + blk.feed_forward(blk.pre_ff_layernorm(h))
+        return residual_ffn(h, blk.pre_ff_layernorm, blk.feed_forward)
 
     def head(self, h: Any) -> Any:
         return self.model.lm_head(self.model.model.final_layernorm(h))
 
 
-class GraniteMoeHybridFamily(Family):
+class GraniteMoeHybridFamily(DecoderFamily):
     """GraniteMoeHybridForCausalLM: embeddings times ``embedding_multiplier``; each branch
     added as ``residual + out * residual_multiplier``; MoE plus shared MLP (or the shared MLP
     alone); logits divided by ``logits_scaling``; RoPE only when ``position_embedding_type``
@@ -166,18 +178,11 @@ class GraniteMoeHybridFamily(Family):
     model_types = ("granitemoehybrid",)
     mixer_kinds = {"GraniteMoeHybridMambaLayer": "mamba2", "GraniteMoeHybridAttention": "attention"}
 
-    def decoder_layers(self) -> Any:
-        return self.model.model.layers
-
     def parts_of(self, i: int, layer: Any) -> list[Any]:
         return [layer.mamba if layer.mamba is not None else layer.self_attn]
 
     def embed(self, ids: Any) -> Any:
-        return self.model.model.embed_tokens(ids) * self.model.model.embedding_multiplier
-
-    def rotary(self, h: Any, pos: Any) -> Any:
-        rot = self.model.model.rotary_emb
-        return None if rot is None else rot(h, pos)
+        return super().embed(ids) * self.model.model.embedding_multiplier
 
     def layer(self, i: int, h: Any, run: LayerRun) -> Any:
         blk = self.model.model.layers[i]
@@ -195,7 +200,7 @@ class GraniteMoeHybridFamily(Family):
 # -- gated delta net / attention hybrids -----------------------------------------------------------
 
 
-class Qwen3NextFamily(Family):
+class Qwen3NextFamily(DecoderFamily):
     """Qwen3NextForCausalLM: ``input_layernorm -> (linear_attn | self_attn) -> + residual ->
     post_attention_layernorm -> mlp (dense or sparse MoE) -> + residual``."""
 
@@ -208,25 +213,16 @@ class Qwen3NextFamily(Family):
     def parts_of(self, i: int, layer: Any) -> list[Any]:
         return [layer.linear_attn if layer.block_type == "linear_attention" else layer.self_attn]
 
-    def embed(self, ids: Any) -> Any:
-        return self.model.model.embed_tokens(ids)
-
-    def rotary(self, h: Any, pos: Any) -> Any:
-        return self.model.model.rotary_emb(h, pos)
-
     def layer(self, i: int, h: Any, run: LayerRun) -> Any:
         blk = self.model.model.layers[i]
         h = h + run.mix(i, blk.input_layernorm(h))
-        y = blk.mlp(blk.post_attention_layernorm(h))
-        if isinstance(y, tuple):
-            y = y[0]
-        return h + y
+        return residual_ffn(h, blk.post_attention_layernorm, blk.mlp)
 
     def head(self, h: Any) -> Any:
         return self.model.lm_head(self.model.model.norm(h))
 
 
-class JambaFamily(Family):
+class JambaFamily(DecoderFamily):
     """JambaForCausalLM: Mamba-1 (with RMS norms on dt, B, C) and attention (no RoPE) decoder
     layers, each ``input_layernorm -> mixer -> + residual -> pre_ff_layernorm -> feed_forward
     (MLP or MoE) -> + residual``."""
@@ -234,33 +230,24 @@ class JambaFamily(Family):
     model_types = ("jamba",)
     mixer_kinds = {"JambaMambaMixer": "mamba1", "JambaAttention": "attention"}
 
-    def decoder_layers(self) -> Any:
-        return self.model.model.layers
-
     def parts_of(self, i: int, layer: Any) -> list[Any]:
         return [layer.mamba if hasattr(layer, "mamba") else layer.self_attn]
-
-    def embed(self, ids: Any) -> Any:
-        return self.model.model.embed_tokens(ids)
 
     def layer(self, i: int, h: Any, run: LayerRun) -> Any:
         blk = self.model.model.layers[i]
         h = h + run.mix(i, blk.input_layernorm(h))
-        return h + blk.feed_forward(blk.pre_ff_layernorm(h))
+        return residual_ffn(h, blk.pre_ff_layernorm, blk.feed_forward)
 
     def head(self, h: Any) -> Any:
         return self.model.lm_head(self.model.model.final_layernorm(h))
 
 
-class NemotronHFamily(Family):
+class NemotronHFamily(DecoderFamily):
     """NemotronHForCausalLM: every block is ``norm -> mixer -> + residual`` where the mixer is
     Mamba-2, attention (no RoPE), an MLP or an MoE (the last two hold no state)."""
 
     model_types = ("nemotron_h",)
     mixer_kinds = {"NemotronHMamba2Mixer": "mamba2", "NemotronHAttention": "attention"}
-
-    def decoder_layers(self) -> Any:
-        return self.model.model.layers
 
     def parts_of(self, i: int, layer: Any) -> list[Any]:
         return [layer.mixer] if layer.block_type in ("linear_attention", "full_attention") else []
@@ -279,7 +266,7 @@ class NemotronHFamily(Family):
         return self.model.lm_head(self.model.model.norm_f(h)).float()
 
 
-class FalconH1Family(Family):
+class FalconH1Family(DecoderFamily):
     """FalconH1ForCausalLM: every layer runs Mamba-2 and attention *in parallel* on the same
     normalised input (attention's input times ``attention_in_multiplier``), adds
     ``ssm_out_multiplier * mamba + attn_out_multiplier * attention`` to the residual, then the
@@ -289,31 +276,24 @@ class FalconH1Family(Family):
     model_types = ("falcon_h1",)
     mixer_kinds = {"FalconH1Mixer": "mamba2", "FalconH1Attention": "attention"}
 
-    def decoder_layers(self) -> Any:
-        return self.model.model.layers
-
     def parts_of(self, i: int, layer: Any) -> list[Any]:
         return [layer.self_attn, layer.mamba]
 
     def embed(self, ids: Any) -> Any:
-        return self.model.model.embed_tokens(ids) * self.model.model.embedding_multiplier
-
-    def rotary(self, h: Any, pos: Any) -> Any:
-        return self.model.model.rotary_emb(h, pos)
+        return super().embed(ids) * self.model.model.embedding_multiplier
 
     def layer(self, i: int, h: Any, run: LayerRun) -> Any:
         blk = self.model.model.layers[i]
         x = blk.input_layernorm(h)
         m = run.mix(i, x, "mamba2") * blk.ssm_out_multiplier
         a = run.mix(i, x * blk.attention_in_multiplier, "attention") * blk.attn_out_multiplier
-        h = h + (m + a)
-        return h + blk.feed_forward(blk.pre_ff_layernorm(h))
+        return residual_ffn(h + (m + a), blk.pre_ff_layernorm, blk.feed_forward)
 
     def head(self, h: Any) -> Any:
         return self.model.lm_head(self.model.model.final_layernorm(h)) * self.model.model.lm_head_multiplier
 
 
-class Zamba2Family(Family):
+class Zamba2Family(DecoderFamily):
     """Zamba2ForCausalLM: every layer is a Mamba-2 block (``input_layernorm -> mamba -> +
     residual``); a *hybrid* layer first runs a shared transformer block (attention + MLP with
     per-layer LoRA adapters, weights tied across layers) on ``concat(hidden, embeddings)``,
@@ -323,19 +303,13 @@ class Zamba2Family(Family):
     model_types = ("zamba2",)
     mixer_kinds = {"Zamba2MambaMixer": "mamba2", "Zamba2Attention": "attention"}
 
-    def decoder_layers(self) -> Any:
-        return self.model.model.layers
-
     def parts_of(self, i: int, layer: Any) -> list[Any]:
         if hasattr(layer, "shared_transformer"):
             return [layer.shared_transformer.self_attn, layer.mamba_decoder.mamba]
         return [layer.mamba]
 
-    def embed(self, ids: Any) -> Any:
-        return self.model.model.embed_tokens(ids)
-
     def rotary(self, h: Any, pos: Any) -> Any:
-        return self.model.model.rotary_emb(h, pos) if self.config.use_mem_rope else None
+        return super().rotary(h, pos) if self.config.use_mem_rope else None
 
     def layer(self, i: int, h: Any, run: LayerRun) -> Any:
         blk = self.model.model.layers[i]

@@ -50,12 +50,35 @@ from .errors import IntegrationError
 _SILU = ("silu", "swish")
 
 
-def _check_silu(mixer: Any, il: int) -> None:
+@dataclasses.dataclass(frozen=True)
+class ConvArgs:
+    """A mixer's depthwise causal conv as ``ssm_conv`` arguments (SiLU after it, fused)."""
+
+    weight: Buffer  # [channels, d_conv]
+    bias: Buffer | None
+    channels: int
+    d_conv: int
+
+
+def conv_arguments(mixer: Any, il: int, bridge: Bridge) -> ConvArgs:
+    """Upload ``mixer.conv1d`` (weight ``[channels, 1, d_conv]``, optional bias) once; refuses a
+    conv activation other than SiLU (the one the conv primitive fuses).  Shared by every family."""
     act = getattr(mixer, "activation", "silu")
     if act not in _SILU:
         raise IntegrationError(
             f"layer {il} ({type(mixer).__name__}): conv activation {act!r}; statecache's conv fuses SiLU or nothing"
         )
+    w = mixer.conv1d.weight
+    ch, d_conv = int(w.shape[0]), int(w.shape[-1])
+    bias = mixer.conv1d.bias
+    return ConvArgs(bridge.upload(w, (ch, d_conv)), None if bias is None else bridge.upload(bias), ch, d_conv)
+
+
+def neg_exp(bridge: Bridge, A_log: Any) -> Any:
+    """``A = -exp(A_log)`` in float32 on the bridge's torch device (every family's A)."""
+    torch = bridge.torch
+    with torch.no_grad():
+        return (-torch.exp(A_log.detach().float())).to(bridge.torch_device)
 
 
 def _dt_limit(mixer: Any) -> tuple[float, float] | None:
@@ -102,45 +125,43 @@ class Mamba2Layout:
 def mamba2_layout(mixer: Any, il: int, bridge: Bridge) -> Mamba2Layout:
     """Map a transformers Mamba-2 mixer (Mamba2Mixer, BambaMixer, GraniteMoeHybridMambaLayer
     and the mixers that share their attribute names) onto ``ssm_conv`` / ``ssm_scan`` arguments."""
-    _check_silu(mixer, il)
+    conv = conv_arguments(mixer, il, bridge)
     d_inner = int(mixer.intermediate_size)
     n_head, head_dim = int(mixer.num_heads), int(mixer.head_dim)
     n_group, d_state = int(mixer.n_groups), int(mixer.ssm_state_size)
     if n_head * head_dim != d_inner:
         raise IntegrationError(f"layer {il}: {n_head} heads x {head_dim} != intermediate size {d_inner}")
+    if n_head % n_group:
+        raise IntegrationError(f"layer {il} ({type(mixer).__name__}): {n_group} groups do not divide {n_head} heads")
     conv_dim = d_inner + 2 * n_group * d_state
-    w = mixer.conv1d.weight  # [conv_dim, 1, d_conv]
-    d_conv = int(w.shape[-1])
     proj = int(mixer.in_proj.out_features)
-    if proj != d_inner + conv_dim + n_head:
+    if proj != d_inner + conv_dim + n_head or conv.channels != conv_dim:
         raise IntegrationError(
-            f"layer {il} ({type(mixer).__name__}): in_proj gives {proj} features, expected z, xBC and dt "
-            f"({d_inner + conv_dim + n_head})"
+            f"layer {il} ({type(mixer).__name__}): in_proj gives {proj} features and the conv {conv.channels} "
+            f"channels, expected z, xBC and dt ({d_inner + conv_dim + n_head}) and xBC ({conv_dim})"
         )
-    torch = bridge.torch
-    with torch.no_grad():
-        A = -torch.exp(mixer.A_log.detach().float())
-        return Mamba2Layout(
-            il=il,
-            d_inner=d_inner,
-            n_head=n_head,
-            head_dim=head_dim,
-            n_group=n_group,
-            d_state=d_state,
-            d_conv=d_conv,
-            conv_dim=conv_dim,
-            proj=proj,
-            conv_weight=bridge.upload(w, (conv_dim, d_conv)),
-            conv_bias=None if mixer.conv1d.bias is None else bridge.upload(mixer.conv1d.bias),
-            A=bridge.upload(A),
-            dt_bias=mixer.dt_bias.detach().float().to(bridge.torch_device),
-            D=mixer.D.detach().float().to(bridge.torch_device).reshape(n_head, 1),
-            dt_limit=_dt_limit(mixer),
-            # Falcon-H1's muP multipliers: input scale, and a per-feature scale of the projection
-            in_scale=float(mixer.ssm_in_multiplier) if hasattr(mixer, "ssm_in_multiplier") else None,
-            proj_scale=getattr(mixer, "mup_vector", None),
-            gated_norm=bool(getattr(mixer, "mamba_rms_norm", True)),
-        )
+    dev = bridge.torch_device
+    return Mamba2Layout(
+        il=il,
+        d_inner=d_inner,
+        n_head=n_head,
+        head_dim=head_dim,
+        n_group=n_group,
+        d_state=d_state,
+        d_conv=conv.d_conv,
+        conv_dim=conv_dim,
+        proj=proj,
+        conv_weight=conv.weight,
+        conv_bias=conv.bias,
+        A=bridge.upload(neg_exp(bridge, mixer.A_log)),
+        dt_bias=mixer.dt_bias.detach().float().to(dev),
+        D=mixer.D.detach().float().to(dev).reshape(n_head, 1),
+        dt_limit=_dt_limit(mixer),
+        # Falcon-H1's muP multipliers: input scale, and a per-feature scale of the projection
+        in_scale=float(mixer.ssm_in_multiplier) if hasattr(mixer, "ssm_in_multiplier") else None,
+        proj_scale=getattr(mixer, "mup_vector", None),
+        gated_norm=bool(getattr(mixer, "mamba_rms_norm", True)),
+    )
 
 
 def _dt_into(torch: Any, out: Any, dt_raw: Any, dt_bias: Any, limit: tuple[float, float] | None) -> None:
@@ -211,25 +232,19 @@ class Mamba1Layout:
 def mamba1_layout(mixer: Any, il: int, bridge: Bridge) -> Mamba1Layout:
     """Map a transformers Mamba-1 mixer (MambaMixer, FalconMambaMixer, JambaMambaMixer) onto
     ``ssm_conv`` / ``ssm_scan`` arguments (the Mamba-1 variant: head_dim 1, A [d_inner, d_state])."""
-    _check_silu(mixer, il)
-    d_inner, d_state = int(mixer.intermediate_size), int(mixer.ssm_state_size)
-    w = mixer.conv1d.weight
-    d_conv = int(w.shape[-1])
-    torch = bridge.torch
-    with torch.no_grad():
-        A = -torch.exp(mixer.A_log.detach().float())
-        return Mamba1Layout(
-            il=il,
-            d_inner=d_inner,
-            d_state=d_state,
-            d_conv=d_conv,
-            dt_rank=int(mixer.time_step_rank),
-            conv_weight=bridge.upload(w, (d_inner, d_conv)),
-            conv_bias=None if mixer.conv1d.bias is None else bridge.upload(mixer.conv1d.bias),
-            A=bridge.upload(A),
-            D=mixer.D.detach().float().to(bridge.torch_device),
-            bcdt_norm=hasattr(mixer, "b_layernorm"),
-        )
+    conv = conv_arguments(mixer, il, bridge)
+    return Mamba1Layout(
+        il=il,
+        d_inner=int(mixer.intermediate_size),
+        d_state=int(mixer.ssm_state_size),
+        d_conv=conv.d_conv,
+        dt_rank=int(mixer.time_step_rank),
+        conv_weight=conv.weight,
+        conv_bias=conv.bias,
+        A=bridge.upload(neg_exp(bridge, mixer.A_log)),
+        D=mixer.D.detach().float().to(bridge.torch_device),
+        bcdt_norm=hasattr(mixer, "b_layernorm"),
+    )
 
 
 def mamba1_forward(mixer: Any, lay: Mamba1Layout, h: Any, step: Any, ws: Workspace) -> Any:
