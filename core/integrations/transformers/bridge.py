@@ -137,7 +137,8 @@ class Workspace:
         """A strided view (``vshape``/``vstrides``/``offset`` in elements) of ``get(role, shape)``'s Buffer."""
         base, _ = self.get(role, shape)
         r = self._roles[role]
-        key = (tuple(int(s) for s in shape), name)
+        # the geometry is part of the key: two mixers may read the same role and shape differently
+        key = (tuple(int(s) for s in shape), name, tuple(vshape), tuple(vstrides), int(offset))
         hit = r.views.get(key)
         if hit is not None:
             return hit[0]

@@ -157,7 +157,7 @@ class Engine:
         self.forwards = 0
 
     # -- requests --------------------------------------------------------------------------------
-    def _n_ctx_left(self, n_tokens: int) -> None:
+    def _check_n_ctx(self, n_tokens: int) -> None:
         if self.lm.has_attention and n_tokens > self.lm.n_ctx:
             raise ArgumentError("max_new_tokens", f"{n_tokens} positions exceed the KV cache's n_ctx {self.lm.n_ctx}")
 
@@ -183,7 +183,7 @@ class Engine:
             raise ArgumentError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
         if n_draft < 0:
             raise ArgumentError("n_draft", f"must be >= 0, got {n_draft}")
-        self._n_ctx_left(len(toks) + max_new_tokens + n_draft)
+        self._check_n_ctx(len(toks) + max_new_tokens + n_draft)
         s = sampling or Sampling()
         req = Request(
             next(self._ids), toks, int(max_new_tokens), s, frozenset(int(t) for t in stop_tokens), draft, int(n_draft)
@@ -232,7 +232,7 @@ class Engine:
         child.rng = np.random.default_rng(s.seed)
         if self.record_logits:
             child.logits = list(parent.logits)
-        self._n_ctx_left(len(child.context) - len(child.generated) + child.max_new_tokens + child.n_draft)
+        self._check_n_ctx(len(child.context) - len(child.generated) + child.max_new_tokens + child.n_draft)
         self.lm.memory.seq_cp(parent.seq, seq)
         child.seq = seq
         self.requests[child.id] = child
