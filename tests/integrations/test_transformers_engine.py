@@ -262,3 +262,18 @@ def test_steady_decode_reuses_buffers_and_skips_validation(mamba2, monkeypatch):
         monkeypatch.setattr(primitives, name, lambda *a, _r=real, _n=name, **k: (checks.append(_n), _r(*a, **k))[1])
     lm.forward(Batch.for_sequences({0: [9], 1: [9]}))
     assert checks == []
+
+
+def test_refusals_are_integration_errors_naming_what_was_refused(monkeypatch):  # type: ignore[no-untyped-def]
+    """An unsupported model is an UnsupportedModelError, which is the core's IntegrationError;
+    a transformers outside the mapped versions is the core's IntegrationError with the versions."""
+    from statecache.errors import IntegrationError as CoreIntegrationError
+    from statecache.integrations.transformers import UnsupportedModelError
+
+    assert issubclass(UnsupportedModelError, CoreIntegrationError) and issubclass(UnsupportedModelError, ValueError)
+    m = build("mamba2")
+    # the module object transformers leaves in sys.modules once its lazy submodules loaded
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
+    with pytest.raises(CoreIntegrationError, match=r"found transformers 4\.57\.1.*statecache\[transformers\]") as info:
+        StatecacheCausalLM(m)
+    assert info.value.found == "4.57.1" and info.value.extra == "transformers"

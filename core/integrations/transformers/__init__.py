@@ -13,14 +13,16 @@
 torch and transformers are imported when a model is attached, not when this
 package is imported (install ``statecache[transformers]``).  Supported model
 types: :func:`supported_model_types`; anything else raises
-:class:`IntegrationError` naming the model type or layer class.
+:class:`UnsupportedModelError` (an :class:`~statecache.errors.IntegrationError`) naming
+the model type or layer class; a missing or unsupported torch or transformers raises the
+core's :class:`~statecache.errors.IntegrationError`.
 """
 
 from __future__ import annotations
 
 from .draft import NgramDraft
 from .engine import Engine, Request, Sampling
-from .errors import IntegrationError
+from .errors import IntegrationError, UnsupportedModelError
 from .families import supported_model_types
 from .model import StatecacheCausalLM
 
@@ -31,5 +33,6 @@ __all__ = [
     "Request",
     "Sampling",
     "StatecacheCausalLM",
+    "UnsupportedModelError",
     "supported_model_types",
 ]

@@ -34,7 +34,11 @@ from statecache.backend import Buffer, Device
 from statecache.dtypes import DType
 from statecache.hostmem import as_array
 
-from .errors import IntegrationError
+from .errors import IntegrationError, UnsupportedModelError
+
+#: the versions the integration was mapped against (the ``transformers`` extra pins them)
+TORCH_NEEDED = "2.13.0"
+TRANSFORMERS_NEEDED = ">=5.23,<6 (mapped against 5.23.0)"
 
 #: Views kept per role before the oldest shapes are forgotten: a serving loop
 #: meets a few decode shapes again and again and many one-off prefill shapes.
@@ -42,14 +46,29 @@ _VIEWS_PER_ROLE = 48
 
 
 def import_torch() -> Any:
-    """torch, or an IntegrationError that says which extra installs it."""
+    """torch, or the core's IntegrationError naming the extra that installs it."""
     try:
         import torch
-    except ImportError as exc:  # pragma: no cover - the extra pulls torch in
-        raise IntegrationError(
-            f"the transformers integration needs torch ({exc}); install statecache[transformers]"
-        ) from None
+    except ImportError:  # pragma: no cover - the extra pulls torch in
+        raise IntegrationError("torch", extra="transformers", found=None, needed=TORCH_NEEDED) from None
     return torch
+
+
+def check_transformers() -> str:
+    """The installed transformers version; IntegrationError outside the mapped major version
+    (module and attribute names of the covered families are release-specific)."""
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover - a model object implies the package
+        raise IntegrationError("transformers", extra="transformers", found=None, needed=TRANSFORMERS_NEEDED) from None
+    version = str(transformers.__version__)
+    try:
+        major, minor = (int(p) for p in version.split(".")[:2])
+    except ValueError:
+        major, minor = (0, 0)
+    if not (major == 5 and minor >= 23):
+        raise IntegrationError("transformers", extra="transformers", found=version, needed=TRANSFORMERS_NEEDED)
+    return version
 
 
 class Bridge:
@@ -66,7 +85,7 @@ class Bridge:
             self.mode = "dlpack"
             self.torch_device = torch.from_dlpack(probe).device
         else:
-            raise IntegrationError(
+            raise UnsupportedModelError(
                 f"device {device.id}: torch cannot see its memory (not host-visible, no DLPack export); "
                 "use the cpu, reference or cuda device"
             )

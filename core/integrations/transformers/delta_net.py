@@ -35,7 +35,7 @@ from statecache.backend import Buffer
 from statecache.spec import RecurrentLayerSpec
 
 from .bridge import Bridge, Workspace
-from .errors import IntegrationError
+from .errors import UnsupportedModelError
 from .mamba import conv_arguments, neg_exp
 
 
@@ -69,15 +69,15 @@ def gdn_layout(mixer: Any, il: int, bridge: Bridge) -> GdnLayout:
     hk, hv = int(mixer.num_k_heads), int(mixer.num_v_heads)
     dk, dv = int(mixer.head_k_dim), int(mixer.head_v_dim)
     if dk != dv:
-        raise IntegrationError(
+        raise UnsupportedModelError(
             f"layer {il} ({type(mixer).__name__}): key head size {dk} != value head size {dv}; "
             "statecache's gated_delta_net needs one head size"
         )
     if hv % hk:
-        raise IntegrationError(f"layer {il}: {hv} value heads are not a multiple of {hk} key heads")
+        raise UnsupportedModelError(f"layer {il}: {hv} value heads are not a multiple of {hk} key heads")
     conv = conv_arguments(mixer, il, bridge)
     if conv.channels != (2 * hk + hv) * dk:
-        raise IntegrationError(f"layer {il}: conv has {conv.channels} channels, expected q, k and v")
+        raise UnsupportedModelError(f"layer {il}: conv has {conv.channels} channels, expected q, k and v")
     return GdnLayout(
         il=il,
         n_head_k=hk,

@@ -1,13 +1,30 @@
-"""The error the transformers integration raises on purpose."""
+"""Errors of the transformers integration.
+
+:class:`~statecache.errors.IntegrationError` (the core's) says the integration cannot be used
+here at all: torch or transformers is missing or outside the supported versions.
+:class:`UnsupportedModelError`, a subclass, says this *model* cannot run: a model type, a
+decoder layer's mixer class, a shape, a device or an option the integration does not map,
+named in the message.  It is raised while the model is attached, before anything is built,
+so nothing runs half-supported.
+"""
 
 from __future__ import annotations
 
-from statecache.errors import StatecacheError
+from statecache.errors import IntegrationError
+
+#: what every supported model needs, for the ``needed`` field of the core error
+_NEEDED = "a model type, layer and device the integration maps (docs/integrations/transformers.md)"
 
 
-class IntegrationError(StatecacheError, ValueError):
-    """A model, layer type, device or option the integration cannot run.
+class UnsupportedModelError(IntegrationError, ValueError):
+    """A model type, layer class, device or option the transformers integration cannot run."""
 
-    The message names what was refused (the model type, the layer's class
-    and index, the device) so that nothing runs half-supported.
-    """
+    def __init__(self, message: str) -> None:
+        ImportError.__init__(self, message)  # the message names what was refused, not a version
+        self.runtime = "transformers"
+        self.extra = "transformers"
+        self.found = None
+        self.needed = _NEEDED
+
+
+__all__ = ["IntegrationError", "UnsupportedModelError"]

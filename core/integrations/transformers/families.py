@@ -9,7 +9,8 @@ head.  The mixers themselves run through :mod:`.mamba`, :mod:`.delta_net` and
 :mod:`.attention`.
 
 A model type not listed here, or a decoder layer whose mixer class the
-family does not know, is refused with :class:`IntegrationError` naming it:
+family does not know, is refused with :class:`UnsupportedModelError` (an
+:class:`~statecache.errors.IntegrationError`) naming it:
 nothing runs half-supported.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from .errors import IntegrationError
+from .errors import UnsupportedModelError
 
 
 class LayerRun:
@@ -67,12 +68,12 @@ class Family:
             for mod in self.parts_of(i, layer):
                 kind = self.mixer_kinds.get(type(mod).__name__)
                 if kind is None:
-                    raise IntegrationError(
+                    raise UnsupportedModelError(
                         f"{self.config.model_type} layer {i}: {type(mod).__name__} is not supported "
                         f"(supported: {', '.join(sorted(self.mixer_kinds))})"
                     )
                 if kind in kinds:
-                    raise IntegrationError(f"{self.config.model_type} layer {i}: two {kind} parts in one layer")
+                    raise UnsupportedModelError(f"{self.config.model_type} layer {i}: two {kind} parts in one layer")
                 kinds[kind] = mod
             out.append(kinds)
         return out
@@ -348,12 +349,12 @@ def supported_model_types() -> list[str]:
 
 
 def family_of(model: Any) -> Family:
-    """The family of a loaded transformers causal LM, or IntegrationError naming its type."""
+    """The family of a loaded transformers causal LM, or UnsupportedModelError naming its type."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     for fam in FAMILIES:
         if model_type in fam.model_types:
             return fam(model)
-    raise IntegrationError(
+    raise UnsupportedModelError(
         f"model type {model_type!r} ({type(model).__name__}) is not supported; "
         f"supported: {', '.join(supported_model_types())}"
     )

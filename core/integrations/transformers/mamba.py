@@ -45,7 +45,7 @@ from statecache.backend import Buffer
 from statecache.spec import RecurrentLayerSpec
 
 from .bridge import Bridge, Workspace
-from .errors import IntegrationError
+from .errors import UnsupportedModelError
 
 _SILU = ("silu", "swish")
 
@@ -65,7 +65,7 @@ def conv_arguments(mixer: Any, il: int, bridge: Bridge) -> ConvArgs:
     conv activation other than SiLU (the one the conv primitive fuses).  Shared by every family."""
     act = getattr(mixer, "activation", "silu")
     if act not in _SILU:
-        raise IntegrationError(
+        raise UnsupportedModelError(
             f"layer {il} ({type(mixer).__name__}): conv activation {act!r}; statecache's conv fuses SiLU or nothing"
         )
     w = mixer.conv1d.weight
@@ -130,13 +130,15 @@ def mamba2_layout(mixer: Any, il: int, bridge: Bridge) -> Mamba2Layout:
     n_head, head_dim = int(mixer.num_heads), int(mixer.head_dim)
     n_group, d_state = int(mixer.n_groups), int(mixer.ssm_state_size)
     if n_head * head_dim != d_inner:
-        raise IntegrationError(f"layer {il}: {n_head} heads x {head_dim} != intermediate size {d_inner}")
+        raise UnsupportedModelError(f"layer {il}: {n_head} heads x {head_dim} != intermediate size {d_inner}")
     if n_head % n_group:
-        raise IntegrationError(f"layer {il} ({type(mixer).__name__}): {n_group} groups do not divide {n_head} heads")
+        raise UnsupportedModelError(
+            f"layer {il} ({type(mixer).__name__}): {n_group} groups do not divide {n_head} heads"
+        )
     conv_dim = d_inner + 2 * n_group * d_state
     proj = int(mixer.in_proj.out_features)
     if proj != d_inner + conv_dim + n_head or conv.channels != conv_dim:
-        raise IntegrationError(
+        raise UnsupportedModelError(
             f"layer {il} ({type(mixer).__name__}): in_proj gives {proj} features and the conv {conv.channels} "
             f"channels, expected z, xBC and dt ({d_inner + conv_dim + n_head}) and xBC ({conv_dim})"
         )

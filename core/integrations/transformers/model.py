@@ -23,14 +23,15 @@ from statecache.backend import Device
 from statecache.batch import Batch, BatchAllocator
 from statecache.dtypes import DType
 from statecache.errors import MemoryPlanError
+from statecache.factory import make_model_memory
 from statecache.memory import MemoryStatus
 from statecache.recurrent import RecurrentMemory
-from statecache.spec import AttentionLayerSpec, MemorySpec, ModelSpec, make_model_memory
+from statecache.spec import AttentionLayerSpec, MemorySpec, ModelSpec
 
 from .attention import KVRows, attention_forward
-from .bridge import Bridge, Workspace
+from .bridge import Bridge, Workspace, check_transformers
 from .delta_net import gdn_forward, gdn_layout
-from .errors import IntegrationError
+from .errors import UnsupportedModelError
 from .families import LayerRun, family_of
 from .mamba import mamba1_forward, mamba1_layout, mamba2_forward, mamba2_layout
 
@@ -43,7 +44,7 @@ _ATTN_IMPLS = ("eager", "sdpa")
 def _dtype_name(torch: Any, dtype: Any) -> str:
     names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
     if dtype not in names:
-        raise IntegrationError(f"model dtype {dtype} is not one of float32, float16, bfloat16")
+        raise UnsupportedModelError(f"model dtype {dtype} is not one of float32, float16, bfloat16")
     return names[dtype]
 
 
@@ -87,6 +88,7 @@ class StatecacheCausalLM:
         keep_undo_rows: bool = False,
     ) -> None:
         self.model = model
+        self.transformers_version = check_transformers()
         self.family = family_of(model)
         self.device = device if isinstance(device, Device) else statecache.get_device(device)
         self.bridge = Bridge(self.device)
@@ -94,7 +96,7 @@ class StatecacheCausalLM:
         self.ws = Workspace(self.bridge)
         param = next(model.parameters())
         if param.device != self.bridge.torch_device:
-            raise IntegrationError(
+            raise UnsupportedModelError(
                 f"the model lives on {param.device} but device {self.device.id} shares memory with "
                 f"{self.bridge.torch_device}; move the model there first"
             )
@@ -121,7 +123,7 @@ class StatecacheCausalLM:
         if attn:
             impl = getattr(model.config, "_attn_implementation", "eager") or "eager"
             if impl not in _ATTN_IMPLS:
-                raise IntegrationError(
+                raise UnsupportedModelError(
                     f"attention implementation {impl!r}: the integration passes an additive mask and "
                     f"statecache's K/V, which {', '.join(_ATTN_IMPLS)} accept"
                 )
