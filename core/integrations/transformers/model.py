@@ -148,7 +148,7 @@ class StatecacheCausalLM:
                 n_pad=int(kv_pad),
             )
             self.recurrent: RecurrentMemory | None = getattr(self.memory, "recr", None)
-            caches = self.memory.kv_caches if hasattr(self.memory, "kv_caches") else [self.memory]
+            caches: list[Any] = list(getattr(self.memory, "kv_caches", [self.memory]))
             self._kv_views = {
                 il: (self.bridge.tensor(c.k[il]), self.bridge.tensor(c.v[il])) for c in caches for il in c.k
             }
