@@ -20,7 +20,7 @@ Denormal floats are flushed to zero for both paths (``torch.set_flush_denormal``
 where x86 arithmetic is 10-100x slower, and the C scan kernels do not set FTZ/DAZ themselves yet.
 
     python bench/transformers_decode.py [--families mamba2,bamba] [--seqs 1,8,32] [--steps 16]
-                                        [--prompt 16] [--threads 1] [--keep-denormals]
+                                        [--prompt 16] [--threads 1] [--keep-denormals] [--unified-kv]
 
 Target: statecache faster than transformers at 8 and more sequences for every family.
 """
@@ -118,7 +118,9 @@ def _timed(fn: Callable[[], None]) -> tuple[float, float]:
     return time.process_time() - c0, time.perf_counter() - w0
 
 
-def bench_family(name: str, build: Callable[[], Any], seqs: list[int], steps: int, prompt: int) -> list[str]:
+def bench_family(
+    name: str, build: Callable[[], Any], seqs: list[int], steps: int, prompt: int, unified_kv: bool = False
+) -> list[str]:
     import torch
     from transformers import GenerationConfig
 
@@ -132,7 +134,7 @@ def bench_family(name: str, build: Callable[[], Any], seqs: list[int], steps: in
         ids = torch.tensor(prompts)
         mask = torch.ones_like(ids)
 
-        lm = StatecacheCausalLM(model, n_seq_max=n, n_ctx=prompt + steps + 32)
+        lm = StatecacheCausalLM(model, n_seq_max=n, n_ctx=prompt + steps + 32, unified_kv=unified_kv)
 
         def hf(new: int, ids: Any = ids, mask: Any = mask) -> None:
             gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
@@ -172,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=16, help="prompt length")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads = statecache C threads")
     ap.add_argument("--keep-denormals", action="store_true", help="do not flush denormals (both paths)")
+    ap.add_argument("--unified-kv", action="store_true", help="hybrids: one KV stream for all sequences")
     args = ap.parse_args(argv)
 
     # before torch and the C kernels start their thread pools
@@ -191,13 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     seqs = [int(s) for s in args.seqs.split(",")]
     print(
         f"decode tokens/s, {args.steps} steps after a {args.prompt}-token prompt; threads {args.threads} "
-        f"(torch and statecache); denormals flushed: {ftz}; transformers {transformers.__version__}, "
-        f"torch {torch.__version__}"
+        f"(torch and statecache); denormals flushed: {ftz}; "
+        f"KV streams: {'one' if args.unified_kv else 'one per sequence'}; "
+        f"transformers {transformers.__version__}, torch {torch.__version__}"
     )
     print(f"{'family':17s} {'seqs':>5s} {'hf cpu-t/s':>12s} {'sc cpu-t/s':>12s} {'ratio':>8s} "
           f"{'hf wall-t/s':>12s} {'sc wall-t/s':>12s} {'ratio':>8s}")  # fmt: skip
     for name in names:
-        bench_family(name, models[name], seqs, args.steps, args.prompt)
+        bench_family(name, models[name], seqs, args.steps, args.prompt, args.unified_kv)
     return 0
 
 
