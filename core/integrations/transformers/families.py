@@ -115,6 +115,29 @@ def residual_ffn(h: Any, norm: Any, ffn: Any) -> Any:
     return h + (y[0] if isinstance(y, tuple) else y)
 
 
+class PreNormFamily(DecoderFamily):
+    """Decoder layers ``input_layernorm -> mixer -> + residual -> <ffn_norm> -> <ffn> -> +
+    residual`` whose mixer is the layer's ``<mixer_attr>`` (recurrent) or ``self_attn``, and a
+    final ``model.model.<final_norm>`` before ``lm_head``; a family names its attributes."""
+
+    mixer_attr: ClassVar[str] = "mamba"
+    ffn_norm: ClassVar[str] = "pre_ff_layernorm"
+    ffn: ClassVar[str] = "feed_forward"
+    final_norm: ClassVar[str] = "final_layernorm"
+
+    def parts_of(self, i: int, layer: Any) -> list[Any]:
+        mixer = getattr(layer, self.mixer_attr, None)
+        return [mixer if mixer is not None else layer.self_attn]
+
+    def layer(self, i: int, h: Any, run: LayerRun) -> Any:
+        blk = self.model.model.layers[i]
+        h = h + run.mix(i, blk.input_layernorm(h))
+        return residual_ffn(h, getattr(blk, self.ffn_norm), getattr(blk, self.ffn))
+
+    def head(self, h: Any) -> Any:
+        return self.model.lm_head(getattr(self.model.model, self.final_norm)(h))
+
+
 # -- pure recurrent: Mamba, FalconMamba, Mamba-2 -------------------------------------------------
 
 
@@ -151,23 +174,12 @@ class MambaFamily(Family):
 # -- Mamba-2 / attention hybrids -----------------------------------------------------------------
 
 
-class BambaFamily(DecoderFamily):
+class BambaFamily(PreNormFamily):
     """BambaForCausalLM: ``input_layernorm -> (mamba | self_attn) -> + residual ->
-    pre_ff_layernorm -> feed_forward -> + residual``."""
+    pre_ff_layernorm -> feed_forward -> + residual``, ``final_layernorm``."""
 
     model_types = ("bamba",)
     mixer_kinds = {"BambaMixer": "mamba2", "BambaAttention": "attention"}
-
-    def parts_of(self, i: int, layer: Any) -> list[Any]:
-        return [layer.mamba if layer.block_type == "linear_attention" else layer.self_attn]
-
-    def layer(self, i: int, h: Any, run: LayerRun) -> Any:
-        blk = self.model.model.layers[i]
-        h = h + run.mix(i, blk.input_layernorm(h))
-        return residual_ffn(h, blk.pre_ff_layernorm, blk.feed_forward)
-
-    def head(self, h: Any) -> Any:
-        return self.model.lm_head(self.model.model.final_layernorm(h))
 
 
 class GraniteMoeHybridFamily(DecoderFamily):
@@ -201,46 +213,25 @@ class GraniteMoeHybridFamily(DecoderFamily):
 # -- gated delta net / attention hybrids -----------------------------------------------------------
 
 
-class Qwen3NextFamily(DecoderFamily):
+class Qwen3NextFamily(PreNormFamily):
     """Qwen3NextForCausalLM: ``input_layernorm -> (linear_attn | self_attn) -> + residual ->
-    post_attention_layernorm -> mlp (dense or sparse MoE) -> + residual``."""
+    post_attention_layernorm -> mlp (dense or sparse MoE) -> + residual``, ``norm``."""
 
     model_types = ("qwen3_next",)
     mixer_kinds = {"Qwen3NextGatedDeltaNet": "gdn", "Qwen3NextAttention": "attention"}
+    mixer_attr, ffn_norm, ffn, final_norm = "linear_attn", "post_attention_layernorm", "mlp", "norm"
 
     def decoder_layers(self) -> Any:
         return self.model.model.layers[: self.config.num_hidden_layers]
 
-    def parts_of(self, i: int, layer: Any) -> list[Any]:
-        return [layer.linear_attn if layer.block_type == "linear_attention" else layer.self_attn]
 
-    def layer(self, i: int, h: Any, run: LayerRun) -> Any:
-        blk = self.model.model.layers[i]
-        h = h + run.mix(i, blk.input_layernorm(h))
-        return residual_ffn(h, blk.post_attention_layernorm, blk.mlp)
-
-    def head(self, h: Any) -> Any:
-        return self.model.lm_head(self.model.model.norm(h))
-
-
-class JambaFamily(DecoderFamily):
+class JambaFamily(PreNormFamily):
     """JambaForCausalLM: Mamba-1 (with RMS norms on dt, B, C) and attention (no RoPE) decoder
     layers, each ``input_layernorm -> mixer -> + residual -> pre_ff_layernorm -> feed_forward
-    (MLP or MoE) -> + residual``."""
+    (MLP or MoE) -> + residual``, ``final_layernorm``."""
 
     model_types = ("jamba",)
     mixer_kinds = {"JambaMambaMixer": "mamba1", "JambaAttention": "attention"}
-
-    def parts_of(self, i: int, layer: Any) -> list[Any]:
-        return [layer.mamba if hasattr(layer, "mamba") else layer.self_attn]
-
-    def layer(self, i: int, h: Any, run: LayerRun) -> Any:
-        blk = self.model.model.layers[i]
-        h = h + run.mix(i, blk.input_layernorm(h))
-        return residual_ffn(h, blk.pre_ff_layernorm, blk.feed_forward)
-
-    def head(self, h: Any) -> Any:
-        return self.model.lm_head(self.model.model.final_layernorm(h))
 
 
 class NemotronHFamily(DecoderFamily):
