@@ -288,6 +288,41 @@ static inline int sc_state_team(int64_t n_units, int64_t work_bytes, int n_threa
     return n_units < n_threads ? (int)n_units : n_threads;
 }
 
+/* The row sequence s writes its state after n_t(s) - j tokens to, or -1. */
+static inline int64_t sc_snap_row(const sc_state *st, int64_t s, int64_t j) {
+    return j < st->n_cols ? (int64_t)st->snap_rows[s * st->n_cols + j] : -1;
+}
+
+/* Pointer to element `elem` of pool row `row`. */
+static inline char *sc_pool_at(const sc_state *st, int64_t row, int64_t elem) {
+    return (char *)st->pool + ((size_t)row * (size_t)st->row_elems + (size_t)elem) * sc_dtype_size((sc_dtype)st->pool_dtype);
+}
+
+/* Columns written at most per sequence: min(longest + 1, n_cols). */
+static inline int64_t sc_max_written(const sc_state *st) {
+    return st->max_tokens + 1 < st->n_cols ? st->max_tokens + 1 : st->n_cols;
+}
+
+/* Copy a state slice from the start row to the input-state column
+ * (j = n_t) when that column is written and is another row. */
+static inline void sc_copy_input_state(const sc_state *st, int64_t s, int64_t n_t, int64_t elem, const void *loaded,
+                                       int64_t n) {
+    const int64_t r = sc_snap_row(st, s, n_t);
+    if (r < 0) return;
+    void *dst = sc_pool_at(st, r, elem);
+    if (loaded) {
+        sc_store_f32((const float *)loaded, dst, (sc_dtype)st->pool_dtype, n);
+    } else { /* f32 pool: a plain copy from the start row */
+        const void *src = sc_pool_at(st, st->start_rows[s], elem);
+        if (dst != src) memcpy(dst, src, (size_t)n * 4);
+    }
+}
+
+static inline float sc_silu(float x) { return x / (1.0f + sc_exp(-x)); }
+
+/* NaN-preserving clamp (the comparisons are false for NaN). */
+static inline float sc_clamp(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
 static inline void *sc_alloc(size_t bytes) {
     size_t rounded = (bytes + SC_ALIGN - 1) / SC_ALIGN * SC_ALIGN;
     return aligned_alloc(SC_ALIGN, rounded ? rounded : SC_ALIGN);

@@ -127,8 +127,17 @@ SC_HD float at(const statecache_cuda_view &v, int64_t i0, int64_t i1, int64_t i2
     return v.data[i0 * v.strides[0] + i1 * v.strides[1] + i2 * v.strides[2] + i3 * v.strides[3]];
 }
 
+// -- rows of a stateful call ---------------------------------------------------
+// The row sequence s writes its state after n_t(s) - j tokens to, or -1.
+SC_HD int64_t snap_row(const statecache_cuda_state_args &st, int s, int j) {
+    return j < st.n_cols ? (int64_t)st.snap_rows[(int64_t)s * st.n_cols + j] : -1;
+}
+
 // -- math --------------------------------------------------------------------
 SC_HD float softplus(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
+SC_HD float silu(float z) { return z / (1.0f + expf(-z)); }
+// NaN-preserving clamp (the comparisons are false for NaN).
+SC_HD float clamp_keep_nan(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 // Sum over the `lanes` consecutive lanes of a reduction group (a power of two
 // <= 32, aligned within the warp).  Every lane of the warp must call it (the

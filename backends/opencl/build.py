@@ -47,7 +47,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     ),
     "ssm_conv": ("ssm_conv",),
     "ssm_scan": ("ssm_scan_prep", "ssm_scan", "ssm_scan_vec8"),
-    "delta_net": ("gated_delta_net_gate", "gated_delta_net", "gated_delta_net_vec8"),
+    "delta_net": ("gated_delta_net_gate", "gated_delta_net_l2norm", "gated_delta_net", "gated_delta_net_vec8"),
 }
 
 _FAMILY_DEFINES: dict[str, tuple[str, ...]] = {

@@ -22,9 +22,20 @@ import numpy as np
 
 from statecache import __version__, settings
 from statecache import primitives as P
-from statecache.backend import PRIMITIVES, SUPPORTED, Backend, Buffer, Caps, Device, DeviceKind, Support
+from statecache.backend import (
+    PRIMITIVES,
+    PROTOCOL_VERSION,
+    SUPPORTED,
+    Backend,
+    Buffer,
+    Caps,
+    Device,
+    DeviceKind,
+    Support,
+)
 from statecache.backends.opencl import build
 from statecache.dtypes import STORAGE_DTYPES, DType
+from statecache.primitives import EPILOGUES, L2NORM_EPS
 
 INSTALL_HINT = "apt-get install pocl-opencl-icd"
 EXTRA_HINT = "pip install 'statecache[opencl]'"
@@ -107,6 +118,8 @@ class OpenCLDevice(Device):
             strided_inputs=True,
             host_visible=False,
             async_launch=True,
+            varlen=True,
+            epilogues=frozenset(EPILOGUES),
         )
         self._lock = threading.Lock()
         # One launch sequence at a time: the kernels' arguments are set on shared
@@ -361,9 +374,28 @@ class OpenCLDevice(Device):
         return (_round_up(n_rows, local), n_seqs), (local, 1), 1
 
     @staticmethod
-    def _strided(buf: Buffer) -> list[Any]:
-        """A read-only input as kernel arguments: storage, offset, strides (elements)."""
-        return [buf.storage, _long(buf.offset), *(_long(s) for s in buf.strides)]
+    def _strided(buf: Buffer | None, ndim: int | None = None) -> list[Any]:
+        """A read-only input as kernel arguments: storage, offset, strides
+        (elements; ``ndim`` of them, padded with 0).  None gives a NULL
+        buffer and zeros."""
+        n = ndim if ndim is not None else (0 if buf is None else buf.ndim)
+        if buf is None:
+            return [None, _long(0), *([_long(0)] * n)]
+        strides = [*buf.strides, *([0] * (n - buf.ndim))]
+        return [buf.storage, _long(buf.offset), *(_long(v) for v in strides)]
+
+    @staticmethod
+    def _state_rows(shp: Any, start_rows: Buffer, snap_rows: Buffer, cu_seqlens: Buffer) -> list[Any]:
+        """Index arguments of a stateful kernel (contiguous buffers, offsets in elements)."""
+        return [
+            start_rows.storage,
+            _long(start_rows.offset),
+            snap_rows.storage,
+            _long(snap_rows.offset),
+            _long(shp.n_cols),
+            cu_seqlens.storage,
+            _long(cu_seqlens.offset),
+        ]
 
     @_serialized
     def _ssm_conv(
@@ -371,7 +403,8 @@ class OpenCLDevice(Device):
         shp: P.ConvShape,
         pool: Buffer,
         start_rows: Buffer,
-        dst_rows: Buffer,
+        snap_rows: Buffer,
+        cu_seqlens: Buffer,
         x: Buffer,
         weight: Buffer,
         bias: Buffer | None,
@@ -380,7 +413,6 @@ class OpenCLDevice(Device):
     ) -> None:
         knl = self.kernel("ssm_conv", "ssm_conv", pool.dtype)
         gsize, lsize, per_item = self._row_geometry(shp.channels, shp.n_seqs)
-        bias_args = [None, _long(0), _long(0)] if bias is None else self._strided(bias)
         knl(
             self.queue,
             gsize,
@@ -388,18 +420,14 @@ class OpenCLDevice(Device):
             pool.storage,
             _long(pool.offset),
             _long(shp.row_size),
-            start_rows.storage,
-            dst_rows.storage,
+            *self._state_rows(shp, start_rows, snap_rows, cu_seqlens),
             *self._strided(x),
             *self._strided(weight),
-            *bias_args,
+            *self._strided(bias, 1),
             y.storage,
             _long(y.offset),
-            _long(shp.n_tokens),
             _long(shp.channels),
             _long(shp.d_conv),
-            _long(shp.n_written),
-            _long(shp.plane_stride * shp.row_size),  # elements between planes
             _int(apply_silu),
             per_item,
         )
@@ -410,36 +438,45 @@ class OpenCLDevice(Device):
         shp: P.ScanShape,
         pool: Buffer,
         start_rows: Buffer,
-        dst_rows: Buffer,
+        snap_rows: Buffer,
+        cu_seqlens: Buffer,
         x: Buffer,
         dt: Buffer,
         A: Buffer,
         B: Buffer,
         C: Buffer,
         y: Buffer,
+        D: Buffer | None,
+        z: Buffer | None,
+        dt_bias: Buffer | None,
     ) -> None:
-        n_prep = shp.n_seqs * shp.n_tokens * shp.n_head
+        n_prep = max(shp.n_tokens * shp.n_head, 1)
         prep = self.scratch(2 * n_prep * 4)  # softplus(dt), then the Mamba-2 decays
-        a_args = self._strided(A) if A.ndim == 2 else [*self._strided(A), _long(0)]
+        a_args = self._strided(A, 2)
         mamba1 = shp.variant == "mamba1"
-        n_pairs = shp.n_seqs * shp.n_tokens  # one prep work-item per (sequence, token)
-        self.kernel("ssm_scan", "ssm_scan_prep", pool.dtype)(
-            self.queue,
-            (n_pairs,),
-            None,
-            *self._strided(dt),
-            *a_args[:3],
-            _int(mamba1),
-            prep,
-            n_prep,
-            _long(shp.n_seqs),
-            _long(shp.n_tokens),
-            _long(shp.n_head),
-        )
-        contiguous_k = B.strides[3] == 1 and C.strides[3] == 1 and (A.ndim == 1 or A.strides[1] == 1)
+        lo, hi = shp.dt_limit if shp.dt_limit is not None else (0.0, 0.0)
+        if shp.n_tokens:
+            self.kernel("ssm_scan", "ssm_scan_prep", pool.dtype)(
+                self.queue,
+                (shp.n_tokens,),
+                None,
+                *self._strided(dt),
+                *a_args[:3],
+                _int(mamba1),
+                *self._strided(dt_bias, 1),
+                _int(shp.dt_limit is not None),
+                float(lo),
+                float(hi),
+                prep,
+                n_prep,
+                _long(shp.n_tokens),
+                _long(shp.n_head),
+            )
+        contiguous_k = B.strides[2] == 1 and C.strides[2] == 1 and (A.ndim == 1 or A.strides[1] == 1)
         name = "ssm_scan_vec8" if contiguous_k and shp.d_state % 8 == 0 else "ssm_scan"
         knl = self.kernel("ssm_scan", name, pool.dtype)
         gsize, lsize, per_item = self._row_geometry(shp.n_head * shp.head_dim, shp.n_seqs)
+        d_args = self._strided(D, 2)  # D [n_head] gets stride 0 along head_dim
         knl(
             self.queue,
             gsize,
@@ -447,8 +484,7 @@ class OpenCLDevice(Device):
             pool.storage,
             _long(pool.offset),
             _long(shp.row_size),
-            start_rows.storage,
-            dst_rows.storage,
+            *self._state_rows(shp, start_rows, snap_rows, cu_seqlens),
             *self._strided(x),
             prep,
             n_prep,
@@ -457,14 +493,13 @@ class OpenCLDevice(Device):
             *self._strided(C),
             y.storage,
             _long(y.offset),
-            _long(shp.n_tokens),
+            *d_args,
+            *self._strided(z, 3),
             _long(shp.n_head),
             _long(shp.head_dim),
             _long(shp.d_state),
             _long(shp.n_head // shp.n_group),
             _int(mamba1),
-            _long(shp.n_written),
-            _long(shp.plane_stride * shp.row_size),  # elements between planes
             per_item,
         )
 
@@ -474,32 +509,62 @@ class OpenCLDevice(Device):
         shp: P.DeltaShape,
         pool: Buffer,
         start_rows: Buffer,
-        dst_rows: Buffer,
+        snap_rows: Buffer,
+        cu_seqlens: Buffer,
         q: Buffer,
         k: Buffer,
         v: Buffer,
         g: Buffer,
         beta: Buffer,
         o: Buffer,
-        scale: float,
+        A_log: Buffer | None,
+        dt_bias: Buffer | None,
     ) -> None:
-        size = shp.head_size
+        size, T = shp.head_size, shp.n_tokens
         per_head = size if shp.variant == "kda" else 1
-        n_gate = shp.n_seqs * shp.n_tokens * shp.n_head_v * per_head
-        gate = self.scratch(n_gate * 4)
-        g_args = self._strided(g) if g.ndim == 4 else [*self._strided(g), _long(0)]
-        self.kernel("delta_net", "gated_delta_net_gate", pool.dtype)(
-            self.queue,
-            (shp.n_seqs * shp.n_tokens * shp.n_head_v,),
-            None,
-            *g_args,
-            gate,
-            _long(shp.n_seqs),
-            _long(shp.n_tokens),
-            _long(shp.n_head_v),
-            _long(per_head),
-        )
-        contiguous_i = q.strides[3] == 1 and k.strides[3] == 1
+        n_gate = T * shp.n_head_v * per_head
+        beta_at = n_gate  # scratch: gates, then beta, then (with qk_l2norm) normalised q and k
+        n_qk = T * shp.n_head_k * size
+        qn_at = beta_at + T * shp.n_head_v
+        kn_at = qn_at + n_qk
+        scratch = self.scratch(4 * max(kn_at + (n_qk if shp.qk_l2norm else 0), 1))
+        if T:
+            self.kernel("delta_net", "gated_delta_net_gate", pool.dtype)(
+                self.queue,
+                (T * shp.n_head_v,),
+                None,
+                *self._strided(g, 3),
+                *self._strided(beta),
+                *self._strided(A_log, 1),
+                *self._strided(dt_bias, 2),
+                _int(shp.beta_sigmoid),
+                scratch,
+                _long(beta_at),
+                _long(T),
+                _long(shp.n_head_v),
+                _long(per_head),
+            )
+        q_args, k_args = self._strided(q), self._strided(k)
+        contiguous_i = q.strides[2] == 1 and k.strides[2] == 1
+        if shp.qk_l2norm:
+            if T:
+                self.kernel("delta_net", "gated_delta_net_l2norm", pool.dtype)(
+                    self.queue,
+                    (2 * T * shp.n_head_k,),
+                    None,
+                    *q_args,
+                    *k_args,
+                    scratch,
+                    _long(qn_at),
+                    _long(kn_at),
+                    _long(T),
+                    _long(shp.n_head_k),
+                    _long(size),
+                    float(L2NORM_EPS),
+                )
+            row = [_long(shp.n_head_k * size), _long(size), _long(1)]
+            q_args, k_args = [scratch, _long(qn_at), *row], [scratch, _long(kn_at), *row]
+            contiguous_i = True
         name = "gated_delta_net_vec8" if contiguous_i and size % 8 == 0 else "gated_delta_net"
         knl = self.kernel("delta_net", name, pool.dtype)
         gsize, lsize, per_item = self._row_geometry(shp.n_head_v * size, shp.n_seqs)
@@ -510,23 +575,20 @@ class OpenCLDevice(Device):
             pool.storage,
             _long(pool.offset),
             _long(shp.row_size),
-            start_rows.storage,
-            dst_rows.storage,
-            *self._strided(q),
-            *self._strided(k),
+            *self._state_rows(shp, start_rows, snap_rows, cu_seqlens),
+            *q_args,
+            *k_args,
             *self._strided(v),
-            gate,
-            *self._strided(beta),
+            scratch,
+            _long(beta_at),
             o.storage,
             _long(o.offset),
-            _long(shp.n_tokens),
             _long(shp.n_head_k),
             _long(shp.n_head_v),
             _long(size),
             _int(shp.variant == "kda"),
-            _long(shp.n_written),
-            _long(shp.plane_stride * shp.row_size),  # elements between planes
-            float(scale),
+            _int(shp.head_map == "grouped"),
+            float(shp.scale),
             per_item,
         )
 
@@ -550,6 +612,7 @@ class OpenCLBackend(Backend):
     priority = 20  # below the C CPU backend on a CPU-only machine, above the reference
     description = "OpenCL C kernels through pyopencl (any OpenCL 1.2+ platform; PoCL on CPUs)"
     provided_by = "statecache[opencl]"
+    protocol = PROTOCOL_VERSION
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
