@@ -3,14 +3,16 @@ signatures is listed unavailable with the reason, never called."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
+import numpy as np
 import pytest
 
 import statecache
 from statecache.backend import PROTOCOL_VERSION, Backend, Caps
 from statecache.backends.reference.device import ReferenceDevice
-from statecache.errors import BackendUnavailableError
+from statecache.errors import BackendUnavailableError, CapabilityError
 from statecache.hookspecs import hookimpl
 from statecache.registry import BackendRegistry
 
@@ -73,3 +75,38 @@ def test_caps_refuse_unknown_epilogues_and_activation_dtypes() -> None:
         Caps(ops=frozenset(), storage_dtypes=frozenset(), epilogues=frozenset({"softcap"}))
     with pytest.raises(ValueError, match="activation_dtypes"):
         Caps(ops=frozenset(), storage_dtypes=frozenset(), activation_dtypes=frozenset())
+
+
+class PlainDevice(ReferenceDevice):
+    """A third-party device without fused epilogues and without the packed form."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.caps = dataclasses.replace(self.caps, epilogues=frozenset(), varlen=False)
+
+
+def test_a_missing_epilogue_is_not_supported_and_writes_nothing() -> None:
+    dev = PlainDevice()
+    rng = np.random.default_rng(0)
+    H, P_, N = 2, 4, 8
+    pool_host = rng.uniform(-1, 1, (2, H * P_ * N)).astype(np.float32)
+    pool = dev.upload(pool_host)
+    y = dev.alloc((1, 1, H, P_))
+    f = lambda *shape: dev.upload(rng.uniform(-1, 1, shape).astype(np.float32))  # noqa: E731
+    args = (pool, dev.indices([0]), dev.indices([1]), f(1, 1, H, P_), f(1, 1, H), f(H), f(1, 1, 1, N), f(1, 1, 1, N), y)
+    with pytest.raises(CapabilityError, match="does not fuse D into ssm_scan"):
+        dev.ssm_scan(*args, D=f(H))
+    with pytest.raises(CapabilityError, match="packed"):
+        dev.ssm_scan(pool, dev.indices([0]), dev.indices([1]), f(1, H, P_), f(1, H), f(H), f(1, 1, N), f(1, 1, N),
+                     dev.alloc((1, H, P_)), cu_seqlens=dev.indices([0, 1]))  # fmt: skip
+    np.testing.assert_array_equal(dev.download(pool), pool_host)
+    dev.ssm_scan(*args)  # the plain call runs
+    # and the suite reports the fused cases as not supported, never as failed
+    from statecache.conformance import epilogue_cases
+
+    case = next(c for c in epilogue_cases.all_cases() if c.id.startswith("ssm_scan.epilogue["))
+    ok, reason = case.support(dev)
+    assert not ok and "varlen=False" in reason, reason
+    dev.caps = dataclasses.replace(dev.caps, varlen=True)
+    ok, reason = case.support(dev)
+    assert not ok and "does not fuse dt_bias into ssm_scan" in reason, reason

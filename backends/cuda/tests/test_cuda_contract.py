@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from statecache.conformance import varlen_cases
+from statecache.conformance import epilogue_cases, varlen_cases
 
-CASES = varlen_cases.all_cases()
+CASES = varlen_cases.all_cases() + epilogue_cases.all_cases()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
