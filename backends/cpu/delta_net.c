@@ -47,11 +47,17 @@ static const float *pack_tokens(const sc_view *v, int64_t t0, int64_t h, int64_t
  * k-dot, then update and q-dot) handle the four rows together, so k, q and
  * the gate are loaded once for four rows and the four dot products are
  * independent FMA chains.  `et` is the per-key gate (KDA) or NULL for the
- * scalar gate `es`. */
-static inline void gdn_rows4(const float *in, float *out, int64_t S, const float *kt, const float *qt, const float *et,
-                             float es, const float *vt, int64_t vstride, float beta, float scale, float *ot) {
+ * scalar gate `es`.  With `mid` (4 * S floats of scratch) the decayed rows go
+ * there and the updated ones to `out` with non-temporal stores: `out` is then
+ * a pool row other than `in` in a large call (see update_rows in ssm_scan.c). */
+static inline __attribute__((always_inline)) void gdn_rows4_impl(const float *in, float *out, float *mid, int64_t S,
+                                                                 const float *kt, const float *qt, const float *et,
+                                                                 float es, const float *vt, int64_t vstride,
+                                                                 float beta, float scale, float *ot,
+                                                                 const int stream) {
     const float *i0 = in, *i1 = i0 + S, *i2 = i1 + S, *i3 = i2 + S;
-    float *r0 = out, *r1 = r0 + S, *r2 = r1 + S, *r3 = r2 + S;
+    float *r0 = stream ? mid : out, *r1 = r0 + S, *r2 = r1 + S, *r3 = r2 + S;
+    float *w0 = out, *w1 = w0 + S, *w2 = w1 + S, *w3 = w2 + S;
     __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
     const __m256 gs = _mm256_set1_ps(es);
     for (int64_t i = 0; i < S; i += 8) {
@@ -79,16 +85,32 @@ static inline void gdn_rows4(const float *in, float *out, int64_t S, const float
         const __m256 m1 = _mm256_fmadd_ps(k, e1, _mm256_loadu_ps(r1 + i));
         const __m256 m2 = _mm256_fmadd_ps(k, e2, _mm256_loadu_ps(r2 + i));
         const __m256 m3 = _mm256_fmadd_ps(k, e3, _mm256_loadu_ps(r3 + i));
-        _mm256_storeu_ps(r0 + i, m0);
-        _mm256_storeu_ps(r1 + i, m1);
-        _mm256_storeu_ps(r2 + i, m2);
-        _mm256_storeu_ps(r3 + i, m3);
+        if (stream) {
+            _mm256_stream_ps(w0 + i, m0);
+            _mm256_stream_ps(w1 + i, m1);
+            _mm256_stream_ps(w2 + i, m2);
+            _mm256_stream_ps(w3 + i, m3);
+        } else {
+            _mm256_storeu_ps(w0 + i, m0);
+            _mm256_storeu_ps(w1 + i, m1);
+            _mm256_storeu_ps(w2 + i, m2);
+            _mm256_storeu_ps(w3 + i, m3);
+        }
         o0 = _mm256_fmadd_ps(m0, q, o0);
         o1 = _mm256_fmadd_ps(m1, q, o1);
         o2 = _mm256_fmadd_ps(m2, q, o2);
         o3 = _mm256_fmadd_ps(m3, q, o3);
     }
     _mm_storeu_ps(ot, _mm_mul_ps(_mm_set1_ps(scale), sc_hsum4x8(o0, o1, o2, o3)));
+}
+
+static void gdn_rows4(const float *in, float *out, float *mid, int64_t S, const float *kt, const float *qt,
+                      const float *et, float es, const float *vt, int64_t vstride, float beta, float scale,
+                      float *ot) {
+    if (mid)
+        gdn_rows4_impl(in, out, mid, S, kt, qt, et, es, vt, vstride, beta, scale, ot, 1);
+    else
+        gdn_rows4_impl(in, out, NULL, S, kt, qt, et, es, vt, vstride, beta, scale, ot, 0);
 }
 #endif
 
@@ -105,6 +127,7 @@ void sc_gated_delta_net(const sc_state *st, const sc_view *q, const sc_view *k, 
      * so the single-thread rule errs towards threads). */
     const int64_t work_bytes = Hv * S * S * (int64_t)sizeof(float) * (st->n_tokens + n_s * sc_max_written(st));
     const int team = sc_state_team(n_units, work_bytes, n_threads);
+    const int stream = work_bytes >= sc_stream_min_bytes;
     const size_t tmax = (size_t)(st->max_tokens > 0 ? st->max_tokens : 1);
 #pragma omp parallel num_threads(team) if (team > 1)
     {
@@ -113,6 +136,7 @@ void sc_gated_delta_net(const sc_state *st, const sc_view *q, const sc_view *k, 
         float *gexp = (float *)sc_alloc(sizeof(float) * tmax * (size_t)(kda ? S : 1));
         float *bt = (float *)sc_alloc(sizeof(float) * tmax);
         float *tile = (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows * S));
+        float *mid = (float *)sc_alloc(sizeof(float) * (size_t)(4 * S));
         int64_t lo, hi;
         sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
         for (int64_t u = lo; u < hi; u++) {
@@ -170,8 +194,10 @@ void sc_gated_delta_net(const sc_state *st, const sc_view *q, const sc_view *k, 
                     int64_t r = 0;
 #ifdef SC_HAVE_AVX2
                     if (S % 8 == 0) {
+                        /* a disjoint, aligned pool row of a large call: streamed */
+                        float *via = stream && out != tile && out != in && ((uintptr_t)out & 31) == 0 ? mid : NULL;
                         for (; r + 4 <= jr; r += 4)
-                            gdn_rows4(in + r * S, out + r * S, S, kt, qt, et, es_t, vt + r * v->strides[2],
+                            gdn_rows4(in + r * S, out + r * S, via, S, kt, qt, et, es_t, vt + r * v->strides[2],
                                       v->strides[2], b, scale, ot + r);
                     }
 #endif
@@ -214,5 +240,7 @@ void sc_gated_delta_net(const sc_state *st, const sc_view *q, const sc_view *k, 
         free(gexp);
         free(bt);
         free(tile);
+        free(mid);
+        sc_stream_fence(); /* this thread's streamed rows are visible before it joins */
     }
 }

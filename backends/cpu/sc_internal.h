@@ -252,6 +252,21 @@ static inline __m128 sc_hsum4x8(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
 }
 #endif
 
+/* Calls streaming at least this many bytes of state write rows other than
+ * the ones they read (rotated planes) with non-temporal stores: such state
+ * is out of cache, where a normal store first reads the line it writes.
+ * Smaller calls keep normal stores: their rows may still be in cache when
+ * the next step reads them. */
+#define SC_STREAM_MIN_BYTES ((int64_t)4 << 20)
+extern int64_t sc_stream_min_bytes; /* SC_STREAM_MIN_BYTES unless a test changed it */
+
+/* Orders a thread's non-temporal (streamed) stores before what follows. */
+static inline void sc_stream_fence(void) {
+#ifdef SC_HAVE_AVX2
+    _mm_sfence();
+#endif
+}
+
 /* Units [lo, hi) of n for thread tid of nt: contiguous, fixed by (n, nt). */
 static inline void sc_split(int64_t n, int tid, int nt, int64_t *lo, int64_t *hi) {
     *lo = n * tid / nt;

@@ -47,6 +47,7 @@ typedef struct {
     float *y;
     const sc_scan_options *opt;
     int64_t H, P, N, G;
+    int stream; /* write disjoint destination rows with non-temporal stores */
 } scan_call;
 
 /* B[t0 .. t0 + n_t, g, :] as token rows at stride *t_stride: the view itself
@@ -110,34 +111,67 @@ static void scan_epilogue(const scan_call *c, int64_t t0, int64_t n_t, int64_t h
 
 /* One token over `ir` rows of N: out[r] = in[r] * a + B * xd[r] and
  * y[r] = out[r] . C.  `in` and `out` are either the same rows or disjoint. */
+#ifdef SC_HAVE_AVX2
+/* Four rows of one token, lanes across N; `stream` stores the results with
+ * non-temporal stores (see update_rows). */
+static inline __attribute__((always_inline)) void update_rows4(const float *i0, float *o0, int64_t N,
+                                                               const float *SC_RESTRICT Bt,
+                                                               const float *SC_RESTRICT Ct, __m256 av,
+                                                               const float *xd, float *yt, const int stream) {
+    const float *i1 = i0 + N, *i2 = i1 + N, *i3 = i2 + N;
+    float *o1 = o0 + N, *o2 = o1 + N, *o3 = o2 + N;
+    const __m256 x0 = _mm256_set1_ps(xd[0]), x1 = _mm256_set1_ps(xd[1]);
+    const __m256 x2 = _mm256_set1_ps(xd[2]), x3 = _mm256_set1_ps(xd[3]);
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (int64_t k = 0; k < N; k += 8) {
+        const __m256 b = _mm256_loadu_ps(Bt + k), c = _mm256_loadu_ps(Ct + k);
+        __m256 v0 = _mm256_fmadd_ps(_mm256_loadu_ps(i0 + k), av, _mm256_mul_ps(b, x0));
+        __m256 v1 = _mm256_fmadd_ps(_mm256_loadu_ps(i1 + k), av, _mm256_mul_ps(b, x1));
+        __m256 v2 = _mm256_fmadd_ps(_mm256_loadu_ps(i2 + k), av, _mm256_mul_ps(b, x2));
+        __m256 v3 = _mm256_fmadd_ps(_mm256_loadu_ps(i3 + k), av, _mm256_mul_ps(b, x3));
+        if (stream) {
+            _mm256_stream_ps(o0 + k, v0);
+            _mm256_stream_ps(o1 + k, v1);
+            _mm256_stream_ps(o2 + k, v2);
+            _mm256_stream_ps(o3 + k, v3);
+        } else {
+            _mm256_storeu_ps(o0 + k, v0);
+            _mm256_storeu_ps(o1 + k, v1);
+            _mm256_storeu_ps(o2 + k, v2);
+            _mm256_storeu_ps(o3 + k, v3);
+        }
+        c0 = _mm256_fmadd_ps(v0, c, c0);
+        c1 = _mm256_fmadd_ps(v1, c, c1);
+        c2 = _mm256_fmadd_ps(v2, c, c2);
+        c3 = _mm256_fmadd_ps(v3, c, c3);
+    }
+    _mm_storeu_ps(yt, sc_hsum4x8(c0, c1, c2, c3));
+}
+#endif
+
+/* One token over `ir` rows of N: out[r] = in[r] * a + B * xd[r] and
+ * y[r] = out[r] . C.  `in` and `out` are either the same rows or disjoint;
+ * `to_pool`: `out` is a pool row (not scratch that the next token rereads)
+ * of a call large enough to stream (SC_STREAM_MIN_BYTES).
+ *
+ * Disjoint pool rows (a rotated plane, a copy-on-write destination) are written
+ * with non-temporal stores when `out` is 32-byte aligned: a normal store to
+ * a line out of cache waits for the line to be read first, and the store
+ * buffer full of such stores stalls every later load at the same address
+ * modulo 4 KiB (pool rows are multiples of 4 KiB apart, so the next rows'
+ * loads all alias): reading one row and writing another was several times
+ * slower than updating in place.  Streamed, it moves the same bytes.  The
+ * caller fences (sc_stream_fence) before the kernel returns. */
 static inline void update_rows(const float *in, float *out, int64_t ir, int64_t N, const float *SC_RESTRICT Bt,
-                               const float *SC_RESTRICT Ct, float a, const float *xd, float *yt) {
+                               const float *SC_RESTRICT Ct, float a, const float *xd, float *yt, int to_pool) {
     int64_t r = 0;
 #ifdef SC_HAVE_AVX2
     if (N % 8 == 0) {
         const __m256 av = _mm256_set1_ps(a);
-        for (; r + 4 <= ir; r += 4) {
-            const float *i0 = in + r * N, *i1 = i0 + N, *i2 = i1 + N, *i3 = i2 + N;
-            float *o0 = out + r * N, *o1 = o0 + N, *o2 = o1 + N, *o3 = o2 + N;
-            const __m256 x0 = _mm256_set1_ps(xd[r]), x1 = _mm256_set1_ps(xd[r + 1]);
-            const __m256 x2 = _mm256_set1_ps(xd[r + 2]), x3 = _mm256_set1_ps(xd[r + 3]);
-            __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-            for (int64_t k = 0; k < N; k += 8) {
-                const __m256 b = _mm256_loadu_ps(Bt + k), c = _mm256_loadu_ps(Ct + k);
-                __m256 v0 = _mm256_fmadd_ps(_mm256_loadu_ps(i0 + k), av, _mm256_mul_ps(b, x0));
-                __m256 v1 = _mm256_fmadd_ps(_mm256_loadu_ps(i1 + k), av, _mm256_mul_ps(b, x1));
-                __m256 v2 = _mm256_fmadd_ps(_mm256_loadu_ps(i2 + k), av, _mm256_mul_ps(b, x2));
-                __m256 v3 = _mm256_fmadd_ps(_mm256_loadu_ps(i3 + k), av, _mm256_mul_ps(b, x3));
-                _mm256_storeu_ps(o0 + k, v0);
-                _mm256_storeu_ps(o1 + k, v1);
-                _mm256_storeu_ps(o2 + k, v2);
-                _mm256_storeu_ps(o3 + k, v3);
-                c0 = _mm256_fmadd_ps(v0, c, c0);
-                c1 = _mm256_fmadd_ps(v1, c, c1);
-                c2 = _mm256_fmadd_ps(v2, c, c2);
-                c3 = _mm256_fmadd_ps(v3, c, c3);
-            }
-            _mm_storeu_ps(yt + r, sc_hsum4x8(c0, c1, c2, c3));
+        if (to_pool && out != in && ((uintptr_t)out & 31) == 0) {
+            for (; r + 4 <= ir; r += 4) update_rows4(in + r * N, out + r * N, N, Bt, Ct, av, xd + r, yt + r, 1);
+        } else {
+            for (; r + 4 <= ir; r += 4) update_rows4(in + r * N, out + r * N, N, Bt, Ct, av, xd + r, yt + r, 0);
         }
     }
 #endif
@@ -193,7 +227,7 @@ static void scan_mamba2_unit(const scan_call *c, int64_t s, int64_t h, float *db
             const int64_t j = n_t - 1 - t;
             const float *in = t == 0 && direct ? (const float *)sc_pool_at(st, start_row, off) : tile;
             float *out = j == 0 && direct && r0 >= 0 ? (float *)sc_pool_at(st, r0, off) : tile;
-            update_rows(in, out, ir, N, Bs + t * bts, Cs + t * cts, a, xd, yt);
+            update_rows(in, out, ir, N, Bs + t * bts, Cs + t * cts, a, xd, yt, c->stream && out != tile);
             const int64_t rj = sc_snap_row(st, s, j);
             if (out == tile && rj >= 0) sc_store_f32(tile, sc_pool_at(st, rj, off), pdt, ir * N);
         }
@@ -590,7 +624,7 @@ static void scan_mamba2_chunked_unit(const scan_call *c, int64_t s, int64_t h, i
     for (int64_t t = n_c; t < n_t; t++) {
         const float d = dbuf[t];
         for (int64_t i = 0; i < P; i++) w->xd[i] = xs[t * x->strides[0] + i * x->strides[2]] * d;
-        update_rows(S, S, P, N, Bs + t * bts, Cs + t * cts, abuf[t], w->xd, c->y + ((t0 + t) * H + h) * P);
+        update_rows(S, S, P, N, Bs + t * bts, Cs + t * cts, abuf[t], w->xd, c->y + ((t0 + t) * H + h) * P, 0);
         const int64_t rj = sc_snap_row(st, s, n_t - 1 - t);
         if (rj >= 0) sc_store_f32(S, sc_pool_at(st, rj, off), pdt, P * N);
     }
@@ -602,9 +636,9 @@ void sc_ssm_scan(const sc_state *st, const sc_view *x, const sc_view *dt, const 
                  const sc_view *B, const sc_view *C, float *y, const sc_scan_options *opt, int64_t n_head,
                  int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads) {
     const int64_t H = n_head, P = head_dim, N = d_state, n_s = st->n_seqs, n_t_max = st->max_tokens;
-    const scan_call c = {st, x, dt, B, C, A, y, opt, H, P, N, n_group};
     /* State streamed: every token passes over the state, plus the rows written. */
     const int64_t work_bytes = H * P * N * (int64_t)sizeof(float) * (st->n_tokens + n_s * sc_max_written(st));
+    const scan_call c = {st, x, dt, B, C, A, y, opt, H, P, N, n_group, work_bytes >= sc_stream_min_bytes};
     if (a_per_state) {
         const int64_t n_blocks = (H + SC_M1_HEADS - 1) / SC_M1_HEADS, n_units = n_s * n_blocks;
         const int team = sc_state_team(n_units, work_bytes, n_threads);
@@ -690,6 +724,7 @@ void sc_ssm_scan(const sc_state *st, const sc_view *x, const sc_view *dt, const 
 #endif
             scan_mamba2_unit(&c, s, h, dbuf, abuf, bpack, cpack, tile);
         }
+        sc_stream_fence(); /* this thread's streamed rows are visible before it joins */
         (void)may_chunk;
         free(dbuf);
         free(abuf);

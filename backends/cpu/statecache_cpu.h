@@ -90,6 +90,10 @@ int sc_cpu_has_threads(void);
  * (default 512 KiB); returns the previous value.  Tests set 0 to exercise
  * the thread split on small shapes. */
 int64_t sc_set_state_parallel_min_bytes(int64_t bytes);
+/* Calls streaming at least this much state (default 4 MiB) write rows other
+ * than the ones they read with non-temporal stores; returns the previous
+ * value.  Tests set 0 to exercise those stores on small shapes. */
+int64_t sc_set_stream_min_bytes(int64_t bytes);
 
 /* rows.c: dst[dst_rows[i]] = convert(src[src_rows[i]]), i < n.  A NULL index
  * array means the identity (get_rows passes dst_rows = NULL, set_rows passes
