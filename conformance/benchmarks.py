@@ -119,7 +119,7 @@ SHAPES: tuple[Shape, ...] = (
                 "rotate": how == "K=4 rotate",
                 "layers": layers,
             },
-        )  # fmt: skip
+        )
         for family, op, params, layers in (
             ("mamba2", "ssm_scan", {"N": 128, "P": 64, "H": 32, "G": 1}, 16),
             ("gdn", "gdn", {"H": 16, "S": 128, "kda": False}, 16),
