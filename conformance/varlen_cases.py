@@ -388,11 +388,26 @@ class VarlenParams:
     mode: str
     dtype: DType = F32
     tag: str = "varlen"
+    act: DType = F32  # dtype of the per-token inputs and outputs
 
     @property
     def id(self) -> str:
         lens = "_".join(map(str, self.lengths))
-        return f"{self.op.op}.{self.tag}[{self.op.label}-L{lens}-K{self.K}-{self.mode}-{self.dtype.value}]"
+        act = "" if self.act is F32 else f"-act{self.act.value}"
+        return f"{self.op.op}.{self.tag}[{self.op.label}-L{lens}-K{self.K}-{self.mode}-{self.dtype.value}{act}]"
+
+    @property
+    def caps(self) -> dict[str, Any]:
+        caps: dict[str, Any] = {"storage_dtypes": {self.dtype.value}, "max_snapshots": self.K, "varlen": True}
+        if self.act is not F32:
+            caps["activation_dtypes"] = {self.act.value}
+        return caps
+
+    def requirement(self) -> Requirement:
+        req = self.op.requirement(self.dtype, self.K, True)
+        if self.act is F32:
+            return req
+        return Requirement(req.op, {**req.params, "activation_dtypes": (self.act.value,)})
 
 
 def varlen_tensors(p: VarlenParams, seed: int) -> tuple[dict[str, Tensor], Rows, Arrays]:
@@ -401,13 +416,15 @@ def varlen_tensors(p: VarlenParams, seed: int) -> tuple[dict[str, Tensor], Rows,
     rows = make_rows(lengths, p.K, p.mode, seed)
     T = int(lengths.sum())
     arrays = {**p.op.tokens(rng, T), **p.op.weights(rng)}
+    # per-token values as the device holds them (rounded to the activation dtype)
+    arrays = {k: v if k.startswith("w_") else v.astype(p.act.numpy).astype(np.float32) for k, v in arrays.items()}
     out = np.full((T, *p.op.out_tail), 777.0, dtype=np.float32)
     tensors = {
         "pool": Tensor(
             _pool_data(p.op, rows, rng), p.dtype, output=True, written=rows.written(), exact=p.op.exact_state
         ),
-        "out": Tensor(out, output=True),
-        **{name: Tensor(value) for name, value in arrays.items()},
+        "out": Tensor(out, p.act, output=True),
+        **{name: Tensor(value, F32 if name.startswith("w_") else p.act) for name, value in arrays.items()},
     }
     return tensors, rows, arrays
 
@@ -433,7 +450,7 @@ def _check_formula(p: VarlenParams, tensors: dict[str, Tensor], rows: Rows, arra
     placed_o, got_out = ref["out"]
     out_body = got_out[placed_o.offset : placed_o.offset + out.size].reshape(out.shape)
     if out.size:
-        assert_close(f"reference outputs vs formula ({p.id})", out_body, out, FORMULA_NMSE[F32])
+        assert_close(f"reference outputs vs formula ({p.id})", out_body, out, FORMULA_NMSE[p.act])
 
 
 def varlen_call(p: VarlenParams, rows: Rows) -> Callable[[Device, dict[str, Buffer]], None]:
@@ -454,21 +471,22 @@ def varlen_case(p: VarlenParams) -> Case:
         with np.errstate(all="ignore"):
             ref = run_on(reference_device(), tensors, seed, call)
         _check_formula(p, tensors, rows, arrays, ref)
-        compare_with_reference(device, tensors, seed, call, {"pool": NMSE[p.dtype], "out": NMSE[F32]})
+        compare_with_reference(device, tensors, seed, call, {"pool": NMSE[p.dtype], "out": NMSE[p.act]})
 
-    case = Case(p.id, "primitive", (p.op.op,), run, (p.op.requirement(p.dtype, p.K, True),),
-                {"storage_dtypes": {p.dtype.value}, "max_snapshots": p.K, "varlen": True})  # fmt: skip
+    case = Case(p.id, "primitive", (p.op.op,), run, (p.requirement(),), p.caps)
     return case
 
 
 # -- metamorphic cases -------------------------------------------------------------------
 
 
-def _upload_tokens(dev: Device, arrays: Arrays, lo: int, hi: int) -> dict[str, Buffer]:
+def _upload_tokens(dev: Device, arrays: Arrays, lo: int, hi: int, act: DType = F32) -> dict[str, Buffer]:
     out: dict[str, Buffer] = {}
     for name, value in arrays.items():
-        part = value if name.startswith("w_") else value[lo:hi]
-        out[name] = dev.upload(np.ascontiguousarray(part))
+        if name.startswith("w_"):
+            out[name] = dev.upload(value)
+        else:
+            out[name] = dev.upload(np.ascontiguousarray(value[lo:hi]), act)
     return out
 
 
@@ -489,23 +507,22 @@ def packed_split_case(p: VarlenParams) -> Case:
         dev = device
         with np.errstate(all="ignore"):
             pool = dev.upload(pool_host, p.dtype)
-            out = dev.alloc((int(cu[-1]), *p.op.out_tail))
-            bufs = _upload_tokens(dev, arrays, 0, int(cu[-1]))
+            out = dev.alloc((int(cu[-1]), *p.op.out_tail), p.act)
+            bufs = _upload_tokens(dev, arrays, 0, int(cu[-1]), p.act)
             p.op.call(dev, pool, dev.indices(rows.start), dev.indices(rows.table), dev.indices(cu), bufs, out)
             packed_pool, packed_out = dev.download(pool), dev.download(out)
             pool2 = dev.upload(pool_host, p.dtype)
             for s, n_t in enumerate(lengths):
                 lo, hi = int(cu[s]), int(cu[s + 1])
-                part = _upload_tokens(dev, arrays, lo, hi)
-                out_s = dev.alloc((int(n_t), *p.op.out_tail))
+                part = _upload_tokens(dev, arrays, lo, hi, p.act)
+                out_s = dev.alloc((int(n_t), *p.op.out_tail), p.act)
                 p.op.call(dev, pool2, dev.indices(rows.start[s : s + 1]), dev.indices(rows.table[s : s + 1]),
                           dev.indices([0, int(n_t)]), part, out_s)  # fmt: skip
                 _bits_equal(f"{p.id}: outputs of sequence {s} (packed vs alone)", packed_out[lo:hi],
                             dev.download(out_s))  # fmt: skip
             _bits_equal(f"{p.id}: pool (packed vs one call per sequence)", packed_pool, dev.download(pool2))
 
-    case = Case(p.id, "metamorphic", (p.op.op,), run, (p.op.requirement(p.dtype, p.K, True),),
-                {"storage_dtypes": {p.dtype.value}, "max_snapshots": p.K, "varlen": True})  # fmt: skip
+    case = Case(p.id, "metamorphic", (p.op.op,), run, (p.requirement(),), p.caps)
     return case
 
 
@@ -690,6 +707,42 @@ def mamba1_snapshots_case(n_t: int, K: int) -> Case:
     return case
 
 
+def activation_equiv_case(op: Op, act: DType) -> Case:
+    """A call with f16/bf16 activations computes what a float32 call on the
+    same values computes: the states within float32 tolerance (the math is
+    float32 either way), the outputs as the float32 outputs rounded once to
+    the activation dtype (within that dtype's tolerance)."""
+    case_id = f"{op.op}.activations[{op.label}-{act.value}]"
+
+    def run(device: Device) -> None:
+        rng = rng_for(case.seed)
+        dev = device
+        lengths = np.asarray([3, 1, 0, 4], dtype=np.int64)
+        T = int(lengths.sum())
+        arrays = {**op.tokens(rng, T), **op.weights(rng)}
+        arrays = {k: v if k.startswith("w_") else v.astype(act.numpy).astype(np.float32) for k, v in arrays.items()}
+        rows = make_rows(lengths, 2, "planes", case.seed)
+        pool_host = _pool_data(op, rows, rng)
+        cu = dev.indices(_cu(lengths))
+        start, table = dev.indices(rows.start), dev.indices(rows.table)
+        results = []
+        with np.errstate(all="ignore"):
+            for dtype in (act, F32):
+                pool = dev.upload(pool_host)
+                out = dev.alloc((T, *op.out_tail), dtype)
+                op.call(dev, pool, start, table, cu, _upload_tokens(dev, arrays, 0, T, dtype), out)
+                results.append((dev.download(pool), dev.download(out)))
+        (pool_a, out_a), (pool_f, out_f) = results
+        written = rows.written()
+        assert_close(f"{case_id}: states ({act.value} activations vs f32)", pool_a[written], pool_f[written], NMSE[F32])
+        assert_exact(f"{case_id}: rows not written", np.delete(pool_a, written, 0), np.delete(pool_host, written, 0))
+        assert_close(f"{case_id}: outputs ({act.value} vs f32 rounded)", out_a, out_f.astype(act.numpy), NMSE[act])
+
+    req = Requirement(op.op, {**op.params, "varlen": True, "activation_dtypes": (act.value,)})
+    case = Case(case_id, "metamorphic", (op.op,), run, (req,), {"varlen": True, "activation_dtypes": {act.value}})
+    return case
+
+
 # -- refusals ------------------------------------------------------------------------
 
 
@@ -810,6 +863,12 @@ def all_cases() -> list[Case]:
             rotation_case(op, 3, 4, 6),
             chunked_varlen_case(op, (9, 4, 1, 20), (4, 0, 1, 17)),
         ]
+        for act in (DType.F16, DType.BF16):
+            cases += [
+                varlen_case(VarlenParams(op, (4, 0, 1, 3), 3, "sparse", act=act)),
+                packed_split_case(VarlenParams(op, (17, 1, 0, 2), 3, "planes", tag="packed_split", act=act)),
+                activation_equiv_case(op, act),
+            ]
     cases.append(mamba1_snapshots_case(6, 4))
     cases.append(mamba1_snapshots_case(2, 4))
     cases += [refusal_case(r) for r in _refusals()]

@@ -114,9 +114,9 @@ static void gdn_rows4(const float *in, float *out, float *mid, int64_t S, const 
 }
 #endif
 
-void sc_gated_delta_net(const sc_state *st, const sc_view *q, const sc_view *k, const sc_view *v, const sc_view *g,
-                        int kda, const sc_view *beta, float *o, const sc_delta_options *opt, int64_t n_head_k,
-                        int64_t n_head_v, int64_t head_size, int n_threads) {
+static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, const sc_view *v, const sc_view *g,
+                      int kda, const sc_view *beta, float *o, const sc_delta_options *opt, int64_t n_head_k,
+                      int64_t n_head_v, int64_t head_size, int n_threads) {
     const int64_t S = head_size, Hv = n_head_v, n_s = st->n_seqs, n_units = n_s * Hv;
     const sc_dtype pool_dtype = (sc_dtype)st->pool_dtype;
     int64_t tile_rows = SC_GDN_TILE_BYTES / 4 / (S > 0 ? S : 1);
@@ -243,4 +243,18 @@ void sc_gated_delta_net(const sc_state *st, const sc_view *q, const sc_view *k, 
         free(mid);
         sc_stream_fence(); /* this thread's streamed rows are visible before it joins */
     }
+}
+
+void sc_gated_delta_net(const sc_state *st, const sc_view *q, const sc_view *k, const sc_view *v, const sc_view *g,
+                        int kda, const sc_view *beta, void *o, sc_dtype o_dtype, const sc_delta_options *opt,
+                        int64_t n_head_k, int64_t n_head_v, int64_t head_size, int n_threads) {
+    const int64_t T = st->n_tokens, Hk = n_head_k, Hv = n_head_v, S = head_size;
+    float *own[5];
+    const sc_view qf = sc_widen3(q, T, Hk, S, &own[0]), kf = sc_widen3(k, T, Hk, S, &own[1]);
+    const sc_view vf = sc_widen3(v, T, Hv, S, &own[2]), bf = sc_widen2(beta, T, Hv, &own[4]);
+    const sc_view gf = kda ? sc_widen3(g, T, Hv, S, &own[3]) : sc_widen2(g, T, Hv, &own[3]);
+    float *of = sc_output_f32(o, o_dtype, T * Hv * S);
+    delta_f32(st, &qf, &kf, &vf, &gf, kda, &bf, of, opt, Hk, Hv, S, n_threads);
+    sc_narrow_output(of, o, o_dtype, T * Hv * S);
+    for (int i = 0; i < 5; i++) free(own[i]);
 }

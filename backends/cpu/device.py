@@ -27,7 +27,7 @@ from statecache.dlpack import DLDataType, DLTensor
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError
 from statecache.hostmem import aligned_empty, physical_memory_bytes
-from statecache.primitives import EPILOGUES, L2NORM_EPS
+from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES, L2NORM_EPS
 
 #: The C ABI this Python code was written against (SC_CPU_ABI_VERSION).
 ABI_VERSION = 2
@@ -227,6 +227,7 @@ class CpuDevice(Device):
             host_visible=True,
             async_launch=False,
             varlen=True,
+            activation_dtypes=ACTIVATION_DTYPES,
             epilogues=frozenset(EPILOGUES),
         )
 
@@ -399,7 +400,8 @@ class CpuDevice(Device):
             self._sview(x),
             self._ptr(weight, "float *"),
             self._ffi.NULL if bias is None else self._ptr(bias, "float *"),
-            self._ptr(y, "float *"),
+            self._ptr(y),
+            _DTYPE_CODE[y.dtype],
             shp.channels,
             shp.d_conv,
             int(bool(apply_silu)),
@@ -430,7 +432,8 @@ class CpuDevice(Device):
             int(shp.variant == "mamba1"),
             self._sview(B),
             self._sview(C),
-            self._ptr(y, "float *"),
+            self._ptr(y),
+            _DTYPE_CODE[y.dtype],
             opt,
             shp.n_head,
             shp.head_dim,
@@ -459,7 +462,8 @@ class CpuDevice(Device):
             self._sview(g),
             int(shp.variant == "kda"),
             self._sview(beta),
-            self._ptr(o, "float *"),
+            self._ptr(o),
+            _DTYPE_CODE[o.dtype],
             opt,
             shp.n_head_k,
             shp.n_head_v,

@@ -335,12 +335,72 @@ static inline void sc_copy_input_state(const sc_state *st, int64_t s, int64_t n_
 
 static inline float sc_silu(float x) { return x / (1.0f + sc_exp(-x)); }
 
+
 /* NaN-preserving clamp (the comparisons are false for NaN). */
 static inline float sc_clamp(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 static inline void *sc_alloc(size_t bytes) {
     size_t rounded = (bytes + SC_ALIGN - 1) / SC_ALIGN * SC_ALIGN;
     return aligned_alloc(SC_ALIGN, rounded ? rounded : SC_ALIGN);
+}
+
+/* Activations in f16/bf16: the kernels compute on float32 views, so a
+ * non-f32 input is first widened into a contiguous float32 copy (one pass
+ * over the activations, far fewer bytes than the state a call streams) and
+ * a non-f32 output narrowed from a float32 scratch at the end. */
+
+/* The [n0][n1][n2] elements of view v (strides[0..2]; n2 innermost) as a
+ * contiguous float32 array in `out`. */
+static inline void sc_widen_into(const sc_view *v, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
+                                 int64_t s2, float *out) {
+    const sc_dtype dt = (sc_dtype)v->dtype;
+    const char *base = (const char *)v->data;
+    const size_t es = sc_dtype_size(dt);
+    for (int64_t i0 = 0; i0 < n0; i0++)
+        for (int64_t i1 = 0; i1 < n1; i1++) {
+            const char *row = base + (size_t)(i0 * s0 + i1 * s1) * es;
+            float *o = out + (i0 * n1 + i1) * n2;
+            if (s2 == 1) {
+                sc_load_f32(row, dt, o, n2);
+            } else {
+                for (int64_t i2 = 0; i2 < n2; i2++) sc_load_f32(row + (size_t)(i2 * s2) * es, dt, o + i2, 1);
+            }
+        }
+}
+
+/* A float32 view of a 3-D input [n0, n1, n2]: the view itself when it is
+ * float32 (or absent), else a widened copy whose allocation goes to *owned. */
+static inline sc_view sc_widen3(const sc_view *v, int64_t n0, int64_t n1, int64_t n2, float **owned) {
+    *owned = NULL;
+    if (v->data == NULL || v->dtype == SC_F32) return *v;
+    float *buf = (float *)sc_alloc(sizeof(float) * (size_t)(n0 * n1 * n2 > 0 ? n0 * n1 * n2 : 1));
+    sc_widen_into(v, n0, n1, n2, v->strides[0], v->strides[1], v->strides[2], buf);
+    sc_view out = {buf, {n1 * n2, n2, 1, 0}, SC_F32, 0};
+    *owned = buf;
+    return out;
+}
+
+/* The same for a 2-D input [n0, n1]. */
+static inline sc_view sc_widen2(const sc_view *v, int64_t n0, int64_t n1, float **owned) {
+    *owned = NULL;
+    if (v->data == NULL || v->dtype == SC_F32) return *v;
+    float *buf = (float *)sc_alloc(sizeof(float) * (size_t)(n0 * n1 > 0 ? n0 * n1 : 1));
+    sc_widen_into(v, n0, 1, n1, v->strides[0], 0, v->strides[1], buf);
+    sc_view out = {buf, {n1, 1, 0, 0}, SC_F32, 0};
+    *owned = buf;
+    return out;
+}
+
+/* Where a kernel writes an output of n elements: the output itself when it
+ * is float32, else a float32 scratch that sc_narrow_output stores into it. */
+static inline float *sc_output_f32(void *out, sc_dtype dt, int64_t n) {
+    return dt == SC_F32 ? (float *)out : (float *)sc_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+}
+
+static inline void sc_narrow_output(float *scratch, void *out, sc_dtype dt, int64_t n) {
+    if (dt == SC_F32) return;
+    sc_store_f32(scratch, out, dt, n);
+    free(scratch);
 }
 
 #endif

@@ -265,8 +265,8 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
 #undef EROW
 }
 
-void sc_ssm_conv(const sc_state *st, const sc_view *x, const float *weight, const float *bias, float *y,
-                 int64_t channels, int64_t d_conv, int apply_silu, int n_threads) {
+static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, const float *bias, float *y,
+                     int64_t channels, int64_t d_conv, int apply_silu, int n_threads) {
     const int64_t W = d_conv - 1, n_s = st->n_seqs;
     const int64_t n_blocks = (channels + SC_CONV_BLOCK - 1) / SC_CONV_BLOCK;
     const int64_t n_units = n_s * n_blocks;
@@ -353,4 +353,15 @@ void sc_ssm_conv(const sc_state *st, const sc_view *x, const float *weight, cons
         free(wT);
         free(nwin);
     }
+}
+
+void sc_ssm_conv(const sc_state *st, const sc_view *x, const float *weight, const float *bias, void *y,
+                 sc_dtype y_dtype, int64_t channels, int64_t d_conv, int apply_silu, int n_threads) {
+    const int64_t T = st->n_tokens;
+    float *own;
+    const sc_view xf = sc_widen2(x, T, channels, &own);
+    float *yf = sc_output_f32(y, y_dtype, T * channels);
+    conv_f32(st, &xf, weight, bias, yf, channels, d_conv, apply_silu, n_threads);
+    sc_narrow_output(yf, y, y_dtype, T * channels);
+    free(own);
 }

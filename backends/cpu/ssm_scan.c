@@ -632,9 +632,9 @@ static void scan_mamba2_chunked_unit(const scan_call *c, int64_t s, int64_t h, i
 }
 #endif
 
-void sc_ssm_scan(const sc_state *st, const sc_view *x, const sc_view *dt, const float *A, int a_per_state,
-                 const sc_view *B, const sc_view *C, float *y, const sc_scan_options *opt, int64_t n_head,
-                 int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads) {
+static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, const float *A, int a_per_state,
+                     const sc_view *B, const sc_view *C, float *y, const sc_scan_options *opt, int64_t n_head,
+                     int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads) {
     const int64_t H = n_head, P = head_dim, N = d_state, n_s = st->n_seqs, n_t_max = st->max_tokens;
     /* State streamed: every token passes over the state, plus the rows written. */
     const int64_t work_bytes = H * P * N * (int64_t)sizeof(float) * (st->n_tokens + n_s * sc_max_written(st));
@@ -742,4 +742,19 @@ void sc_ssm_scan(const sc_state *st, const sc_view *x, const sc_view *dt, const 
         free(w.lam);
 #endif
     }
+}
+
+void sc_ssm_scan(const sc_state *st, const sc_view *x, const sc_view *dt, const float *A, int a_per_state,
+                 const sc_view *B, const sc_view *C, void *y, sc_dtype y_dtype, const sc_scan_options *opt,
+                 int64_t n_head, int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads) {
+    const int64_t T = st->n_tokens, H = n_head, P = head_dim, N = d_state, G = n_group;
+    float *own[5];
+    const sc_view xf = sc_widen3(x, T, H, P, &own[0]), dtf = sc_widen2(dt, T, H, &own[1]);
+    const sc_view Bf = sc_widen3(B, T, G, N, &own[2]), Cf = sc_widen3(C, T, G, N, &own[3]);
+    sc_scan_options o = *opt;
+    o.z = sc_widen3(&opt->z, T, H, P, &own[4]);
+    float *yf = sc_output_f32(y, y_dtype, T * H * P);
+    scan_f32(st, &xf, &dtf, A, a_per_state, &Bf, &Cf, yf, &o, H, P, N, G, n_threads);
+    sc_narrow_output(yf, y, y_dtype, T * H * P);
+    for (int i = 0; i < 5; i++) free(own[i]);
 }

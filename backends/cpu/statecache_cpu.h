@@ -106,24 +106,28 @@ void sc_memcpy(void *dst, const void *src, int64_t nbytes, int n_threads);
 /* Element conversions, exposed for tests (f16 as NumPy, bf16 as ml_dtypes). */
 void sc_convert(const void *src, sc_dtype src_dtype, void *dst, sc_dtype dst_dtype, int64_t n);
 
+/* Per-token inputs (x, dt, B, C, z; q, k, v, g, beta) may be f32, f16 or
+ * bf16 (their view's dtype); outputs (y, o) are contiguous of y_dtype /
+ * o_dtype.  Math is float32 either way. */
+
 /* ssm_conv.c: x [T, ch] (2 strides), weight [ch, d_conv], bias [ch] or NULL,
  * y [T, ch] contiguous, pool rows [ch, d_conv - 1]. */
-void sc_ssm_conv(const sc_state *st, const sc_view *x, const float *weight, const float *bias, float *y,
-                 int64_t channels, int64_t d_conv, int apply_silu, int n_threads);
+void sc_ssm_conv(const sc_state *st, const sc_view *x, const float *weight, const float *bias, void *y,
+                 sc_dtype y_dtype, int64_t channels, int64_t d_conv, int apply_silu, int n_threads);
 
 /* ssm_scan.c: x [T, H, P], dt [T, H], B/C [T, G, N] (views), A [H] (mamba2)
  * or [H, N] (mamba1: P == 1, G == 1), y [T, H, P] contiguous, pool rows
  * [H, P, N]. */
 void sc_ssm_scan(const sc_state *st, const sc_view *x, const sc_view *dt, const float *A, int a_per_state,
-                 const sc_view *B, const sc_view *C, float *y, const sc_scan_options *opt, int64_t n_head,
-                 int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads);
+                 const sc_view *B, const sc_view *C, void *y, sc_dtype y_dtype, const sc_scan_options *opt,
+                 int64_t n_head, int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads);
 
 /* delta_net.c: q/k [T, Hk, S], v [T, Hv, S], g [T, Hv] or [T, Hv, S]
  * (kda != 0), beta [T, Hv], o [T, Hv, S] contiguous, pool rows [Hv, S, S]
  * with block [j, i] = M[i][j]. */
 void sc_gated_delta_net(const sc_state *st, const sc_view *q, const sc_view *k, const sc_view *v, const sc_view *g,
-                        int kda, const sc_view *beta, float *o, const sc_delta_options *opt, int64_t n_head_k,
-                        int64_t n_head_v, int64_t head_size, int n_threads);
+                        int kda, const sc_view *beta, void *o, sc_dtype o_dtype, const sc_delta_options *opt,
+                        int64_t n_head_k, int64_t n_head_v, int64_t head_size, int n_threads);
 /* cdef-end */
 
 #endif

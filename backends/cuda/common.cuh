@@ -116,15 +116,41 @@ SC_HD void store(f16 *p, float v) { p->bits = float_to_f16(v); }
 SC_HD void store(bf16 *p, float v) { p->bits = float_to_bf16(v); }
 
 // -- views -------------------------------------------------------------------
-SC_HD float at(const statecache_cuda_view &v, int64_t i0) { return v.data[i0 * v.strides[0]]; }
+// Element `off` of a view, widened to float32 from the view's dtype (the
+// branch is uniform across a warp: one view, one dtype).
+SC_HD float view_load(const statecache_cuda_view &v, int64_t off) {
+    switch (v.dtype) {
+        case STATECACHE_CUDA_F16:
+            return f16_to_float(((const uint16_t *)v.data)[off]);
+        case STATECACHE_CUDA_BF16:
+            return bf16_to_float(((const uint16_t *)v.data)[off]);
+        default:
+            return v.data[off];
+    }
+}
+SC_HD float at(const statecache_cuda_view &v, int64_t i0) { return view_load(v, i0 * v.strides[0]); }
 SC_HD float at(const statecache_cuda_view &v, int64_t i0, int64_t i1) {
-    return v.data[i0 * v.strides[0] + i1 * v.strides[1]];
+    return view_load(v, i0 * v.strides[0] + i1 * v.strides[1]);
 }
 SC_HD float at(const statecache_cuda_view &v, int64_t i0, int64_t i1, int64_t i2) {
-    return v.data[i0 * v.strides[0] + i1 * v.strides[1] + i2 * v.strides[2]];
+    return view_load(v, i0 * v.strides[0] + i1 * v.strides[1] + i2 * v.strides[2]);
 }
 SC_HD float at(const statecache_cuda_view &v, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
-    return v.data[i0 * v.strides[0] + i1 * v.strides[1] + i2 * v.strides[2] + i3 * v.strides[3]];
+    return view_load(v, i0 * v.strides[0] + i1 * v.strides[1] + i2 * v.strides[2] + i3 * v.strides[3]);
+}
+
+// Element `off` of a contiguous output of dtype code `dtype` (y, o).
+SC_HD void out_store(void *out, int32_t dtype, int64_t off, float v) {
+    switch (dtype) {
+        case STATECACHE_CUDA_F16:
+            ((uint16_t *)out)[off] = float_to_f16(v);
+            break;
+        case STATECACHE_CUDA_BF16:
+            ((uint16_t *)out)[off] = float_to_bf16(v);
+            break;
+        default:
+            ((float *)out)[off] = v;
+    }
 }
 
 // -- rows of a stateful call ---------------------------------------------------

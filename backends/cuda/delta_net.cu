@@ -100,7 +100,7 @@ SC_HD void delta_block(const statecache_cuda_delta_args &a, int s, int h, int ti
                 oq += M[m] * qq[m];
             }
             const float o = a.scale * group_sum<LANES>(oq);
-            if (active && lane == 0) a.o[(tok * Hv + h) * S + j] = o;
+            if (active && lane == 0) out_store(a.o, a.o_dtype, (tok * Hv + h) * S + j, o);
             const int64_t row = snap_row(st, s, n_t - 1 - t);
             if (active && row >= 0) delta_write_row<T, NPL, LANES>(a, M, row, h, j, lane);
         }

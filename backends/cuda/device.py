@@ -29,7 +29,7 @@ from statecache.backends.cuda import build
 from statecache.dlpack import DLDataType, DLDevice, DLTensor
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import StatecacheError
-from statecache.primitives import EPILOGUES, L2NORM_EPS
+from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES, L2NORM_EPS
 
 #: The ABI this Python code speaks; the library must report the same.
 ABI_VERSION = 2
@@ -345,6 +345,7 @@ class CudaDevice(Device):
             host_visible=False,
             async_launch=True,
             varlen=True,
+            activation_dtypes=ACTIVATION_DTYPES,
             epilogues=frozenset(EPILOGUES),
         )
 
@@ -499,7 +500,8 @@ class CudaDevice(Device):
         _view(rt, a.x, x)
         _view(rt, a.weight, weight)
         _view(rt, a.bias, bias)
-        a.y = self._ptr(y, "float *")
+        a.y = self._ptr(y)
+        a.y_dtype = DTYPE_CODES[y.dtype]
         a.channels = shp.channels
         a.d_conv = shp.d_conv
         a.apply_silu = int(bool(apply_silu))
@@ -514,7 +516,8 @@ class CudaDevice(Device):
         _view(rt, a.dt_bias, dt_bias)
         if D is not None and D.ndim == 1:
             a.D.strides = [D.strides[0], 0, 0, 0]  # [n_head]: the same skip for every head_dim index
-        a.y = self._ptr(y, "float *")
+        a.y = self._ptr(y)
+        a.y_dtype = DTYPE_CODES[y.dtype]
         a.n_head = shp.n_head
         a.head_dim = shp.head_dim
         a.d_state = shp.d_state
@@ -532,7 +535,8 @@ class CudaDevice(Device):
         for field, buf in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log)):
             _view(rt, getattr(a, field), buf)
         _view(rt, a.dt_bias, dt_bias)
-        a.o = self._ptr(o, "float *")
+        a.o = self._ptr(o)
+        a.o_dtype = DTYPE_CODES[o.dtype]
         a.scale = shp.scale
         a.l2norm_eps = L2NORM_EPS
         a.n_head_k = shp.n_head_k

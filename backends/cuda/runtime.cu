@@ -44,10 +44,10 @@ const layout_entry kLayout[] = {
     SC_FIELD(statecache_cuda_conv_args, weight),
     SC_FIELD(statecache_cuda_conv_args, bias),
     SC_FIELD(statecache_cuda_conv_args, y),
+    SC_FIELD(statecache_cuda_conv_args, y_dtype),
     SC_FIELD(statecache_cuda_conv_args, channels),
     SC_FIELD(statecache_cuda_conv_args, d_conv),
     SC_FIELD(statecache_cuda_conv_args, apply_silu),
-    SC_FIELD(statecache_cuda_conv_args, reserved),
     SC_SIZE(statecache_cuda_scan_args),
     SC_FIELD(statecache_cuda_scan_args, struct_size),
     SC_FIELD(statecache_cuda_scan_args, state),
@@ -60,6 +60,7 @@ const layout_entry kLayout[] = {
     SC_FIELD(statecache_cuda_scan_args, z),
     SC_FIELD(statecache_cuda_scan_args, dt_bias),
     SC_FIELD(statecache_cuda_scan_args, y),
+    SC_FIELD(statecache_cuda_scan_args, y_dtype),
     SC_FIELD(statecache_cuda_scan_args, n_head),
     SC_FIELD(statecache_cuda_scan_args, head_dim),
     SC_FIELD(statecache_cuda_scan_args, d_state),
@@ -68,6 +69,7 @@ const layout_entry kLayout[] = {
     SC_FIELD(statecache_cuda_scan_args, dt_clamp),
     SC_FIELD(statecache_cuda_scan_args, dt_lo),
     SC_FIELD(statecache_cuda_scan_args, dt_hi),
+    SC_FIELD(statecache_cuda_scan_args, reserved),
     SC_SIZE(statecache_cuda_delta_args),
     SC_FIELD(statecache_cuda_delta_args, struct_size),
     SC_FIELD(statecache_cuda_delta_args, state),
@@ -79,6 +81,7 @@ const layout_entry kLayout[] = {
     SC_FIELD(statecache_cuda_delta_args, A_log),
     SC_FIELD(statecache_cuda_delta_args, dt_bias),
     SC_FIELD(statecache_cuda_delta_args, o),
+    SC_FIELD(statecache_cuda_delta_args, o_dtype),
     SC_FIELD(statecache_cuda_delta_args, scale),
     SC_FIELD(statecache_cuda_delta_args, l2norm_eps),
     SC_FIELD(statecache_cuda_delta_args, n_head_k),
@@ -88,7 +91,6 @@ const layout_entry kLayout[] = {
     SC_FIELD(statecache_cuda_delta_args, grouped),
     SC_FIELD(statecache_cuda_delta_args, qk_l2norm),
     SC_FIELD(statecache_cuda_delta_args, beta_sigmoid),
-    SC_FIELD(statecache_cuda_delta_args, reserved),
 };
 
 }  // namespace

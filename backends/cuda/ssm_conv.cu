@@ -54,7 +54,7 @@ SC_HD void conv_thread(const statecache_cuda_conv_args &a, int s, int c) {
         }
         acc += bias;
         if (a.apply_silu) acc = acc / (1.0f + expf(-acc));
-        a.y[tok * a.channels + c] = acc;
+        out_store(a.y, a.y_dtype, tok * a.channels + c, acc);
         // Slide: the window now ends at token t.
 #pragma unroll
         for (int k = 0; k < kMaxDConv - 1; ++k)

@@ -93,7 +93,7 @@ SC_HD void scan_block(const statecache_cuda_scan_args &a, int s, int h, int tid,
             if (active && lane == 0) {
                 if (a.D.data) y += at(a.D, h, i) * xv;
                 if (a.z.data) y *= silu(at(a.z, tok, h, i));
-                a.y[(tok * H + h) * P + i] = y;
+                out_store(a.y, a.y_dtype, (tok * H + h) * P + i, y);
             }
             const int64_t row = snap_row(st, s, n_t - 1 - t);
             if (active && row >= 0) scan_write_row<T, NPL, LANES>(a, S, row, h, i, lane);

@@ -40,7 +40,9 @@ extern "C" {
 #endif
 
 /* A read-only input view: up to 4 dims, unused trailing strides 0; `dtype`
- * is the storage dtype code of its elements. */
+ * is the storage dtype code of its elements (per-token activations may be
+ * f16 or bf16; weights are f32).  `data` points at element 0 whatever the
+ * dtype. */
 typedef struct statecache_cuda_view {
     const float *data;
     int64_t strides[4];
@@ -72,11 +74,11 @@ typedef struct statecache_cuda_conv_args {
     statecache_cuda_view x;       /* [T, channels] */
     statecache_cuda_view weight;  /* [channels, d_conv] */
     statecache_cuda_view bias;    /* [channels]; data NULL when absent */
-    float *y;                     /* [T, channels], contiguous */
+    void *y;                      /* [T, channels] of y_dtype, contiguous */
+    int32_t y_dtype;
     int32_t channels;
     int32_t d_conv;
     int32_t apply_silu;
-    int32_t reserved;
 } statecache_cuda_conv_args;
 
 typedef struct statecache_cuda_scan_args {
@@ -90,7 +92,8 @@ typedef struct statecache_cuda_scan_args {
     statecache_cuda_view D;        /* [n_head(, head_dim)], stride 0 along head_dim for [n_head]; data NULL: none */
     statecache_cuda_view z;        /* [T, n_head, head_dim]; data NULL: none */
     statecache_cuda_view dt_bias;  /* [n_head]; data NULL: none */
-    float *y;                      /* [T, n_head, head_dim], contiguous */
+    void *y;                       /* [T, n_head, head_dim] of y_dtype, contiguous */
+    int32_t y_dtype;
     int32_t n_head;
     int32_t head_dim;
     int32_t d_state;
@@ -99,6 +102,7 @@ typedef struct statecache_cuda_scan_args {
     int32_t dt_clamp;              /* 1: d = clamp(softplus(...), dt_lo, dt_hi), NaN kept */
     float dt_lo;
     float dt_hi;
+    int32_t reserved;
 } statecache_cuda_scan_args;
 
 typedef struct statecache_cuda_delta_args {
@@ -111,7 +115,8 @@ typedef struct statecache_cuda_delta_args {
     statecache_cuda_view beta;     /* [T, n_head_v] */
     statecache_cuda_view A_log;    /* [n_head_v]; data NULL: g is the log-decay itself */
     statecache_cuda_view dt_bias;  /* [n_head_v(, head_size)]; data NULL: none */
-    float *o;                      /* [T, n_head_v, head_size], contiguous */
+    void *o;                       /* [T, n_head_v, head_size] of o_dtype, contiguous */
+    int32_t o_dtype;
     float scale;
     float l2norm_eps;
     int32_t n_head_k;
@@ -121,7 +126,6 @@ typedef struct statecache_cuda_delta_args {
     int32_t grouped;               /* 1: value head h reads q/k head h / (n_head_v / n_head_k), else h % n_head_k */
     int32_t qk_l2norm;             /* 1: q and k divided by sqrt(sum of squares + l2norm_eps) */
     int32_t beta_sigmoid;          /* 1: beta = sigmoid(beta) */
-    int32_t reserved;
 } statecache_cuda_delta_args;
 
 /* -- version and layout ------------------------------------------------- */

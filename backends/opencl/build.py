@@ -44,6 +44,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "zero_rows_u32",
         "zero_rows_u16",
         "zero_rows_v16",
+        "widen_act",
+        "narrow_act",
     ),
     "ssm_conv": ("ssm_conv",),
     "ssm_scan": ("ssm_scan_prep", "ssm_scan", "ssm_scan_vec8"),

@@ -35,7 +35,7 @@ from statecache.backend import (
 )
 from statecache.backends.opencl import build
 from statecache.dtypes import STORAGE_DTYPES, DType
-from statecache.primitives import EPILOGUES, L2NORM_EPS
+from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES, L2NORM_EPS
 
 INSTALL_HINT = "apt-get install pocl-opencl-icd"
 EXTRA_HINT = "pip install 'statecache[opencl]'"
@@ -119,6 +119,7 @@ class OpenCLDevice(Device):
             host_visible=False,
             async_launch=True,
             varlen=True,
+            activation_dtypes=ACTIVATION_DTYPES,
             epilogues=frozenset(EPILOGUES),
         )
         self._lock = threading.Lock()
@@ -397,6 +398,68 @@ class OpenCLDevice(Device):
             _long(cu_seqlens.offset),
         ]
 
+    def _widened(self, buf: Buffer | None, scratch: Any, at: int) -> list[Any]:
+        """Kernel arguments of a per-token input: its own (storage, offset,
+        strides), or for f16/bf16 those of a float32 copy widened into
+        ``scratch`` at float offset ``at`` (contiguous)."""
+        if buf is None or buf.dtype is DType.F32:
+            return self._strided(buf)
+        if buf.ndim == 2:
+            n0, n1, n2 = buf.shape[0], 1, buf.shape[1]
+            s0, s1, s2 = buf.strides[0], 0, buf.strides[1]
+            strides = [n2, 1]
+        else:
+            n0, n1, n2 = buf.shape
+            s0, s1, s2 = buf.strides
+            strides = [n1 * n2, n2, 1]
+        if buf.size:
+            self.kernel("rows", "widen_act")(
+                self.queue,
+                (n2, n1, n0),
+                None,
+                buf.storage,
+                _long(buf.offset),
+                _int(build.DTYPE_CODES[buf.dtype]),
+                _long(s0),
+                _long(s1),
+                _long(s2),
+                _long(n1),
+                _long(n2),
+                scratch,
+                _long(at),
+            )
+        return [scratch, _long(at), *(_long(v) for v in strides)]
+
+    def _narrow(self, scratch: Any, at: int, out: Buffer) -> None:
+        """Store a float32 result from ``scratch`` into an f16/bf16 output."""
+        if out.size:
+            self.kernel("rows", "narrow_act")(
+                self.queue,
+                (_round_up(out.size, 64),),
+                None,
+                scratch,
+                _long(at),
+                out.storage,
+                _long(out.offset),
+                _int(build.DTYPE_CODES[out.dtype]),
+                _long(out.size),
+            )
+
+    @staticmethod
+    def _plan(regions: dict[str, int], *buffers: tuple[str, Buffer | None]) -> dict[str, int]:
+        """Float offsets in the scratch buffer: the given regions first, then
+        one per non-f32 buffer (its widened copy or float32 result);
+        ``"end"`` is the total."""
+        at, offsets = 0, {}
+        for name, size in [
+            *regions.items(),
+            *((n, b.size) for n, b in buffers if b is not None and b.dtype is not DType.F32),
+        ]:
+            offsets[name] = at
+            at += int(size)
+        offsets["end"] = at
+        return offsets
+
     @_serialized
     def _ssm_conv(
         self,
@@ -411,6 +474,9 @@ class OpenCLDevice(Device):
         y: Buffer,
         apply_silu: bool,
     ) -> None:
+        plan = self._plan({}, ("x", x), ("y", y))
+        scratch = self.scratch(4 * max(plan["end"], 1))
+        y_args = [scratch, _long(plan["y"])] if "y" in plan else [y.storage, _long(y.offset)]
         knl = self.kernel("ssm_conv", "ssm_conv", pool.dtype)
         gsize, lsize, per_item = self._row_geometry(shp.channels, shp.n_seqs)
         knl(
@@ -421,16 +487,17 @@ class OpenCLDevice(Device):
             _long(pool.offset),
             _long(shp.row_size),
             *self._state_rows(shp, start_rows, snap_rows, cu_seqlens),
-            *self._strided(x),
+            *self._widened(x, scratch, plan.get("x", 0)),
             *self._strided(weight),
             *self._strided(bias, 1),
-            y.storage,
-            _long(y.offset),
+            *y_args,
             _long(shp.channels),
             _long(shp.d_conv),
             _int(apply_silu),
             per_item,
         )
+        if "y" in plan:
+            self._narrow(scratch, plan["y"], y)
 
     @_serialized
     def _ssm_scan(
@@ -451,7 +518,13 @@ class OpenCLDevice(Device):
         dt_bias: Buffer | None,
     ) -> None:
         n_prep = max(shp.n_tokens * shp.n_head, 1)
-        prep = self.scratch(2 * n_prep * 4)  # softplus(dt), then the Mamba-2 decays
+        # scratch: softplus(dt), then the Mamba-2 decays; widened f16/bf16 inputs; a float32 y
+        plan = self._plan({"prep": 2 * n_prep}, ("x", x), ("dt", dt), ("B", B), ("C", C), ("z", z), ("y", y))
+        prep = self.scratch(4 * plan["end"])
+        x_args, dt_args = self._widened(x, prep, plan.get("x", 0)), self._widened(dt, prep, plan.get("dt", 0))
+        B_args, C_args = self._widened(B, prep, plan.get("B", 0)), self._widened(C, prep, plan.get("C", 0))
+        z_args = self._widened(z, prep, plan.get("z", 0)) if z is not None else self._strided(None, 3)
+        y_args = [prep, _long(plan["y"])] if "y" in plan else [y.storage, _long(y.offset)]
         a_args = self._strided(A, 2)
         mamba1 = shp.variant == "mamba1"
         lo, hi = shp.dt_limit if shp.dt_limit is not None else (0.0, 0.0)
@@ -460,7 +533,7 @@ class OpenCLDevice(Device):
                 self.queue,
                 (shp.n_tokens,),
                 None,
-                *self._strided(dt),
+                *dt_args,
                 *a_args[:3],
                 _int(mamba1),
                 *self._strided(dt_bias, 1),
@@ -472,7 +545,7 @@ class OpenCLDevice(Device):
                 _long(shp.n_tokens),
                 _long(shp.n_head),
             )
-        contiguous_k = B.strides[2] == 1 and C.strides[2] == 1 and (A.ndim == 1 or A.strides[1] == 1)
+        contiguous_k = B_args[-1] == 1 and C_args[-1] == 1 and (A.ndim == 1 or A.strides[1] == 1)
         name = "ssm_scan_vec8" if contiguous_k and shp.d_state % 8 == 0 else "ssm_scan"
         knl = self.kernel("ssm_scan", name, pool.dtype)
         gsize, lsize, per_item = self._row_geometry(shp.n_head * shp.head_dim, shp.n_seqs)
@@ -485,16 +558,15 @@ class OpenCLDevice(Device):
             _long(pool.offset),
             _long(shp.row_size),
             *self._state_rows(shp, start_rows, snap_rows, cu_seqlens),
-            *self._strided(x),
+            *x_args,
             prep,
             n_prep,
             *a_args,
-            *self._strided(B),
-            *self._strided(C),
-            y.storage,
-            _long(y.offset),
+            *B_args,
+            *C_args,
+            *y_args,
             *d_args,
-            *self._strided(z, 3),
+            *z_args,
             _long(shp.n_head),
             _long(shp.head_dim),
             _long(shp.d_state),
@@ -502,6 +574,8 @@ class OpenCLDevice(Device):
             _int(mamba1),
             per_item,
         )
+        if "y" in plan:
+            self._narrow(prep, plan["y"], y)
 
     @_serialized
     def _gated_delta_net(
@@ -527,14 +601,25 @@ class OpenCLDevice(Device):
         n_qk = T * shp.n_head_k * size
         qn_at = beta_at + T * shp.n_head_v
         kn_at = qn_at + n_qk
-        scratch = self.scratch(4 * max(kn_at + (n_qk if shp.qk_l2norm else 0), 1))
+        regions = {"gates": kn_at + (n_qk if shp.qk_l2norm else 0)}
+        plan = self._plan(regions, ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("o", o))
+        scratch = self.scratch(4 * max(plan["end"], 1))
+        q_args, k_args = self._widened(q, scratch, plan.get("q", 0)), self._widened(k, scratch, plan.get("k", 0))
+        v_args = self._widened(v, scratch, plan.get("v", 0))
+        g_args, beta_args = (
+            self._widened(g, scratch, plan.get("g", 0)),
+            self._widened(beta, scratch, plan.get("beta", 0)),
+        )
+        if len(g_args) == 4:  # scalar gate [T, H_v]: no per-key stride
+            g_args.append(_long(0))
+        o_args = [scratch, _long(plan["o"])] if "o" in plan else [o.storage, _long(o.offset)]
         if T:
             self.kernel("delta_net", "gated_delta_net_gate", pool.dtype)(
                 self.queue,
                 (T * shp.n_head_v,),
                 None,
-                *self._strided(g, 3),
-                *self._strided(beta),
+                *g_args,
+                *beta_args,
                 *self._strided(A_log, 1),
                 *self._strided(dt_bias, 2),
                 _int(shp.beta_sigmoid),
@@ -544,8 +629,7 @@ class OpenCLDevice(Device):
                 _long(shp.n_head_v),
                 _long(per_head),
             )
-        q_args, k_args = self._strided(q), self._strided(k)
-        contiguous_i = q.strides[2] == 1 and k.strides[2] == 1
+        contiguous_i = q_args[-1] == 1 and k_args[-1] == 1
         if shp.qk_l2norm:
             if T:
                 self.kernel("delta_net", "gated_delta_net_l2norm", pool.dtype)(
@@ -578,11 +662,10 @@ class OpenCLDevice(Device):
             *self._state_rows(shp, start_rows, snap_rows, cu_seqlens),
             *q_args,
             *k_args,
-            *self._strided(v),
+            *v_args,
             scratch,
             _long(beta_at),
-            o.storage,
-            _long(o.offset),
+            *o_args,
             _long(shp.n_head_k),
             _long(shp.n_head_v),
             _long(size),
@@ -591,6 +674,8 @@ class OpenCLDevice(Device):
             float(shp.scale),
             per_item,
         )
+        if "o" in plan:
+            self._narrow(scratch, plan["o"], o)
 
 
 def _match(answer: str, candidates: list[Any], what: str) -> list[int]:
