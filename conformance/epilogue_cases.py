@@ -42,12 +42,12 @@ from statecache.conformance.varlen_cases import (
     Op,
     VarlenParams,
     delta_op,
+    expect_refusal,
     packed_split_case,
     scan_op,
     varlen_case,
 )
 from statecache.dtypes import DType
-from statecache.errors import ArgumentError, StatecacheError
 from statecache.primitives import L2NORM_EPS
 
 F32 = DType.F32
@@ -283,22 +283,16 @@ def bad_option_case(bad: Bad) -> Case:
         pool = dev.upload(pool_host)
         out = dev.upload(np.full(out_shape, 5.0, np.float32))
         options = bad.kwargs(dev, rng)
-        try:
+
+        def call() -> None:
             if bad.op == "ssm_scan":
                 dev.ssm_scan(pool, rows, rows, f(T, H, P_), f(T, H), f(H, lo=-1, hi=-0.1), f(T, 1, N), f(T, 1, N),
                              out, cu_seqlens=cu, **options)  # fmt: skip
             else:
                 dev.gated_delta_net(pool, rows, rows, f(T, Hk, S_), f(T, Hk, S_), f(T, Hv, S_), f(T, Hv, lo=-1, hi=0),
                                     f(T, Hv, lo=0, hi=1), out, cu_seqlens=cu, **options)  # fmt: skip
-        except ArgumentError as exc:
-            if exc.argument != bad.argument:
-                raise ConformanceFailure(
-                    f"{case_id}: refused naming {exc.argument!r}, expected {bad.argument!r}: {exc}"
-                ) from exc
-        except StatecacheError as exc:
-            raise ConformanceFailure(f"{case_id}: {type(exc).__name__} instead of an ArgumentError: {exc}") from exc
-        else:
-            raise ConformanceFailure(f"{case_id}: the call was not refused")
+
+        expect_refusal(case_id, bad.argument, call)
         assert_exact(f"{case_id}: pool after a refused call", dev.download(pool), pool_host)
         assert_exact(f"{case_id}: output after a refused call", dev.download(out), np.full(out_shape, 5.0, np.float32))
 

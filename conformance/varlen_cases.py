@@ -783,6 +783,21 @@ def _refusals() -> list[Refusal]:
     ]
 
 
+def expect_refusal(case_id: str, argument: str, call: Callable[[], None]) -> None:
+    """``call`` must raise an ArgumentError naming ``argument``."""
+    try:
+        call()
+    except ArgumentError as exc:
+        if exc.argument != argument:
+            raise ConformanceFailure(
+                f"{case_id}: refused naming {exc.argument!r}, expected {argument!r}: {exc}"
+            ) from exc
+    except StatecacheError as exc:
+        raise ConformanceFailure(f"{case_id}: {type(exc).__name__} instead of an ArgumentError: {exc}") from exc
+    else:
+        raise ConformanceFailure(f"{case_id}: the call was not refused")
+
+
 def refusal_case(r: Refusal) -> Case:
     """One bad argument of the packed form: ArgumentError naming it, nothing written."""
     case_id = f"ssm_scan.refuse[{r.name}]"
@@ -812,17 +827,7 @@ def refusal_case(r: Refusal) -> Case:
             dev.upload(-rng.uniform(0.1, 1, H).astype(np.float32)), dev.upload(_u(rng, (T, 1, N))),
             dev.upload(_u(rng, (T, 1, N))), y,
         )  # fmt: skip
-        try:
-            dev.ssm_scan(*args, cu_seqlens=cu_buf, **a["kw"])
-        except ArgumentError as exc:
-            if exc.argument != r.argument:
-                raise ConformanceFailure(
-                    f"{case_id}: refused naming {exc.argument!r}, expected {r.argument!r}: {exc}"
-                ) from exc
-        except StatecacheError as exc:
-            raise ConformanceFailure(f"{case_id}: {type(exc).__name__} instead of an ArgumentError: {exc}") from exc
-        else:
-            raise ConformanceFailure(f"{case_id}: the call was not refused")
+        expect_refusal(case_id, r.argument, lambda: dev.ssm_scan(*args, cu_seqlens=cu_buf, **a["kw"]))
         assert_exact(f"{case_id}: pool after a refused call", dev.download(pool), pool_host)
         assert_exact(f"{case_id}: y after a refused call", dev.download(y), np.full((T, H, P_), 7.0, np.float32))
 

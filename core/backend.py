@@ -58,7 +58,16 @@ PRIMITIVES: tuple[str, ...] = (
 PROTOCOL_VERSION = 2
 
 
-_F32_ONLY: frozenset[DType] = frozenset({DType.F32})
+_F32 = DType.F32
+_NO_DTYPES: frozenset[DType] = frozenset()
+
+
+def _activations(*dtypes: DType) -> frozenset[DType]:
+    """The non-f32 activation dtypes of a call (usually none: no enum hashing then)."""
+    for dt in dtypes:
+        if dt is not _F32:
+            return frozenset(d for d in dtypes if d is not _F32)
+    return _NO_DTYPES
 
 
 def _names(*pairs: tuple[str, object]) -> frozenset[str]:
@@ -748,7 +757,7 @@ class Device(abc.ABC):
         )
         shp = call.shape
         assert isinstance(shp, P.ConvShape)
-        acts = frozenset((x.dtype, y.dtype)) - _F32_ONLY
+        acts = _activations(x.dtype, y.dtype)
         self._require(
             "ssm_conv",
             dtype=pool.dtype,
@@ -859,7 +868,7 @@ class Device(abc.ABC):
         if z is not None and not z.is_contiguous:
             strided = True
         epilogues = _names(("dt_bias", dt_bias), ("dt_limit", shp.dt_limit), ("D", D), ("z", z))
-        acts = frozenset((x.dtype, dt.dtype, B.dtype, C.dtype, y.dtype, DType.F32 if z is None else z.dtype))
+        acts = _activations(x.dtype, dt.dtype, B.dtype, C.dtype, y.dtype, DType.F32 if z is None else z.dtype)
         self._require(
             "ssm_scan",
             dtype=pool.dtype,
@@ -870,7 +879,7 @@ class Device(abc.ABC):
             head_dim=shp.head_dim,
             varlen=cu_seqlens is not None,
             epilogues=epilogues,
-            activation_dtypes=acts - _F32_ONLY,
+            activation_dtypes=acts,
         )
         self._launch_state("ssm_scan", key, bufs, index_bufs, call, self._scan_args(call, bufs))
 
@@ -989,7 +998,7 @@ class Device(abc.ABC):
             ("raw_gate", A_log),
             ("beta_sigmoid", shp.beta_sigmoid or None),
         )
-        acts = frozenset((q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, o.dtype))
+        acts = _activations(q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, o.dtype)
         self._require(
             "gated_delta_net",
             dtype=pool.dtype,
@@ -999,7 +1008,7 @@ class Device(abc.ABC):
             head_size=shp.head_size,
             varlen=cu_seqlens is not None,
             epilogues=epilogues,
-            activation_dtypes=acts - _F32_ONLY,
+            activation_dtypes=acts,
         )
         self._launch_state("gated_delta_net", key, bufs, index_bufs, call, self._delta_args(call, bufs))
 
