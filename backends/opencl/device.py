@@ -385,9 +385,12 @@ class OpenCLDevice(Device):
         strides = [*buf.strides, *([0] * (n - buf.ndim))]
         return [buf.storage, _long(buf.offset), *(_long(v) for v in strides)]
 
-    @staticmethod
-    def _state_rows(shp: Any, start_rows: Buffer, snap_rows: Buffer, cu_seqlens: Buffer) -> list[Any]:
-        """Index arguments of a stateful kernel (contiguous buffers, offsets in elements)."""
+    def _state_rows(self, shp: Any, start_rows: Buffer, snap_rows: Buffer, cu_seqlens: Buffer) -> list[Any]:
+        """Index arguments of a stateful kernel (offsets in elements).  The
+        table and offsets are contiguous; strided start rows are uploaded
+        contiguously (the kernels index them densely)."""
+        if not start_rows.is_contiguous:
+            start_rows = self.indices(self.index_values(start_rows))
         return [
             start_rows.storage,
             _long(start_rows.offset),
