@@ -374,6 +374,13 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
             s_rows, d_rows, planes = rows()
             device.ssm_scan(p_now, s_rows, d_rows, x, dt, A, B, C, y, **planes)
 
+        if layers == 1 and not rotate:  # the plain decode loop: nothing but the call
+
+            def fn() -> None:
+                device.ssm_scan(first, start, dst, x, dt, A, B, C, y, n_snap=K, plane_stride=n_s)
+
+        first = pool()
+
         state = H * P * N * 4 * n_s
         io = 4 * n_s * n_t * (2 * H * P + H + 2 * G * N)
         traffic = state * (1 + (1 if rotate else min(n_t + 1, K))) + io
@@ -394,6 +401,13 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
             s_rows, d_rows, planes = rows()
             device.ssm_conv(p_now, s_rows, d_rows, x, w, y, bias=b, apply_silu=True, **planes)
 
+        if layers == 1 and not rotate:  # the plain decode loop: nothing but the call
+
+            def fn() -> None:
+                device.ssm_conv(first, start, dst, x, w, y, bias=b, apply_silu=True, n_snap=K, plane_stride=n_s)
+
+        first = pool()
+
         windows = 1 + (1 if rotate else min(n_t + 1, K))
         case = Case(fn, 4 * n_s * (windows * ch * W + 2 * n_t * ch), d_conv * ch * n_t * n_s)
         if with_scalar:
@@ -412,6 +426,13 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
             p_now = pool()
             s_rows, d_rows, planes = rows()
             device.gated_delta_net(p_now, s_rows, d_rows, q, k, v, g, beta, o, **planes)
+
+        if layers == 1 and not rotate:  # the plain decode loop: nothing but the call
+
+            def fn() -> None:
+                device.gated_delta_net(first, start, dst, q, k, v, g, beta, o, n_snap=K, plane_stride=n_s)
+
+        first = pool()
 
         state = H * S * S * 4 * n_s
         states = 1 + (1 if rotate else min(n_t + 1, K))

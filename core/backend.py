@@ -730,11 +730,19 @@ class Device(abc.ABC):
         Snapshot column j is the window ending j tokens before the end,
         ``ext[s, :, n_t - j : n_t - j + W]`` (column n_t(s) is the input window).
         """
-        bufs = (pool, start_rows, dst_rows, x, weight, bias, y, cu_seqlens)
+        # The key and the buffers the memo checks hold only the arguments given:
+        # a decode call without the optional ones pays for no more than before.
         silu = bool(apply_silu)
-        key = ("ssm_conv", n_snap, plane_stride, silu, id(pool), id(start_rows), id(dst_rows), id(x), id(weight),
-               id(bias), id(y), id(cu_seqlens))  # fmt: skip
-        index_bufs = (start_rows, dst_rows) if cu_seqlens is None else (start_rows, dst_rows, cu_seqlens)
+        if cu_seqlens is None:
+            bufs: tuple[Any, ...] = (pool, start_rows, dst_rows, x, weight, bias, y)
+            key: tuple[Any, ...] = ("ssm_conv", n_snap, plane_stride, silu, id(pool), id(start_rows),
+                                    id(dst_rows), id(x), id(weight), id(bias), id(y))  # fmt: skip
+            index_bufs: tuple[Any, ...] = (start_rows, dst_rows)
+        else:
+            bufs = (pool, start_rows, dst_rows, x, weight, bias, y, cu_seqlens)
+            key = ("ssm_conv+", n_snap, plane_stride, silu, id(pool), id(start_rows), id(dst_rows), id(x),
+                   id(weight), id(bias), id(y), id(cu_seqlens))  # fmt: skip
+            index_bufs = (start_rows, dst_rows, cu_seqlens)
         hit = self._remembered(key, bufs, index_bufs)
         if hit is not None:
             if hit.launch is None:
@@ -770,7 +778,8 @@ class Device(abc.ABC):
         self._launch_state("ssm_conv", key, bufs, index_bufs, call, self._conv_args(call, bufs, silu))
 
     def _conv_args(self, call: P.StateCall, bufs: tuple[Any, ...], silu: bool) -> tuple[Any, ...]:
-        pool, start_rows, dst_rows, x, weight, bias, y, cu_seqlens = bufs
+        pool, start_rows, dst_rows, x, weight, bias, y, *rest = bufs
+        cu_seqlens = rest[0] if rest else None
         x, y = P.packed_tokens(self, call, x, y)
         snap = dst_rows if call.snap_rows is None else call.snap_rows
         cu = cu_seqlens if call.cu_seqlens is None else call.cu_seqlens
@@ -831,9 +840,16 @@ class Device(abc.ABC):
 
         Snapshot column j receives S after n_t(s) - j tokens.
         """
-        bufs = (pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias)
-        key = ("ssm_scan", n_snap, plane_stride, dt_limit, id(pool), id(start_rows), id(dst_rows), id(x), id(dt),
-               id(A), id(B), id(C), id(y), id(cu_seqlens), id(D), id(z), id(dt_bias))  # fmt: skip
+        # The key and the buffers the memo checks hold only the arguments given:
+        # a decode call without the optional ones pays for no more than before.
+        if cu_seqlens is None and D is None and z is None and dt_bias is None and dt_limit is None:
+            bufs: tuple[Any, ...] = (pool, start_rows, dst_rows, x, dt, A, B, C, y)
+            key: tuple[Any, ...] = ("ssm_scan", n_snap, plane_stride, id(pool), id(start_rows), id(dst_rows), id(x),
+                                    id(dt), id(A), id(B), id(C), id(y))  # fmt: skip
+        else:
+            bufs = (pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias)
+            key = ("ssm_scan+", n_snap, plane_stride, dt_limit, id(pool), id(start_rows), id(dst_rows), id(x),
+                   id(dt), id(A), id(B), id(C), id(y), id(cu_seqlens), id(D), id(z), id(dt_bias))  # fmt: skip
         index_bufs = (start_rows, dst_rows) if cu_seqlens is None else (start_rows, dst_rows, cu_seqlens)
         hit = self._remembered(key, bufs, index_bufs)
         if hit is not None:
@@ -884,7 +900,8 @@ class Device(abc.ABC):
         self._launch_state("ssm_scan", key, bufs, index_bufs, call, self._scan_args(call, bufs))
 
     def _scan_args(self, call: P.StateCall, bufs: tuple[Any, ...]) -> tuple[Any, ...]:
-        pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias = bufs
+        pool, start_rows, dst_rows, x, dt, A, B, C, y, *rest = bufs
+        cu_seqlens, D, z, dt_bias = rest if rest else (None, None, None, None)
         x, dt, B, C, y, z = P.packed_tokens(self, call, x, dt, B, C, y, z)
         snap = dst_rows if call.snap_rows is None else call.snap_rows
         cu = cu_seqlens if call.cu_seqlens is None else call.cu_seqlens
@@ -954,10 +971,18 @@ class Device(abc.ABC):
 
         Snapshot column j receives M after n_t(s) - j tokens.
         """
-        bufs = (pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias)
-        key = ("gated_delta_net", n_snap, plane_stride, scale, head_map, qk_l2norm, beta_sigmoid, id(pool),
-               id(start_rows), id(dst_rows), id(q), id(k), id(v), id(g), id(beta), id(o), id(cu_seqlens), id(A_log),
-               id(dt_bias))  # fmt: skip
+        # The key and the buffers the memo checks hold only the arguments given:
+        # a decode call without the optional ones pays for no more than before.
+        if cu_seqlens is None and A_log is None and dt_bias is None:
+            bufs: tuple[Any, ...] = (pool, start_rows, dst_rows, q, k, v, g, beta, o)
+            key: tuple[Any, ...] = ("gated_delta_net", n_snap, plane_stride, scale, head_map, qk_l2norm,
+                                    beta_sigmoid, id(pool), id(start_rows), id(dst_rows), id(q), id(k), id(v), id(g),
+                                    id(beta), id(o))  # fmt: skip
+        else:
+            bufs = (pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias)
+            key = ("gated_delta_net+", n_snap, plane_stride, scale, head_map, qk_l2norm, beta_sigmoid, id(pool),
+                   id(start_rows), id(dst_rows), id(q), id(k), id(v), id(g), id(beta), id(o), id(cu_seqlens),
+                   id(A_log), id(dt_bias))  # fmt: skip
         index_bufs = (start_rows, dst_rows) if cu_seqlens is None else (start_rows, dst_rows, cu_seqlens)
         hit = self._remembered(key, bufs, index_bufs)
         if hit is not None:
@@ -1013,7 +1038,8 @@ class Device(abc.ABC):
         self._launch_state("gated_delta_net", key, bufs, index_bufs, call, self._delta_args(call, bufs))
 
     def _delta_args(self, call: P.StateCall, bufs: tuple[Any, ...]) -> tuple[Any, ...]:
-        pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias = bufs
+        pool, start_rows, dst_rows, q, k, v, g, beta, o, *rest = bufs
+        cu_seqlens, A_log, dt_bias = rest if rest else (None, None, None)
         q, k, v, g, beta, o = P.packed_tokens(self, call, q, k, v, g, beta, o)
         snap = dst_rows if call.snap_rows is None else call.snap_rows
         cu = cu_seqlens if call.cu_seqlens is None else call.cu_seqlens

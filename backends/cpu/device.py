@@ -377,20 +377,25 @@ class CpuDevice(Device):
 
     def _state(self, shp: Any, pool: Buffer, start_rows: Buffer, snap_rows: Buffer, cu_seqlens: Buffer) -> Any:
         """The sc_state of a call and the host index arrays its pointers point into."""
-        st = self._ffi.new("sc_state *")
         start_ptr, start_keep = self._rows(self.index_values(start_rows), start_rows)
         snap_ptr, snap_keep = self._rows(self.index_values(snap_rows), snap_rows)
         cu_ptr, cu_keep = self._rows(self.index_values(cu_seqlens), cu_seqlens)
-        st.pool = self._ptr(pool)
-        st.pool_dtype = _DTYPE_CODE[pool.dtype]
-        st.n_cols = shp.n_cols
-        st.row_elems = shp.row_size
-        st.start_rows = start_ptr
-        st.snap_rows = snap_ptr
-        st.cu_seqlens = cu_ptr
-        st.n_seqs = shp.n_seqs
-        st.n_tokens = shp.n_tokens
-        st.max_tokens = shp.max_tokens
+        # One initializer in field order: field by field costs a microsecond more per validated call.
+        st = self._ffi.new(
+            "sc_state *",
+            [
+                self._ptr(pool),
+                _DTYPE_CODE[pool.dtype],
+                shp.n_cols,
+                shp.row_size,
+                start_ptr,
+                snap_ptr,
+                cu_ptr,
+                shp.n_seqs,
+                shp.n_tokens,
+                shp.max_tokens,
+            ],
+        )
         return st, (start_keep, snap_keep, cu_keep, start_ptr, snap_ptr, cu_ptr)
 
     def _ssm_conv_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
