@@ -102,6 +102,14 @@ def check_support(device: Device, caps: Mapping[str, Any], requires: Sequence[Re
             missing = {DType.parse(d) for d in need} - set(value)
             if missing:
                 return False, f"{device.id} cannot store {', '.join(sorted(d.value for d in missing))}"
+        elif name == "activation_dtypes":
+            missing = {DType.parse(d) for d in need} - set(value)
+            if missing:
+                return False, f"{device.id} takes no {', '.join(sorted(d.value for d in missing))} activations"
+        elif name == "epilogues":
+            missing_names = set(need) - set(value)
+            if missing_names:
+                return False, f"{device.id} does not fuse {', '.join(sorted(missing_names))}"
         elif name == "max_snapshots":
             if value < int(need):
                 return False, f"{device.id} emits at most {value} snapshots, case needs {need}"

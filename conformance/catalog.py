@@ -11,11 +11,21 @@ FAMILIES = ("device", "primitive", "metamorphic", "memory", "prefix")
 
 @functools.cache
 def all_cases() -> tuple[Case, ...]:
-    from statecache.conformance import device_cases, memory_cases, metamorphic_cases, prefix_cases, primitive_cases
+    from statecache.conformance import (
+        device_cases,
+        epilogue_cases,
+        memory_cases,
+        metamorphic_cases,
+        prefix_cases,
+        primitive_cases,
+        varlen_cases,
+    )
 
     cases = [
         *device_cases.all_cases(),
         *primitive_cases.all_cases(),
+        *varlen_cases.all_cases(),
+        *epilogue_cases.all_cases(),
         *metamorphic_cases.all_cases(),
         *memory_cases.all_cases(),
         *prefix_cases.all_cases(),

@@ -22,10 +22,10 @@ from statecache.dtypes import DType
 from statecache.errors import ArgumentError
 
 #: Families whose every state tensor gets snapshot planes from the primitives, so
-#: rollback (n_rs_seq > 0) is exact for them.  Mamba-1's scan emits only its
-#: final state (the contract requires n_snap == 1), and the RWKV wkv kernels are
-#: not part of our primitive set, so those families run with n_rs_seq = 0.
-ROLLBACK_FAMILIES = frozenset({"mamba2", "gdn", "kda", "shortconv"})
+#: rollback (n_rs_seq > 0) is exact for them (Mamba-1's scan writes snapshot
+#: planes like Mamba-2's since protocol 2).  The RWKV wkv kernels are not part of
+#: our primitive set: a memory of such a model refuses rollback planes.
+ROLLBACK_FAMILIES = frozenset({"mamba1", "mamba2", "gdn", "kda", "shortconv"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,13 +178,26 @@ class MemorySpec:
         return all(spec.rollback_capable for spec in self.layers if spec is not None)
 
     def effective_n_rs_seq(self, n_rs_seq: int) -> int:
-        """Rollback planes actually used: 0 unless every recurrent layer is rollback-capable
-        (docs/memory-semantics.md#inv-35); a model with no recurrent layer keeps it (positions only)."""
+        """Rollback planes a memory of this model allocates: ``n_rs_seq`` itself, or
+        0 for a model without recurrent layers (rollback then only moves positions).
+
+        :raises ArgumentError: ``n_rs_seq`` is negative, or positive while a recurrent
+            layer's family cannot write snapshot planes (not in
+            :data:`ROLLBACK_FAMILIES`): asking for rollback must fail loudly at
+            construction, not give a memory whose every rollback is refused.
+        """
         if n_rs_seq < 0:
             raise ArgumentError("n_rs_seq", f"must be >= 0, got {n_rs_seq}")
         if not self.recurrent_layers:
             return 0
-        return n_rs_seq if self.rollback_capable else 0
+        if n_rs_seq > 0 and not self.rollback_capable:
+            families = sorted({spec.family for spec in self.layers if spec is not None and not spec.rollback_capable})
+            raise ArgumentError(
+                "n_rs_seq",
+                f"{n_rs_seq} rollback planes asked for, but the kernels of {', '.join(families)} layers write no "
+                "snapshot planes, so rollback could never be exact: pass n_rs_seq=0",
+            )
+        return n_rs_seq
 
     def state_bytes(self, size: int, n_rs_seq: int = 0) -> int:
         """Bytes of recurrent state for ``size`` cells with ``n_rs_seq`` rollback planes."""

@@ -448,3 +448,54 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyPat
             for name in results[0]:
                 assert_bitwise(f"case {i} {name}", other[name], results[0][name])
     assert math.isfinite(float(results[0]["pool"].astype(np.float32).sum()))
+
+
+@pytest.mark.usefixtures("split_small_calls")
+def test_packed_calls_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed (varlen) calls with snapshot tables: the same bits for 1, 2 and 3
+    threads, whatever sequence lengths the split cuts through."""
+    from statecache.conformance import varlen_cases as V
+    from statecache.conformance.cases import run_on
+
+    dev = cpu_device()
+    for op in V.ops():
+        params = V.VarlenParams(op, (20, 0, 1, 5, 3), 4, "sparse")
+        tensors, rows, _ = V.varlen_tensors(params, seed=11)
+        call = V.varlen_call(params, rows)
+        results = []
+        for threads in ("1", "2", "3"):
+            monkeypatch.setenv("STATECACHE_NUM_THREADS", threads)
+            got = run_on(dev, tensors, 11, call)
+            results.append({name: full for name, (_, full) in got.items() if tensors[name].output})
+        for other in results[1:]:
+            for name in results[0]:
+                assert_bitwise(f"{op.label} {name}", other[name], results[0][name])
+
+
+@pytest.fixture
+def stream_every_call() -> Iterator[None]:
+    """Non-temporal stores of disjoint destination rows start at 4 MiB of state;
+    lifted here so that the conformance shapes take that path."""
+    lib = cpu_device()._lib
+    previous = lib.sc_set_stream_min_bytes(0)
+    assert previous == 4 << 20  # the shipped default, restored below
+    yield
+    lib.sc_set_stream_min_bytes(previous)
+
+
+@pytest.mark.usefixtures("stream_every_call")
+def test_streamed_destination_rows_pass_the_contract_cases() -> None:
+    """Rotation (read one plane, write another), copy-on-write starts and
+    packed calls with the streaming stores on: the same checks as the
+    conformance suite (reference, per-sequence calls, the 1-D form)."""
+    from statecache.conformance import varlen_cases as V
+
+    dev = cpu_device()
+    ids = ("rotation[", "packed_split[", "equal_form[", "varlen[")
+    ran = 0
+    for case in V.all_cases():
+        if any(marker in case.id for marker in ids) and case.ops[0] in ("ssm_scan", "gated_delta_net"):
+            with np.errstate(all="ignore"):
+                case.run(dev)
+            ran += 1
+    assert ran >= 16
