@@ -90,6 +90,11 @@ class Case:
 
 def check_support(device: Device, caps: Mapping[str, Any], requires: Sequence[Requirement]) -> tuple[bool, str]:
     have = device.caps
+    # The missing primitive is the reason a reader needs first: a device that
+    # lacks the op is not "missing f16 activations" for it.
+    lacking = sorted({*caps.get("ops", ()), *(req.op for req in requires)} - set(have.ops))
+    if lacking:
+        return False, f"{device.id} does not implement {', '.join(lacking)}"
     for name, need in caps.items():
         if name not in Caps.NAMES:
             raise ValueError(f"unknown capability name {name!r}; known: {', '.join(Caps.NAMES)}")
