@@ -11,4 +11,5 @@ hybrid model the memory cases run), ``test_*.py`` (the thin test functions).
 
 #: Bumped whenever a case is added, removed or made stricter, so reports from
 #: different suite versions are never compared as equals.
-SUITE_VERSION = "2.1"  # 2.0: backend protocol 2 (packed tokens, snapshot tables, epilogues, activations); 2.1: prefix family
+#: 2.0: backend protocol 2 (packed tokens, snapshot tables, epilogues, activations); 2.1: prefix family.
+SUITE_VERSION = "2.1"
