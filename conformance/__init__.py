@@ -3,7 +3,9 @@ pass, shipped as a pytest plugin (``pytest --pyargs statecache.conformance
 --backend NAME``) and run by ``statecache conformance``.
 
 Layout: ``cases.py`` (case record, guard bands, comparisons),
-``*_cases.py`` (the cases as data, by family), ``catalog.py`` (all of them),
+``*_cases.py`` (the cases as data, by family), ``oracle.py`` (float64 loops
+independent of the reference, which the ``oracle`` family compares every
+device with), ``catalog.py`` (all of them),
 ``selection.py`` (devices and expected failures), ``plugin.py`` (pytest),
 ``cli.py`` (the command), ``perf.py`` (``--perf``), ``model.py`` (the tiny
 hybrid model the memory cases run), ``test_*.py`` (the thin test functions).
@@ -11,4 +13,4 @@ hybrid model the memory cases run), ``test_*.py`` (the thin test functions).
 
 #: Bumped whenever a case is added, removed or made stricter, so reports from
 #: different suite versions are never compared as equals.
-SUITE_VERSION = "1.0"
+SUITE_VERSION = "1.1"

@@ -6,16 +6,17 @@ import functools
 
 from statecache.conformance.cases import Case
 
-FAMILIES = ("device", "primitive", "metamorphic", "memory")
+FAMILIES = ("device", "primitive", "oracle", "metamorphic", "memory")
 
 
 @functools.cache
 def all_cases() -> tuple[Case, ...]:
-    from statecache.conformance import device_cases, memory_cases, metamorphic_cases, primitive_cases
+    from statecache.conformance import device_cases, memory_cases, metamorphic_cases, oracle_cases, primitive_cases
 
     cases = [
         *device_cases.all_cases(),
         *primitive_cases.all_cases(),
+        *oracle_cases.all_cases(),
         *metamorphic_cases.all_cases(),
         *memory_cases.all_cases(),
     ]
