@@ -45,8 +45,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: behaviour tests and the mutation-kill tests; composites reach the parts).
 TESTS: dict[str, list[str]] = {
     "recurrent": ["test_recurrent_*.py", "test_behaviours_recurrent.py", "test_mutation_kills_recurrent.py"],
-    "kv_cache": ["test_kv_cache.py", "test_mrope_positions.py", "test_behaviours_kv.py", "test_mutation_kills_kv.py"],
-    "kv_cells": ["test_kv_cache.py", "test_mrope_positions.py", "test_behaviours_kv.py", "test_mutation_kills_kv.py"],
+    # the iSWA pair and the composite contexts' undo are exercised through the hybrids
+    "kv_cache": ["test_kv_cache.py", "test_mrope_positions.py", "test_behaviours_kv.py", "test_mutation_kills_kv.py",
+                 "test_hybrid.py", "test_hybrid_undo.py"],
+    "kv_cells": ["test_kv_cache.py", "test_mrope_positions.py", "test_behaviours_kv.py", "test_mutation_kills_kv.py",
+                 "test_hybrid_undo.py"],
     "hybrid": ["test_hybrid*.py", "test_behaviours_hybrid.py", "test_behaviours_state.py",
                "test_mutation_kills_hybrid.py"],
     "hybrid_idx": ["test_hybrid_idx*.py", "test_kpool.py", "test_behaviours_hybrid.py",
