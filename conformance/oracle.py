@@ -179,6 +179,23 @@ def _snapshot_tokens(n_t: int, n_snap: int) -> list[tuple[int, int]]:
     return [(j, n_t - j) for j in range(min(n_t, n_snap - 1) + 1)]
 
 
+class _Planes:
+    """The snapshot planes of one sequence, recorded as its state passes them."""
+
+    def __init__(self, n_t: int, n_snap: int) -> None:
+        self.plane_after = {consumed: j for j, consumed in _snapshot_tokens(n_t, n_snap)}
+        self.values: dict[int, list[float]] = {}
+
+    def passed(self, consumed: int, state: list[float]) -> None:
+        """The state after ``consumed`` tokens (0: the start state)."""
+        if consumed in self.plane_after:
+            self.values[self.plane_after[consumed]] = list(state)
+
+    def store(self, out: np.ndarray, dst_row: int, plane_stride: int, dtype: DType) -> None:
+        for j, values in self.values.items():
+            out[dst_row + j * plane_stride] = encode(values, dtype)
+
+
 # -- row primitives -----------------------------------------------------------------
 
 
@@ -300,10 +317,8 @@ def ssm_scan(
     y = np.empty((n_s, n_t, H, P), dtype=np.float32)
     for s in range(n_s):
         state = list(starts[s])
-        planes: dict[int, list[float]] = {}
-        snap_at = {consumed: j for j, consumed in _snapshot_tokens(n_t, n_snap)}
-        if 0 in snap_at:
-            planes[snap_at[0]] = list(state)
+        planes = _Planes(n_t, n_snap)
+        planes.passed(0, state)
         for t in range(n_t):
             for h in range(H):
                 grp = h // heads_per_group  # consecutive heads share a group
@@ -317,10 +332,8 @@ def ssm_scan(
                         state[at] = _exp(delta * a) * state[at] + delta * float(B[s, t, grp, n]) * xv
                         acc += state[at] * float(C[s, t, grp, n])
                     y[s, t, h, p] = acc
-            if t + 1 in snap_at:
-                planes[snap_at[t + 1]] = list(state)
-        for j, values in planes.items():
-            out[int(dst_rows[s]) + j * plane_stride] = encode(values, dtype)
+            planes.passed(t + 1, state)
+        planes.store(out, int(dst_rows[s]), plane_stride, dtype)
     return out, y
 
 
@@ -356,10 +369,8 @@ def gated_delta_net(
 
     for s in range(n_s):
         M = list(starts[s])
-        snap_at = {consumed: j for j, consumed in _snapshot_tokens(n_t, n_snap)}
-        planes: dict[int, list[float]] = {}
-        if 0 in snap_at:
-            planes[snap_at[0]] = list(M)
+        planes = _Planes(n_t, n_snap)
+        planes.passed(0, M)
         for t in range(n_t):
             for h in range(Hv):
                 hk = h % Hk  # value heads tile the q/k heads
@@ -382,8 +393,6 @@ def gated_delta_net(
                     for i in range(S):
                         acc += qv[i] * M[at(h, i, j)]
                     o[s, t, h, j] = sc * acc
-            if t + 1 in snap_at:
-                planes[snap_at[t + 1]] = list(M)
-        for j, values in planes.items():
-            out[int(dst_rows[s]) + j * plane_stride] = encode(values, dtype)
+            planes.passed(t + 1, M)
+        planes.store(out, int(dst_rows[s]), plane_stride, dtype)
     return out, o

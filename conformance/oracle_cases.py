@@ -38,6 +38,8 @@ from statecache.conformance.primitive_cases import (
     decay_rates,
     dt_values,
     log_decays,
+    plane_kwargs,
+    state_case,
     write_strengths,
 )
 from statecache.dtypes import DType
@@ -90,10 +92,6 @@ def compare_with_oracle(
             n = math.prod(p.shape)
             want_full[p.offset : p.offset + n] = np.asarray(want[name], dtype=want_full.dtype).reshape(-1)
         check_tensor(name, t, p, got_full, want_full, (tolerance or {}).get(name))
-
-
-def _starts_and_planes(lay: PoolLayout) -> dict[str, int]:
-    return {"n_snap": lay.n_snap, "plane_stride": lay.plane_stride if lay.n_snap > 1 else 0}
 
 
 def _suffix(**flags: object) -> str:
@@ -165,7 +163,7 @@ def scan_oracle_case(p: ScanOracle) -> Case:
                 dev.indices(lay.start_rows()),
                 dev.indices(lay.dst_rows()),
                 *(b[n] for n in ("x", "dt", "A", "B", "C", "y")),
-                **_starts_and_planes(lay),
+                **plane_kwargs(lay),
             )
 
         def expect(a: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -179,27 +177,14 @@ def scan_oracle_case(p: ScanOracle) -> Case:
                 a["A"],
                 a["B"],
                 a["C"],
-                **_starts_and_planes(lay),
+                **plane_kwargs(lay),
             )
             return {"pool": pool, "y": y}
 
         compare_with_oracle(device, tensors, case.seed, call, expect, {"pool": NMSE[p.dtype], "y": NMSE[F32]})
 
-    req = Requirement(
-        "ssm_scan",
-        {
-            "dtype": p.dtype.value,
-            "n_snap": p.n_snap,
-            "strided": p.layout != "contig",
-            "variant": p.variant,
-            "d_state": p.d_state,
-            "head_dim": p.head_dim,
-        },
-    )
-    caps: dict[str, object] = {"storage_dtypes": {p.dtype.value}, "max_snapshots": p.n_snap}
-    if p.layout != "contig":
-        caps["strided_inputs"] = True
-    case = Case(p.id, "oracle", ("ssm_scan",), run, (req,), caps)
+    shape = {"variant": p.variant, "d_state": p.d_state, "head_dim": p.head_dim}
+    case = state_case(p.id, "oracle", "ssm_scan", run, p.dtype, p.n_snap, p.layout != "contig", **shape)
     return case
 
 
@@ -277,7 +262,7 @@ def conv_oracle_case(p: ConvOracle) -> Case:
                 b["y"],
                 bias=b["bias"] if p.bias_silu else None,
                 apply_silu=p.bias_silu,
-                **_starts_and_planes(lay),
+                **plane_kwargs(lay),
             )
 
         def expect(a: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -290,16 +275,13 @@ def conv_oracle_case(p: ConvOracle) -> Case:
                 a["weight"],
                 a["bias"] if p.bias_silu else None,
                 p.bias_silu,
-                **_starts_and_planes(lay),
+                **plane_kwargs(lay),
             )
             return {"pool": pool, "y": y}
 
         compare_with_oracle(device, tensors, case.seed, call, expect, {"y": NMSE[F32]})
 
-    req = Requirement("ssm_conv", {"dtype": p.dtype.value, "n_snap": p.n_snap, "strided": False, "d_conv": p.d_conv})
-    case = Case(
-        p.id, "oracle", ("ssm_conv",), run, (req,), {"storage_dtypes": {p.dtype.value}, "max_snapshots": p.n_snap}
-    )
+    case = state_case(p.id, "oracle", "ssm_conv", run, p.dtype, p.n_snap, False, d_conv=p.d_conv)
     return case
 
 
@@ -372,7 +354,7 @@ def delta_oracle_case(p: DeltaOracle) -> Case:
                 dev.indices(lay.start_rows()),
                 dev.indices(lay.dst_rows()),
                 *(b[n] for n in ("q", "k", "v", "g", "beta", "o")),
-                **_starts_and_planes(lay),
+                **plane_kwargs(lay),
             )
 
         def expect(a: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -386,24 +368,14 @@ def delta_oracle_case(p: DeltaOracle) -> Case:
                 a["v"],
                 a["g"],
                 a["beta"],
-                **_starts_and_planes(lay),
+                **plane_kwargs(lay),
             )
             return {"pool": pool, "o": o}
 
         compare_with_oracle(device, tensors, case.seed, call, expect, {"pool": NMSE[p.dtype], "o": NMSE[F32]})
 
-    req = Requirement(
-        "gated_delta_net",
-        {
-            "dtype": p.dtype.value,
-            "n_snap": p.n_snap,
-            "strided": False,
-            "variant": "kda" if p.kda else "scalar",
-            "head_size": p.head_size,
-        },
-    )
-    caps = {"storage_dtypes": {p.dtype.value}, "max_snapshots": p.n_snap}
-    case = Case(p.id, "oracle", ("gated_delta_net",), run, (req,), caps)
+    shape = {"variant": "kda" if p.kda else "scalar", "head_size": p.head_size}
+    case = state_case(p.id, "oracle", "gated_delta_net", run, p.dtype, p.n_snap, False, **shape)
     return case
 
 

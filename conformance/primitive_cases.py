@@ -191,8 +191,28 @@ def _starts(
     return lambda shp: _u(rng, shp, -scale, scale)
 
 
-def _state_call_kwargs(layout: PoolLayout) -> dict[str, int]:
+def plane_kwargs(layout: PoolLayout) -> dict[str, int]:
+    """``n_snap`` and ``plane_stride`` of a stateful call over ``layout``."""
     return {"n_snap": layout.n_snap, "plane_stride": layout.plane_stride if layout.n_snap > 1 else 0}
+
+
+def state_case(
+    case_id: str,
+    family: str,
+    op: str,
+    run: Callable[[Device], None],
+    dtype: DType,
+    n_snap: int,
+    strided: bool,
+    **shape: object,
+) -> Case:
+    """A case of a stateful primitive, gated on its storage dtype, snapshot
+    count, strided inputs and shape (what ``supports()`` is asked)."""
+    req = Requirement(op, {"dtype": dtype.value, "n_snap": n_snap, "strided": strided, **shape})
+    caps: dict[str, object] = {"storage_dtypes": {dtype.value}, "max_snapshots": n_snap}
+    if strided:
+        caps["strided_inputs"] = True
+    return Case(case_id, family, (op,), run, (req,), caps)
 
 
 def _suffix(*flags: tuple[str, object, object]) -> str:
@@ -299,27 +319,13 @@ def scan_case(p: ScanParams) -> Case:
                 b["B"],
                 b["C"],
                 b["y"],
-                **_state_call_kwargs(lay),
+                **plane_kwargs(lay),
             )
 
         compare_with_reference(device, tensors, seed, call, {"pool": NMSE[p.dtype], "y": NMSE[F32]})
 
-    strided = p.layout != "contig"
-    req = Requirement(
-        "ssm_scan",
-        {
-            "dtype": p.dtype.value,
-            "n_snap": p.n_snap,
-            "strided": strided,
-            "variant": p.variant,
-            "d_state": p.d_state,
-            "head_dim": p.head_dim,
-        },
-    )
-    caps = {"storage_dtypes": {p.dtype.value}, "max_snapshots": p.n_snap}
-    if strided:
-        caps["strided_inputs"] = True
-    case = Case(p.id, "primitive", ("ssm_scan",), run, (req,), caps)
+    shape = {"variant": p.variant, "d_state": p.d_state, "head_dim": p.head_dim}
+    case = state_case(p.id, "primitive", "ssm_scan", run, p.dtype, p.n_snap, p.layout != "contig", **shape)
     return case
 
 
@@ -459,17 +465,12 @@ def conv_case(p: ConvParams) -> Case:
                 b["y"],
                 bias=b["bias"] if p.bias_silu else None,
                 apply_silu=p.bias_silu,
-                **_state_call_kwargs(lay),
+                **plane_kwargs(lay),
             )
 
         compare_with_reference(device, tensors, seed, call, {"y": NMSE[F32]})
 
-    strided = p.layout != "contig"
-    req = Requirement("ssm_conv", {"dtype": p.dtype.value, "n_snap": p.n_snap, "strided": strided, "d_conv": p.d_conv})
-    caps = {"storage_dtypes": {p.dtype.value}, "max_snapshots": p.n_snap}
-    if strided:
-        caps["strided_inputs"] = True
-    case = Case(p.id, "primitive", ("ssm_conv",), run, (req,), caps)
+    case = state_case(p.id, "primitive", "ssm_conv", run, p.dtype, p.n_snap, p.layout != "contig", d_conv=p.d_conv)
     return case
 
 
@@ -607,26 +608,13 @@ def delta_case(p: DeltaParams) -> Case:
                 b["g"],
                 b["beta"],
                 b["o"],
-                **_state_call_kwargs(lay),
+                **plane_kwargs(lay),
             )
 
         compare_with_reference(device, tensors, seed, call, {"pool": NMSE[p.dtype], "o": NMSE[F32]})
 
-    strided = p.layout != "contig"
-    req = Requirement(
-        "gated_delta_net",
-        {
-            "dtype": p.dtype.value,
-            "n_snap": p.n_snap,
-            "strided": strided,
-            "variant": "kda" if p.kda else "scalar",
-            "head_size": p.head_size,
-        },
-    )
-    caps = {"storage_dtypes": {p.dtype.value}, "max_snapshots": p.n_snap}
-    if strided:
-        caps["strided_inputs"] = True
-    case = Case(p.id, "primitive", ("gated_delta_net",), run, (req,), caps)
+    shape = {"variant": "kda" if p.kda else "scalar", "head_size": p.head_size}
+    case = state_case(p.id, "primitive", "gated_delta_net", run, p.dtype, p.n_snap, p.layout != "contig", **shape)
     return case
 
 
