@@ -44,7 +44,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: The tests that cover each core module (the module's own tests, the
 #: behaviour tests and the mutation-kill tests; composites reach the parts).
 TESTS: dict[str, list[str]] = {
-    "recurrent": ["test_recurrent_*.py", "test_behaviours_recurrent.py", "test_mutation_kills_recurrent.py"],
+    "recurrent": ["test_recurrent_*.py", "test_mrope_positions.py", "test_behaviours_recurrent.py",
+                  "test_mutation_kills_recurrent.py"],
     # the iSWA pair and the composite contexts' undo are exercised through the hybrids
     "kv_cache": ["test_kv_cache.py", "test_mrope_positions.py", "test_behaviours_kv.py", "test_mutation_kills_kv.py",
                  "test_hybrid.py", "test_hybrid_undo.py"],
