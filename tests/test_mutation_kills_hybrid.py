@@ -1,0 +1,62 @@
+"""Hybrid composition details that survived mutation of ``core/hybrid.py``:
+the argument each refusal names, and ``clear()`` wiping the data of every
+part by default."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hybrid_toy import ATTN, E, HybridToy, make_hybrid
+from recurrent_toy import toy_spec
+
+import statecache
+from statecache.errors import ArgumentError
+from statecache.hybrid import HybridISWAMemory, HybridMemory
+from statecache.kv_cache import KVCache, KVLayer
+from statecache.recurrent import RecurrentMemory
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return statecache.get_device("reference")
+
+
+def test_composing_mismatched_parts_names_the_argument(dev):
+    attn = KVCache(dev, [KVLayer(ATTN, E, E)], size=8, n_seq_max=2, dtype="f32")
+    recr = RecurrentMemory(toy_spec(), dev, n_seq_max=3)
+    with pytest.raises(ArgumentError) as err:
+        HybridMemory(attn, recr)
+    assert err.value.argument == "n_seq_max" and "attention has 2, recurrent 3" in str(err.value)
+    with pytest.raises(ArgumentError) as err:
+        HybridISWAMemory(attn, RecurrentMemory(toy_spec(), dev, n_seq_max=2))  # type: ignore[arg-type]
+    assert err.value.argument == "attn" and "needs a KVCacheISWA, got KVCache" in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "iswa", "idx"])
+def test_sequence_operations_name_the_bad_argument(dev, kind):
+    mem = make_hybrid(dev, kind, unified=False)
+    cases = [
+        (lambda: mem.seq_cp(5, 0), "src", "sequence 5 outside [0, n_seq_max=3)"),
+        (lambda: mem.seq_cp(0, -1), "dst", "sequence -1 outside"),
+        (lambda: mem.seq_cp(0, 1, 2, -1), "p0/p1", "whole sequence"),
+        (lambda: mem.seq_add(3, 0, -1, 1), "seq", "sequence 3 outside"),
+        (lambda: mem.seq_div(0, 0, -1, 0), "d", "divisor must be >= 1, got 0"),
+    ]
+    for call, argument, words in cases:
+        with pytest.raises(ArgumentError) as err:
+            call()
+        assert err.value.argument == argument and words in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "iswa", "idx"])
+def test_clear_wipes_every_parts_data_by_default(dev, kind):
+    toy = HybridToy(dev, make_hybrid(dev, kind))
+    toy.decode({0: [1, 2, 3], 1: [4]})
+    toy.mem.clear()
+    assert all(toy.mem.seq_pos_max(s) == -1 for s in range(3))
+    for pools in toy.mem.recr.pools.values():
+        for buf in pools.values():
+            assert not np.asarray(buf.numpy()).any()
+    for cache in toy.mem.kv_caches:
+        for buf in cache.buffers():
+            assert not np.asarray(buf.numpy()).any()
