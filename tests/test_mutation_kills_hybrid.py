@@ -1,6 +1,7 @@
-"""Hybrid composition details that survived mutation of ``core/hybrid.py``:
-the argument each refusal names, and ``clear()`` wiping the data of every
-part by default."""
+"""Hybrid composition details that survived mutation of ``core/hybrid.py``
+and ``core/hybrid_idx.py``: the argument each refusal names, ``clear()``
+wiping the data of every part by default, and the indexer cache following
+the attention part's window without RoPE shifts."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from recurrent_toy import toy_spec
 import statecache
 from statecache.errors import ArgumentError
 from statecache.hybrid import HybridISWAMemory, HybridMemory
-from statecache.kv_cache import KVCache, KVLayer
+from statecache.hybrid_idx import HybridIdxMemory
+from statecache.kv_cache import KVCache, KVCacheISWA, KVLayer
+from statecache.kv_mask import SWAType
 from statecache.recurrent import RecurrentMemory
 
 
@@ -60,3 +63,22 @@ def test_clear_wipes_every_parts_data_by_default(dev, kind):
     for cache in toy.mem.kv_caches:
         for buf in cache.buffers():
             assert not np.asarray(buf.numpy()).any()
+
+
+def test_hybrid_idx_refusals_and_its_indexer_cache(dev):
+    recr = RecurrentMemory(toy_spec(), dev, n_seq_max=2)
+    iswa = KVCacheISWA(dev, [KVLayer(ATTN, E, E)], [ATTN], size=16, n_seq_max=2, n_ubatch=4, n_swa=4, dtype="f32")
+    with pytest.raises(ArgumentError) as err:
+        HybridIdxMemory(iswa, recr, [ATTN], head_size=2)  # type: ignore[arg-type]
+    assert err.value.argument == "attn" and "needs a plain KVCache attention part" in str(err.value)
+    attn = KVCache(
+        dev, [KVLayer(ATTN, E, E)], size=16, n_seq_max=2, dtype="f32", swa_type=SWAType.STANDARD, n_swa=4, n_pad=8
+    )
+    mem = HybridIdxMemory(attn, recr, [ATTN], head_size=2)
+    # the indexer keeps exactly the attention's cells, so it slides with the same window,
+    # and its keys carry no RoPE: shifts are cleared, never rotated
+    assert (mem.idx.swa_type, mem.idx.n_swa) == (SWAType.STANDARD, 4)
+    assert mem.idx.can_shift is False
+    with pytest.raises(ArgumentError) as err:
+        mem.seq_cp(0, 1, 0, 0)  # an empty range is not the whole sequence
+    assert err.value.argument == "p0/p1" and "copies whole sequences only, got [0, 0)" in str(err.value)
