@@ -11,11 +11,13 @@ from hybrid_toy import ATTN, E, HybridToy, make_hybrid
 from recurrent_toy import toy_spec
 
 import statecache
+from statecache.batch import Batch, BatchAllocator
 from statecache.errors import ArgumentError
 from statecache.hybrid import HybridISWAMemory, HybridMemory
 from statecache.hybrid_idx import HybridIdxMemory
 from statecache.kv_cache import KVCache, KVCacheISWA, KVLayer
 from statecache.kv_mask import SWAType
+from statecache.memory import ContextError
 from statecache.recurrent import RecurrentMemory
 
 
@@ -82,3 +84,21 @@ def test_hybrid_idx_refusals_and_its_indexer_cache(dev):
     with pytest.raises(ArgumentError) as err:
         mem.seq_cp(0, 1, 0, 0)  # an empty range is not the whole sequence
     assert err.value.argument == "p0/p1" and "copies whole sequences only, got [0, 0)" in str(err.value)
+
+
+def test_a_second_removal_between_apply_and_undo_still_blocks_undo(dev):
+    """The hybrid tells "seq_rm removed something" from the attention streams'
+    removal counters: a removal must be seen as a change however many came
+    before it, or undo would silently take the later one back."""
+    toy = HybridToy(dev, make_hybrid(dev, "hybrid"))
+    toy.decode({0: [1, 2, 3], 1: [4, 5, 6, 7]})
+    mem = toy.mem
+    assert mem.seq_rm(1, 1, 2)  # an earlier removal (a hole)
+    balloc = BatchAllocator(mem.n_seq_max)
+    balloc.init(Batch.for_sequences({0: [8]}), mem)
+    ctx = mem.init_batch(balloc, 8)
+    ctx.keep_undo_rows = True
+    assert ctx.apply()
+    assert mem.seq_rm(1, 2, 3)  # another hole, after the apply
+    with pytest.raises(ContextError, match="changed"):
+        ctx.undo()
