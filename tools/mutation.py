@@ -50,7 +50,7 @@ TESTS: dict[str, list[str]] = {
     "kv_cache": ["test_kv_cache.py", "test_mrope_positions.py", "test_behaviours_kv.py", "test_mutation_kills_kv.py",
                  "test_hybrid.py", "test_hybrid_undo.py"],
     "kv_cells": ["test_kv_cache.py", "test_mrope_positions.py", "test_behaviours_kv.py", "test_mutation_kills_kv.py",
-                 "test_hybrid_undo.py"],
+                 "test_hybrid_undo.py", "test_mutation_kills_hybrid.py"],
     "hybrid": ["test_hybrid*.py", "test_behaviours_hybrid.py", "test_behaviours_state.py",
                "test_mutation_kills_hybrid.py"],
     "hybrid_idx": ["test_hybrid_idx*.py", "test_kpool.py", "test_behaviours_hybrid.py",
