@@ -12,6 +12,7 @@ from test_behaviours_kv import held, make_cache, run
 import statecache
 from statecache.batch import Batch, BatchAllocator
 from statecache.errors import ArgumentError, StateError
+from statecache.kv_cache import KVCacheISWA, KVLayer
 from statecache.kv_cells import KVCells
 from statecache.memory import MemoryStatus
 from statecache.state_io import pack_sections, unpack_sections
@@ -85,3 +86,24 @@ def test_a_blob_cell_without_sequences_is_refused_by_field(dev):
     with pytest.raises(StateError) as err:
         cache.state_read(pack_sections([(tag, bytes(body))], flags))
     assert err.value.field == f"{cache.name}.n_seq_id" and "cell 0 lists 0 sequences" in str(err.value)
+
+
+def test_iswa_pair_moves_both_caches_and_sums_their_memory(dev):
+    mem = KVCacheISWA(
+        dev, [KVLayer(0, 4, 4), KVLayer(1, 4, 4)], [1], size=32, n_seq_max=2, n_ubatch=4, n_swa=4, dtype="f32",
+        unified=False, n_pad=8,
+    )  # fmt: skip
+    base, swa = mem.caches
+    assert mem.memory_breakdown() == {dev.id: sum(b.nbytes for c in (base, swa) for b in c.buffers())}
+    balloc = BatchAllocator(2)
+    balloc.init(Batch.for_sequences({0: list(range(8))}), mem)
+    ctx = mem.init_batch(balloc, 4)
+    while True:
+        assert ctx.apply()
+        if not ctx.next():
+            break
+    mem.seq_div(0, 0, -1, 2)  # positions 0..7 -> 0..3 in both caches
+    assert base.seq_pos_max(0) == 3 and swa.seq_pos_max(0) == 3
+    with pytest.raises(ArgumentError) as err:
+        mem.seq_cp(0, 1, 2, -1)  # streams per sequence: only whole copies
+    assert err.value.argument == "p0/p1" and "must cover the whole sequence" in str(err.value)
