@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 from recurrent_toy import Toy, toy_spec
 
 import statecache
+from statecache.batch import Batch, BatchAllocator
 from statecache.errors import ArgumentError, StateError
 from statecache.recurrent import RecurrentMemory
 from statecache.state_io import pack_sections, unpack_sections
@@ -66,3 +68,28 @@ def test_a_blob_that_does_not_fit_names_the_field(dev):
     with pytest.raises(StateError) as err:
         t.mem.state_read(_patched(blob, 4 + 2 * 12 + 4, 7))
     assert err.value.field == "recurrent.n_layer" and "is 7, this memory expects 3" in str(err.value)
+
+
+def test_mrope_text_ubatch_keeps_its_planes_an_image_ubatch_does_not(dev):
+    """M-RoPE positions that advance one per token (text) keep every snapshot
+    plane reachable; a ubatch whose temporal positions repeat (an image grid)
+    keeps only the final state."""
+    for t_pos, rollback_ok in (([0, 1, 2, 3], True), ([0, 1, 1, 2], False)):
+        t = Toy(dev, 1, n_rs_seq=2)
+        pos = np.array([t_pos, t_pos, t_pos, [0] * 4])
+        balloc = BatchAllocator(1)
+        balloc.init(Batch(tokens=[1, 2, 3, 4], pos=pos, seq_ids=[0] * 4), t.mem)
+        ctx = t.mem.init_batch(balloc, 8)
+        assert ctx.apply()
+        assert t.mem.seq_rm(0, t_pos[-1], -1) is rollback_ok
+
+
+def test_a_blob_cut_before_n_layer_names_it(dev):
+    t = Toy(dev, 1)
+    t.decode({0: [1, 2]})
+    flags, sections = unpack_sections(t.mem.state_write())
+    (tag, payload), *_ = sections
+    cut = bytes(payload)[: 4 + 12 + 4]  # cell_count, one cell, s_trans: n_layer is missing
+    with pytest.raises(StateError) as err:
+        t.mem.state_read(pack_sections([(tag, cut)], flags))
+    assert err.value.field == "recurrent.n_layer" and "truncated" in str(err.value)
