@@ -102,3 +102,16 @@ def test_a_second_removal_between_apply_and_undo_still_blocks_undo(dev):
     assert mem.seq_rm(1, 2, 3)  # another hole, after the apply
     with pytest.raises(ContextError, match="changed"):
         ctx.undo()
+
+
+def test_hybrid_idx_defaults_and_undo_rows_follow_the_recurrent_part(dev):
+    recr = RecurrentMemory(toy_spec(), dev, n_seq_max=2, keep_undo_rows=True)
+    attn = KVCache(dev, [KVLayer(ATTN, E, E)], size=16, n_seq_max=2, dtype="f32", n_pad=8)
+    mem = HybridIdxMemory(attn, recr, [ATTN], head_size=2)
+    # kpool-spec K.1: rows of D * row_factor, row_factor 3 by default (key | gate | pooled)
+    assert mem.idx.k[ATTN].shape == (16, 2 * 3)
+    assert mem.layout.by_order is False
+    for memory in (mem, HybridMemory(KVCache(dev, [KVLayer(ATTN, E, E)], size=16, n_seq_max=2, dtype="f32"), recr)):
+        balloc = BatchAllocator(2)
+        balloc.init(Batch.for_sequences({0: [1, 2]}), memory)
+        assert memory.init_batch(balloc, 8).keep_undo_rows is True  # as the recurrent part asks
