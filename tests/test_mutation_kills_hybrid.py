@@ -17,7 +17,7 @@ from statecache.hybrid import HybridISWAMemory, HybridMemory
 from statecache.hybrid_idx import HybridIdxMemory
 from statecache.kv_cache import KVCache, KVCacheISWA, KVLayer
 from statecache.kv_mask import SWAType
-from statecache.memory import ContextError
+from statecache.memory import ContextError, StateFlags
 from statecache.recurrent import RecurrentMemory
 
 
@@ -115,3 +115,37 @@ def test_hybrid_idx_defaults_and_undo_rows_follow_the_recurrent_part(dev):
         balloc = BatchAllocator(2)
         balloc.init(Batch.for_sequences({0: [1, 2]}), memory)
         assert memory.init_batch(balloc, 8).keep_undo_rows is True  # as the recurrent part asks
+
+
+def test_undo_rows_reach_every_leaf_of_a_nested_composite(dev):
+    """Hybrid-iSWA's attention context is itself a composite (base + window):
+    asking the hybrid context to keep undo rows must reach both caches and the
+    recurrent part, not stop at the nested composite."""
+    toy = HybridToy(dev, make_hybrid(dev, "iswa"))
+    balloc = BatchAllocator(3)
+    balloc.init(Batch.for_sequences({0: [1, 2]}), toy.mem)
+    ctx = toy.mem.init_batch(balloc, 8)
+    ctx.keep_undo_rows = True
+    assert ctx.recr.keep_undo_rows is True
+    assert all(p.keep_undo_rows is True for p in ctx.attn.parts)
+
+
+def test_a_failed_partial_read_drops_the_window_and_recurrent_state_of_sequence_0(dev, monkeypatch):
+    """A partial read (PARTIAL_ONLY: the window cache and the recurrent state)
+    that fails while writing, after validation, drops the destination from
+    exactly the parts it would have written: sequence 0 too, not only s > 0."""
+    toy = HybridToy(dev, make_hybrid(dev, "iswa"))
+    toy.decode({0: [1, 2, 3], 1: [4, 5]})
+    mem = toy.mem
+    blob = mem.state_write(0, StateFlags.PARTIAL_ONLY)
+
+    def broken(plan):  # type: ignore[no-untyped-def]
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(mem.recr, "apply_section", broken)
+    with pytest.raises(RuntimeError):
+        mem.state_read(blob, 0, StateFlags.PARTIAL_ONLY)
+    base, swa = mem.attn.caches
+    assert swa.seq_pos_max(0) == -1 and mem.recr.seq_pos_max(0) == -1
+    assert base.seq_pos_max(0) == 2  # a partial read never touches the full-attention cache
+    assert swa.seq_pos_max(1) == 1 and mem.recr.seq_pos_max(1) == 1
