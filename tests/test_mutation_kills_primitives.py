@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import statecache
+from statecache.backends.reference.device import ReferenceDevice
 from statecache.errors import ArgumentError
 
 
@@ -122,3 +123,19 @@ def test_start_rows_above_every_written_row_are_accepted(dev):
     after = a["pool"].numpy()
     assert not np.array_equal(after[[0, 1, 2, 3]], before[[0, 1, 2, 3]])
     assert np.array_equal(after[4:], before[4:])
+
+
+def test_foreign_buffers_and_delta_outputs_name_the_argument(dev):
+    other = ReferenceDevice()  # another device: its buffers are not this one's
+    src = other.upload(np.zeros((4, 2), np.float32))
+    refused(lambda: dev.get_rows(src, dev.indices([0]), f32(dev, 1, 2)), "src", f"buffer lives on {other.id}")
+    S, Hv = 2, 2
+    q = f32(dev, 1, 1, 1, S)
+    v, g, beta = f32(dev, 1, 1, Hv, S), f32(dev, 1, 1, Hv), f32(dev, 1, 1, Hv)
+    pool = f32(dev, 4, Hv * S * S)
+    i = dev.indices
+    refused(lambda: dev.gated_delta_net(pool, i([0]), i([1]), q, q, v, g, beta, f32(dev, 1, 1, Hv, 3)), "o", "shape")
+    o_in_pool = pool.view((1, 1, Hv, S), offset=3 * Hv * S * S)
+    refused(
+        lambda: dev.gated_delta_net(pool, i([0]), i([1]), q, q, v, g, beta, o_in_pool), "o", "shares storage with pool"
+    )
