@@ -13,4 +13,4 @@ hybrid model the memory cases run), ``test_*.py`` (the thin test functions).
 
 #: Bumped whenever a case is added, removed or made stricter, so reports from
 #: different suite versions are never compared as equals.
-SUITE_VERSION = "1.1"
+SUITE_VERSION = "1.2"

@@ -37,7 +37,7 @@ import importlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -393,9 +393,14 @@ def run(
     min_time: float = 0.25,
     rounds: int = 1,
     out: Callable[[str], None] | None = print,
+    shapes: Sequence[Shape] | None = None,
+    on_measured: Callable[[Shape], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every shape (or those whose name contains ``only``) and return one
-    dict per shape with times and ratios.
+    """Run every shape (or those whose name contains ``only``, or the given
+    ``shapes``) and return one dict per shape with times and ratios.
+    ``on_measured(shape)`` is called after each shape's measurement (a
+    progress display); the host memcpy and per-call cost lines are measured
+    only for a full run.
 
     With ``rounds`` > 1 every measurement (kernel, memcpy bound, scalar
     baseline, FMA peak) is repeated that many times, rounds apart, and the
@@ -406,7 +411,8 @@ def run(
     host = device.backend_name == "cpu"
     threads = settings.num_threads()
     say = out or (lambda _: None)
-    shapes = [shape for shape in SHAPES if not only or only in shape.name]
+    full_run = only is None and shapes is None
+    shapes = [shape for shape in (SHAPES if shapes is None else shapes) if not only or only in shape.name]
     cases = {
         shape.name: make_case(device, shape, threads, with_scalar=scalar and host and shape.scalar_baseline)
         for shape in shapes
@@ -428,7 +434,9 @@ def run(
             memcpy_best[nbytes] = min(memcpy_best.get(nbytes, inf), memcpy_seconds(device, nbytes))
             if case.scalar is not None:
                 b["scalar"] = min(b["scalar"], time_call(case.scalar, None, min_time))
-        if host and only is None:
+            if on_measured is not None:
+                on_measured(shape)
+        if host and full_run:
             for nbytes in (8 * MiB, 32 * MiB):
                 for n_threads in (1, 2):
                     key = (nbytes, n_threads)
@@ -466,14 +474,14 @@ def run(
             f"{fmt(row['fma_ratio'], '6.2f'):>6} {fmt(row.get('ref_speedup'), '8.1f'):>8} "
             f"{fmt(row.get('scalar_speedup'), '9.1f'):>9}"
         )
-    if host and only is None:
+    if host and full_run:
         for nbytes in (8 * MiB, 32 * MiB):
             t1, t2 = host_best[(nbytes, 1)], host_best[(nbytes, 2)]
             say(
                 f"host memcpy {nbytes // MiB} MiB: 1 thread {2 * nbytes / t1 / 1e9:.1f} GB/s, "
                 f"2 threads {2 * nbytes / t2 / 1e9:.1f} GB/s"
             )
-    if only is None:
+    if full_run:
         costs = ", ".join(
             f"{op} {call_overhead(device, op) * 1e6:.0f} / {call_overhead(device, op, remembered=False) * 1e6:.0f} us"
             for op in _TINY

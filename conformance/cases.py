@@ -40,10 +40,6 @@ class ConformanceFailure(AssertionError):
     """The device under test disagrees with the contract."""
 
 
-class NotSupported(Exception):
-    """The device declares that it cannot run this case (not a failure)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Requirement:
     """One ``device.supports(op, **params)`` query a case needs answered yes."""

@@ -6,12 +6,19 @@ import functools
 
 from statecache.conformance.cases import Case
 
-FAMILIES = ("device", "primitive", "oracle", "metamorphic", "memory")
+FAMILIES = ("device", "primitive", "oracle", "metamorphic", "memory", "prefix")
 
 
 @functools.cache
 def all_cases() -> tuple[Case, ...]:
-    from statecache.conformance import device_cases, memory_cases, metamorphic_cases, oracle_cases, primitive_cases
+    from statecache.conformance import (
+        device_cases,
+        memory_cases,
+        metamorphic_cases,
+        oracle_cases,
+        prefix_cases,
+        primitive_cases,
+    )
 
     cases = [
         *device_cases.all_cases(),
@@ -19,6 +26,7 @@ def all_cases() -> tuple[Case, ...]:
         *oracle_cases.all_cases(),
         *metamorphic_cases.all_cases(),
         *memory_cases.all_cases(),
+        *prefix_cases.all_cases(),
     ]
     seen: set[str] = set()
     for case in cases:

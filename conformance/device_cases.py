@@ -2,7 +2,12 @@
 
 These need no reference: they check the Device protocol that every primitive
 case relies on (a device whose upload or download is wrong would make every
-other comparison meaningless).
+other comparison meaningless).  Every transfer (``write``, ``download``,
+``copy_buffer``, ``fill_bytes``) and every index argument of the primitives
+is also exercised through views with offsets (and strides where the method
+takes them): a backend that ignores ``buffer.offset`` in its ``_write`` or
+reads an index view from the start of its storage passes every case on
+whole buffers.
 """
 
 from __future__ import annotations
@@ -146,6 +151,151 @@ def _repeated_calls(dev: Device, seed: int) -> None:
         _expect_refusal(dev, what, attempt, pool, before)
 
 
+# -- transfers through views ------------------------------------------------------------
+
+#: Views of a [6, 7] buffer as (shape, strides, offset): a row, two rows, a run
+#: that starts and ends inside rows, one element at the end.  All contiguous,
+#: as write() and copy_buffer() require; offsets are what a backend must honour.
+_ROWS, _COLS = 6, 7
+_CONTIGUOUS_VIEWS = (
+    ((1, _COLS), (_COLS, 1), 2 * _COLS),
+    ((2, _COLS), None, 3 * _COLS),
+    ((9,), None, 11),
+    ((1,), None, 41),
+)
+
+
+def _host_values(rng: np.random.Generator, shape: tuple[int, ...], dtype: DType) -> np.ndarray:
+    if dtype is DType.I32:
+        return rng.integers(-1000, 1000, shape).astype(np.int32)
+    return rng.uniform(-5, 5, shape).astype(np.float32).astype(dtype.numpy)
+
+
+def _write_views(dev: Device, dtype: DType, seed: int) -> None:
+    """write() through a view changes exactly the elements the view addresses."""
+    rng = rng_for(seed)
+    want = _host_values(rng, (_ROWS, _COLS), dtype)
+    buf = dev.upload(want, dtype)
+    flat = want.reshape(-1)
+    for shape, strides, offset in _CONTIGUOUS_VIEWS:
+        data = _host_values(rng, shape, dtype)
+        dev.write(buf.view(shape, strides, offset), data)
+        flat[offset : offset + data.size] = data.ravel()
+        assert_exact(f"{dtype} buffer after write() through view({shape}, offset={offset})", dev.download(buf), want)
+    # A view of a view: the offsets add up.
+    inner = buf.view((3, _COLS), None, _COLS).view((4,), None, _COLS + 2)
+    data = _host_values(rng, (4,), dtype)
+    dev.write(inner, data)
+    flat[2 * _COLS + 2 : 2 * _COLS + 6] = data
+    assert_exact(f"{dtype} buffer after write() through a view of a view", dev.download(buf), want)
+
+
+def _read_views(dev: Device, dtype: DType, seed: int) -> None:
+    """download() of a view returns what NumPy's view of the same elements holds."""
+    rng = rng_for(seed)
+    host = _host_values(rng, (_ROWS, _COLS), dtype)
+    buf = dev.upload(host, dtype)
+    flat = host.reshape(-1)
+    strided = (((3, 2), (2 * _COLS, 3), 1), ((4,), (_COLS + 1,), 5), ((2, 2, 3), (3 * _COLS, _COLS, 2), _COLS - 1))
+    for shape, strides, offset in _CONTIGUOUS_VIEWS + strided:
+        view = buf.view(shape, strides, offset)
+        want = np.lib.stride_tricks.as_strided(
+            flat[offset:], shape, tuple(s * flat.itemsize for s in view.strides), writeable=False
+        )
+        assert_exact(f"download of {dtype} view({shape}, {view.strides}, offset={offset})", dev.download(view), want)
+    nested = buf.view((4, _COLS), None, _COLS).view((2, 3), (2 * _COLS, 2), _COLS + 1)
+    assert_exact(f"download of a {dtype} view of a view", dev.download(nested), host[2:5:2, 1:7:2])
+
+
+def _copy_buffer_views(dev: Device, dtype: DType, seed: int) -> None:
+    """copy_buffer() between views reads from the source view's offset and writes
+    only the destination view's elements."""
+    rng = rng_for(seed)
+    src_host = _host_values(rng, (_ROWS, _COLS), dtype)
+    dst_host = _host_values(rng, (_ROWS, _COLS), dtype)
+    src, dst = dev.upload(src_host, dtype), dev.upload(dst_host, dtype)
+    want = dst_host.copy().reshape(-1)
+    pairs = ((((2, _COLS), None, _COLS), ((2, _COLS), None, 3 * _COLS)), (((9,), None, 11), ((9,), None, 30)))
+    for (s_shape, s_strides, s_off), (d_shape, d_strides, d_off) in pairs:
+        dev.copy_buffer(src.view(s_shape, s_strides, s_off), dst.view(d_shape, d_strides, d_off))
+        n = int(np.prod(d_shape))
+        want[d_off : d_off + n] = src_host.reshape(-1)[s_off : s_off + n]
+        what = f"{dtype} copy_buffer(offset {s_off} -> offset {d_off})"
+        assert_exact(what, dev.download(dst), want.reshape(_ROWS, _COLS))
+        assert_exact(f"source of {what}", dev.download(src), src_host)
+
+
+def _fill_bytes_view(dev: Device, seed: int) -> None:
+    """fill_bytes() through a view fills that view and nothing around it."""
+    rng = rng_for(seed)
+    host = _host_values(rng, (_ROWS, _COLS), DType.F32)
+    buf = dev.upload(host)
+    view = buf.view((2, _COLS), None, 2 * _COLS)
+    dev.fill_bytes(view, 99)
+    got = dev.download(buf)
+    assert_exact(
+        "rows around a view filled by fill_bytes()", np.delete(got, [2, 3], axis=0), np.delete(host, [2, 3], 0)
+    )
+    if np.array_equal(got[2:4], host[2:4]):
+        raise ConformanceFailure("fill_bytes() through a view left the view's rows as they were")
+
+
+def _index_views(dev: Device, seed: int) -> None:
+    """Row primitives read their indices from views into larger index buffers
+    (offset, strided, and one written through a view) exactly as from whole ones."""
+    rng = rng_for(seed)
+    n_rows, row = 9, 19
+    pool_host = rng.uniform(-1, 1, (n_rows, row)).astype(np.float32)
+    src_host = rng.uniform(-1, 1, (3, row)).astype(np.float32)
+    perm = rng.permutation(n_rows).astype(np.int32)
+    big = dev.indices(perm)
+    views = {
+        "offset": big.view((3,), None, 4),
+        "strided": big.view((3,), (2,), 1),
+    }
+    written = dev.indices(np.zeros(8, np.int32))
+    dev.write(written.view((3,), None, 5), perm[:3])  # write() through a view, then read by the kernels
+    views["written through a view"] = written.view((3,), None, 5)
+    for label, rows in views.items():
+        values = dev.download(rows).astype(np.int64)
+        pool = dev.upload(pool_host)
+        out = dev.alloc((3, row))
+        dev.get_rows(pool, rows, out)
+        assert_exact(f"get_rows with {label} index view", dev.download(out), pool_host[values])
+        dev.set_rows(pool, rows, dev.upload(src_host))
+        want = pool_host.copy()
+        want[values] = src_host
+        assert_exact(f"set_rows with {label} index view", dev.download(pool), want)
+        dev.zero_rows(pool, rows)
+        want[values] = 0
+        assert_exact(f"zero_rows with {label} index view", dev.download(pool), want)
+        target = dev.upload(pool_host)
+        dev.copy_rows(dev.upload(want), rows, target, rows)
+        expect = pool_host.copy()
+        expect[values] = want[values]
+        assert_exact(f"copy_rows with {label} index views", dev.download(target), expect)
+
+
+def _state_index_views(dev: Device, seed: int) -> None:
+    """ssm_conv reads start_rows / dst_rows views as it reads whole index buffers
+    (the stateful primitives share one index convention; conv stands for them)."""
+    rng = rng_for(seed)
+    n_rows, ch, d_conv = 6, 8, 4
+    init = rng.uniform(-1, 1, (n_rows, ch * (d_conv - 1))).astype(np.float32)
+    x = rng.uniform(-1, 1, (2, 3, ch)).astype(np.float32)
+    w = rng.uniform(-1, 1, (ch, d_conv)).astype(np.float32)
+    big = dev.indices([5, 0, 3, 2, 4, 1])
+    start, dst = big.view((2,), None, 2), big.view((2,), (3,), 1)  # rows [3, 2] and [0, 4]
+    pool, y = dev.upload(init), dev.alloc((2, 3, ch))
+    dev.ssm_conv(pool, start, dst, dev.upload(x), dev.upload(w), y, apply_silu=True)
+    fresh_pool, fresh_y = dev.upload(init), dev.alloc((2, 3, ch))
+    dev.ssm_conv(
+        fresh_pool, dev.indices([3, 2]), dev.indices([0, 4]), dev.upload(x), dev.upload(w), fresh_y, apply_silu=True
+    )
+    assert_exact("ssm_conv y with index views", dev.download(y), dev.download(fresh_y))
+    assert_exact("ssm_conv pool with index views", dev.download(pool), dev.download(fresh_pool))
+
+
 def all_cases() -> list[Case]:
     cases: list[Case] = []
     holder: dict[str, Case] = {}
@@ -165,12 +315,35 @@ def all_cases() -> list[Case]:
     add("device.indices[i32]", lambda dev, seed: _indices(dev))
     add("device.copy_buffer[f32]", _copy_buffer)
     add("device.fill_bytes[f32]", lambda dev, seed: _fill_bytes(dev))
-    rows_ops = ("set_rows", "zero_rows", "copy_rows")
+    for dt in (DType.F32, DType.F16, DType.BF16, DType.I32):
+        caps = {} if dt is DType.I32 else {"storage_dtypes": {dt.value}}  # i32: every device stores indices
+        add(f"device.write_views[{dt.value}]", lambda dev, seed, dt=dt: _write_views(dev, dt, seed), caps=caps)
+        add(f"device.read_views[{dt.value}]", lambda dev, seed, dt=dt: _read_views(dev, dt, seed), caps=caps)
+        add(
+            f"device.copy_buffer_views[{dt.value}]",
+            lambda dev, seed, dt=dt: _copy_buffer_views(dev, dt, seed),
+            caps=caps,
+        )
+    add("device.fill_bytes_view[f32]", _fill_bytes_view)
+    rows_ops = ("get_rows", "set_rows", "zero_rows", "copy_rows")
+    add(
+        "device.index_views[f32]",
+        _index_views,
+        ops=rows_ops,
+        reqs=[Requirement(op, {"dtype": "f32"}) for op in rows_ops],
+    )
+    add(
+        "device.state_index_views[f32]",
+        _state_index_views,
+        ops=("ssm_conv",),
+        reqs=[Requirement("ssm_conv", {"dtype": "f32", "d_conv": 4})],
+    )
+    refusing_ops = ("set_rows", "zero_rows", "copy_rows")
     add(
         "device.refuses_bad_arguments[f32]",
         _refuses,
-        ops=rows_ops,
-        reqs=[Requirement(op, {"dtype": "f32"}) for op in rows_ops],
+        ops=refusing_ops,
+        reqs=[Requirement(op, {"dtype": "f32"}) for op in refusing_ops],
     )
     add(
         "device.repeated_calls[f32]",

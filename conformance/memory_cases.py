@@ -4,7 +4,7 @@ memories on the device under test.
 Two models: Mamba-2 + GDN through a :class:`~statecache.recurrent.
 RecurrentMemory` (``memory.recurrent[...]``), and Mamba-2 + attention + GDN
 + attention through a :class:`~statecache.hybrid.HybridMemory` built by
-:func:`~statecache.spec.make_memory` (``memory.hybrid[...]``), with K/V in
+:func:`~statecache.factory.make_memory` (``memory.hybrid[...]``), with K/V in
 the KV cache buffers and a RoPE re-rotation hook for context shifts.
 
 Every output of every incremental decode is compared with a full recompute
@@ -153,7 +153,7 @@ class Runner:
         unified: bool = True,
         size: int | None = None,
     ) -> None:
-        from statecache.spec import make_memory
+        from statecache.factory import make_memory
 
         self.dev = dev
         self.layers = tuple(layers)

@@ -15,9 +15,9 @@ case; never a failure, never a silent skip), xfail (listed as expected).
 
 from __future__ import annotations
 
+import datetime
 import json
 import platform
-import time
 from typing import Any
 
 import pytest
@@ -91,7 +91,8 @@ class _Run:
                 pytest.exit(f"--require-device: {why}", returncode=1)
         self.results: dict[str, dict[str, Any]] = {}  # nodeid -> record
         self.stale: list[tuple[str, str, str]] = []
-        self.started = time.time()
+        #: when the run began, in UTC (the report gives it as ISO 8601)
+        self.started = datetime.datetime.now(datetime.UTC)
 
     def record(self, item: pytest.Item) -> dict[str, Any]:
         device = item.callspec.params["conformance_device"]  # type: ignore[attr-defined]
@@ -148,6 +149,15 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         if source is not None:
             item.add_marker(pytest.mark.xfail(reason=f"expected failure of {device.backend_name} ({source})"))
     run.stale = run.expect.stale(c.id for c in all_cases())
+    # One device after another (stable: each device keeps the suite's order), so
+    # progress, timings and a device that hangs are each about one device.
+    rank = {device.id: i for i, device in enumerate(run.selection.devices)}
+
+    def device_rank(item: pytest.Item) -> int:
+        device = getattr(getattr(item, "callspec", None), "params", {}).get("conformance_device")
+        return rank.get(getattr(device, "id", ""), len(rank))
+
+    items.sort(key=device_rank)
 
 
 def run_case(device: Any, case: Any) -> None:
@@ -280,7 +290,7 @@ def build_report(run: _Run) -> dict[str, Any]:
         "statecache_version": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "started": run.started,
+        "started": run.started.isoformat(timespec="seconds"),
         "devices": devices,
         "missing_backends": run.selection.missing,
         "stale_expected_failures": [{"backend": b, "entry": e, "source": s} for b, e, s in run.stale],

@@ -10,18 +10,16 @@ import dataclasses
 import fnmatch
 import importlib
 import os
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 
 from statecache.backend import Backend, Device
+from statecache.errors import SelectionError
 from statecache.registry import BackendRegistry
 
 #: Name of the expected-failures file a backend package may ship next to its
 #: ``__init__.py``: one case id (or fnmatch pattern) per line, ``#`` comments.
 XFAIL_FILENAME = "conformance_xfails.txt"
-
-
-class SelectionError(Exception):
-    """The user asked for something that does not exist (a usage error)."""
 
 
 @dataclasses.dataclass
@@ -38,14 +36,72 @@ class Selection:
 
 
 def load_plugins(modules: Iterable[str]) -> list[object]:
-    """Import statecache plugin modules named on the command line."""
-    plugins = []
-    for name in modules:
+    """Import statecache plugin modules named on the command line.
+
+    A module that is not on the import path is looked for in the current
+    directory too (the ``statecache`` script's own folder, not the one it is
+    run from, heads ``sys.path``), and otherwise the error says how to point
+    Python at it."""
+    return [_import_plugin(name) for name in modules]
+
+
+def _import_plugin(name: str) -> object:
+    cwd = os.getcwd()
+    for where in ("import path", "current directory"):
+        if where == "current directory":
+            if cwd in [os.path.abspath(p or ".") for p in sys.path]:
+                break
+            # Kept on sys.path when the import works: plugins import their own
+            # submodules lazily (in the hook, in devices()).
+            sys.path.insert(0, cwd)
         try:
-            plugins.append(importlib.import_module(name))
-        except ImportError as exc:
-            raise SelectionError(f"cannot import statecache plugin module {name!r}: {exc}") from exc
-    return plugins
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if where == "current directory":
+                sys.path.remove(cwd)
+            if not _is_the_module_itself(exc, name):
+                raise _import_failed(name, exc) from exc
+        except Exception as exc:  # a plugin that fails on import: its error in one line, not our traceback
+            raise _import_failed(name, exc) from exc
+    raise SelectionError(
+        f"cannot import statecache plugin module {name!r}: it is neither on the import path nor in the current "
+        f"directory ({cwd}); set PYTHONPATH to the folder that holds it, e.g. "
+        f"PYTHONPATH=path/to/folder statecache conformance --plugin {name}"
+    )
+
+
+def _import_failed(name: str, exc: Exception) -> SelectionError:
+    return SelectionError(f"statecache plugin module {name!r} failed to import: {type(exc).__name__}: {exc}")
+
+
+def _is_the_module_itself(exc: ModuleNotFoundError, name: str) -> bool:
+    """Whether ``exc`` says the plugin (or a parent package of it) is missing,
+    rather than something the plugin imports."""
+    parts = name.split(".")
+    return exc.name in {".".join(parts[: i + 1]) for i in range(len(parts))}
+
+
+def keyword_matcher(expression: str) -> Callable[[str], bool]:
+    """A predicate for ``-k EXPRESSION`` over names (case ids, benchmark shapes).
+
+    The grammar is pytest's (``and``, ``or``, ``not``, parentheses); a word
+    matches when it is a case-insensitive substring of the name, as pytest
+    matches it against a test's id.  A malformed expression is a
+    :class:`SelectionError`."""
+    # pytest's own parser, so -k means the same here as in the suite's run;
+    # its error class changed name across pytest versions (ParseError, SyntaxError).
+    from _pytest.mark.expression import Expression
+
+    try:
+        compiled = Expression.compile(expression)
+    except Exception as exc:
+        raise SelectionError(f"-k {expression!r} is not a valid expression: {exc}") from None
+
+    def matches(name: str) -> bool:
+        lowered = name.lower()
+        return compiled.evaluate(lambda word, /, **_: word.lower() in lowered)
+
+    return matches
 
 
 def select(
@@ -85,6 +141,7 @@ def select(
                 f"--device {', '.join(stray)} names a backend not given to --backend ({', '.join(names)})"
             )
     devices: list[Device] = []
+    listed: list[Device] = []
     missing: dict[str, str] = {}
     for name in chosen:
         entry = next(e for e in registry.entries() if e.name == name)
@@ -97,10 +154,19 @@ def select(
         except Exception as exc:  # a broken backend must be reported, not crash the run
             missing[name] = f"listing devices raised {type(exc).__name__}: {exc}"
             continue
+        listed += devs
         picked = _pick(name, devs, ids)
         if not picked:
             missing[name] = "no device matches --device " + spec if devs else "no devices"
         devices.extend(picked)
+    # An index no backend has (``--device 99``) is a mistake like ``--device cpu:3``,
+    # not "no usable device" (which --require-device would turn into a failed check).
+    for want in ids:
+        if want.isdigit() and listed and not any(d.id.partition(":")[2] == want for d in listed):
+            raise SelectionError(
+                f"--device {want}: no selected backend has a device with index {want}; "
+                f"devices: {', '.join(d.id for d in listed)}"
+            )
     return Selection(registry, devices, missing, named)
 
 

@@ -270,8 +270,10 @@ class Device(abc.ABC):
 
     Attributes every device sets: ``id`` (``"cpu:0"``), ``backend_name``,
     ``kind`` (:class:`DeviceKind`), ``name`` (human readable), ``memory_bytes``
-    (``None`` if unknown), ``caps`` (:class:`Caps`) and ``properties`` (a
-    JSON-able dict for reports).
+    (``None`` if unknown) and ``caps`` (:class:`Caps`).  ``properties`` (a
+    JSON-able dict for reports) is built from them; a device adds its own
+    facts by assigning a dict to it or by overriding it and extending
+    ``super().properties``.
     """
 
     id: str
@@ -283,7 +285,10 @@ class Device(abc.ABC):
 
     @property
     def properties(self) -> dict[str, Any]:
+        """The standard facts (id, backend, kind, name, memory_bytes, caps) plus
+        those the device assigned (``self.properties = {"driver": ...}``)."""
         return {
+            **self.__dict__.get("_extra_properties", {}),
             "id": self.id,
             "backend": self.backend_name,
             "kind": self.kind.value,
@@ -291,6 +296,13 @@ class Device(abc.ABC):
             "memory_bytes": self.memory_bytes,
             "caps": self.caps.as_dict(),
         }
+
+    @properties.setter
+    def properties(self, extra: Mapping[str, Any]) -> None:
+        # Settable: a backend author's natural first try (it used to raise
+        # AttributeError inside devices()).  The standard keys stay derived
+        # from the attributes, so reports cannot disagree with them.
+        self._extra_properties = dict(extra)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} {self.name!r}>"

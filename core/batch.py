@@ -1,11 +1,11 @@
-"""Batches, their validation, and the three ubatch splitters (spec §6).
+"""Batches, their validation, and the three ubatch splitters (docs/memory-semantics.md#batches).
 
 A :class:`Batch` is what a runtime submits: tokens (or embeddings), optional
 positions, sequence ids per token and output flags.  A
-:class:`BatchAllocator` validates it against a memory (§6.1), auto-fills what
+:class:`BatchAllocator` validates it against a memory (docs/memory-semantics.md#batch-validation), auto-fills what
 was left out, and then cuts it into :class:`UBatch` es with
 :meth:`~BatchAllocator.split_simple`, :meth:`~BatchAllocator.split_equal` or
-:meth:`~BatchAllocator.split_seq` (§6.3).  Every token is emitted exactly
+:meth:`~BatchAllocator.split_seq` (docs/memory-semantics.md#splitters).  Every token is emitted exactly
 once; :attr:`BatchAllocator.out_ids` records the batch index of every output
 token in the order the ubatches emitted them, so a caller can put logits back
 in its own order.
@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from statecache.errors import ArgumentError, BatchError
+from statecache.errors import PosError as PosError  # re-exported: it was defined here
 
 #: Largest n_seq_max accepted (upstream's LLAMA_MAX_SEQ).
 MAX_SEQ = 256
@@ -32,21 +33,6 @@ MAX_SEQ = 256
 #: Positions per token of an M-RoPE batch (upstream's ``n_pos_per_embd``): sections
 #: 0 temporal (the 1-D position), 1 y, 2 x, 3 unused by the memory.
 N_POS_MROPE = 4
-
-
-class PosError(BatchError, ArgumentError):
-    """``Batch.pos`` has a shape or type the allocator cannot use.
-
-    Both an :class:`~statecache.errors.ArgumentError` naming ``pos`` and a
-    :class:`~statecache.errors.BatchError` with rule ``"pos"`` (what a bad 1-D
-    ``pos`` always raised)."""
-
-    def __init__(self, message: str) -> None:
-        self.argument = "pos"
-        self.token = None
-        self.seq = None
-        self.rule = "pos"
-        Exception.__init__(self, f"pos: {message}")
 
 
 class SeqIds(Sequence[tuple[int, ...]]):
@@ -137,7 +123,7 @@ class Batch:
 
 @dataclasses.dataclass
 class UBatch:
-    """One unit of work for a memory and a graph (spec §6.2).
+    """One unit of work for a memory and a graph (docs/memory-semantics.md#ubatch).
 
     For an equal split (``equal_seqs``) the tokens form ``n_seqs`` sets of
     ``n_seq_tokens`` tokens each, set-major: token ``s * n_seq_tokens + t``
@@ -283,7 +269,7 @@ class BatchAllocator:
         self._seq_to_set_arr = np.full(self.n_seq_max + 1, -1, dtype=np.int64)
         self.split_reset()
 
-    # -- validation (§6.1) ----------------------------------------------------
+    # -- validation (docs/memory-semantics.md#batch-validation) ---------------
     def init(
         self,
         batch: Batch,
@@ -567,7 +553,7 @@ class BatchAllocator:
             return SeqIds(primary), primary
         return seq_id, primary
 
-    # -- splitting (§6.3) -----------------------------------------------------
+    # -- splitting (docs/memory-semantics.md#splitters) -----------------------
     @property
     def n_outputs(self) -> int:
         return int(self.output.sum())

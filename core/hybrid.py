@@ -1,4 +1,4 @@
-"""Hybrid memories (spec §4.1, §4.2): an attention part and a recurrent part.
+"""Hybrid memories (docs/memory-semantics.md#hybrid): an attention part and a recurrent part.
 
 Each model layer is routed to exactly one part (``attn_layers`` /
 ``recurrent_layers``).  The attention part is a :class:`KVCache` (hybrid) or
@@ -15,7 +15,7 @@ Where we differ from upstream, on purpose:
   refuses, nothing changes anywhere.  Arguments are validated for every part
   before any part is touched.
 * Context shift (``seq_rm(s, n_keep, n_keep + n_discard)`` then
-  ``seq_add(s, n_keep + n_discard, -1, -n_discard)``), the gap §4.1 leaves:
+  ``seq_add(s, n_keep + n_discard, -1, -n_discard)``), the gap upstream leaves:
   the recurrent part accepts a removal strictly inside the history as a
   no-op on its *state* (a recurrent state cannot forget tokens), the
   attention part drops those cells; the following ``seq_add`` moves the
@@ -28,7 +28,7 @@ Where we differ from upstream, on purpose:
 * ``state_read`` validates every section of every part before writing any;
   a bad blob raises with the destination dropped from every part (upstream
   contract) and every other sequence untouched.
-* Undo after a failed compute (§10 item 22, :meth:`HybridContext.undo`) is
+* Undo after a failed compute (docs/memory-semantics.md#inv-22, :meth:`HybridContext.undo`) is
   refused, changing nothing, when the memory was edited after the first
   ubatch it would take back was applied, also by an edit only the attention
   part sees (a hole inside the history, a shift applied by an update), which
@@ -75,7 +75,7 @@ AttentionPart = KVCache | KVCacheISWA
 class HybridContext(CompositeContext):
     """Attention and recurrent contexts over the same ubatches (recurrent applied last).
 
-    Undo after a failed compute (spec §10 item 22): ``apply()`` keeps the
+    Undo after a failed compute (docs/memory-semantics.md#inv-22): ``apply()`` keeps the
     book snapshots it takes anyway (one per snapshot-able part, see
     :meth:`CompositeContext.apply_from`), and :meth:`undo` lets the recurrent
     part undo first (it refuses, changing nothing, when the memory changed
@@ -411,7 +411,7 @@ class HybridMemory(Memory):
         self.recr.apply_section(plans["recr"])
 
     def state_drop(self, seq: int) -> None:
-        """Drop the destination from every part (the failure contract of §8.4)."""
+        """Drop the destination from every part (docs/memory-semantics.md#state-failures)."""
         self._edits += 1
         if seq < 0:
             self.clear(True)
@@ -439,7 +439,7 @@ class HybridMemory(Memory):
         Every section of every part is parsed, checked and placed before any
         part is written, so a rejected blob (``StateError``: corrupt, truncated,
         mismatched, or no room) leaves the whole memory exactly as it was
-        (stricter than upstream §8.4, which drops the destination).  Only a
+        (stricter than upstream, which drops the destination).  Only a
         failure while writing, after validation, drops the destination from the
         parts the read would have written: no half-restored sequence survives."""
         if seq >= 0:
@@ -454,7 +454,7 @@ class HybridMemory(Memory):
 
 
 class HybridISWAMemory(HybridMemory):
-    """Hybrid with an iSWA attention part (§4.2): the same composition rules;
+    """Hybrid with an iSWA attention part (docs/memory-semantics.md#hybrid-iswa): the same composition rules;
     positions of the attention part come from its window cache."""
 
     def __init__(self, attn: KVCacheISWA, recr: RecurrentMemory) -> None:

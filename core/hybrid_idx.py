@@ -1,4 +1,4 @@
-"""Hybrid memory with an indexer cache (spec §4.3, ``reference/kpool-spec.md``).
+"""Hybrid memory with an indexer cache (docs/memory-semantics.md#hybrid-idx).
 
 The indexer cache is a key-only KV cache (one row of width ``D * row_factor``
 per cell and indexer layer, no RoPE) with the same size, streams and slot
@@ -8,10 +8,10 @@ into the attention slots, so its cells always equal the attention cells.
 On top sits the k-pool machinery of :mod:`statecache.kpool`: the layout of
 pools per sequence (updated at every ``apply()``), which pools the current
 ubatch must (re)compute, the graph inputs, and the stale marks that every
-sequence edit sets (table K.7).  Marks are copied when a batch is planned
+sequence edit sets (docs/memory-semantics.md#kpool-stale).  Marks are copied when a batch is planned
 and cleared at the first ``next()`` of the batch.
 
-Undo after a failed compute (llama-memory-spec §10 item 22) works as for the
+Undo after a failed compute (docs/memory-semantics.md#inv-22) works as for the
 plain hybrid (:meth:`HybridContext.undo`), and also puts back the k-pool
 layout, the stale marks (a ``next()`` that cleared them is undone too) and
 the context's ubatch bookkeeping, so applying the same ubatches again gives
@@ -103,7 +103,7 @@ class HybridIdxMemory(HybridMemory):
 
     def init_full(self) -> MemoryContext:
         ctx = HybridContext(self.attn.init_full(), self.recr.init_full(), [self.idx.init_full()])
-        self.layout.update(self.pairs_of, self.marks)  # marks are kept (kpool-spec H6)
+        self.layout.update(self.pairs_of, self.marks)  # marks are kept (docs/memory-semantics.md#kpool-hazards, H6)
         ctx.kpool_state = self.layout.build_state([], None, 0, reserve=True)  # type: ignore[attr-defined]
         return ctx
 
@@ -115,7 +115,7 @@ class HybridIdxMemory(HybridMemory):
             return StatusContext(MemoryStatus.NO_UPDATE)
         return HybridUpdateContext(self, a, r, [i])
 
-    # -- sequence operations with stale marks (K.7) ---------------------------------------
+    # -- sequence operations with stale marks (docs/memory-semantics.md#kpool-stale) ------
     def clear(self, data: bool = True) -> None:
         super().clear(data)
         self.idx.clear(data)
@@ -185,7 +185,7 @@ class HybridIdxMemory(HybridMemory):
             r.at_end()
             a, i = plans["attn"], plans["idx"]
             # Stream, cell, position *and* sequence set of every cell: the indexer
-            # follows the attention cells exactly (K.1), or its pools are wrong.
+            # follows the attention cells exactly (docs/memory-semantics.md#hybrid-idx), or its pools are wrong.
             same = len(a.placements) == len(i.placements) and all(
                 (pa[0], pa[1].tolist(), pa[2].tolist(), [tuple(x) for x in pa[3]])
                 == (pi[0], pi[1].tolist(), pi[2].tolist(), [tuple(x) for x in pi[3]])
@@ -235,7 +235,7 @@ class HybridIdxContext(HybridContext):
         self.mem = mem
         self.memory = mem  # undo checks its edit count, drops damaged sequences through its operations (marks)
         self.idx = idx
-        self.stale_batch = mem.marks.copy()  # the marks as planned (K.7 step 1)
+        self.stale_batch = mem.marks.copy()  # the marks as planned (docs/memory-semantics.md#kpool-stale)
         self.i_cur = 0
         self._state_for = -1
         self.kpool_state: KPoolState | None = None

@@ -1,5 +1,5 @@
 """k-pool layout, new-pool tracking, graph inputs and stale marks of the
-indexer cache (``reference/kpool-spec.md``, sections K.1-K.7).
+indexer cache (``docs/memory-semantics.md#kpool``).
 
 An indexer layer stores per cell a row ``[per-token part | pooled slot]``.
 Groups of ``kpool`` cells of one sequence form a *pool*; its pooled key lives
@@ -35,7 +35,7 @@ def kpool_pad(n: int) -> int:
 
 @dataclasses.dataclass
 class SeqLayout:
-    """Pools of one sequence (K.1): ``pools[k]`` indexes ``cells``."""
+    """Pools of one sequence (docs/memory-semantics.md#kpool-pools): ``pools[k]`` indexes ``cells``."""
 
     strm: int = 0
     cells: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (pos, stream-local cell)
@@ -48,7 +48,7 @@ class SeqLayout:
 
 
 def scan_pools(layout: SeqLayout, kpool: int, by_order: bool) -> None:
-    """Resume the pool scan at ``j_next`` (K.3); only complete pools exist."""
+    """Resume the pool scan at ``j_next`` (docs/memory-semantics.md#kpool-layout); only complete pools exist."""
     cells = layout.cells
     j = layout.j_next
     while j + kpool <= len(cells):
@@ -76,7 +76,7 @@ def rebuild(pairs: Sequence[tuple[int, int]], strm: int, kpool: int, by_order: b
 
 
 class StaleMarks:
-    """Per sequence, the lowest position from which pooled keys may be wrong (K.7)."""
+    """Per sequence, the lowest position from which pooled keys may be wrong (docs/memory-semantics.md#kpool-stale)."""
 
     def __init__(self, n_seq: int) -> None:
         self.marks = np.full(n_seq, POS_CLEAN, dtype=np.int64)
@@ -109,7 +109,7 @@ def stale_pos(s: int, p0: int, pos_min_before: int) -> int:
 
 @dataclasses.dataclass
 class KPoolState:
-    """What the current ubatch must pool (K.4)."""
+    """What the current ubatch must pool (docs/memory-semantics.md#kpool-new)."""
 
     n_pool_real: int
     n_kpool: int
@@ -120,7 +120,7 @@ class KPoolState:
 
 @dataclasses.dataclass
 class KPoolInputs:
-    """The graph inputs of K.5, NumPy C order (see module docstring)."""
+    """The graph inputs (docs/memory-semantics.md#kpool-inputs), NumPy C order (see module docstring)."""
 
     pool_cells: np.ndarray  # int32 (n_pool,)
     pool_idxs: np.ndarray  # int32 (n_pool, kpool)
@@ -143,7 +143,7 @@ class Token:
 
 
 class KPoolLayout:
-    """Layouts of every sequence, updated at each ``apply()`` (K.3)."""
+    """Layouts of every sequence, updated at each ``apply()`` (docs/memory-semantics.md#kpool-layout)."""
 
     def __init__(self, kpool: int, by_order: bool, n_seq_max: int, kv_size: int, n_stream: int) -> None:
         if kpool <= 1:
@@ -184,7 +184,7 @@ class KPoolLayout:
         """Bring every layout up to date with the cells (append-only when clean).
 
         Returns extra stale positions: a clean sequence whose cells changed
-        other than by a suffix append (kpool-spec H1, e.g. a token inserted
+        other than by a suffix append (docs/memory-semantics.md#kpool-hazards H1, e.g. a token inserted
         below cached ones) is rebuilt *and* re-pooled from the first entry
         that differs, where upstream would rebuild without re-pooling.
         """
@@ -208,7 +208,7 @@ class KPoolLayout:
             self.seqs[s] = rebuild(sp, strm, self.kpool, self.by_order)
         return forced
 
-    # -- per-ubatch state (K.4) ------------------------------------------------
+    # -- per-ubatch state (docs/memory-semantics.md#kpool-new) -----------------
     def _rank(self, s: int, pos: int, cell: int) -> int:
         cells = self.seqs[s].cells
         r = bisect.bisect_left(cells, (pos, cell))
@@ -278,7 +278,7 @@ class KPoolLayout:
         n_new_g = max(n_new, 1, min(bound, kpool_pad(n_real) - 1, self.n_pool_max))
         return KPoolState(n_real, kpool_pad(n_real), is_new, n_new, n_new_g)
 
-    # -- graph inputs (K.5) -----------------------------------------------------------
+    # -- graph inputs (docs/memory-semantics.md#kpool-inputs) -------------------------
     def build_inputs(
         self,
         state: KPoolState,

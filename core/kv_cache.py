@@ -1,4 +1,4 @@
-"""The attention KV cache (spec §5) and its iSWA pair (§5.6).
+"""The attention KV cache (docs/memory-semantics.md#kv-cells) and its iSWA pair (docs/memory-semantics.md#iswa).
 
 The cell book lives in :class:`~statecache.kv_cells.KVCells` (one per
 stream); K and V live on the device, one buffer per layer shaped
@@ -12,7 +12,7 @@ whole-stream buffer copies queued by cross-stream ``seq_cp`` (done with
 ``copy_rows`` when applied) and the per-cell position shifts that the
 runtime's RoPE must re-rotate K by; applying the update clears both.
 
-State blobs (§5.7, our format) are read in two phases: :meth:`KVCache.
+State blobs (docs/state-format.md) are read in two phases: :meth:`KVCache.
 state_parse` validates everything and chooses the destination cells without
 touching anything; :meth:`KVCache.state_commit` writes.  Composite memories
 parse every part before committing any.
@@ -114,7 +114,7 @@ class KVStatePlan:
 
 
 class KVCache(Memory):
-    """An attention KV cache over some layers (spec §5).
+    """An attention KV cache over some layers (docs/memory-semantics.md#kv-cells).
 
     ``unified``: one stream shared by every sequence, else one stream per
     sequence.  ``swa_type``/``n_swa``: the sliding window used both by the
@@ -202,7 +202,7 @@ class KVCache(Memory):
         used = max(c.used_max_p1() for c in self.cells)
         return n_kv_for(used, self.size, self.n_pad)
 
-    # -- placement (§5.3) -----------------------------------------------------------
+    # -- placement (docs/memory-semantics.md#kv-placement) --------------------------
     def split(self, balloc: BatchAllocator, n_ubatch: int) -> list[UBatch] | None:
         balloc.split_reset()
         out = []
@@ -319,7 +319,7 @@ class KVCache(Memory):
     def get_can_shift(self) -> bool:
         return True
 
-    # -- sequence operations (§5.4) -------------------------------------------------
+    # -- sequence operations (docs/memory-semantics.md#kv-sequence-ops) -------------
     def _seq_rm_cells(self, book: _Book, strm: int, seq: int, p0: int, p1: int) -> None:
         cells = book.cells[strm]
         for _, idx in [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]:
@@ -460,7 +460,7 @@ class KVCache(Memory):
             )
         return out
 
-    # -- state (§5.7, our format) -------------------------------------------------------
+    # -- state (docs/state-format.md) ---------------------------------------------------
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
         w = Writer()
         self.state_write_into(w, seq)
@@ -852,7 +852,7 @@ class KVUpdateContext(MemoryContext):
 
 
 def iswa_sizes(size: int, n_swa: int, n_seq_max: int, n_ubatch: int, unified: bool, n_pad: int, swa_full: bool) -> int:
-    """Size of the window cache of an iSWA pair (§5.6)."""
+    """Size of the window cache of an iSWA pair (docs/memory-semantics.md#iswa)."""
     if swa_full:
         return size
     return min(size, round_up(n_swa * (n_seq_max if unified else 1) + n_ubatch, n_pad))
@@ -947,7 +947,7 @@ class ISWAPlan:
 
 
 class KVCacheISWA(Memory):
-    """iSWA pair (§5.6): a base cache for the full-attention layers and a
+    """iSWA pair (docs/memory-semantics.md#iswa): a base cache for the full-attention layers and a
     window cache, ``iswa_sizes`` big, for the sliding-window layers.  Both are
     planned for the same ubatches; positions are answered by the window
     cache (the base is a superset)."""

@@ -1,10 +1,10 @@
-"""The attention KV cell book of one stream (spec §5.1).
+"""The attention KV cell book of one stream (docs/memory-semantics.md#kv-cells).
 
 Per cell: a position (``-1`` = empty), a 2-D position extension ``(x, y)``
 for M-RoPE ties, an accumulated pending shift (for the runtime's RoPE
 re-rotation), and the set of sequences holding the cell.  Per sequence: the
 ordered list of ``(pos, cell)`` pairs it holds, so that ``seq_pos_min`` and
-``seq_pos_max`` are O(1) and the k-pool layout (kpool-spec K.1) can read a
+``seq_pos_max`` are O(1) and the k-pool layout (docs/memory-semantics.md#kpool-layout) can read a
 sequence's cells in order without scanning the stream.
 
 Everything here is host-side bookkeeping; no device buffer is touched.
@@ -17,7 +17,7 @@ import copy
 
 import numpy as np
 
-from statecache.errors import ArgumentError
+from statecache.errors import ArgumentError, InvariantError
 
 EMPTY = -1
 
@@ -109,18 +109,22 @@ class KVCells:
         return int(nz[-1]) + 1 if nz.size else 0
 
     def check(self) -> None:
-        """Assert internal consistency (tests call this after every step)."""
-        assert self.used == int((self.pos != EMPTY).sum())
+        """Raise :class:`InvariantError` unless the book is consistent (tests call
+        this after every step; explicit raises, so ``python -O`` keeps them)."""
+        n_used = int((self.pos != EMPTY).sum())
+        if self.used != n_used:
+            raise InvariantError("kv-used", f"used is {self.used} but {n_used} cells hold a position")
         for i in range(self.size):
-            if self.pos[i] == EMPTY:
-                assert not self.seq[i].any(), f"empty cell {i} holds sequences"
-            else:
-                assert self.seq[i].any(), f"cell {i} at pos {self.pos[i]} holds no sequence"
+            if self.pos[i] == EMPTY and self.seq[i].any():
+                raise InvariantError("kv-empty", f"empty cell {i} holds sequences")
+            if self.pos[i] != EMPTY and not self.seq[i].any():
+                raise InvariantError("kv-empty", f"cell {i} at pos {self.pos[i]} holds no sequence")
         for s in range(self.n_seq_max):
             expect = sorted((int(self.pos[i]), int(i)) for i in np.flatnonzero(self.seq[:, s]))
-            assert self.seq_pos[s] == expect, f"ordered positions of seq {s} out of step"
-        if self.shift.any():
-            assert self.has_shift, "a cell holds a shift but has_shift is False"
+            if self.seq_pos[s] != expect:
+                raise InvariantError("kv-seq-pos", f"ordered positions of seq {s} out of step")
+        if self.shift.any() and not self.has_shift:
+            raise InvariantError("kv-shift", "a cell holds a shift but has_shift is False")
 
     # -- per-sequence ordered positions ------------------------------------------
     def _index_add(self, s: int, p: int, i: int) -> None:

@@ -1,4 +1,4 @@
-"""The attention mask of a ubatch over a KV stream (spec §5.5), as NumPy.
+"""The attention mask of a ubatch over a KV stream (docs/memory-semantics.md#kv-mask), as NumPy.
 
 ``mask[i, j]`` is the additive bias of token ``i`` on cell ``j`` of the
 stream that holds token ``i``'s primary sequence: ``0`` (or ``-|p_cell -

@@ -1,4 +1,4 @@
-"""The memory interface (spec §1), written once for every memory.
+"""The memory interface (docs/memory-semantics.md#interface), written once for every memory.
 
 A :class:`Memory` owns a cell book and device buffers.  ``init_batch`` /
 ``init_full`` / ``init_update`` are *dry runs*: they return a
@@ -8,7 +8,7 @@ commit point; :meth:`MemoryContext.next` advances to the next ubatch.
 
 When the graph compute of an applied ubatch fails (``FAILED_COMPUTE``), a
 runtime calls :meth:`MemoryContext.undo` on the context instead of the
-best-effort ``seq_rm`` of upstream (§1.3): a context that supports it puts
+best-effort ``seq_rm`` of upstream (docs/memory-semantics.md#failed-compute): a context that supports it puts
 the memory back as it was before the ubatch(es) it applied (the recurrent
 memory does, exactly or, when state rows were overwritten and not kept,
 consistently by dropping the affected sequences, whose ids it returns).
@@ -26,7 +26,8 @@ import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from statecache.errors import StatecacheError
+# Re-exported: ContextError was defined here before the errors moved to one module.
+from statecache.errors import ContextError as ContextError
 
 if TYPE_CHECKING:
     from statecache.batch import BatchAllocator, UBatch
@@ -74,30 +75,38 @@ class StateFlags(enum.IntFlag):
     ON_DEVICE = 2
 
 
-class ContextError(StatecacheError):
-    """A context was used out of order (ubatch of a failed plan, apply past the end)."""
-
-
 class MemoryContext(abc.ABC):
-    """A plan produced by ``init_*``; see module docstring."""
+    """A plan produced by ``init_*`` (docs/memory-semantics.md#contexts)."""
 
     @property
     @abc.abstractmethod
-    def status(self) -> MemoryStatus: ...
+    def status(self) -> MemoryStatus:
+        """SUCCESS, NO_UPDATE, or FAILED_PREPARE for a plan that could not be made."""
 
     def get_status(self) -> MemoryStatus:
+        """The plan's :attr:`status` (upstream's accessor name)."""
         return self.status
 
     @abc.abstractmethod
-    def get_ubatch(self) -> UBatch: ...
+    def get_ubatch(self) -> UBatch:
+        """The current ubatch.
+
+        :raises ContextError: the plan failed, has no ubatches, or is exhausted."""
 
     @abc.abstractmethod
     def apply(self) -> bool:
-        """Commit the current ubatch (or perform the update).  The only mutation."""
+        """Commit the current ubatch (or perform the update): the only place a
+        memory's book changes.
+
+        :return: True when the ubatch was committed.
+        :raises ContextError: past the last ubatch, or this ubatch was already
+            applied; nothing changes."""
 
     @abc.abstractmethod
     def next(self) -> bool:
-        """Advance to the next ubatch; False when exhausted."""
+        """Advance to the next ubatch.
+
+        :return: False when there is none (the plan is exhausted)."""
 
     def undo(self, n: int | None = None) -> tuple[int, ...]:
         """Take back the last ``n`` applied ubatches (default: all) after a failed compute.
@@ -170,51 +179,176 @@ class UBatchContext(MemoryContext):
 class Memory(abc.ABC):
     """The interface every memory implements (``llama_memory_i``).
 
-    ``seq_rm`` returns False when it refuses, and then nothing changed.
+    The contract of every method is written here, once; each memory's
+    differences are stated in the method's docstring.  Semantics, with the
+    rules each memory follows: ``docs/memory-semantics.md``.  Two rules hold
+    for every method:
+
+    * A sequence id outside ``[0, n_seq_max)`` raises :class:`ArgumentError`
+      naming the argument (``seq``, ``src``, ``dst``); only ``seq_rm`` and
+      ``state_write`` / ``state_read`` accept ``-1`` ("every sequence").
+    * Whatever is refused (a ``False`` return or an exception) leaves the
+      memory exactly as it was: book, positions, pending rollbacks and data.
+
+    Position ranges are half-open ``[p0, p1)``; ``p0 < 0`` means 0 and
+    ``p1 < 0`` means "to the end" (docs/memory-semantics.md#ranges).
     """
 
     @abc.abstractmethod
-    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext: ...
+    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        """Plan a validated batch: split it into ubatches of at most ``n_ubatch``
+        tokens and find each one's slot.  A dry run: nothing changes until the
+        context's :meth:`MemoryContext.apply`.
+
+        :param balloc: a :class:`~statecache.batch.BatchAllocator` whose
+            ``init(batch, self)`` succeeded.
+        :param n_ubatch: the most tokens per ubatch.
+        :param embd_all: every token is an output (splits one sequence set per ubatch).
+        :return: the plan; its status is ``FAILED_PREPARE`` (nothing changed)
+            when the splitter cannot place every token or the slots do not fit.
+        """
 
     @abc.abstractmethod
-    def init_full(self) -> MemoryContext: ...
+    def init_full(self) -> MemoryContext:
+        """A plan of the worst case (every cell, the largest ubatch geometry), for
+        sizing compute buffers before the first batch.
+
+        :return: a context describing that case."""
 
     def init_update(self, optimize: bool = False) -> MemoryContext:
+        """A plan for pending maintenance: K shifts and copies between streams
+        of attention caches.
+
+        :param optimize: also defragment where a memory can (none does yet).
+        :return: ``NO_UPDATE`` when there is nothing to do (always, for a
+            recurrent memory); else a context whose ``apply()`` performs it."""
         return StatusContext(MemoryStatus.NO_UPDATE)
 
     def get_can_shift(self) -> bool:
+        """Whether ``seq_add`` / ``seq_div`` can move positions (RoPE re-rotation).
+
+        :return: True for a recurrent memory; an attention cache's (and so a
+            hybrid's) answer from its K-shift support."""
         return True
 
     @abc.abstractmethod
-    def clear(self, data: bool = True) -> None: ...
+    def clear(self, data: bool = True) -> None:
+        """Drop every sequence and any pending rollback or update.
+
+        :param data: also zero every device buffer (costs a write of all of them).
+        """
 
     @abc.abstractmethod
-    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool: ...
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove ``seq``'s tokens at positions ``p0 <= pos < p1``.
+
+        :param seq: sequence id; ``-1``: every sequence.
+        :param p0: first position removed; negative: 0.
+        :param p1: first position kept; negative: none (to the end).
+        :return: True when none of those tokens remain (also when none were
+            there).  False when refused, and then nothing changed: a recurrent
+            state (alone or in a hybrid) cannot forget part of its history, so
+            a partial removal of the tail is refused unless a snapshot plane
+            holds the state at ``p0 - 1`` (docs/memory-semantics.md#seq-rm:
+            no plane that deep, a rollback already pending, a shared cell), and
+            ``seq=-1`` is refused for a range that is neither empty nor
+            complete.  A KV cache never refuses.  A hybrid asks its recurrent
+            part first and, when it refuses, changes nothing in any part.
+        :raises ArgumentError: ``seq`` outside ``[0, n_seq_max)`` and not -1;
+            nothing changed.
+        """
 
     @abc.abstractmethod
-    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None: ...
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make ``dst`` hold ``src``'s tokens at ``p0 <= pos < p1`` (no data moves:
+        cells are shared, copy on write for recurrent states).
+
+        :param src: sequence copied from.  :param dst: sequence copied to;
+            ``src == dst`` is a no-op.
+        :param p0: first position copied.  :param p1: first position not copied.
+        :raises ArgumentError: ``src`` or ``dst`` outside ``[0, n_seq_max)``; a
+            partial range between two streams of a multi-stream cache, or any
+            partial range on hybrid-idx (whole sequences only).  Nothing changed.
+
+        A recurrent state is copied whole whatever the range, and replaces
+        ``dst``'s own; a hybrid therefore drops ``dst`` from its attention
+        part first (docs/memory-semantics.md#hybrid).
+        """
 
     @abc.abstractmethod
-    def seq_keep(self, seq: int) -> None: ...
+    def seq_keep(self, seq: int) -> None:
+        """Drop every sequence but ``seq`` (and their pending rollbacks);
+        ``seq`` becomes the only owner of what it holds.
+
+        :raises ArgumentError: ``seq`` outside ``[0, n_seq_max)``; nothing changed.
+        """
 
     @abc.abstractmethod
-    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None: ...
+    def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Shift ``seq``'s positions in ``[p0, p1)`` by ``delta`` (a context shift).
+
+        Data is not touched: an attention cache records the shift and
+        re-rotates K at the next update; a recurrent state only moves its
+        position (and its snapshot planes with it).  Positions pushed below 0
+        remove those tokens.  ``delta == 0`` or an empty range is a no-op.
+
+        :raises ArgumentError: ``seq`` outside ``[0, n_seq_max)``, or a moved
+            position belongs to a cell another sequence shares (moving it would
+            move theirs); nothing changed.
+        """
 
     @abc.abstractmethod
-    def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None: ...
+    def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        """Integer-divide ``seq``'s positions in ``[p0, p1)`` by ``d``
+        (self-extend); ``d == 1`` or an empty range is a no-op.  A recurrent
+        state's snapshot planes no longer match its positions and are dropped.
+
+        :raises ArgumentError: ``d < 1``; ``seq`` outside ``[0, n_seq_max)``; a
+            divided position belongs to a shared cell.  Nothing changed.
+        """
 
     @abc.abstractmethod
-    def seq_pos_min(self, seq: int) -> int: ...
+    def seq_pos_min(self, seq: int) -> int:
+        """Smallest position held for ``seq``, ``-1`` when it holds none.
+
+        A recurrent state holds one position (its last); a hybrid answers the
+        larger of its parts' minima (docs/memory-semantics.md#hybrid)."""
 
     @abc.abstractmethod
-    def seq_pos_max(self, seq: int) -> int: ...
+    def seq_pos_max(self, seq: int) -> int:
+        """Largest position held for ``seq``, ``-1`` when it holds none; the next
+        batch of ``seq`` must start at ``seq_pos_max(seq) + 1``.  A hybrid
+        answers the smaller of its parts' maxima."""
 
     @abc.abstractmethod
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes held, per device id."""
+        """Bytes of device memory this memory holds (every pool, plane and cache part).
+
+        :return: ``{device id: bytes}``."""
 
     @abc.abstractmethod
-    def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes: ...
+    def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
+        """Save ``seq`` (``-1``: every sequence) in the format of
+        ``docs/state-format.md``.  Changes nothing.
+
+        :param flags: ``StateFlags.PARTIAL_ONLY``: only the parts that cannot be
+            rebuilt from a later state (recurrent state, sliding-window caches).
+        :return: the blob.  A pending rollback is written from its plane, with
+            its rolled-back position (docs/memory-semantics.md#state).
+        :raises ArgumentError: ``seq`` outside ``[0, n_seq_max)`` and not -1.
+        :raises StateError: a whole-memory write of a cell that sequences with
+            different pending rollbacks share.
+        """
 
     @abc.abstractmethod
-    def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None: ...
+    def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
+        """Restore what :meth:`state_write` saved, into ``seq`` (``-1``: the whole
+        memory, replacing everything).  No rollback is pending afterwards.
+
+        :param data: a blob (bytes-like) written with the same ``flags``.
+        :raises StateError: naming the field, when the blob is truncated,
+            corrupt, written for another layout, or does not fit; every section
+            of every part is checked before anything is written, so the memory
+            is left exactly as it was (docs/memory-semantics.md#state-failures).
+        :raises ArgumentError: ``seq`` outside ``[0, n_seq_max)`` and not -1.
+        """

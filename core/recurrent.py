@@ -1,4 +1,4 @@
-"""The recurrent cell book (spec §2) with exact rollback planes (§3, §3.7).
+"""The recurrent cell book with exact rollback planes (docs/memory-semantics.md#rollback).
 
 Every sequence owns at most one *cell*; a cell holds the state of "every
 token up to ``pos``" for each recurrent layer, as one row per state tensor
@@ -12,15 +12,15 @@ number of owning sequences (which ones follows from the per-sequence
 plane ``j < snap_valid`` of the cell holds the state after position
 ``snap_end - j``.  A pending rollback is simply ``src`` pointing at a plane
 ``d > 0`` of the cell's own rows, so it is a property of the cell: it can
-never go stale on a sequence that lost its cell (§3.6 item 4), and sharing a
+never go stale on a sequence that lost its cell (docs/memory-semantics.md#inv-31), and sharing a
 cell shares its logical state.
 
 Deviations from upstream (the [REC] of the spec): rollback is exact or
-refused (§3.7), a shared cell cannot be rolled back, negative sequence ids in
-``seq_rm`` follow §2.4 step 6, ``seq_add`` below position 0 removes the
+refused (docs/memory-semantics.md#rollback-exact), a shared cell cannot be rolled back, negative sequence ids in
+``seq_rm`` follow docs/memory-semantics.md#seq-rm, ``seq_add`` below position 0 removes the
 state, a pending rollback is consumed when the ubatch that reads it is
 committed (``apply``), ``state_read`` validates before touching anything,
-and a failed compute can be undone (:meth:`RecurrentContext.undo`, §1.3).
+and a failed compute can be undone (:meth:`RecurrentContext.undo`, docs/memory-semantics.md#failed-compute).
 
 Cost: the whole book is one small int64 array (a plan copies it with one
 memcpy), per-sequence lookups are O(1) array reads, and placing a ubatch is
@@ -39,7 +39,7 @@ import numpy as np
 from statecache.backend import Buffer, Device
 from statecache.batch import BatchAllocator, SeqIds, UBatch
 from statecache.dtypes import DType
-from statecache.errors import ArgumentError, BatchError, StateError
+from statecache.errors import ArgumentError, BatchError, InvariantError, StatecacheWarning, StateError
 from statecache.memory import (
     POS_MAX,
     ContextError,
@@ -59,8 +59,8 @@ _EMPTY_ROWS = np.zeros(0, dtype=np.int64)
 _EMPTY_ROWS.flags.writeable = False
 
 
-class NonConsecutivePositionWarning(UserWarning):
-    """find_slot saw a ubatch that does not continue a sequence's position (§2.8 step 6)."""
+class NonConsecutivePositionWarning(StatecacheWarning):
+    """find_slot saw a ubatch that does not continue a sequence's position (docs/memory-semantics.md#find-slot)."""
 
 
 class _Book:
@@ -131,7 +131,7 @@ class _Book:
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentInputs:
-    """What the graph side needs for one committed ubatch (spec §2.9-2.10).
+    """What the graph side needs for one committed ubatch (docs/memory-semantics.md#graph-side).
 
     ``start_rows[i]`` is the row set ``i`` starts from (any plane; the zero
     row for a new sequence); its results go to cell ``head + i``.
@@ -198,8 +198,8 @@ class _ApplyRecord:
 class RecurrentContext(UBatchContext):
     """A planned batch: the ubatches, and the book after each (installed by apply).
 
-    **Undo after a failed compute** (``MemoryStatus.FAILED_COMPUTE``, spec §1.3
-    [REC], §10 item 22).  Every ``apply()`` keeps an undo record: the book it
+    **Undo after a failed compute** (``MemoryStatus.FAILED_COMPUTE``,
+    docs/memory-semantics.md#failed-compute).  Every ``apply()`` keeps an undo record: the book it
     replaced (a reference, O(1)) and, once a step writes, which pools it wrote.
     :meth:`undo` then puts the memory back:
 
@@ -358,7 +358,7 @@ class FullContext(MemoryContext):
 
 
 class RecurrentMemory(Memory):
-    """Recurrent state for ``n_seq_max`` sequences (spec §2, §3)."""
+    """Recurrent state for ``n_seq_max`` sequences (docs/memory-semantics.md#recurrent-book)."""
 
     def __init__(
         self,
@@ -430,13 +430,18 @@ class RecurrentMemory(Memory):
         return self._book.copy()
 
     def check_invariants(self) -> None:
+        """Raise :class:`InvariantError` naming the book invariant (I1-I3 of
+        docs/memory-semantics.md#recurrent-book) that no longer holds."""
         b = self._book
         t = b.tail
         owned = t[t >= 0]
-        assert np.array_equal(np.bincount(owned, minlength=self.size), b.n_own), "n_own disagrees with tail (I1)"
+        if not np.array_equal(np.bincount(owned, minlength=self.size), b.n_own):
+            raise InvariantError("I1", "n_own disagrees with tail")
         empty = b.n_own == 0
-        assert (b.pos[empty] == -1).all() and (b.src[empty] == -1).all(), "an empty cell keeps data (I3)"
-        assert int((~empty).sum()) == b.used, (int((~empty).sum()), b.used)
+        if not ((b.pos[empty] == -1).all() and (b.src[empty] == -1).all()):
+            raise InvariantError("I3", "an empty cell keeps data")
+        if int((~empty).sum()) != b.used:
+            raise InvariantError("I2", f"used is {b.used} but {int((~empty).sum())} cells are owned")
 
     def _row_indices(self, head: int, n: int) -> Buffer:
         """Device index buffer of rows ``head .. head + n`` (cached: steps never write index buffers)."""
@@ -506,7 +511,7 @@ class RecurrentMemory(Memory):
     def init_full(self) -> MemoryContext:
         return FullContext(self)
 
-    # -- find_slot (§2.8) -------------------------------------------------------
+    # -- find_slot (docs/memory-semantics.md#find-slot) -------------------------
     def _find_slot(self, b: _Book, ub: UBatch) -> RecurrentInputs | None:
         """Place ``ub`` on book ``b`` (mutated; callers pass a copy).  None if it does not fit.
 
@@ -731,7 +736,7 @@ class RecurrentMemory(Memory):
         self._version += 1
         return tuple(dropped.tolist())
 
-    # -- sequence operations (§2.2-2.7) -------------------------------------------
+    # -- sequence operations (docs/memory-semantics.md#recurrent-sequence-ops) ----
     def clear(self, data: bool = True) -> None:
         self._book = _Book.empty(self.size)
         self._version += 1
@@ -769,7 +774,7 @@ class RecurrentMemory(Memory):
                         b.snap_valid[c] = keep
                         self._version += 1
             return True
-        # negative seq: every sequence, only for an empty or complete range (§2.4 step 6)
+        # negative seq: every sequence, only for an empty or complete range (docs/memory-semantics.md#seq-rm)
         if p0 == p1:
             return True
         if not (p0 == 0 and p1 == POS_MAX):
@@ -882,7 +887,7 @@ class RecurrentMemory(Memory):
             b.snap_end[c], b.snap_valid[c] = b.pos[c], 1
         self._version += 1
 
-    # -- state save / restore (§8) --------------------------------------------------
+    # -- state save / restore (docs/memory-semantics.md#state) ----------------------
     def _cells_for(self, seq: int) -> list[int]:
         b = self._book
         if seq >= 0:

@@ -1,4 +1,4 @@
-"""The graph side of the recurrent memory (spec §2.10): one committed ubatch, one layer.
+"""The graph side of the recurrent memory (docs/memory-semantics.md#graph-side): one committed ubatch, one layer.
 
 For every state tensor of a recurrent layer the step
 

@@ -19,7 +19,13 @@ import pluggy
 
 from statecache import hookspecs, settings
 from statecache.backend import Backend, Device
-from statecache.errors import BackendNotFoundError, BackendUnavailableError
+from statecache.errors import (
+    BackendDiscoveryWarning,
+    BackendNotFoundError,
+    BackendUnavailableError,
+    DuplicateBackendWarning,
+    SettingsWarning,
+)
 
 ENTRY_POINT_GROUP = "statecache.backends"
 
@@ -31,10 +37,6 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "(apt-get install pocl-opencl-icd)",
     "cuda": "the statecache distribution, with nvcc and a CUDA driver on the machine",
 }
-
-
-class DuplicateBackendWarning(UserWarning):
-    """Two plugins or distributions claim the same backend name."""
 
 
 @dataclasses.dataclass
@@ -81,6 +83,8 @@ class BackendRegistry:
             self.pm.enable_tracing()
         self.allowlist = frozenset(allowlist) if allowlist is not None else settings.backend_allowlist()
         self._entries: dict[str, BackendEntry] = {}
+        #: every backend name some plugin offered, loaded or filtered out by the allowlist
+        self._offered: set[str] = set()
         self._plugin_dist: dict[int, tuple[str, str]] = {}
         self._current_dist: tuple[str, str] | None = None
         if load_entry_points:
@@ -90,6 +94,16 @@ class BackendRegistry:
         # Historic: plugins registered later through register_plugin are called too.
         self.pm.hook.statecache_register_backends.call_historic(kwargs={"registry": self})
         self.pm.check_pending()
+        if allowlist is None and self.allowlist:
+            # A typo in STATECACHE_BACKENDS would otherwise just hide a backend.
+            unknown = sorted(self.allowlist - self._offered)
+            if unknown:
+                warnings.warn(
+                    f"STATECACHE_BACKENDS names {', '.join(map(repr, unknown))}, which no installed plugin "
+                    f"provides (installed: {', '.join(sorted(self._offered)) or 'none'}); ignored",
+                    SettingsWarning,
+                    stacklevel=2,
+                )
 
     # -- plugins ----------------------------------------------------------------
     def _load_entry_points(self) -> None:
@@ -105,6 +119,7 @@ class BackendRegistry:
                     continue
                 seen.add(key)
                 claims.setdefault(ep.name, []).append((ep, dist_name, dist.version))
+        self._offered.update(claims)
         for name, claimants in sorted(claims.items()):
             if len(claimants) > 1:
                 who = ", ".join(f"{d} {v} ({ep.value})" for ep, d, v in claimants)
@@ -139,6 +154,7 @@ class BackendRegistry:
         if not isinstance(backend, Backend):
             raise TypeError(f"registry.add() takes a Backend, got {type(backend).__name__}")
         name = backend.name
+        self._offered.add(name)
         if self.allowlist is not None and name not in self.allowlist:
             return
         dist, version = self._dist_of(backend)
@@ -172,6 +188,23 @@ class BackendRegistry:
     def names(self) -> list[str]:
         return [e.name for e in self.entries()]
 
+    def why_empty(self) -> str:
+        """Why no backend is known ("" when some is): an empty or mistyped
+        ``STATECACHE_BACKENDS``, or no plugin installed at all."""
+        if self._entries:
+            return ""
+        if self.allowlist is not None and not self.allowlist:
+            return (
+                "STATECACHE_BACKENDS is set but empty, so no backend is loaded; "
+                "unset it to load every installed backend, or name some (e.g. STATECACHE_BACKENDS=cpu,reference)"
+            )
+        if self.allowlist is not None:
+            return (
+                f"STATECACHE_BACKENDS allows only {', '.join(sorted(self.allowlist))}, and no installed plugin "
+                f"provides those (installed: {', '.join(sorted(self._offered)) or 'none'})"
+            )
+        return f"no statecache backend is installed (entry-point group {ENTRY_POINT_GROUP!r} is empty)"
+
     def get_backend(self, name: str) -> Backend:
         entry = self._entries.get(name)
         if entry is None:
@@ -189,7 +222,9 @@ class BackendRegistry:
                 try:
                     out.extend(entry.backend.devices())
                 except Exception as exc:  # pragma: no cover - defensive
-                    warnings.warn(f"backend {entry.name!r} failed to list devices: {exc}", stacklevel=2)
+                    warnings.warn(
+                        f"backend {entry.name!r} failed to list devices: {exc}", BackendDiscoveryWarning, stacklevel=2
+                    )
         return out
 
     def get_device(self, name: str | None = None) -> Device:
@@ -199,7 +234,14 @@ class BackendRegistry:
         available backend with the highest priority.
         """
         if name is None:
-            name = settings.device()
+            from_env = settings.device()
+            if from_env is not None:
+                try:
+                    return self.get_device(from_env)
+                except (BackendNotFoundError, BackendUnavailableError) as exc:
+                    # Name the variable: the caller named no device, so a bare
+                    # "no backend named 'nosuch'" would not say where it came from.
+                    raise type(exc)(f"STATECACHE_DEVICE={from_env!r}: {exc}") from None
         if name is None:
             for entry in self.entries():
                 ok, _ = entry.availability()

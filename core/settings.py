@@ -11,6 +11,8 @@ import functools
 import os
 from collections.abc import Iterator
 
+from statecache.errors import SettingsError
+
 
 @dataclasses.dataclass(frozen=True)
 class Variable:
@@ -87,6 +89,19 @@ def backend_allowlist() -> frozenset[str] | None:
     return frozenset(part.strip() for part in value.split(",") if part.strip())
 
 
+def problems() -> list[str]:
+    """One line per variable whose value cannot be used (empty: all fine).
+
+    Commands check this first, so a bad value is one clear usage error
+    instead of a failure inside every kernel call that reads it."""
+    out = []
+    try:
+        num_threads()
+    except SettingsError as exc:
+        out.append(str(exc))
+    return out
+
+
 def num_threads() -> int:
     # Read at every kernel call (so a changed variable takes effect at once);
     # parsing is cached per value, since a decode step is only a few us.
@@ -99,9 +114,9 @@ def _threads_from(value: str | None) -> int:
         try:
             n = int(value)
         except ValueError:
-            raise ValueError(f"STATECACHE_NUM_THREADS must be a positive integer, got {value!r}") from None
+            raise SettingsError(f"STATECACHE_NUM_THREADS must be a positive integer, got {value!r}") from None
         if n < 1:
-            raise ValueError(f"STATECACHE_NUM_THREADS must be a positive integer, got {value!r}")
+            raise SettingsError(f"STATECACHE_NUM_THREADS must be a positive integer, got {value!r}")
         return n
     return _available_cores()
 

@@ -1,4 +1,4 @@
-"""What a model's recurrent memory holds: per-layer state sizes per family (spec §2.1).
+"""What a model's recurrent memory holds: per-layer state sizes per family (docs/memory-semantics.md#state-sizes).
 
 A :class:`MemorySpec` lists the model's layers (``n_layer`` counts every
 layer, attention ones too) and, for each recurrent layer, its
@@ -6,22 +6,20 @@ layer, attention ones too) and, for each recurrent layer, its
 delta / wkv state ``s``, plus optional extras) with their row sizes in
 elements.  The family constructors compute those sizes from the usual
 hyperparameters.  :meth:`MemorySpec.memory_breakdown` gives the bytes per
-device a recurrent memory allocates; :func:`make_memory` builds the memory
-for a pure-recurrent model.
+device a recurrent memory allocates; :func:`statecache.factory.make_memory`
+builds the memory a spec describes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
 
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError
-
-if TYPE_CHECKING:
-    from statecache.backend import Device
-    from statecache.recurrent import RecurrentMemory
 
 #: Families whose every state tensor gets snapshot planes from the primitives, so
 #: rollback (n_rs_seq > 0) is exact for them.  Mamba-1's scan emits only its
@@ -60,7 +58,7 @@ class RecurrentLayerSpec:
     def rollback_capable(self) -> bool:
         return self.family in ROLLBACK_FAMILIES
 
-    # -- family constructors (hyperparameters -> row sizes, spec §2.1) ----------
+    # -- family constructors (hyperparameters -> row sizes, docs/memory-semantics.md#state-sizes) ----------
     @classmethod
     def mamba1(cls, *, d_inner: int, d_state: int, d_conv: int) -> RecurrentLayerSpec:
         # Mamba-1 is Mamba-2 with head_dim 1, n_head = d_inner, one group (B, C not convolved).
@@ -127,6 +125,25 @@ class RecurrentLayerSpec:
         """LFM2 short conv: only a conv window of L_cache - 1 columns."""
         return cls("shortconv", (StateTensor("r", n_embd * (l_cache - 1)),), {"d_conv": l_cache, "channels": n_embd})
 
+    # -- tensor parallelism: the shard of rank r of t ----------------------------
+    def shard(self, rank: int, world: int) -> RecurrentLayerSpec:
+        """The layer as rank ``rank`` of ``world`` tensor-parallel ranks holds it.
+
+        Heads split the way Megatron and vLLM split them: whole heads per rank,
+        each rank keeping the groups (Mamba-2 B/C groups, GDN key heads) its
+        heads read, so every rank's step is the unsharded step on fewer heads.
+        A split that does not divide raises :class:`ArgumentError` naming the
+        hyperparameter.  ``world == 1`` returns the layer unchanged.
+        """
+        return _shard_layer(self, rank, world)[0]
+
+    def shard_index(self, rank: int, world: int) -> dict[str, np.ndarray]:
+        """Per state tensor, which elements of the unsharded row rank ``rank``'s row
+        holds, in its own order (``full_row[index] == shard_row``).  Replicated
+        tensors (an RWKV token shift: the layer input every rank holds) map onto
+        the whole row on every rank."""
+        return _shard_layer(self, rank, world)[1]
+
 
 @dataclasses.dataclass(frozen=True)
 class MemorySpec:
@@ -162,7 +179,7 @@ class MemorySpec:
 
     def effective_n_rs_seq(self, n_rs_seq: int) -> int:
         """Rollback planes actually used: 0 unless every recurrent layer is rollback-capable
-        (spec §10 item 35); a model with no recurrent layer keeps it (positions only)."""
+        (docs/memory-semantics.md#inv-35); a model with no recurrent layer keeps it (positions only)."""
         if n_rs_seq < 0:
             raise ArgumentError("n_rs_seq", f"must be >= 0, got {n_rs_seq}")
         if not self.recurrent_layers:
@@ -174,6 +191,14 @@ class MemorySpec:
         planes = 1 + self.effective_n_rs_seq(n_rs_seq)
         per_cell = sum(t.row_size for spec in self.layers if spec is not None for t in spec.tensors)
         return size * planes * per_cell * self.dtype.itemsize
+
+    def shard(self, rank: int, world: int) -> MemorySpec:
+        """The spec of tensor-parallel rank ``rank`` of ``world``: every recurrent layer's
+        shard (:meth:`RecurrentLayerSpec.shard`); an error names the layer and field."""
+        layers = tuple(
+            None if spec is None else _in_layer(i, spec.shard, rank, world) for i, spec in enumerate(self.layers)
+        )
+        return MemorySpec(layers, self.dtype)
 
     def memory_breakdown(
         self, n_seq_max: int, n_rs_seq: int = 0, devices: Sequence[str] | str = "device"
@@ -191,22 +216,6 @@ class MemorySpec:
             nbytes = sum(t.row_size for t in spec.tensors) * n_seq_max * planes * self.dtype.itemsize
             out[dev] = out.get(dev, 0) + nbytes
         return out
-
-
-def make_memory(
-    spec: MemorySpec | ModelSpec,
-    device: Device,
-    n_seq_max: int,
-    n_rs_seq: int = 0,
-    **kwargs: Any,
-) -> RecurrentMemory | Any:
-    """The memory of a pure-recurrent model (every stateful layer recurrent); a
-    :class:`ModelSpec` (attention / indexer layers too) picks its class itself."""
-    if isinstance(spec, ModelSpec):
-        return make_model_memory(spec, device, n_seq_max, n_rs_seq, **kwargs)
-    from statecache.recurrent import RecurrentMemory
-
-    return RecurrentMemory(spec, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq, **kwargs)
 
 
 # -- attention and indexer layers (hybrid models) --------------------------------------
@@ -234,10 +243,24 @@ class AttentionLayerSpec:
     def n_embd_v(self) -> int:
         return self.n_head_kv * (self.head_dim_k if self.head_dim_v is None else self.head_dim_v)
 
+    def shard(self, rank: int, world: int) -> AttentionLayerSpec:
+        """Rank ``rank`` of ``world`` holds ``n_head_kv / world`` whole K/V heads (its
+        query heads' groups); a count that does not divide is refused, not replicated."""
+        _check_rank(rank, world)
+        return dataclasses.replace(self, n_head_kv=_split("n_head_kv", self.n_head_kv, world, "K/V heads"))
+
+    def shard_index(self, rank: int, world: int) -> dict[str, np.ndarray]:
+        """Which elements of an unsharded K row (``"k"``) and V row (``"v"``) rank ``rank`` holds."""
+        local = self.shard(rank, world)
+        return {
+            "k": np.arange(rank * local.n_embd_k, (rank + 1) * local.n_embd_k, dtype=np.int64),
+            "v": np.arange(rank * local.n_embd_v, (rank + 1) * local.n_embd_v, dtype=np.int64),
+        }
+
 
 @dataclasses.dataclass(frozen=True)
 class IndexerSpec:
-    """The key-only indexer cache of hybrid-idx models (kpool-spec K.1)."""
+    """The key-only indexer cache of hybrid-idx models (docs/memory-semantics.md#kpool-rows)."""
 
     layers: tuple[int, ...]
     head_size: int
@@ -297,6 +320,13 @@ class ModelSpec:
             indexer,
         )
 
+    def shard(self, rank: int, world: int) -> ModelSpec:
+        """The spec of tensor-parallel rank ``rank`` of ``world``: recurrent and attention
+        layers split by heads; the indexer cache (one key head) is replicated on every rank."""
+        recurrent = self.recurrent.shard(rank, world)
+        attention = {il: _in_layer(il, a.shard, rank, world) for il, a in sorted(self.attention.items())}
+        return dataclasses.replace(self, recurrent=recurrent, attention=attention)
+
     @property
     def n_layer(self) -> int:
         return self.recurrent.n_layer
@@ -316,7 +346,7 @@ class ModelSpec:
 
     def kv_bytes(self, n_seq_max: int, n_ctx: int) -> int:
         """Bytes of K and V for ``n_seq_max`` sequences of ``n_ctx`` positions
-        (full-size caches; an iSWA window cache is smaller, see :func:`make_memory`)."""
+        (full-size caches; an iSWA window cache is smaller, see :func:`statecache.factory.make_memory`)."""
         width = sum(a.n_embd_k + a.n_embd_v for a in self.attention.values())
         return width * n_seq_max * n_ctx * self.kv_dtype.itemsize
 
@@ -337,50 +367,114 @@ class ModelSpec:
         return out
 
 
-def make_model_memory(
-    spec: ModelSpec,
-    device: Device,
-    n_seq_max: int,
-    n_rs_seq: int = 0,
-    *,
-    n_ctx: int,
-    unified: bool = True,
-    n_ubatch: int = 512,
-    swa_full: bool = False,
-    n_pad: int = 256,
-    k_shift: Any = None,
-) -> Any:
-    """Pure attention (KVCache / KVCacheISWA), pure recurrent, hybrid, hybrid-iSWA
-    or hybrid-idx, as the spec says.  ``n_ctx``: positions per sequence."""
-    from statecache.kv_cache import KVCache, KVCacheISWA, KVLayer
-    from statecache.recurrent import RecurrentMemory
+# -- tensor-parallel shards (Megatron / vLLM: whole heads per rank) -----------------------
 
-    kind = spec.kind
-    if kind == "recurrent":
-        return RecurrentMemory(spec.recurrent, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq)
-    layers = [KVLayer(il, a.n_embd_k, a.n_embd_v) for il, a in sorted(spec.attention.items())]
-    size = n_ctx * n_seq_max if unified else n_ctx
-    common: dict[str, Any] = dict(n_seq_max=n_seq_max, unified=unified, dtype=spec.kv_dtype, n_pad=n_pad)
-    if kind in ("attention_iswa", "hybrid_iswa"):
-        swa_layers = [il for il, a in spec.attention.items() if a.swa]
-        attn: Any = KVCacheISWA(
-            device, layers, swa_layers, size=size, n_ubatch=n_ubatch, n_swa=spec.n_swa,
-            swa_type=spec.swa_type, swa_full=swa_full, k_shift=k_shift, **common,
-        )  # fmt: skip
+
+def _check_rank(rank: int, world: int) -> None:
+    if world < 1:
+        raise ArgumentError("world", f"needs at least one rank, got {world}")
+    if not 0 <= rank < world:
+        raise ArgumentError("rank", f"{rank} outside [0, world={world})")
+
+
+def _split(field: str, value: int, world: int, what: str) -> int:
+    if value % world:
+        raise ArgumentError(field, f"{value} {what} do not split over {world} ranks")
+    return value // world
+
+
+def _in_layer(layer: int, shard: Any, rank: int, world: int) -> Any:
+    """``shard(rank, world)`` with the layer index added to an error."""
+    try:
+        return shard(rank, world)
+    except ArgumentError as exc:
+        raise ArgumentError(exc.argument, f"layer {layer}: {str(exc)[len(exc.argument) + 2 :]}") from None
+
+
+def _blocks(starts: np.ndarray, width: int) -> np.ndarray:
+    """Concatenated ranges ``[s, s + width)`` for every ``s`` in ``starts``."""
+    return (np.asarray(starts, dtype=np.int64)[:, None] + np.arange(width, dtype=np.int64)).ravel()
+
+
+def _shard_layer(spec: RecurrentLayerSpec, rank: int, world: int) -> tuple[RecurrentLayerSpec, dict[str, np.ndarray]]:
+    """The local spec and the element maps of one recurrent layer (see :meth:`RecurrentLayerSpec.shard`).
+
+    Row layouts (fixed by the primitives): a conv window row is ``[channel, d_conv - 1]``;
+    a Mamba state row is ``[head, head_dim, d_state]``; a delta-rule or wkv state row
+    is ``[head, head_dim, head_dim]``.  So a rank's rows are its channels' and heads'
+    blocks of the full rows, in increasing order.
+    """
+    _check_rank(rank, world)
+    p = spec.params
+    full = {t.name: np.arange(t.row_size, dtype=np.int64) for t in spec.tensors}
+    if p.get("tp_world", 1) != 1:
+        raise ArgumentError("world", f"the {spec.family} layer is already rank {p['tp_rank']} of {p['tp_world']}")
+    if world == 1:
+        return spec, full
+    fam = spec.family
+    tp = {"tp_rank": rank, "tp_world": world}
+    if fam in ("mamba1", "mamba2"):
+        P, N = p["head_dim"], p["d_state"]
+        H = _split("d_inner" if fam == "mamba1" else "n_head", p["n_head"], world, "heads")
+        d_inner = p["n_head"] * P
+        channels = [np.arange(rank * H * P, (rank + 1) * H * P)]
+        if fam == "mamba2":
+            G = p["n_group"]
+            g = _split("n_group", G, world, "groups")
+            for base in (d_inner, d_inner + G * N):  # B, then C: each rank keeps its heads' groups
+                channels.append(base + np.arange(rank * g * N, (rank + 1) * g * N))
+            local = RecurrentLayerSpec.mamba2(d_inner=H * P, d_state=N, d_conv=p["d_conv"], n_group=g, head_dim=P)
+        else:
+            local = RecurrentLayerSpec.mamba1(d_inner=H, d_state=N, d_conv=p["d_conv"])
+        heads = np.arange(rank * H, (rank + 1) * H)
+        index = {"r": np.concatenate(channels), "s": _blocks(heads * P * N, P * N)}
+    elif fam in ("gdn", "kda"):
+        S, Hv, Hk = p["head_dim"], p["n_head"], p["n_head_k"]
+        if Hv % Hk:
+            raise ArgumentError("n_head", f"{Hv} value heads are not a multiple of {Hk} key heads")
+        _split("n_head", Hv, world, "value heads")
+        hk = _split("n_head_k", Hk, world, "key heads")
+        k_heads = np.arange(rank * hk, (rank + 1) * hk)
+        # value head h reads key head h % Hk (the primitive tiles key heads over value
+        # heads): a rank holds the value heads of its key heads, in increasing order,
+        # which the local tiling h' % hk maps onto the same key heads
+        v_heads = np.flatnonzero(np.isin(np.arange(Hv) % Hk, k_heads))
+        index = {
+            "r": np.concatenate(
+                [_blocks(k_heads * S, S), _blocks((Hk + k_heads) * S, S), _blocks((2 * Hk + v_heads) * S, S)]
+            ),
+            "s": _blocks(v_heads * S * S, S * S),
+        }
+        if fam == "gdn":
+            local = RecurrentLayerSpec.gdn(n_head=v_heads.size, head_dim=S, d_conv=p["d_conv"], n_head_k=hk)
+        else:
+            local = RecurrentLayerSpec.kda(n_head=v_heads.size, head_dim=S, d_conv=p["d_conv"])
+    elif fam in ("rwkv6", "rwkv7"):
+        hs = p["head_size"]
+        h = _split("n_head", p["n_embd"] // hs, world, "heads")
+        heads = np.arange(rank * h, (rank + 1) * h)
+        # the token shift holds the layer input, which every tensor-parallel rank holds whole
+        index = {"r": full["r"], "s": _blocks(heads * hs * hs, hs * hs)}
+        tensors = (StateTensor("r", spec.row_sizes["r"]), StateTensor("s", h * hs * hs))
+        return RecurrentLayerSpec(fam, tensors, {**p, **tp}), index
+    elif fam == "shortconv":
+        c = _split("channels", p["channels"], world, "channels")
+        local = RecurrentLayerSpec.shortconv(n_embd=c, l_cache=p["d_conv"])
+        index = {"r": np.arange(rank * c, (rank + 1) * c)}
     else:
-        attn = KVCache(device, layers, size=size, k_shift=k_shift, **common)
-    if kind.startswith("attention"):
-        return attn
-    recr = RecurrentMemory(spec.recurrent, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq)
-    if kind == "hybrid_idx":
-        from statecache.hybrid_idx import HybridIdxMemory
+        raise ArgumentError("family", f"no tensor-parallel split is defined for {fam!r}")
+    window = p["d_conv"] - 1
+    index["r"] = _blocks(index["r"] * window, window)  # channels -> elements of the [channel, window] row
+    return dataclasses.replace(local, params={**local.params, **tp}), index
 
-        ix = spec.indexer
-        assert ix is not None
-        return HybridIdxMemory(
-            attn, recr, ix.layers, head_size=ix.head_size, row_factor=ix.row_factor, kpool=ix.kpool,
-            by_order=ix.by_order,
-        )  # fmt: skip
-    from statecache.hybrid import HybridISWAMemory, HybridMemory
 
-    return HybridISWAMemory(attn, recr) if kind == "hybrid_iswa" else HybridMemory(attn, recr)
+def __getattr__(name: str) -> Any:
+    # make_memory and make_model_memory moved to statecache.factory, above the
+    # memories (this module is data and sits below them).  Resolved on first
+    # use so that old imports keep working without this floor importing the
+    # memories at import time.
+    if name in ("make_memory", "make_model_memory"):
+        from statecache import factory
+
+        return getattr(factory, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,6 +5,7 @@ the pytest plugin stays inert in ordinary runs."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import pathlib
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from statecache import hookspecs
-from statecache.backend import PRIMITIVES, Caps
+from statecache.backend import PRIMITIVES, Buffer, Caps
 from statecache.backends.reference import ssm_scan as ref_scan
 from statecache.backends.reference.device import ReferenceDevice
 from statecache.conformance import catalog
@@ -148,6 +149,74 @@ def test_wrong_bf16_rounding_is_caught():
     assert failed == ["set_rows[r32-e51-n7-f32>bf16-edge]"]
 
 
+# -- the device protocol through views ------------------------------------------------
+
+
+class WritesAtTheStart(ReferenceDevice):
+    """``_write`` ignores ``buffer.offset``: it writes at the start of the storage."""
+
+    def _write(self, buffer, host):
+        buffer.storage[: host.size] = host.reshape(-1)
+
+
+class ReadsFromTheStart(ReferenceDevice):
+    """``_read`` ignores ``buffer.offset`` (strides honoured)."""
+
+    def _read(self, buffer):
+        at_start = Buffer(self, buffer.storage, buffer.dtype, buffer.shape, strides=buffer.strides, offset=0)
+        return super()._read(at_start)
+
+
+class CopiesFromTheStart(ReferenceDevice):
+    """``_copy_buffer`` copies whole storages from their first element."""
+
+    def _copy_buffer(self, src, dst):
+        dst.storage[: dst.size] = src.storage[: src.size].astype(dst.storage.dtype)
+
+
+class IndexKernelsIgnoreViews(ReferenceDevice):
+    """Row kernels read their index array from the start of its storage, as a
+    kernel given the storage handle without the view's offset and strides does."""
+
+    def _get_rows(self, src, rows_buf, dst, rows_host):
+        super()._get_rows(src, rows_buf, dst, rows_buf.storage[: rows_buf.size].copy())
+
+
+BROKEN_TRANSFERS = {
+    WritesAtTheStart: {"device.write_views[f32]", "device.write_views[i32]", "device.fill_bytes_view[f32]"},
+    ReadsFromTheStart: {"device.read_views[f32]", "device.read_views[bf16]", "device.upload_download[f32]"},
+    CopiesFromTheStart: {"device.copy_buffer_views[f32]", "device.copy_buffer_views[f16]"},
+    IndexKernelsIgnoreViews: {"device.index_views[f32]"},
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_TRANSFERS), ids=lambda c: c.__name__)
+def test_transfers_that_ignore_view_offsets_are_caught(broken):
+    failed, passed = [], []
+    for case in _cases("device."):
+        try:  # the suite fails a case on any exception: a refusal of corrupt indices counts
+            with np.errstate(all="ignore"):
+                case.run(broken())
+        except Exception:
+            failed.append(case.id)
+        else:
+            passed.append(case.id)
+    assert BROKEN_TRANSFERS[broken] <= set(failed), failed
+    # Precise, not noisy: the cases on whole buffers still pass.
+    assert "device.alloc_zero[f32]" in passed and "device.indices[i32]" in passed
+
+
+def test_the_reported_write_through_a_view_is_caught():
+    """The issue's reproduction: ``dev.write(b.view((1, 3), (3, 1), 6), ...)``
+    wrote row 0 instead of row 2, and every case passed."""
+    dev = WritesAtTheStart()
+    b = dev.upload(np.zeros((3, 3), np.float32))
+    dev.write(b.view((1, 3), (3, 1), 6), np.ones((1, 3), np.float32))
+    assert b.numpy()[0].tolist() == [1, 1, 1]  # the bug, reproduced
+    with pytest.raises(ConformanceFailure, match=r"write\(\) through view"):
+        next(c for c in _cases("device.write_views[f32]")).run(dev)
+
+
 def test_memory_cases_catch_broken_backends():
     """The memory cases fail on their own, not only through the primitive cases."""
     hybrid = _cases("memory.hybrid[")
@@ -274,6 +343,8 @@ def test_cli_runs_the_kit_and_prints_a_table(tmp_path):
     assert "toy:0" in proc.stdout and "not supported" in proc.stdout
     data = json.loads(report.read_text())
     assert {c["status"] for c in data["cases"]} == {"pass"}
+    started = datetime.datetime.fromisoformat(data["started"])  # ISO 8601, in UTC
+    assert started.utcoffset() == datetime.timedelta(0)
 
 
 def test_cli_exit_codes(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import statecache
 from statecache.backend import Backend
 from statecache.backends.reference.device import ReferenceDevice
-from statecache.errors import BackendNotFoundError, BackendUnavailableError
+from statecache.errors import BackendNotFoundError, BackendUnavailableError, SettingsWarning
 from statecache.hookspecs import hookimpl
 from statecache.registry import BackendRegistry, DuplicateBackendWarning
 
@@ -254,3 +254,29 @@ def test_two_distributions_claiming_one_name_warn_naming_both(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert "rogue-statecache" in out.stdout and "statecache 0" in out.stdout
+
+
+def test_allowlist_names_no_plugin_provides_are_a_warning(monkeypatch):
+    monkeypatch.setenv("STATECACHE_BACKENDS", "acme,acmee")
+    with pytest.warns(SettingsWarning, match=r"STATECACHE_BACKENDS names 'acmee', which no installed plugin provides"):
+        reg = BackendRegistry(load_entry_points=False, plugins=[plugin_with(FakeBackend("acme"))])
+    assert reg.names() == ["acme"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an explicit allowlist is the caller's own: no warning
+        BackendRegistry(load_entry_points=False, allowlist=["nosuch"])
+
+
+def test_empty_registry_says_why(monkeypatch):
+    monkeypatch.setenv("STATECACHE_BACKENDS", "")
+    assert "STATECACHE_BACKENDS is set but empty" in BackendRegistry().why_empty()
+    monkeypatch.delenv("STATECACHE_BACKENDS")
+    assert BackendRegistry().why_empty() == ""
+    assert "entry-point group 'statecache.backends' is empty" in BackendRegistry(load_entry_points=False).why_empty()
+
+
+@pytest.mark.parametrize("value", ["nosuch", "acme:7"])
+def test_a_device_from_statecache_device_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv("STATECACHE_DEVICE", value)
+    reg = BackendRegistry(load_entry_points=False, plugins=[plugin_with(FakeBackend("acme"))])
+    with pytest.raises(BackendNotFoundError, match=f"^STATECACHE_DEVICE='{value}': no "):
+        reg.get_device()

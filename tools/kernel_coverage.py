@@ -44,13 +44,14 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CPU = ROOT / "backends" / "cpu"
-FAMILIES = ("device", "primitive", "oracle", "metamorphic", "memory")
+FAMILIES = ("device", "primitive", "oracle", "metamorphic", "memory", "prefix")
 _TEST_MODULE = {
     "device": "test_device",
     "primitive": "test_primitives",
     "oracle": "test_oracle",
     "metamorphic": "test_metamorphic",
     "memory": "test_memory",
+    "prefix": "test_prefix",
 }
 
 # The child: load the kernels built here instead of the installed ones, then

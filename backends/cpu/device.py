@@ -513,6 +513,11 @@ class CpuBackend(Backend):
 
     def availability(self) -> tuple[bool, str]:
         _, lib, reason = load_kernels()
+        if lib is not None:
+            try:
+                settings.num_threads()  # every kernel call reads it: a bad value fails them all
+            except ValueError as exc:
+                return False, str(exc)
         return lib is not None, reason
 
     def devices(self) -> list[Device]:

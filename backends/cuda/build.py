@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from statecache import __version__, settings
+from statecache.errors import BuildError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 HEADER = "statecache_cuda.h"
@@ -48,10 +49,6 @@ FLAGS = (
     "--threads",
     "2",  # nvcc compiles the gencode targets of a file in parallel
 )
-
-
-class BuildError(RuntimeError):
-    """nvcc failed; the message holds the command and nvcc's output."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -610,6 +610,12 @@ class CudaBackend(Backend):
             return self._probe_result
 
     def _run_probe(self) -> _Probe:
+        # The driver first: without one nothing else matters, and the reason
+        # must not depend on whether nvcc or a cached library happens to be
+        # here (nor spend a minute in nvcc for a library nothing can run).
+        problem = driver_problem()
+        if problem is not None:
+            return _Probe(False, problem)
         tc = build.toolchain()
         if tc is None:
             return _Probe(
@@ -617,11 +623,6 @@ class CudaBackend(Backend):
             )
         path = build.cached_library(self.cache_root, tc)
         if path is None:
-            # Do not spend a minute in nvcc during discovery when there is no
-            # driver to run the result.
-            problem = driver_problem()
-            if problem is not None:
-                return _Probe(False, problem)
             try:
                 path = build.ensure_built(self.cache_root, tc).path
             except build.BuildError as exc:

@@ -21,7 +21,7 @@ import warnings
 from typing import Any
 
 from statecache.dtypes import DType
-from statecache.errors import StatecacheError
+from statecache.errors import BuildError
 
 #: Codes the kernels use for storage dtypes (see common.cl).
 DTYPE_CODES: dict[DType, int] = {DType.F32: 0, DType.F16: 1, DType.BF16: 2}
@@ -58,7 +58,7 @@ _FAMILY_DEFINES: dict[str, tuple[str, ...]] = {
 }
 
 
-class KernelBuildError(StatecacheError):
+class KernelBuildError(BuildError):
     """An OpenCL program failed to build; the message carries the compiler log."""
 
 

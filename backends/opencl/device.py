@@ -312,11 +312,11 @@ class OpenCLDevice(Device):
 
     @_serialized
     def _get_rows(self, src: Buffer, rows: Buffer, dst: Buffer, rows_host: np.ndarray) -> None:
-        self._launch_rows(src, rows.storage, dst, None, dst.shape[0], dst.shape[1])
+        self._launch_rows(src, self._index_storage(rows, rows_host), dst, None, dst.shape[0], dst.shape[1])
 
     @_serialized
     def _set_rows(self, dst: Buffer, rows: Buffer, src: Buffer, rows_host: np.ndarray) -> None:
-        self._launch_rows(src, None, dst, rows.storage, src.shape[0], src.shape[1])
+        self._launch_rows(src, None, dst, self._index_storage(rows, rows_host), src.shape[0], src.shape[1])
 
     @_serialized
     def _copy_rows(
@@ -328,7 +328,8 @@ class OpenCLDevice(Device):
         src_rows_host: np.ndarray,
         dst_rows_host: np.ndarray,
     ) -> None:
-        self._launch_rows(src, src_rows.storage, dst, dst_rows.storage, src_rows.shape[0], src.shape[1])
+        src_idx, dst_idx = self._index_storage(src_rows, src_rows_host), self._index_storage(dst_rows, dst_rows_host)
+        self._launch_rows(src, src_idx, dst, dst_idx, src_rows.shape[0], src.shape[1])
 
     @_serialized
     def _zero_rows(self, dst: Buffer, rows: Buffer, rows_host: np.ndarray) -> None:
@@ -343,13 +344,14 @@ class OpenCLDevice(Device):
                 None,
                 dst.storage,
                 dst.offset * dst.dtype.itemsize // 4,
-                rows.storage,
+                self._index_storage(rows, rows_host),
                 row_len4,
             )
             return
         unit = "u32" if dst.dtype.itemsize == 4 else "u16"
         knl = self.kernel("rows", f"zero_rows_{unit}")
-        knl(self.queue, (row_len, n), None, dst.storage, _long(dst.offset), rows.storage, _long(row_len))
+        rows_arg = self._index_storage(rows, rows_host)
+        knl(self.queue, (row_len, n), None, dst.storage, _long(dst.offset), rows_arg, _long(row_len))
 
     # -- stateful primitives ------------------------------------------------------
     def _row_geometry(self, n_rows: int, n_seqs: int) -> tuple[tuple[int, int], tuple[int, int], int]:
@@ -359,6 +361,18 @@ class OpenCLDevice(Device):
             return (-(-n_rows // per_item), n_seqs), (1, 1), per_item
         local = min(ROWS_LOCAL_SIZE, n_rows, self.max_work_group_size)
         return (_round_up(n_rows, local), n_seqs), (local, 1), 1
+
+    def _index_storage(self, rows: Buffer, values: np.ndarray | None = None) -> Any:
+        """What a kernel reads ``rows`` from.  The kernels take index arrays
+        without an offset or strides, so a view into a larger index buffer is
+        uploaded afresh (OpenCL keeps the copy alive until the launch has run)."""
+        if rows.offset == 0 and rows.is_contiguous:
+            return rows.storage
+        import pyopencl as cl
+
+        host = np.ascontiguousarray(self.index_values(rows) if values is None else values, dtype=np.int32)
+        flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
+        return cl.Buffer(self.context, flags, hostbuf=host if host.size else np.zeros(1, np.int32))
 
     @staticmethod
     def _strided(buf: Buffer) -> list[Any]:
@@ -388,8 +402,8 @@ class OpenCLDevice(Device):
             pool.storage,
             _long(pool.offset),
             _long(shp.row_size),
-            start_rows.storage,
-            dst_rows.storage,
+            self._index_storage(start_rows),
+            self._index_storage(dst_rows),
             *self._strided(x),
             *self._strided(weight),
             *bias_args,
@@ -447,8 +461,8 @@ class OpenCLDevice(Device):
             pool.storage,
             _long(pool.offset),
             _long(shp.row_size),
-            start_rows.storage,
-            dst_rows.storage,
+            self._index_storage(start_rows),
+            self._index_storage(dst_rows),
             *self._strided(x),
             prep,
             n_prep,
@@ -510,8 +524,8 @@ class OpenCLDevice(Device):
             pool.storage,
             _long(pool.offset),
             _long(shp.row_size),
-            start_rows.storage,
-            dst_rows.storage,
+            self._index_storage(start_rows),
+            self._index_storage(dst_rows),
             *self._strided(q),
             *self._strided(k),
             *self._strided(v),

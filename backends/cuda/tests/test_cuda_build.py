@@ -126,7 +126,10 @@ def test_library_with_another_abi_is_refused(tmp_path):
 def test_unavailable_with_the_cuda_error_text(built, runtime, cuda_cache):
     count, status = runtime.device_count()
     ok, reason = CudaBackend(cache_root=cuda_cache).availability()
-    if status:
+    if cuda_device.driver_problem() is not None:
+        # No driver: said so, whatever the build cache holds (this machine).
+        assert (ok, reason) == (False, cuda_device.driver_problem())
+    elif status:
         # No driver or no GPU (this machine): cudart's own words.
         assert not ok
         assert runtime.error_text(status) in reason
@@ -136,6 +139,7 @@ def test_unavailable_with_the_cuda_error_text(built, runtime, cuda_cache):
 
 
 def test_unavailable_without_nvcc(tmp_path, monkeypatch):
+    monkeypatch.setattr(cuda_device, "driver_problem", lambda: None)
     monkeypatch.setattr(build, "find_nvcc", lambda: None)
     ok, reason = CudaBackend(cache_root=tmp_path).availability()
     assert not ok and "nvcc not found" in reason
@@ -147,6 +151,19 @@ def test_no_build_during_discovery_without_a_driver(tmp_path, monkeypatch):
     ok, reason = CudaBackend(cache_root=tmp_path).availability()
     assert (ok, reason) == (False, "no CUDA driver: test")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("cache", ["empty", "holds a library", "no nvcc"])
+def test_no_driver_is_the_reason_whatever_the_build_cache_holds(tmp_path, monkeypatch, cache):
+    """The reason must not depend on what an earlier build left in the cache:
+    a library found there used to turn "no driver" into a load or runtime error."""
+    monkeypatch.setattr(cuda_device, "driver_problem", lambda: "no CUDA driver: test")
+    if cache == "holds a library":
+        monkeypatch.setattr(build, "cached_library", lambda *a, **k: tmp_path / "libstatecache_cuda.so")
+        monkeypatch.setattr(build, "toolchain", lambda: build.Toolchain("nvcc", "fake"))
+    elif cache == "no nvcc":
+        monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    assert CudaBackend(cache_root=tmp_path).availability() == (False, "no CUDA driver: test")
 
 
 def test_real_driver_probe_names_libcuda():

@@ -15,7 +15,7 @@ from statecache.registry import BackendRegistry
 pytestmark = pytest.mark.opencl
 
 
-def test_registered_through_the_entry_point():
+def test_registered_through_the_entry_point(cl_platform):
     registry = BackendRegistry(allowlist=["opencl"])
     assert registry.names() == ["opencl"]
     ok, reason = registry.entries()[0].availability()
@@ -25,8 +25,8 @@ def test_registered_through_the_entry_point():
     assert device.id == "opencl:0"
 
 
-def test_every_device_of_every_platform_in_loader_order():
-    import pyopencl as cl
+def test_every_device_of_every_platform_in_loader_order(cl_platform, pyopencl):
+    cl = pyopencl
 
     expected = [(p.name, d.name) for p in cl.get_platforms() for d in p.get_devices()]
     devices = OpenCLBackend().devices()
@@ -36,8 +36,8 @@ def test_every_device_of_every_platform_in_loader_order():
     assert [d.name for d in OpenCLBackend().devices()] == [d.name for d in devices]
 
 
-def test_pyopencl_ctx_restricts_the_devices(monkeypatch):
-    import pyopencl as cl
+def test_pyopencl_ctx_restricts_the_devices(cl_platform, pyopencl, monkeypatch):
+    cl = pyopencl
 
     first_platform = cl.get_platforms()[0]
     monkeypatch.setenv("PYOPENCL_CTX", "0:0")
@@ -60,8 +60,8 @@ def test_missing_pyopencl_is_unavailable_naming_the_extra(monkeypatch):
 
 
 @pytest.mark.parametrize("failure", ["empty", "raises"])
-def test_no_platform_is_unavailable_with_the_install_hint(monkeypatch, failure):
-    import pyopencl as cl
+def test_no_platform_is_unavailable_with_the_install_hint(pyopencl, monkeypatch, failure):
+    cl = pyopencl
 
     def get_platforms():
         if failure == "raises":
@@ -115,16 +115,14 @@ def test_supports_reports_kernel_limits(cl_device):
     assert cl_device.supports("ssm_scan", dtype="bf16")
 
 
-def test_launches_from_several_threads_match_serial_results():
+def test_launches_from_several_threads_match_serial_results(cl_device):
     """Kernel arguments live on shared cl.Kernel objects and the prep kernels
     share one scratch buffer: concurrent callers must not mix their launches."""
     import threading
 
     import numpy as np
 
-    import statecache
-
-    dev = statecache.get_device("opencl:0")
+    dev = cl_device
     rng = np.random.default_rng(5)
     H, P, N = 4, 8, 16
 

@@ -1,0 +1,79 @@
+"""Building a memory from a spec: the factory above the memories.
+
+:mod:`statecache.spec` describes what a model's memory holds (data only, below
+every memory); this module picks and builds the memory class that holds it, so
+it sits above :mod:`statecache.recurrent`, :mod:`statecache.kv_cache` and the
+hybrids and nothing below imports it.  (``statecache.spec.make_memory`` still
+resolves here for older code.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from statecache.backend import Device
+from statecache.hybrid import HybridISWAMemory, HybridMemory
+from statecache.hybrid_idx import HybridIdxMemory
+from statecache.kv_cache import KVCache, KVCacheISWA, KVLayer
+from statecache.memory import Memory
+from statecache.recurrent import RecurrentMemory
+from statecache.spec import MemorySpec, ModelSpec
+
+__all__ = ["make_memory", "make_model_memory"]
+
+
+def make_memory(
+    spec: MemorySpec | ModelSpec,
+    device: Device,
+    n_seq_max: int,
+    n_rs_seq: int = 0,
+    **kwargs: Any,
+) -> Memory:
+    """The memory of a pure-recurrent model (every stateful layer recurrent); a
+    :class:`ModelSpec` (attention / indexer layers too) picks its class itself."""
+    if isinstance(spec, ModelSpec):
+        return make_model_memory(spec, device, n_seq_max, n_rs_seq, **kwargs)
+    return RecurrentMemory(spec, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq, **kwargs)
+
+
+def make_model_memory(
+    spec: ModelSpec,
+    device: Device,
+    n_seq_max: int,
+    n_rs_seq: int = 0,
+    *,
+    n_ctx: int,
+    unified: bool = True,
+    n_ubatch: int = 512,
+    swa_full: bool = False,
+    n_pad: int = 256,
+    k_shift: Any = None,
+) -> Memory:
+    """Pure attention (KVCache / KVCacheISWA), pure recurrent, hybrid, hybrid-iSWA
+    or hybrid-idx, as the spec says.  ``n_ctx``: positions per sequence."""
+    kind = spec.kind
+    if kind == "recurrent":
+        return RecurrentMemory(spec.recurrent, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq)
+    layers = [KVLayer(il, a.n_embd_k, a.n_embd_v) for il, a in sorted(spec.attention.items())]
+    size = n_ctx * n_seq_max if unified else n_ctx
+    common: dict[str, Any] = dict(n_seq_max=n_seq_max, unified=unified, dtype=spec.kv_dtype, n_pad=n_pad)
+    if kind in ("attention_iswa", "hybrid_iswa"):
+        swa_layers = [il for il, a in spec.attention.items() if a.swa]
+        attn: Any = KVCacheISWA(
+            device, layers, swa_layers, size=size, n_ubatch=n_ubatch, n_swa=spec.n_swa,
+            swa_type=spec.swa_type, swa_full=swa_full, k_shift=k_shift, **common,
+        )  # fmt: skip
+    else:
+        attn = KVCache(device, layers, size=size, k_shift=k_shift, **common)
+    if kind.startswith("attention"):
+        attention_only: Memory = attn
+        return attention_only
+    recr = RecurrentMemory(spec.recurrent, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq)
+    if kind == "hybrid_idx":
+        ix = spec.indexer
+        assert ix is not None  # ModelSpec.kind says "hybrid_idx" only when there is an indexer
+        return HybridIdxMemory(
+            attn, recr, ix.layers, head_size=ix.head_size, row_factor=ix.row_factor, kpool=ix.kpool,
+            by_order=ix.by_order,
+        )  # fmt: skip
+    return HybridISWAMemory(attn, recr) if kind == "hybrid_iswa" else HybridMemory(attn, recr)
