@@ -14,7 +14,7 @@ row is caught).
 Inputs cross every branch of the math (see the generators below): dt below
 0, between 2 and 20 and above 20; decays near 0 and near 1; beta 0 and 1;
 the ``range`` cases store states near the f16/bf16 limits and subnormals;
-n_snap from 1 to the 64 planes every device must offer (zero-length index
+n_snap from 1 to ``MAX_PLANES`` (zero-length index
 arrays are in the oracle family); vector tails (channels, heads and d_state off a multiple of 8) and
 inputs whose last stride is not 1 (``interleaved``).  ``tools/kernel_coverage.py``
 reports which branches of the C kernels the kit reaches.
@@ -32,11 +32,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from statecache.backend import Buffer, Device
+from statecache.backend import Buffer, Caps, Device
 from statecache.conformance.cases import NMSE, Case, Requirement, Tensor, compare_with_reference, rng_for
 from statecache.dtypes import DType
 
 F32 = DType.F32
+
+#: The most snapshot planes every device offers: ``Caps.max_snapshots`` unless
+#: a device declares more (the built-in ones offer 64; a case asking for more
+#: than a device declares is "not supported", never run).
+MAX_PLANES: int = Caps.__dataclass_fields__["max_snapshots"].default
 
 
 def _u(rng: np.random.Generator, shape: tuple[int, ...], lo: float = -1.0, hi: float = 1.0) -> np.ndarray:
@@ -356,9 +361,9 @@ def scan_grid() -> list[ScanParams]:
         ScanParams("mamba1", 16, 1, 64, 1, 6, 2, special="nanf"),
     ]
     g += [
-        # the most snapshot planes a device must offer (64), with n_t below and above
-        ScanParams("mamba2", 16, 8, 2, 1, 5, 2, n_snap=64),
-        ScanParams("mamba2", 16, 8, 2, 1, 70, 2, n_snap=64),
+        # the most snapshot planes every device offers, with n_t below and above
+        ScanParams("mamba2", 16, 8, 2, 1, 5, 2, n_snap=MAX_PLANES),
+        ScanParams("mamba2", 16, 8, 2, 1, 2 * MAX_PLANES + 3, 2, n_snap=MAX_PLANES),
         # groups that are neither 1 nor one per head: which heads share B and C
         ScanParams("mamba2", 16, 8, 8, 4, 6, 2),
         # B and C with a last stride of 2, prefill and decode, both variants
@@ -492,8 +497,8 @@ def conv_grid() -> list[ConvParams]:
     g += [
         ConvParams(2, 256, 5, 3, n_snap=3),  # a one-column window
         ConvParams(2, 256, 1, 3, bias_silu=True, starts="inplace"),
-        ConvParams(4, 64, 5, 2, n_snap=64),  # the most planes a device must offer
-        ConvParams(4, 64, 70, 2, n_snap=64),
+        ConvParams(4, 64, 5, 2, n_snap=MAX_PLANES),  # the most planes every device offers
+        ConvParams(4, 64, 2 * MAX_PLANES + 3, 2, n_snap=MAX_PLANES),
         # channels not a multiple of 8 (vector tails), x with a channel stride of 2
         ConvParams(4, 36, 1, 3, bias_silu=True, starts="inplace"),
         ConvParams(4, 36, 1, 3, n_snap=2),
@@ -636,8 +641,8 @@ def delta_grid() -> list[DeltaParams]:
         DeltaParams(32, 2, 2, 5, 2, special="nanf"),
     ]
     g += [
-        DeltaParams(16, 4, 2, 5, 2, n_snap=64),  # the most planes a device must offer
-        DeltaParams(16, 4, 2, 70, 2, n_snap=64, kda=True),
+        DeltaParams(16, 4, 2, 5, 2, n_snap=MAX_PLANES),  # the most planes every device offers
+        DeltaParams(16, 4, 2, 2 * MAX_PLANES + 3, 2, n_snap=MAX_PLANES, kda=True),
         DeltaParams(16, 4, 2, 5, 2, layout="interleaved"),  # q and k with a last stride of 2
         DeltaParams(16, 4, 2, 1, 3, kda=True, layout="interleaved", starts="inplace"),
     ]
