@@ -35,10 +35,13 @@ from statecache.conformance.cases import NMSE, Case, Placed, Requirement, Tensor
 from statecache.conformance.primitive_cases import (
     EDGE_VALUES,
     PoolLayout,
+    conv_call,
     decay_rates,
+    delta_call,
     dt_values,
     log_decays,
     plane_kwargs,
+    scan_call,
     state_case,
     write_strengths,
 )
@@ -157,15 +160,6 @@ def scan_oracle_case(p: ScanOracle) -> Case:
             tensors["C"] = Tensor(None, view=("packed", (S, T, G, N), (*tok, N, 1), H * P + G * N))
             tensors["dt"] = Tensor(None, view=("packed", (S, T, H), (*tok, 1), H * P + 2 * G * N))
 
-        def call(dev: Device, b: dict[str, Buffer]) -> None:
-            dev.ssm_scan(
-                b["pool"],
-                dev.indices(lay.start_rows()),
-                dev.indices(lay.dst_rows()),
-                *(b[n] for n in ("x", "dt", "A", "B", "C", "y")),
-                **plane_kwargs(lay),
-            )
-
         def expect(a: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             pool, y = oracle.ssm_scan(
                 a["pool"],
@@ -181,7 +175,8 @@ def scan_oracle_case(p: ScanOracle) -> Case:
             )
             return {"pool": pool, "y": y}
 
-        compare_with_oracle(device, tensors, case.seed, call, expect, {"pool": NMSE[p.dtype], "y": NMSE[F32]})
+        tol = {"pool": NMSE[p.dtype], "y": NMSE[F32]}
+        compare_with_oracle(device, tensors, case.seed, scan_call(lay), expect, tol)
 
     shape = {"variant": p.variant, "d_state": p.d_state, "head_dim": p.head_dim}
     case = state_case(p.id, "oracle", "ssm_scan", run, p.dtype, p.n_snap, p.layout != "contig", **shape)
@@ -252,19 +247,6 @@ def conv_oracle_case(p: ConvOracle) -> Case:
             "y": Tensor(np.full((S, T, ch), 555.0, dtype=np.float32), output=True),
         }
 
-        def call(dev: Device, b: dict[str, Buffer]) -> None:
-            dev.ssm_conv(
-                b["pool"],
-                dev.indices(lay.start_rows()),
-                dev.indices(lay.dst_rows()),
-                b["x"],
-                b["weight"],
-                b["y"],
-                bias=b["bias"] if p.bias_silu else None,
-                apply_silu=p.bias_silu,
-                **plane_kwargs(lay),
-            )
-
         def expect(a: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             pool, y = oracle.ssm_conv(
                 a["pool"],
@@ -279,7 +261,7 @@ def conv_oracle_case(p: ConvOracle) -> Case:
             )
             return {"pool": pool, "y": y}
 
-        compare_with_oracle(device, tensors, case.seed, call, expect, {"y": NMSE[F32]})
+        compare_with_oracle(device, tensors, case.seed, conv_call(lay, p.bias_silu), expect, {"y": NMSE[F32]})
 
     case = state_case(p.id, "oracle", "ssm_conv", run, p.dtype, p.n_snap, False, d_conv=p.d_conv)
     return case
@@ -348,15 +330,6 @@ def delta_oracle_case(p: DeltaOracle) -> Case:
             "o": Tensor(np.full((S, T, Hv, Sz), 333.0, dtype=np.float32), output=True),
         }
 
-        def call(dev: Device, b: dict[str, Buffer]) -> None:
-            dev.gated_delta_net(
-                b["pool"],
-                dev.indices(lay.start_rows()),
-                dev.indices(lay.dst_rows()),
-                *(b[n] for n in ("q", "k", "v", "g", "beta", "o")),
-                **plane_kwargs(lay),
-            )
-
         def expect(a: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             pool, o = oracle.gated_delta_net(
                 a["pool"],
@@ -372,7 +345,8 @@ def delta_oracle_case(p: DeltaOracle) -> Case:
             )
             return {"pool": pool, "o": o}
 
-        compare_with_oracle(device, tensors, case.seed, call, expect, {"pool": NMSE[p.dtype], "o": NMSE[F32]})
+        tol = {"pool": NMSE[p.dtype], "o": NMSE[F32]}
+        compare_with_oracle(device, tensors, case.seed, delta_call(lay), expect, tol)
 
     shape = {"variant": "kda" if p.kda else "scalar", "head_size": p.head_size}
     case = state_case(p.id, "oracle", "gated_delta_net", run, p.dtype, p.n_snap, False, **shape)

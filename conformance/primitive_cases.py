@@ -201,6 +201,42 @@ def plane_kwargs(layout: PoolLayout) -> dict[str, int]:
     return {"n_snap": layout.n_snap, "plane_stride": layout.plane_stride if layout.n_snap > 1 else 0}
 
 
+Call = Callable[[Device, dict[str, Buffer]], None]
+
+
+def scan_call(lay: PoolLayout) -> Call:
+    """``ssm_scan`` over the placed tensors named as :func:`scan_tensors` names them."""
+
+    def call(dev: Device, b: dict[str, Buffer]) -> None:
+        rows = (dev.indices(lay.start_rows()), dev.indices(lay.dst_rows()))
+        dev.ssm_scan(b["pool"], *rows, *(b[n] for n in ("x", "dt", "A", "B", "C", "y")), **plane_kwargs(lay))
+
+    return call
+
+
+def conv_call(lay: PoolLayout, bias_silu: bool) -> Call:
+    """``ssm_conv`` over ``pool``, ``x``, ``weight``, ``y`` (and ``bias`` with SiLU)."""
+
+    def call(dev: Device, b: dict[str, Buffer]) -> None:
+        rows = (dev.indices(lay.start_rows()), dev.indices(lay.dst_rows()))
+        bias = b["bias"] if bias_silu else None
+        dev.ssm_conv(
+            b["pool"], *rows, b["x"], b["weight"], b["y"], bias=bias, apply_silu=bias_silu, **plane_kwargs(lay)
+        )
+
+    return call
+
+
+def delta_call(lay: PoolLayout) -> Call:
+    """``gated_delta_net`` over ``pool``, ``q``, ``k``, ``v``, ``g``, ``beta``, ``o``."""
+
+    def call(dev: Device, b: dict[str, Buffer]) -> None:
+        rows = (dev.indices(lay.start_rows()), dev.indices(lay.dst_rows()))
+        dev.gated_delta_net(b["pool"], *rows, *(b[n] for n in ("q", "k", "v", "g", "beta", "o")), **plane_kwargs(lay))
+
+    return call
+
+
 def state_case(
     case_id: str,
     family: str,
@@ -313,21 +349,7 @@ def scan_case(p: ScanParams) -> Case:
         seed = case.seed
         tensors, lay = scan_tensors(p, seed)
 
-        def call(dev: Device, b: dict[str, Buffer]) -> None:
-            dev.ssm_scan(
-                b["pool"],
-                dev.indices(lay.start_rows()),
-                dev.indices(lay.dst_rows()),
-                b["x"],
-                b["dt"],
-                b["A"],
-                b["B"],
-                b["C"],
-                b["y"],
-                **plane_kwargs(lay),
-            )
-
-        compare_with_reference(device, tensors, seed, call, {"pool": NMSE[p.dtype], "y": NMSE[F32]})
+        compare_with_reference(device, tensors, seed, scan_call(lay), {"pool": NMSE[p.dtype], "y": NMSE[F32]})
 
     shape = {"variant": p.variant, "d_state": p.d_state, "head_dim": p.head_dim}
     case = state_case(p.id, "primitive", "ssm_scan", run, p.dtype, p.n_snap, p.layout != "contig", **shape)
@@ -460,20 +482,7 @@ def conv_case(p: ConvParams) -> Case:
         seed = case.seed
         tensors, lay = conv_tensors(p, seed)
 
-        def call(dev: Device, b: dict[str, Buffer]) -> None:
-            dev.ssm_conv(
-                b["pool"],
-                dev.indices(lay.start_rows()),
-                dev.indices(lay.dst_rows()),
-                b["x"],
-                b["weight"],
-                b["y"],
-                bias=b["bias"] if p.bias_silu else None,
-                apply_silu=p.bias_silu,
-                **plane_kwargs(lay),
-            )
-
-        compare_with_reference(device, tensors, seed, call, {"y": NMSE[F32]})
+        compare_with_reference(device, tensors, seed, conv_call(lay, p.bias_silu), {"y": NMSE[F32]})
 
     case = state_case(p.id, "primitive", "ssm_conv", run, p.dtype, p.n_snap, p.layout != "contig", d_conv=p.d_conv)
     return case
@@ -602,21 +611,7 @@ def delta_case(p: DeltaParams) -> Case:
         seed = case.seed
         tensors, lay = delta_tensors(p, seed)
 
-        def call(dev: Device, b: dict[str, Buffer]) -> None:
-            dev.gated_delta_net(
-                b["pool"],
-                dev.indices(lay.start_rows()),
-                dev.indices(lay.dst_rows()),
-                b["q"],
-                b["k"],
-                b["v"],
-                b["g"],
-                b["beta"],
-                b["o"],
-                **plane_kwargs(lay),
-            )
-
-        compare_with_reference(device, tensors, seed, call, {"pool": NMSE[p.dtype], "o": NMSE[F32]})
+        compare_with_reference(device, tensors, seed, delta_call(lay), {"pool": NMSE[p.dtype], "o": NMSE[F32]})
 
     shape = {"variant": "kda" if p.kda else "scalar", "head_size": p.head_size}
     case = state_case(p.id, "primitive", "gated_delta_net", run, p.dtype, p.n_snap, p.layout != "contig", **shape)
