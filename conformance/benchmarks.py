@@ -19,7 +19,10 @@ repeats one call with the same buffers, as a decode loop does, so after the
 first call the device's launch memo skips validation.  A last line gives each
 op's fixed cost per call outside the kernels, timed on tiny shapes, both
 remembered and validated (memo emptied before every call): the first is what
-holds small decode calls below the memcpy bound.
+holds small decode calls below the memcpy bound.  Decode with rollback
+planes is timed both ways (the 1-D form, which also copies the input state
+into plane 1, and plane rotation, which writes only the next plane) and its
+time printed as a ratio to decode without rollback.
 
 Importable: :data:`SHAPES`, :func:`make_case`, :func:`time_call`,
 :func:`memcpy_seconds`, :func:`host_memcpy_seconds`, :func:`fma_peak`,
@@ -98,6 +101,32 @@ SHAPES: tuple[Shape, ...] = (
     Shape("conv prefill", "ssm_conv", {"ch": 3328, "d_conv": 4, "n_t": 512, "n_s": 1}, "fma", True),
     *(Shape(f"gdn decode n_s={n}", "gdn", {"H": 16, "S": 128, "n_t": 1, "n_s": n, "kda": False}) for n in (1, 8)),
     Shape("gdn prefill", "gdn", {"H": 16, "S": 128, "n_t": 512, "n_s": 1, "kda": False}, "fma"),
+    # Decode with rollback (K = 1 + n_rs_seq = 4 planes) against decode without,
+    # each call on the next of `layers` pools as a model's decode step walks its
+    # layers, so that the state is out of cache as it is in a model (one layer's
+    # state repeated stays in cache, and in place beats a write elsewhere there).
+    # The 1-D form also copies the input state into plane 1; rotation reads
+    # plane p and writes only plane p + 1.
+    *(
+        Shape(
+            f"{family} decode n_s=8 {how}",
+            op,
+            {
+                **params,
+                "n_t": 1,
+                "n_s": 8,
+                "K": 1 if how == "x layers" else 4,
+                "rotate": how == "K=4 rotate",
+                "layers": layers,
+            },
+        )
+        for family, op, params, layers in (
+            ("mamba2", "ssm_scan", {"N": 128, "P": 64, "H": 32, "G": 1}, 16),
+            ("gdn", "gdn", {"H": 16, "S": 128, "kda": False}, 16),
+            ("conv", "ssm_conv", {"ch": 5376, "d_conv": 4}, 256),
+        )
+        for how in ("x layers", "K=4 planes", "K=4 rotate")
+    ),
     Shape("kda prefill", "gdn", {"H": 16, "S": 128, "n_t": 512, "n_s": 1, "kda": True}, "fma"),
 )
 
@@ -298,21 +327,63 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
     n_s, n_t = p["n_s"], p["n_t"]
     start = dst = device.indices(np.arange(n_s))  # in-place, as in decode
     K = p.get("K", 1)
+    rotate = bool(p.get("rotate"))
+    layers = int(p.get("layers", 1))
+    turn = [0]
+
+    def pools(shape: tuple[int, ...]) -> Callable[[], Any]:
+        """The state pool of the next call: one of `layers`, in turn."""
+        made = [up(_u(rng, shape)) for _ in range(layers)]
+        if layers == 1:
+            return lambda: made[0]
+
+        def next_pool() -> Any:
+            turn[0] = (turn[0] + 1) % layers
+            return made[turn[0]]
+
+        return next_pool
+
+    # Plane rotation: step i reads plane i % K and writes only plane (i + 1) % K
+    # (a 2-D snapshot table [[row, -1]]); each (start, table) pair is remembered.
+    seqs = np.arange(n_s)
+    turns = [
+        (device.indices(q * n_s + seqs), device.indices(np.stack([((q + 1) % K) * n_s + seqs, np.full(n_s, -1)], 1)))
+        for q in (range(K) if rotate else ())
+    ]
+    step = [0]
+
+    def rows() -> tuple[Any, Any, dict[str, int]]:
+        """Start rows, destination rows and plane arguments of the next call
+        (rotation advances one plane per pass over the layers)."""
+        if not rotate:
+            return start, dst, {"n_snap": K, "plane_stride": n_s}
+        if turn[0] == 0:
+            step[0] = (step[0] + 1) % K
+        return (*turns[step[0]], {})
+
     if shape.op == "ssm_scan":
         N, P, H, G = p["N"], p["P"], p["H"], p["G"]
-        stride = n_s
-        pool = up(_u(rng, (n_s * max(K, 1), H * P * N)))
+        pool = pools((n_s * max(K, 1), H * P * N))
         x, dt = up(_u(rng, (n_s, n_t, H, P))), up(_u(rng, (n_s, n_t, H), -4, 1))
         A = up(-_u(rng, (H, N) if P == 1 else (H,), 0.2, 2.0))
         B, C = up(_u(rng, (n_s, n_t, G, N))), up(_u(rng, (n_s, n_t, G, N)))
         y = device.alloc((n_s, n_t, H, P))
 
         def fn() -> None:
-            device.ssm_scan(pool, start, dst, x, dt, A, B, C, y, n_snap=K, plane_stride=stride)
+            p_now = pool()
+            s_rows, d_rows, planes = rows()
+            device.ssm_scan(p_now, s_rows, d_rows, x, dt, A, B, C, y, **planes)
+
+        if layers == 1 and not rotate:  # the plain decode loop: nothing but the call
+
+            def fn() -> None:
+                device.ssm_scan(first, start, dst, x, dt, A, B, C, y, n_snap=K, plane_stride=n_s)
+
+        first = pool()
 
         state = H * P * N * 4 * n_s
         io = 4 * n_s * n_t * (2 * H * P + H + 2 * G * N)
-        traffic = state * (1 + min(n_t + 1, K)) + io
+        traffic = state * (1 + (1 if rotate else min(n_t + 1, K))) + io
         # decay mul, update fma, output fma per element (Mamba-1 also needs an exp)
         case = Case(fn, traffic, 3 * H * P * N * n_t * n_s)
         if with_scalar and P == 1 and n_s * n_t > 0:
@@ -321,20 +392,30 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
     if shape.op == "ssm_conv":
         ch, d_conv = p["ch"], p["d_conv"]
         W = d_conv - 1
-        pool = up(_u(rng, (n_s, ch * W)))
+        pool = pools((n_s * K, ch * W))
         x, w, b = up(_u(rng, (n_s, n_t, ch))), up(_u(rng, (ch, d_conv))), up(_u(rng, (ch,)))
         y = device.alloc((n_s, n_t, ch))
 
         def fn() -> None:
-            device.ssm_conv(pool, start, dst, x, w, y, bias=b, apply_silu=True)
+            p_now = pool()
+            s_rows, d_rows, planes = rows()
+            device.ssm_conv(p_now, s_rows, d_rows, x, w, y, bias=b, apply_silu=True, **planes)
 
-        case = Case(fn, 4 * n_s * (2 * ch * W + 2 * n_t * ch), d_conv * ch * n_t * n_s)
+        if layers == 1 and not rotate:  # the plain decode loop: nothing but the call
+
+            def fn() -> None:
+                device.ssm_conv(first, start, dst, x, w, y, bias=b, apply_silu=True, n_snap=K, plane_stride=n_s)
+
+        first = pool()
+
+        windows = 1 + (1 if rotate else min(n_t + 1, K))
+        case = Case(fn, 4 * n_s * (windows * ch * W + 2 * n_t * ch), d_conv * ch * n_t * n_s)
         if with_scalar:
             case.scalar = _scalar_conv(rng, n_s, n_t, ch, d_conv, threads or settings.num_threads())
         return case
     if shape.op == "gdn":
         H, S, kda = p["H"], p["S"], p["kda"]
-        pool = up(_u(rng, (n_s * K, H * S * S)))
+        pool = pools((n_s * K, H * S * S))
         qk = _u(rng, (2, n_s, n_t, H, S))
         qk /= np.linalg.norm(qk, axis=-1, keepdims=True)
         q, k, v = up(qk[0]), up(qk[1]), up(_u(rng, (n_s, n_t, H, S)))
@@ -342,10 +423,20 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
         beta, o = up(_u(rng, (n_s, n_t, H), 0, 1)), device.alloc((n_s, n_t, H, S))
 
         def fn() -> None:
-            device.gated_delta_net(pool, start, dst, q, k, v, g, beta, o, n_snap=K, plane_stride=n_s)
+            p_now = pool()
+            s_rows, d_rows, planes = rows()
+            device.gated_delta_net(p_now, s_rows, d_rows, q, k, v, g, beta, o, **planes)
+
+        if layers == 1 and not rotate:  # the plain decode loop: nothing but the call
+
+            def fn() -> None:
+                device.gated_delta_net(first, start, dst, q, k, v, g, beta, o, n_snap=K, plane_stride=n_s)
+
+        first = pool()
 
         state = H * S * S * 4 * n_s
-        return Case(fn, 2 * state + 4 * n_s * n_t * H * S * 5, 4 * H * S * S * n_t * n_s)
+        states = 1 + (1 if rotate else min(n_t + 1, K))
+        return Case(fn, states * state + 4 * n_s * n_t * H * S * 5, 4 * H * S * S * n_t * n_s)
     raise ValueError(f"unknown benchmark op {shape.op!r}")
 
 
@@ -481,6 +572,19 @@ def run(
                 f"host memcpy {nbytes // MiB} MiB: 1 thread {2 * nbytes / t1 / 1e9:.1f} GB/s, "
                 f"2 threads {2 * nbytes / t2 / 1e9:.1f} GB/s"
             )
+    times = {row["shape"]: row["seconds"] for row in rows}
+    ratios = []
+    for family in ("mamba2", "gdn", "conv"):
+        base = times.get(f"{family} decode n_s=8 x layers")
+        parts = [
+            f"{how} {times[name] / base:.2f}x"
+            for how in ("K=4 planes", "K=4 rotate")
+            if base is not None and (name := f"{family} decode n_s=8 {how}") in times
+        ]
+        if parts:
+            ratios.append(f"{family} " + ", ".join(parts))
+    if ratios:
+        say("decode with rollback vs without (n_s=8, state of many layers): " + "; ".join(ratios))
     if full_run:
         costs = ", ".join(
             f"{op} {call_overhead(device, op) * 1e6:.0f} / {call_overhead(device, op, remembered=False) * 1e6:.0f} us"

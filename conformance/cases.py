@@ -58,7 +58,7 @@ class Case:
 
     ``id``: stable, device-independent (``ssm_scan[mamba2-d128-...-f32]``),
     the string expected-failure lists use.  ``family``: ``primitive``,
-    ``metamorphic``, ``device`` or ``memory``.  ``ops``: primitives the case
+    ``oracle``, ``metamorphic``, ``device`` or ``memory``.  ``ops``: primitives the case
     exercises (the meta-test checks every primitive has cases).
     ``requires``: supports() queries; ``caps``: capability name -> needed
     value (names must be :attr:`Caps.NAMES`; a set value means "contains").
@@ -90,6 +90,11 @@ class Case:
 
 def check_support(device: Device, caps: Mapping[str, Any], requires: Sequence[Requirement]) -> tuple[bool, str]:
     have = device.caps
+    # The missing primitive is the reason a reader needs first: a device that
+    # lacks the op is not "missing f16 activations" for it.
+    lacking = sorted({*caps.get("ops", ()), *(req.op for req in requires)} - set(have.ops))
+    if lacking:
+        return False, f"{device.id} does not implement {', '.join(lacking)}"
     for name, need in caps.items():
         if name not in Caps.NAMES:
             raise ValueError(f"unknown capability name {name!r}; known: {', '.join(Caps.NAMES)}")
@@ -102,6 +107,14 @@ def check_support(device: Device, caps: Mapping[str, Any], requires: Sequence[Re
             missing = {DType.parse(d) for d in need} - set(value)
             if missing:
                 return False, f"{device.id} cannot store {', '.join(sorted(d.value for d in missing))}"
+        elif name == "activation_dtypes":
+            missing = {DType.parse(d) for d in need} - set(value)
+            if missing:
+                return False, f"{device.id} takes no {', '.join(sorted(d.value for d in missing))} activations"
+        elif name == "epilogues":
+            missing_names = set(need) - set(value)
+            if missing_names:
+                return False, f"{device.id} does not fuse {', '.join(sorted(missing_names))}"
         elif name == "max_snapshots":
             if value < int(need):
                 return False, f"{device.id} emits at most {value} snapshots, case needs {need}"

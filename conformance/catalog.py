@@ -6,18 +6,31 @@ import functools
 
 from statecache.conformance.cases import Case
 
-FAMILIES = ("device", "primitive", "metamorphic", "memory")
+FAMILIES = ("device", "primitive", "oracle", "metamorphic", "memory", "prefix")
 
 
 @functools.cache
 def all_cases() -> tuple[Case, ...]:
-    from statecache.conformance import device_cases, memory_cases, metamorphic_cases, primitive_cases
+    from statecache.conformance import (
+        device_cases,
+        epilogue_cases,
+        memory_cases,
+        metamorphic_cases,
+        oracle_cases,
+        prefix_cases,
+        primitive_cases,
+        varlen_cases,
+    )
 
     cases = [
         *device_cases.all_cases(),
         *primitive_cases.all_cases(),
+        *varlen_cases.all_cases(),
+        *epilogue_cases.all_cases(),
+        *oracle_cases.all_cases(),
         *metamorphic_cases.all_cases(),
         *memory_cases.all_cases(),
+        *prefix_cases.all_cases(),
     ]
     seen: set[str] = set()
     for case in cases:

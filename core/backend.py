@@ -48,6 +48,33 @@ PRIMITIVES: tuple[str, ...] = (
 )
 
 
+#: Version of the backend protocol this statecache speaks: the signatures of
+#: the underscored primitive methods a backend implements.  1: equal-length
+#: token inputs and 1-D destination rows with ``n_snap`` / ``plane_stride``.
+#: 2: every stateful primitive gets its tokens packed along one axis with
+#: ``cu_seqlens``, an explicit snapshot table, and optional fused epilogues
+#: (see :class:`Device`).  A backend declares the version it implements in
+#: :attr:`Backend.protocol`; any other is listed unavailable.
+PROTOCOL_VERSION = 2
+
+
+_F32 = DType.F32
+_NO_DTYPES: frozenset[DType] = frozenset()
+
+
+def _activations(*dtypes: DType) -> frozenset[DType]:
+    """The non-f32 activation dtypes of a call (usually none: no enum hashing then)."""
+    for dt in dtypes:
+        if dt is not _F32:
+            return frozenset(d for d in dtypes if d is not _F32)
+    return _NO_DTYPES
+
+
+def _names(*pairs: tuple[str, object]) -> frozenset[str]:
+    """The names whose value is given (not None): the epilogues a call uses."""
+    return frozenset(name for name, value in pairs if value is not None)
+
+
 class DeviceKind(enum.Enum):
     CPU = "cpu"
     GPU = "gpu"
@@ -65,6 +92,18 @@ class Caps:
     of the stateful primitives (x/B/C/dt, q/k/v/g/beta).
     ``host_visible``: whether buffers live in host memory (zero-copy NumPy).
     ``async_launch``: whether launches return before the work is done.
+    ``varlen``: whether the stateful primitives take the packed form
+    (``cu_seqlens``, sequences of different lengths, zero-length ones
+    included).  Equal-length calls reach a protocol-2 backend packed too, so
+    this only says whether mixed lengths may be asked for.
+    ``activation_dtypes``: dtypes the per-token inputs and outputs of the
+    stateful primitives (x, dt, B, C, z, y; q, k, v, g, beta, o) may have;
+    math is float32 whatever they are.
+    ``epilogues``: fused options the stateful primitives implement, names
+    from :data:`statecache.primitives.EPILOGUES` (``dt_bias``, ``dt_limit``,
+    ``D``, ``z`` for ssm_scan; ``grouped_heads``, ``qk_l2norm``,
+    ``raw_gate``, ``beta_sigmoid`` for gated_delta_net).  A call that uses
+    one the device lacks is refused as not supported, never run without it.
     """
 
     ops: frozenset[str]
@@ -73,6 +112,9 @@ class Caps:
     strided_inputs: bool = True
     host_visible: bool = False
     async_launch: bool = False
+    varlen: bool = True
+    activation_dtypes: frozenset[DType] = frozenset({DType.F32})
+    epilogues: frozenset[str] = frozenset()
 
     #: Capability names that ``require()`` understands; anything else is an error.
     NAMES = (
@@ -82,6 +124,9 @@ class Caps:
         "strided_inputs",
         "host_visible",
         "async_launch",
+        "varlen",
+        "activation_dtypes",
+        "epilogues",
     )
 
     def __post_init__(self) -> None:
@@ -91,6 +136,12 @@ class Caps:
         bad = set(self.storage_dtypes) - set(STORAGE_DTYPES)
         if bad:
             raise ValueError(f"Caps.storage_dtypes holds non-storage dtypes: {sorted(map(str, bad))}")
+        bad = set(self.activation_dtypes) - set(P.ACTIVATION_DTYPES)
+        if bad or DType.F32 not in self.activation_dtypes:
+            raise ValueError("Caps.activation_dtypes must hold f32 and only f32, f16, bf16")
+        unknown = set(self.epilogues) - set(P.EPILOGUES)
+        if unknown:
+            raise ValueError(f"Caps.epilogues names unknown epilogues: {sorted(unknown)}; known: {P.EPILOGUES}")
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -100,6 +151,9 @@ class Caps:
             "strided_inputs": self.strided_inputs,
             "host_visible": self.host_visible,
             "async_launch": self.async_launch,
+            "varlen": self.varlen,
+            "activation_dtypes": sorted(d.value for d in self.activation_dtypes),
+            "epilogues": sorted(self.epilogues),
         }
 
 
@@ -137,10 +191,12 @@ class Buffer:
     __slots__ = (
         "__weakref__",
         "_contig",
+        "_derived",
         "_index_cache",
         "_shadow",
         "_shadow_gen",
         "_size",
+        "_tokens",
         "capacity",
         "device",
         "dtype",
@@ -175,6 +231,8 @@ class Buffer:
         self._shadow: np.ndarray | None = None  # see host_indices
         self._shadow_gen = 0
         self._index_cache: Any = None  # statecache.primitives caches index facts here
+        self._tokens: Buffer | None = None  # this [n_s, n_t, ...] input as [n_s * n_t, ...] (primitives.token_view)
+        self._derived: dict[Any, Any] | None = None  # index buffers derived from this one (snapshot tables)
 
     # -- host copy of an index buffer -----------------------------------------
     @property
@@ -312,9 +370,12 @@ class Device(abc.ABC):
         """Whether ``op`` with these parameters runs on this device.
 
         Parameters a backend may look at: ``dtype`` (storage dtype of the
-        pool), ``n_snap``, ``variant`` (``"mamba1"``/``"mamba2"`` for ssm_scan,
-        ``"scalar"``/``"kda"`` for gated_delta_net), ``strided`` (bool), and
-        shape sizes such as ``d_state``, ``head_dim``, ``d_conv``, ``head_size``.
+        pool), ``n_snap`` (snapshot columns), ``variant`` (``"mamba1"``/
+        ``"mamba2"`` for ssm_scan, ``"scalar"``/``"kda"`` for
+        gated_delta_net), ``strided`` (bool), ``varlen`` (bool: the packed
+        form was asked for), ``epilogues`` (names of the fused options used),
+        ``activation_dtypes`` (dtypes of the per-token tensors), and shape
+        sizes such as ``d_state``, ``head_dim``, ``d_conv``, ``head_size``.
         The default answers from :attr:`caps`; backends with shape limits
         override and call ``super()``.
         """
@@ -330,6 +391,19 @@ class Device(abc.ABC):
             return Support(False, f"{self.id} emits at most {self.caps.max_snapshots} snapshots")
         if params.get("strided") and not self.caps.strided_inputs:
             return Support(False, f"{self.id} needs contiguous inputs")
+        if params.get("varlen") and not self.caps.varlen:
+            return Support(False, f"{self.id} does not take the packed (cu_seqlens) form")
+        epilogues = params.get("epilogues")
+        if epilogues:
+            missing = set(epilogues) - set(self.caps.epilogues)
+            if missing:
+                return Support(False, f"{self.id} does not fuse {', '.join(sorted(missing))} into {op}")
+        acts = params.get("activation_dtypes")
+        if acts:
+            missing_dt = {DType.parse(d) for d in acts} - set(self.caps.activation_dtypes)
+            if missing_dt:
+                names = ", ".join(sorted(d.value for d in missing_dt))
+                return Support(False, f"{self.id} does not take {names} activations in {op}")
         return SUPPORTED
 
     #: (caps, {(op, *params): Support}): see :meth:`_require`.
@@ -353,6 +427,8 @@ class Device(abc.ABC):
 
     # -- launch memo: see statecache.launch_memo ---------------------------------
     _launches: LaunchMemo | None = None
+    #: (n_seqs, n_tokens) -> the cu_seqlens buffer of that equal-length form.
+    _cu_cache: dict[tuple[int, int], Buffer] | None = None
 
     def _remembered(self, key: tuple[Any, ...], bufs: tuple[Any, ...], index_bufs: tuple[Any, ...]) -> Any:
         """The remembered launch of an identical earlier call, or None."""
@@ -595,6 +671,41 @@ class Device(abc.ABC):
         else:
             launch()
 
+    # -- stateful primitives ----------------------------------------------------
+    # Rules shared by ssm_conv, ssm_scan and gated_delta_net (the contract;
+    # statecache.primitives checks every one of them before anything runs):
+    #
+    # Tokens.  Either the equal-length form, every per-token argument
+    # [n_s, n_t, ...] (n_t >= 1 tokens for each of n_s sequences), or the
+    # packed form with ``cu_seqlens`` int32 [n_s + 1]: every per-token
+    # argument [T, ...], sequence s owning tokens cu_seqlens[s] ..
+    # cu_seqlens[s + 1] - 1 (cu_seqlens[0] == 0, non-decreasing, last == T;
+    # a zero-length sequence is allowed).  n_t(s) is a sequence's token count.
+    #
+    # Rows.  ``start_rows`` int32 [n_s]: the pool row each sequence's state is
+    # read from (any plane).  ``dst_rows``, either
+    # * int32 [n_s, n_w] (n_w <= caps.max_snapshots): column j of sequence s
+    #   is the row that receives its state after n_t(s) - j tokens (j = 0 the
+    #   final state, j = n_t(s) the input state), -1 where nothing is written;
+    #   columns j > n_t(s) must be -1; or
+    # * int32 [n_s] with ``n_snap`` and ``plane_stride``: the table whose
+    #   column j is dst_rows + j * plane_stride for j <= min(n_t(s), n_snap - 1),
+    #   -1 past that (plane 0 the final state, plane j the state j tokens
+    #   before the end, the input state in plane n_t when n_t < n_snap, so
+    #   that undoing the whole call is exact).
+    # Every non-negative destination row is unique in the call, and nothing
+    # else of the pool is written.  A start row may be one of its own
+    # sequence's destination rows (in place; a rollback start), never another
+    # sequence's: the kernels read each slice of a start row before they write
+    # it, but not before another sequence does.  Rotating planes costs no
+    # extra traffic: a decode that reads plane p and writes only plane
+    # p + 1 (``[[row_p1, -1]]`` per sequence) leaves the old state where it
+    # was as the snapshot.
+    #
+    # Results.  The sequences are independent: a packed call computes, per
+    # sequence, exactly (bitwise) what a call for that sequence alone
+    # computes, on every backend.
+
     def ssm_conv(
         self,
         pool: Buffer,
@@ -608,47 +719,50 @@ class Device(abc.ABC):
         apply_silu: bool = False,
         n_snap: int = 1,
         plane_stride: int = 0,
+        cu_seqlens: Buffer | None = None,
     ) -> None:
         """Depthwise causal conv over ``concat(window, x)``, with window snapshots.
 
-        Shapes (C order; ``W = d_conv - 1``, ``n_s`` sequences, ``n_t``
-        tokens each, ``ch`` channels):
+        Rows, snapshot columns and the two token forms as described above
+        the stateful primitives (``W = d_conv - 1``, ``ch`` channels):
 
         * ``pool`` [R, ch * W], storage dtype; a row is a window laid out
           [ch, W] (time fastest, as upstream's conv state).
-        * ``start_rows``, ``dst_rows`` int32 [n_s]: the row each sequence's
-          window is read from (any plane) and the plane-0 row its new window
-          goes to.
-        * ``x`` [n_s, n_t, ch] float32 (may be a strided view).
+        * ``x`` [n_s, n_t, ch] or, with ``cu_seqlens``, [T, ch]; an
+          activation dtype of the device (may be a strided view).
         * ``weight`` [ch, d_conv] float32, ``bias`` [ch] float32 or None.
-        * ``y`` [n_s, n_t, ch] float32 contiguous output.
+        * ``y`` like ``x``, contiguous output.
 
-        With ``ext[s, c, :] = concat(pool[start_rows[s], c, :], x[s, :, c])``
-        (length ``W + n_t``)::
+        With ``ext[s, c, :] = concat(pool[start_rows[s], c, :], x of s[:, c])``
+        (length ``W + n_t(s)``)::
 
             y[s, t, c] = sum_k ext[s, c, t + k] * weight[c, k]  (+ bias[c])
             y = silu(y) if apply_silu
 
-        Snapshots: for ``j in 0 .. min(n_t, n_snap - 1)`` the window ending
-        ``j`` tokens before the end, ``ext[s, :, n_t - j : n_t - j + W]``, is
-        written to row ``dst_rows[s] + j * plane_stride``.  Plane 0 is the
-        new window; plane ``n_t`` (when ``n_t < n_snap``) is the input window,
-        which makes undoing the whole call exact.  Slots past that are not
-        written.  A sequence's start row may be one of its own written rows
-        (in-place decode, rollback); it must not be another sequence's.
+        Snapshot column j is the window ending j tokens before the end,
+        ``ext[s, :, n_t - j : n_t - j + W]`` (column n_t(s) is the input window).
         """
-        bufs = (pool, start_rows, dst_rows, x, weight, bias, y)
+        # The key and the buffers the memo checks hold only the arguments given:
+        # a decode call without the optional ones pays for no more than before.
         silu = bool(apply_silu)
-        key = ("ssm_conv", n_snap, plane_stride, silu, id(pool), id(start_rows), id(dst_rows), id(x), id(weight),
-               id(bias), id(y))  # fmt: skip
-        hit = self._remembered(key, bufs, (start_rows, dst_rows))
+        if cu_seqlens is None:
+            bufs: tuple[Any, ...] = (pool, start_rows, dst_rows, x, weight, bias, y)
+            key: tuple[Any, ...] = ("ssm_conv", n_snap, plane_stride, silu, id(pool), id(start_rows),
+                                    id(dst_rows), id(x), id(weight), id(bias), id(y))  # fmt: skip
+            index_bufs: tuple[Any, ...] = (start_rows, dst_rows)
+        else:
+            bufs = (pool, start_rows, dst_rows, x, weight, bias, y, cu_seqlens)
+            key = ("ssm_conv+", n_snap, plane_stride, silu, id(pool), id(start_rows), id(dst_rows), id(x),
+                   id(weight), id(bias), id(y), id(cu_seqlens))  # fmt: skip
+            index_bufs = (start_rows, dst_rows, cu_seqlens)
+        hit = self._remembered(key, bufs, index_bufs)
         if hit is not None:
             if hit.launch is None:
-                self._ssm_conv(hit.shape, *bufs, silu)
+                self._ssm_conv(*self._conv_args(hit.shape, bufs, silu))
             else:
                 hit.launch()
             return
-        shp = P.check_ssm_conv(
+        call = P.check_ssm_conv(
             self,
             pool=pool,
             start_rows=start_rows,
@@ -659,13 +773,29 @@ class Device(abc.ABC):
             bias=bias,
             n_snap=n_snap,
             plane_stride=plane_stride,
+            cu_seqlens=cu_seqlens,
         )
-        self._require("ssm_conv", dtype=pool.dtype, n_snap=n_snap, strided=not x.is_contiguous, d_conv=shp.d_conv)
-        launch = self._remember(key, bufs, (start_rows, dst_rows), shp, "ssm_conv", (shp, *bufs, silu))
-        if launch is None:
-            self._ssm_conv(shp, *bufs, silu)
-        else:
-            launch()
+        shp = call.shape
+        assert isinstance(shp, P.ConvShape)
+        acts = _activations(x.dtype, y.dtype)
+        self._require(
+            "ssm_conv",
+            dtype=pool.dtype,
+            n_snap=shp.n_cols,
+            strided=not x.is_contiguous,
+            d_conv=shp.d_conv,
+            varlen=cu_seqlens is not None,
+            activation_dtypes=acts,
+        )
+        self._launch_state("ssm_conv", key, bufs, index_bufs, call, self._conv_args(call, bufs, silu))
+
+    def _conv_args(self, call: P.StateCall, bufs: tuple[Any, ...], silu: bool) -> tuple[Any, ...]:
+        pool, start_rows, dst_rows, x, weight, bias, y, *rest = bufs
+        cu_seqlens = rest[0] if rest else None
+        x, y = P.packed_tokens(self, call, x, y)
+        snap = dst_rows if call.snap_rows is None else call.snap_rows
+        cu = cu_seqlens if call.cu_seqlens is None else call.cu_seqlens
+        return (call.shape, pool, start_rows, snap, cu, x, weight, bias, y, silu)
 
     def ssm_scan(
         self,
@@ -681,47 +811,66 @@ class Device(abc.ABC):
         *,
         n_snap: int = 1,
         plane_stride: int = 0,
+        cu_seqlens: Buffer | None = None,
+        D: Buffer | None = None,
+        z: Buffer | None = None,
+        dt_bias: Buffer | None = None,
+        dt_limit: tuple[float, float] | None = None,
     ) -> None:
-        """Mamba-1 / Mamba-2 selective scan from start rows, with snapshot planes.
+        """Mamba-1 / Mamba-2 selective scan from start rows, with snapshot rows.
 
-        Shapes (C order):
+        Rows, snapshot columns and the two token forms as described above
+        the stateful primitives.  Per-token shapes are given for the packed
+        form ([T, ...]); the equal-length form has [n_s, n_t, ...] instead.
 
         * ``pool`` [R, n_head * head_dim * d_state], storage dtype; a row is a
           state laid out [n_head, head_dim, d_state] (d_state fastest).
-        * ``start_rows``, ``dst_rows`` int32 [n_s].
-        * ``x`` [n_s, n_t, n_head, head_dim], ``dt`` [n_s, n_t, n_head],
-          ``B``/``C`` [n_s, n_t, n_group, d_state], all float32, may be strided
-          (and may overlap: they are read only).
+        * ``x`` [T, n_head, head_dim], ``dt`` [T, n_head], ``B``/``C``
+          [T, n_group, d_state]: activation dtypes of the device, may be
+          strided (and may overlap: they are read only).
         * ``A`` float32 [n_head] (Mamba-2, one decay per head) or
           [n_head, d_state] (Mamba-1, expressed as head_dim 1, n_head =
-          d_inner, n_group 1).  Mamba-1 requires ``n_snap == 1``.
-        * ``y`` [n_s, n_t, n_head, head_dim] float32 contiguous output.
+          d_inner, n_group 1).  Both families write every snapshot column.
+        * ``y`` [T, n_head, head_dim] contiguous output.
+
+        Fused epilogues, as mamba_ssm's ``selective_state_update`` /
+        ``mamba_chunk_scan_combined`` (each needs its name in
+        ``caps.epilogues``): ``dt_bias`` float32 [n_head], added to dt before
+        softplus; ``dt_limit=(lo, hi)``, a clamp of softplus's result
+        (NaN stays NaN; ``(0, inf)`` is no clamp); ``D`` float32 [n_head] or
+        [n_head, head_dim], the skip ``y += D * x``; ``z`` like ``x``, the
+        gate ``y *= silu(z)`` applied last.
 
         Head ``h`` uses group ``h // (n_head // n_group)`` (repeat-interleave).
         For each sequence ``s`` and head ``h``, starting from
         ``S = pool[start_rows[s]][h]`` ([head_dim, d_state]) and for each token::
 
-            d = softplus(dt[s, t, h])       # z if z > 20 else log1p(exp(z))
-            S[i, k] = S[i, k] * exp(d * A[h(, k)]) + B[s, t, g, k] * x[s, t, h, i] * d
-            y[s, t, h, i] = sum_k S[i, k] * C[s, t, g, k]
+            d = softplus(dt[t, h] + dt_bias[h])     # z if z > 20 else log1p(exp(z))
+            d = clamp(d, lo, hi)                     # with dt_limit
+            S[i, k] = S[i, k] * exp(d * A[h(, k)]) + B[t, g, k] * x[t, h, i] * d
+            y[t, h, i] = (sum_k S[i, k] * C[t, g, k] + D[h(, i)] * x[t, h, i]) * silu(z[t, h, i])
 
-        Snapshots: for ``j in 0 .. min(n_t, n_snap - 1)`` the state after
-        ``n_t - j`` tokens is written to row ``dst_rows[s] + j * plane_stride``
-        (``j == n_t`` is the input state, written so that undoing the whole
-        call is exact).  Nothing else of the pool is written.  Start-row
-        aliasing rules as for :meth:`ssm_conv`.
+        Snapshot column j receives S after n_t(s) - j tokens.
         """
-        bufs = (pool, start_rows, dst_rows, x, dt, A, B, C, y)
-        key = ("ssm_scan", n_snap, plane_stride, id(pool), id(start_rows), id(dst_rows), id(x), id(dt), id(A),
-               id(B), id(C), id(y))  # fmt: skip
-        hit = self._remembered(key, bufs, (start_rows, dst_rows))
+        # The key and the buffers the memo checks hold only the arguments given:
+        # a decode call without the optional ones pays for no more than before.
+        if cu_seqlens is None and D is None and z is None and dt_bias is None and dt_limit is None:
+            bufs: tuple[Any, ...] = (pool, start_rows, dst_rows, x, dt, A, B, C, y)
+            key: tuple[Any, ...] = ("ssm_scan", n_snap, plane_stride, id(pool), id(start_rows), id(dst_rows), id(x),
+                                    id(dt), id(A), id(B), id(C), id(y))  # fmt: skip
+        else:
+            bufs = (pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias)
+            key = ("ssm_scan+", n_snap, plane_stride, dt_limit, id(pool), id(start_rows), id(dst_rows), id(x),
+                   id(dt), id(A), id(B), id(C), id(y), id(cu_seqlens), id(D), id(z), id(dt_bias))  # fmt: skip
+        index_bufs = (start_rows, dst_rows) if cu_seqlens is None else (start_rows, dst_rows, cu_seqlens)
+        hit = self._remembered(key, bufs, index_bufs)
         if hit is not None:
             if hit.launch is None:
-                self._ssm_scan(hit.shape, *bufs)
+                self._ssm_scan(*self._scan_args(hit.shape, bufs))
             else:
                 hit.launch()
             return
-        shp = P.check_ssm_scan(
+        call = P.check_ssm_scan(
             self,
             pool=pool,
             start_rows=start_rows,
@@ -734,23 +883,41 @@ class Device(abc.ABC):
             y=y,
             n_snap=n_snap,
             plane_stride=plane_stride,
+            cu_seqlens=cu_seqlens,
+            D=D,
+            z=z,
+            dt_bias=dt_bias,
+            dt_limit=dt_limit,
         )
+        shp = call.shape
+        assert isinstance(shp, P.ScanShape)
         # Spelled out: a generator here costs a decode call about a microsecond.
         strided = not (x.is_contiguous and dt.is_contiguous and B.is_contiguous and C.is_contiguous)
+        if z is not None and not z.is_contiguous:
+            strided = True
+        epilogues = _names(("dt_bias", dt_bias), ("dt_limit", shp.dt_limit), ("D", D), ("z", z))
+        acts = _activations(x.dtype, dt.dtype, B.dtype, C.dtype, y.dtype, DType.F32 if z is None else z.dtype)
         self._require(
             "ssm_scan",
             dtype=pool.dtype,
-            n_snap=n_snap,
+            n_snap=shp.n_cols,
             strided=strided,
             variant=shp.variant,
             d_state=shp.d_state,
             head_dim=shp.head_dim,
+            varlen=cu_seqlens is not None,
+            epilogues=epilogues,
+            activation_dtypes=acts,
         )
-        launch = self._remember(key, bufs, (start_rows, dst_rows), shp, "ssm_scan", (shp, *bufs))
-        if launch is None:
-            self._ssm_scan(shp, *bufs)
-        else:
-            launch()
+        self._launch_state("ssm_scan", key, bufs, index_bufs, call, self._scan_args(call, bufs))
+
+    def _scan_args(self, call: P.StateCall, bufs: tuple[Any, ...]) -> tuple[Any, ...]:
+        pool, start_rows, dst_rows, x, dt, A, B, C, y, *rest = bufs
+        cu_seqlens, D, z, dt_bias = rest if rest else (None, None, None, None)
+        x, dt, B, C, y, z = P.packed_tokens(self, call, x, dt, B, C, y, z)
+        snap = dst_rows if call.snap_rows is None else call.snap_rows
+        cu = cu_seqlens if call.cu_seqlens is None else call.cu_seqlens
+        return (call.shape, pool, start_rows, snap, cu, x, dt, A, B, C, y, D, z, dt_bias)
 
     def gated_delta_net(
         self,
@@ -767,21 +934,42 @@ class Device(abc.ABC):
         n_snap: int = 1,
         plane_stride: int = 0,
         scale: float | None = None,
+        cu_seqlens: Buffer | None = None,
+        head_map: str = "tiled",
+        qk_l2norm: bool = False,
+        A_log: Buffer | None = None,
+        dt_bias: Buffer | None = None,
+        beta_sigmoid: bool = False,
     ) -> None:
-        """Gated delta rule (GDN; per-key gate = KDA) from start rows, with snapshots.
+        """Gated delta rule (GDN; per-key gate = KDA) from start rows, with snapshot rows.
 
-        Shapes (C order; ``S`` = head size, same for keys and values):
+        Rows, snapshot columns and the two token forms as described above
+        the stateful primitives; per-token shapes for the packed form
+        (``S`` = head size, same for keys and values):
 
         * ``pool`` [R, H_v * S * S], storage dtype; per head a block [S, S]
           where element ``[j, i]`` (i fastest) is ``M[i][j]``, i = key index,
           j = value index (upstream's transposed storage).
-        * ``start_rows``, ``dst_rows`` int32 [n_s].
-        * ``q``, ``k`` [n_s, n_t, H_k, S]; ``v`` [n_s, n_t, H_v, S] with
-          ``H_v % H_k == 0``; value head ``h`` uses q/k head ``h % H_k``.
-        * ``g`` [n_s, n_t, H_v] (scalar log-decay per head) or
-          [n_s, n_t, H_v, S] (KDA: per key dimension).
-        * ``beta`` [n_s, n_t, H_v].  All inputs float32, may be strided.
-        * ``o`` [n_s, n_t, H_v, S] float32 contiguous output.
+        * ``q``, ``k`` [T, H_k, S]; ``v`` [T, H_v, S] with ``H_v % H_k == 0``.
+        * ``g`` [T, H_v] (scalar log-decay per head) or [T, H_v, S] (KDA: per
+          key dimension); ``beta`` [T, H_v].  Activation dtypes, may be strided.
+        * ``o`` [T, H_v, S] contiguous output.
+
+        Options (fused epilogues, each needs its name in ``caps.epilogues``):
+
+        * ``head_map``: value head ``h`` reads q/k head ``h % H_k``
+          (``"tiled"``, llama.cpp's order after conversion) or
+          ``h // (H_v // H_k)`` (``"grouped"``, epilogue ``grouped_heads``: as
+          transformers, flash-linear-attention and vLLM).
+        * ``qk_l2norm``: q and k are first normalised,
+          ``q / sqrt(sum(q * q) + 1e-6)`` (fla's ``use_qk_l2norm_in_kernel``).
+        * ``A_log`` float32 [H_v] (epilogue ``raw_gate``): ``g`` holds the raw
+          projection ``a`` and the log-decay is
+          ``-exp(A_log[h]) * softplus(a + dt_bias)`` (Qwen3-Next; KDA's
+          ``fused_kda_gate`` with per-key ``a``); ``dt_bias`` float32 [H_v]
+          ([H_v, S] for KDA) or None.
+        * ``beta_sigmoid``: ``beta`` holds the raw projection ``b`` and
+          ``sigmoid(b)`` is used.
 
         Per sequence and value head, from ``M = pool[start_rows[s]][h]``::
 
@@ -790,19 +978,32 @@ class Device(abc.ABC):
             M[i, j] += k[i] * delta[j]
             o[j] = scale * sum_i M[i, j] * q[i]      # scale defaults to 1/sqrt(S)
 
-        Snapshots exactly as :meth:`ssm_scan`.
+        (``head_map="grouped"`` with H_k == 1 or H_k == H_v is the tiled map,
+        and is run as such.)
+
+        Snapshot column j receives M after n_t(s) - j tokens.
         """
-        bufs = (pool, start_rows, dst_rows, q, k, v, g, beta, o)
-        key = ("gated_delta_net", n_snap, plane_stride, scale, id(pool), id(start_rows), id(dst_rows), id(q), id(k),
-               id(v), id(g), id(beta), id(o))  # fmt: skip
-        hit = self._remembered(key, bufs, (start_rows, dst_rows))
+        # The key and the buffers the memo checks hold only the arguments given:
+        # a decode call without the optional ones pays for no more than before.
+        if cu_seqlens is None and A_log is None and dt_bias is None:
+            bufs: tuple[Any, ...] = (pool, start_rows, dst_rows, q, k, v, g, beta, o)
+            key: tuple[Any, ...] = ("gated_delta_net", n_snap, plane_stride, scale, head_map, qk_l2norm,
+                                    beta_sigmoid, id(pool), id(start_rows), id(dst_rows), id(q), id(k), id(v), id(g),
+                                    id(beta), id(o))  # fmt: skip
+        else:
+            bufs = (pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias)
+            key = ("gated_delta_net+", n_snap, plane_stride, scale, head_map, qk_l2norm, beta_sigmoid, id(pool),
+                   id(start_rows), id(dst_rows), id(q), id(k), id(v), id(g), id(beta), id(o), id(cu_seqlens),
+                   id(A_log), id(dt_bias))  # fmt: skip
+        index_bufs = (start_rows, dst_rows) if cu_seqlens is None else (start_rows, dst_rows, cu_seqlens)
+        hit = self._remembered(key, bufs, index_bufs)
         if hit is not None:
             if hit.launch is None:
-                self._gated_delta_net(hit.shape[0], *bufs, hit.shape[1])
+                self._gated_delta_net(*self._delta_args(hit.shape, bufs))
             else:
                 hit.launch()
             return
-        shp = P.check_gated_delta_net(
+        call = P.check_gated_delta_net(
             self,
             pool=pool,
             start_rows=start_rows,
@@ -815,23 +1016,64 @@ class Device(abc.ABC):
             o=o,
             n_snap=n_snap,
             plane_stride=plane_stride,
+            cu_seqlens=cu_seqlens,
+            head_map=head_map,
+            qk_l2norm=qk_l2norm,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            beta_sigmoid=beta_sigmoid,
+            scale=scale,
         )
+        shp = call.shape
+        assert isinstance(shp, P.DeltaShape)
         strided = not (
             q.is_contiguous and k.is_contiguous and v.is_contiguous and g.is_contiguous and beta.is_contiguous
         )
+        epilogues = _names(
+            ("grouped_heads", shp.head_map == "grouped" or None),
+            ("qk_l2norm", shp.qk_l2norm or None),
+            ("raw_gate", A_log),
+            ("beta_sigmoid", shp.beta_sigmoid or None),
+        )
+        acts = _activations(q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, o.dtype)
         self._require(
             "gated_delta_net",
             dtype=pool.dtype,
-            n_snap=n_snap,
+            n_snap=shp.n_cols,
             strided=strided,
             variant=shp.variant,
             head_size=shp.head_size,
+            varlen=cu_seqlens is not None,
+            epilogues=epilogues,
+            activation_dtypes=acts,
         )
-        eff_scale = float(scale) if scale is not None else 1.0 / math.sqrt(shp.head_size)
-        args = (shp, *bufs, eff_scale)
-        launch = self._remember(key, bufs, (start_rows, dst_rows), (shp, eff_scale), "gated_delta_net", args)
+        self._launch_state("gated_delta_net", key, bufs, index_bufs, call, self._delta_args(call, bufs))
+
+    def _delta_args(self, call: P.StateCall, bufs: tuple[Any, ...]) -> tuple[Any, ...]:
+        pool, start_rows, dst_rows, q, k, v, g, beta, o, *rest = bufs
+        cu_seqlens, A_log, dt_bias = rest if rest else (None, None, None)
+        q, k, v, g, beta, o = P.packed_tokens(self, call, q, k, v, g, beta, o)
+        snap = dst_rows if call.snap_rows is None else call.snap_rows
+        cu = cu_seqlens if call.cu_seqlens is None else call.cu_seqlens
+        return (call.shape, pool, start_rows, snap, cu, q, k, v, g, beta, o, A_log, dt_bias)
+
+    def _launch_state(
+        self,
+        op: str,
+        key: tuple[Any, ...],
+        bufs: tuple[Any, ...],
+        index_bufs: tuple[Any, ...],
+        call: P.StateCall,
+        args: tuple[Any, ...],
+    ) -> None:
+        """Run a validated stateful call, remembering it unless an input was copied."""
+        impl = getattr(self, f"_{op}")
+        if call.copied:
+            impl(*args)  # its copy holds this call's data: nothing to remember
+            return
+        launch = self._remember(key, bufs, index_bufs, call, op, args)
         if launch is None:
-            self._gated_delta_net(*args)
+            impl(*args)
         else:
             launch()
 
@@ -874,13 +1116,18 @@ class Device(abc.ABC):
         shp: P.ConvShape,
         pool: Buffer,
         start_rows: Buffer,
-        dst_rows: Buffer,
+        snap_rows: Buffer,
+        cu_seqlens: Buffer,
         x: Buffer,
         weight: Buffer,
         bias: Buffer | None,
         y: Buffer,
         apply_silu: bool,
-    ) -> None: ...
+    ) -> None:
+        """The conv in the packed form: ``x``/``y`` [T, ch]; ``snap_rows`` int32
+        holding the [n_s, shp.n_cols] table (a 1-D [n_s] buffer when
+        n_cols == 1); ``cu_seqlens`` int32 [n_s + 1].  Index buffers are
+        contiguous but may have an offset."""
 
     @abc.abstractmethod
     def _ssm_scan(
@@ -888,14 +1135,20 @@ class Device(abc.ABC):
         shp: P.ScanShape,
         pool: Buffer,
         start_rows: Buffer,
-        dst_rows: Buffer,
+        snap_rows: Buffer,
+        cu_seqlens: Buffer,
         x: Buffer,
         dt: Buffer,
         A: Buffer,
         B: Buffer,
         C: Buffer,
         y: Buffer,
-    ) -> None: ...
+        D: Buffer | None,
+        z: Buffer | None,
+        dt_bias: Buffer | None,
+    ) -> None:
+        """The scan in the packed form (x [T, H, P], dt [T, H], B/C [T, G, N],
+        y and z [T, H, P]); ``shp.dt_limit`` is the clamp or None."""
 
     @abc.abstractmethod
     def _gated_delta_net(
@@ -903,15 +1156,19 @@ class Device(abc.ABC):
         shp: P.DeltaShape,
         pool: Buffer,
         start_rows: Buffer,
-        dst_rows: Buffer,
+        snap_rows: Buffer,
+        cu_seqlens: Buffer,
         q: Buffer,
         k: Buffer,
         v: Buffer,
         g: Buffer,
         beta: Buffer,
         o: Buffer,
-        scale: float,
-    ) -> None: ...
+        A_log: Buffer | None,
+        dt_bias: Buffer | None,
+    ) -> None:
+        """The delta rule in the packed form (q/k [T, H_k, S], v/o [T, H_v, S],
+        g [T, H_v(, S)], beta [T, H_v]); options and scale are in ``shp``."""
 
 
 class Backend(abc.ABC):
@@ -921,7 +1178,12 @@ class Backend(abc.ABC):
     version string.  ``priority``: larger wins automatic selection when the
     user names nothing.  ``description``: one line for ``statecache backends``.
     ``provided_by``: the distribution or extra that installs it (used in
-    error messages).
+    error messages).  ``protocol``: the version of the backend protocol its
+    devices implement (:data:`PROTOCOL_VERSION`).  It defaults to 1, what
+    backends written before the attribute existed implement; a backend whose
+    protocol is not this statecache's reports itself unavailable, with the
+    reason, and offers no device, so a backend written against other
+    primitive signatures is never called with arguments it misreads.
     """
 
     name: str
@@ -929,6 +1191,28 @@ class Backend(abc.ABC):
     priority: int = 0
     description: str = ""
     provided_by: str = "statecache"
+    protocol: int = 1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every subclass's availability() and devices() check the protocol
+        # first, including those of backends that override both and know
+        # nothing of protocols (the registry calls exactly these two).
+        super().__init_subclass__(**kwargs)
+        for method in ("availability", "devices"):
+            impl = cls.__dict__.get(method)
+            if impl is not None and not getattr(impl, "_checks_protocol", False):
+                setattr(cls, method, _protocol_checked(method, impl))
+
+    def protocol_problem(self) -> str:
+        """Why this backend's protocol does not fit this statecache, or ``""``."""
+        if self.protocol == PROTOCOL_VERSION:
+            return ""
+        from statecache import __version__
+
+        return (
+            f"backend {self.name!r} implements protocol {self.protocol}, statecache {__version__} needs "
+            f"{PROTOCOL_VERSION}; update the backend (see docs/writing-a-backend.md)"
+        )
 
     @abc.abstractmethod
     def availability(self) -> tuple[bool, str]:
@@ -940,4 +1224,24 @@ class Backend(abc.ABC):
 
     def info(self) -> Mapping[str, Any]:
         ok, reason = self.availability()
-        return {"name": self.name, "version": self.version, "available": ok, "reason": reason}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "protocol": self.protocol,
+            "available": ok,
+            "reason": reason,
+        }
+
+
+def _protocol_checked(method: str, impl: Callable[..., Any]) -> Callable[..., Any]:
+    def checked(self: Backend) -> Any:
+        problem = self.protocol_problem()
+        if problem:
+            return (False, problem) if method == "availability" else []
+        return impl(self)
+
+    checked.__name__ = impl.__name__
+    checked.__qualname__ = getattr(impl, "__qualname__", impl.__name__)
+    checked.__doc__ = impl.__doc__
+    checked._checks_protocol = True  # type: ignore[attr-defined]
+    return checked

@@ -23,7 +23,11 @@ A remembered launch is reused only while it is still right:
 
 Buffer geometry (shape, strides, offset, storage, dtype) is fixed at
 construction, so identity covers it.  Scalars (``n_snap``, ``plane_stride``,
-``scale`` ...) are part of the key.
+``scale``, ``dt_limit``, ``head_map`` ...) are part of the key.  What a
+stateful call derived while validated (the snapshot table of 1-D destination
+rows, the offsets of the equal-length form) is kept in the entry: small
+index buffers of its own, never a caller's storage; the packed views of the
+caller's inputs are cached on those inputs themselves.
 """
 
 from __future__ import annotations

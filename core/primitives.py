@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -19,69 +19,6 @@ from statecache.errors import ArgumentError
 
 if TYPE_CHECKING:
     from statecache.backend import Buffer, Device
-
-
-@dataclasses.dataclass(frozen=True)
-class StateWrite:
-    """Sizes shared by the stateful primitives."""
-
-    n_seqs: int
-    n_tokens: int
-    n_rows: int  # rows of the pool
-    row_size: int  # elements per pool row
-    n_snap: int
-    plane_stride: int
-
-    @property
-    def n_written(self) -> int:
-        """Planes written per sequence: min(n_tokens + 1, n_snap)."""
-        return min(self.n_tokens + 1, self.n_snap)
-
-
-@dataclasses.dataclass(frozen=True)
-class ConvShape(StateWrite):
-    channels: int
-    d_conv: int
-    has_bias: bool
-
-    @property
-    def window(self) -> int:
-        return self.d_conv - 1
-
-
-@dataclasses.dataclass(frozen=True)
-class ScanShape(StateWrite):
-    n_head: int
-    head_dim: int
-    d_state: int
-    n_group: int
-    variant: str  # "mamba1" | "mamba2"
-
-
-@dataclasses.dataclass(frozen=True)
-class DeltaShape(StateWrite):
-    n_head_k: int
-    n_head_v: int
-    head_size: int
-    variant: str  # "scalar" | "kda"
-
-
-# Shapes are frozen, so equal sizes may share one instance: building a frozen
-# dataclass costs microseconds (a setattr per field), a cache hit a hash of
-# the sizes, and decode repeats the same sizes call after call.
-@functools.lru_cache(maxsize=256)
-def _conv_shape(*sizes: int | str | bool) -> ConvShape:
-    return ConvShape(*sizes)  # type: ignore[arg-type]
-
-
-@functools.lru_cache(maxsize=256)
-def _scan_shape(*sizes: int | str) -> ScanShape:
-    return ScanShape(*sizes)  # type: ignore[arg-type]
-
-
-@functools.lru_cache(maxsize=256)
-def _delta_shape(*sizes: int | str) -> DeltaShape:
-    return DeltaShape(*sizes)  # type: ignore[arg-type]
 
 
 # -- helpers ------------------------------------------------------------------
@@ -143,7 +80,7 @@ def index_facts(dev: Device, buf: Buffer) -> IndexFacts:
     if values.size == 0:
         facts = IndexFacts(values, 0, -1, True)
     elif values.size <= 32:  # Python is faster than NumPy's reductions on a handful
-        items = values.tolist()
+        items = values.ravel().tolist()
         facts = IndexFacts(values, min(items), max(items), len(set(items)) == len(items))
     else:
         facts = IndexFacts(
@@ -256,53 +193,302 @@ def check_copy_rows(
 
 
 # -- stateful -----------------------------------------------------------------
-
+#
+# Backends see one form of every stateful call (protocol 2):
+#
+# * tokens packed along one axis: every per-token argument is [T, ...] with
+#   the tokens of sequence s at [cu_seqlens[s], cu_seqlens[s + 1]);
+# * snapshot rows as a table ``snap_rows`` int32 [n_seqs, n_cols]: column j
+#   of sequence s is the pool row that receives its state after
+#   n_t(s) - j tokens, -1 where nothing is written.
+#
+# The public methods also take the equal-length form ([n_s, n_t, ...] inputs)
+# and 1-D destination rows with ``n_snap`` / ``plane_stride``; the helpers
+# below validate both and turn them into the packed form: views of the
+# caller's buffers (merging the sequence and token axes) and small derived
+# index buffers, cached so that a repeated decode call pays for none of it.
 
 _INTEGER = (int, np.integer)  # a tuple: isinstance() with a union is slower, and this runs per call
 
+#: Fused epilogues, by primitive (``Caps.epilogues``, ``supports(op, epilogues=...)``).
+SCAN_EPILOGUES: tuple[str, ...] = ("dt_bias", "dt_limit", "D", "z")
+DELTA_EPILOGUES: tuple[str, ...] = ("grouped_heads", "qk_l2norm", "raw_gate", "beta_sigmoid")
+EPILOGUES: tuple[str, ...] = SCAN_EPILOGUES + DELTA_EPILOGUES
 
-def _state_rows(
-    dev: Device,
-    pool: Buffer,
-    start_rows: object,
-    dst_rows: object,
-    n_seqs: int,
-    n_tokens: int,
-    n_snap: int,
-    plane_stride: int,
-) -> None:
-    """Check start/destination rows and the planes a call will write."""
-    n_rows = pool.shape[0]
-    if not isinstance(n_snap, _INTEGER) or n_snap < 1:
-        raise ArgumentError("n_snap", f"must be an integer >= 1, got {n_snap!r}")
-    if n_snap > 1 and plane_stride <= 0:
-        raise ArgumentError("plane_stride", "must be > 0 when n_snap > 1")
-    if plane_stride < 0:
-        raise ArgumentError("plane_stride", "must be >= 0")
-    _, start = _index(dev, start_rows, "start_rows", n_seqs)
-    _, dst = _index(dev, dst_rows, "dst_rows", n_seqs)
-    _in_range(start, n_rows, "start_rows")
-    n_written = min(n_tokens + 1, n_snap)
-    if dst.lo < 0 or dst.hi + (n_written - 1) * plane_stride >= n_rows:
-        written = dst.values.astype(np.int64)[:, None] + plane_stride * np.arange(n_written)[None, :]
-        _in_range_array(written.ravel(), n_rows, "dst_rows")
-    # Fast path (every decode step): destinations distinct and within one plane's
-    # width, so planes cannot collide, and each sequence starts from its own row.
-    one_plane = n_written == 1 or dst.hi - dst.lo < plane_stride
-    if dst.unique and one_plane and (start_rows is dst_rows or np.array_equal(start.values, dst.values)):
+#: q/k head mappings of gated_delta_net: value head h reads q/k head
+#: ``h % H_k`` (tiled, llama.cpp) or ``h // (H_v // H_k)`` (grouped:
+#: transformers, flash-linear-attention, vLLM).
+HEAD_MAPS: tuple[str, ...] = ("tiled", "grouped")
+
+#: Added to the sum of squares before the square root of the in-kernel q/k
+#: L2 normalisation: ``q / sqrt(sum(q * q) + eps)``, as flash-linear-attention's
+#: l2norm and transformers' Qwen3-Next do.
+L2NORM_EPS = 1e-6
+
+#: Dtypes a per-token activation (x, dt, B, C, z, y, q, k, v, g, beta, o) may
+#: have; each device says which it takes in ``Caps.activation_dtypes``.
+ACTIVATION_DTYPES: frozenset[DType] = STORAGE_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class StateWrite:
+    """Sizes shared by the stateful primitives, in the packed form backends see."""
+
+    n_seqs: int
+    n_tokens: int  # T: every sequence's tokens along one axis
+    max_tokens: int  # the longest sequence's token count (scratch sizes)
+    n_rows: int  # rows of the pool
+    row_size: int  # elements per pool row
+    n_cols: int  # snapshot columns: snap_rows is [n_seqs, n_cols]
+    equal_tokens: int  # n_t when every sequence has n_t tokens, else -1
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvShape(StateWrite):
+    channels: int
+    d_conv: int
+    has_bias: bool
+
+    @property
+    def window(self) -> int:
+        return self.d_conv - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanShape(StateWrite):
+    n_head: int
+    head_dim: int
+    d_state: int
+    n_group: int
+    variant: str  # "mamba1" | "mamba2"
+    dt_limit: tuple[float, float] | None  # NaN-preserving clamp of softplus(dt + dt_bias), or None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaShape(StateWrite):
+    n_head_k: int
+    n_head_v: int
+    head_size: int
+    variant: str  # "scalar" | "kda"
+    head_map: str  # "tiled" | "grouped"
+    qk_l2norm: bool
+    raw_gate: bool  # g holds the raw projection a: gate = -exp(A_log) * softplus(a + dt_bias)
+    beta_sigmoid: bool  # beta holds the raw projection b: beta = sigmoid(b)
+    scale: float  # of the output: o = scale * M^T q
+
+    def qk_head(self, h: int) -> int:
+        """The q/k head value head ``h`` reads."""
+        if self.head_map == "grouped":
+            return h // (self.n_head_v // self.n_head_k)
+        return h % self.n_head_k
+
+
+# Shapes are frozen, so equal sizes may share one instance: building a frozen
+# dataclass costs microseconds (a setattr per field), a cache hit a hash of
+# the sizes, and decode repeats the same sizes call after call.
+@functools.lru_cache(maxsize=256)
+def _conv_shape(*sizes: object) -> ConvShape:
+    return ConvShape(*sizes)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=256)
+def _scan_shape(*sizes: object) -> ScanShape:
+    return ScanShape(*sizes)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=256)
+def _delta_shape(*sizes: object) -> DeltaShape:
+    return DeltaShape(*sizes)  # type: ignore[arg-type]
+
+
+class StateCall(NamedTuple):
+    """What validating one stateful call resolved, kept by the launch memo.
+
+    ``snap_rows`` / ``cu_seqlens``: derived int32 buffers (the snapshot
+    table of a 1-D ``dst_rows``, the offsets of the equal-length form), or
+    None where the caller's own argument is already in that form (a 1-D
+    ``dst_rows`` with ``n_snap == 1`` is the one-column table).  Neither
+    references a caller's storage, so the memo may hold them.  ``packed``:
+    the caller passed the packed form, so its per-token buffers go to the
+    backend as they are (else :func:`token_view` merges their first two
+    axes).  ``copied``: a per-token argument could not be viewed as packed
+    and was copied for this call, which therefore cannot be remembered.
+    (A named tuple: built on every validated call, and faster than a frozen
+    dataclass.)
+    """
+
+    shape: StateWrite
+    snap_rows: Buffer | None
+    cu_seqlens: Buffer | None
+    packed: bool
+    copied: bool = False
+
+
+def token_view(buf: Buffer) -> Buffer | None:
+    """``buf`` [n_s, n_t, *tail] as [n_s * n_t, *tail] over the same storage
+    (cached on the buffer: its geometry never changes), or None when its
+    strides cannot express the merged axis."""
+    cached = buf._tokens
+    if cached is not None:
+        return cached
+    n_s, n_t = buf.shape[0], buf.shape[1]
+    s0, s1 = buf.strides[0], buf.strides[1]
+    if n_t == 1:
+        step = s0
+    elif n_s == 1 or s0 == n_t * s1:
+        step = s1
+    else:
+        return None
+    view = buf.view((n_s * n_t, *buf.shape[2:]), (step, *buf.strides[2:]))
+    buf._tokens = view
+    return view
+
+
+def packed_tokens(dev: Device, call: StateCall, *bufs: Buffer | None) -> tuple[Buffer | None, ...]:
+    """The per-token arguments of a validated call in the packed form."""
+    if call.packed:
+        return bufs
+    out: list[Buffer | None] = []
+    for buf in bufs:
+        if buf is None:
+            out.append(None)
+            continue
+        view = token_view(buf)
+        if view is None:
+            # Strides that cannot express one token axis: a contiguous copy
+            # (through the host; slow, and such calls are never remembered).
+            view = token_view(dev.upload(dev.download(buf), buf.dtype))
+            assert view is not None
+        out.append(view)
+    return tuple(out)
+
+
+def _activation(dev: Device, buf: object, name: str, shape: tuple[int, ...]) -> Buffer:
+    b = _own(dev, buf, name)
+    dt = b.dtype
+    # identity tests: `in` a set of enums hashes in Python, and this runs per argument
+    if dt is not DType.F32 and dt is not DType.F16 and dt is not DType.BF16:
+        raise ArgumentError(name, f"dtype {b.dtype} must be f32, f16 or bf16")
+    _shape(b, name, shape)
+    return b
+
+
+def _param(dev: Device, buf: object, name: str, shape: tuple[int, ...]) -> Buffer:
+    """A weight-like f32 input (A, D, dt_bias, A_log, conv weight and bias)."""
+    b = _own(dev, buf, name)
+    _f32(b, name)
+    _shape(b, name, shape)
+    return b
+
+
+def _output(dev: Device, buf: object, name: str, shape: tuple[int, ...]) -> Buffer:
+    b = _activation(dev, buf, name, shape)
+    _contig(b, name)
+    return b
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Tokens:
+    """The token axes of a call: ``lead`` prefixes every per-token shape."""
+
+    lead: tuple[int, ...]  # (n_s, n_t) equal-length, (T,) packed
+    n_seqs: int
+    n_tokens: int
+    max_tokens: int
+    equal: int  # n_t of the equal-length form (or of a packed call whose sequences are all that long), else -1
+    lengths: np.ndarray | None  # per-sequence tokens of the packed form (None: all `equal`)
+    cu: IndexFacts | None
+
+
+def _token_axes(dev: Device, first: Buffer, name: str, tail: str, n_tail: int, cu_seqlens: object) -> _Tokens:
+    """Read the token axes from the first per-token argument (and cu_seqlens)."""
+    if cu_seqlens is None:
+        if first.ndim != 2 + n_tail:
+            raise ArgumentError(
+                name,
+                f"must be {2 + n_tail}-D [n_seqs, n_tokens, {tail}] (or {1 + n_tail}-D [n_tokens, {tail}] with "
+                f"cu_seqlens), got shape {first.shape}",
+            )
+        n_s, n_t = first.shape[0], first.shape[1]
+        if n_s < 1 or n_t < 1 or min(first.shape[2:], default=1) < 1:
+            raise ArgumentError(name, f"empty shape {first.shape}")
+        return _Tokens((n_s, n_t), n_s, n_s * n_t, n_t, n_t, None, None)
+    if first.ndim != 1 + n_tail:
+        raise ArgumentError(name, f"must be {1 + n_tail}-D [n_tokens, {tail}] with cu_seqlens, got shape {first.shape}")
+    if min(first.shape[1:], default=1) < 1:
+        raise ArgumentError(name, f"empty shape {first.shape}")
+    n_tokens = first.shape[0]
+    cu_buf = _own(dev, cu_seqlens, "cu_seqlens")
+    if cu_buf.dtype is not DType.I32:
+        raise ArgumentError("cu_seqlens", f"dtype {cu_buf.dtype} must be i32")
+    if cu_buf.ndim != 1 or cu_buf.shape[0] < 2:
+        raise ArgumentError("cu_seqlens", f"must be 1-D [n_seqs + 1] with n_seqs >= 1, got shape {cu_buf.shape}")
+    _contig(cu_buf, "cu_seqlens")
+    facts = index_facts(dev, cu_buf)
+    cu = facts.values.astype(np.int64)
+    if cu[0] != 0:
+        raise ArgumentError("cu_seqlens", f"must start at 0, got {int(cu[0])}")
+    lengths = np.diff(cu)
+    if (lengths < 0).any():
+        s = int(np.flatnonzero(lengths < 0)[0])
+        raise ArgumentError("cu_seqlens", f"must not decrease: entry {s + 1} is {int(cu[s + 1])} < {int(cu[s])}")
+    if cu[-1] != n_tokens:
+        raise ArgumentError("cu_seqlens", f"ends at {int(cu[-1])}, but {name} holds {n_tokens} tokens")
+    n_s = lengths.size
+    longest = int(lengths.max())
+    equal = longest if int(lengths.min()) == longest else -1
+    return _Tokens((n_tokens,), n_s, n_tokens, longest, equal, lengths, facts)
+
+
+def _lengths_of(tok: _Tokens) -> np.ndarray:
+    if tok.lengths is not None:
+        return tok.lengths
+    return np.full(tok.n_seqs, tok.equal, dtype=np.int64)
+
+
+def _index2(dev: Device, buf: Buffer, name: str, n_rows_expected: int) -> IndexFacts:
+    if buf.dtype is not DType.I32:
+        raise ArgumentError(name, f"dtype {buf.dtype} must be i32")
+    if buf.shape[0] != n_rows_expected:
+        raise ArgumentError(name, f"has {buf.shape[0]} rows, expected one per sequence ({n_rows_expected})")
+    if buf.shape[1] < 1:
+        raise ArgumentError(name, f"needs at least one snapshot column, got shape {buf.shape}")
+    _contig(buf, name)
+    return index_facts(dev, buf)
+
+
+def _check_table(table: np.ndarray, start: np.ndarray, lengths: np.ndarray, n_rows: int) -> None:
+    """Every rule on a snapshot table [n_s, n_cols] (argument ``dst_rows``)."""
+    n_s, n_cols = table.shape
+    bad = (table < -1) | (table >= n_rows)
+    if bad.any():
+        s, j = (int(i) for i in np.argwhere(bad)[0])
+        raise ArgumentError(
+            "dst_rows", f"row {int(table[s, j])} (sequence {s}, column {j}) is neither -1 nor in [0, {n_rows})"
+        )
+    past = (np.arange(n_cols)[None, :] > lengths[:, None]) & (table >= 0)
+    if past.any():
+        s, j = (int(i) for i in np.argwhere(past)[0])
+        raise ArgumentError(
+            "dst_rows",
+            f"sequence {s} has {int(lengths[s])} tokens, so column {j} (its state {j} tokens before the end) "
+            f"does not exist and must be -1, got row {int(table[s, j])}",
+        )
+    flat = table.ravel().astype(np.int64)
+    owner = np.repeat(np.arange(n_s), n_cols)
+    kept = flat >= 0
+    flat, owner = flat[kept], owner[kept]
+    if flat.size != np.unique(flat).size:
+        _unique(flat, "dst_rows")
+    if flat.size == 0:
         return
-    written = dst.values.astype(np.int64)[:, None] + plane_stride * np.arange(n_written, dtype=np.int64)[None, :]
-    if not (dst.unique and one_plane):
-        _unique(written.ravel(), "dst_rows")
     # A start row may be one of the sequence's own outputs (in-place update or
     # rollback), never another sequence's: that read would race its write.
-    flat = written.ravel()
-    owner = np.repeat(np.arange(n_seqs), n_written)
     order = np.argsort(flat, kind="stable")
     flat_sorted, owner_sorted = flat[order], owner[order]
-    st = start.values.astype(np.int64)
+    st = start.astype(np.int64)
     pos = np.minimum(np.searchsorted(flat_sorted, st), flat_sorted.size - 1)
-    clash = (flat_sorted[pos] == st) & (owner_sorted[pos] != np.arange(n_seqs))
+    clash = (flat_sorted[pos] == st) & (owner_sorted[pos] != np.arange(n_s))
     if clash.any():
         s = int(np.flatnonzero(clash)[0])
         raise ArgumentError(
@@ -312,17 +498,111 @@ def _state_rows(
         )
 
 
-def _input(dev: Device, buf: object, name: str, shape: tuple[int, ...]) -> Buffer:
-    b = _own(dev, buf, name)
-    _f32(b, name)
-    _shape(b, name, shape)
-    return b
+def snapshot_table(dst: np.ndarray, n_snap: int, plane_stride: int, lengths: np.ndarray) -> np.ndarray:
+    """The snapshot table [n_s, n_snap] of 1-D destination rows: column j is
+    ``dst + j * plane_stride`` while j <= the sequence's tokens, else -1."""
+    cols = np.arange(n_snap, dtype=np.int64)
+    table = dst.astype(np.int64)[:, None] + plane_stride * cols[None, :]
+    table[cols[None, :] > lengths[:, None]] = -1
+    return table.astype(np.int32)
 
 
-def _output(dev: Device, buf: object, name: str, shape: tuple[int, ...]) -> Buffer:
-    b = _input(dev, buf, name, shape)
-    _contig(b, name)
-    return b
+def _derived_table(
+    dev: Device, dst_rows: Buffer, facts: IndexFacts, n_snap: int, plane_stride: int, tok: _Tokens
+) -> Buffer:
+    """The snapshot table of a 1-D dst_rows as a device buffer, cached on
+    dst_rows for as long as its contents and the token lengths are the same."""
+    cu_values = None if tok.cu is None else tok.cu.values
+    key = (n_snap, plane_stride, tok.equal if cu_values is None else -1)
+    cache = dst_rows._derived
+    if cache is None:
+        cache = dst_rows._derived = {}
+    hit = cache.get(key)
+    if hit is not None and hit[0] is facts.values and hit[1] is cu_values:
+        cached: Buffer = hit[2]
+        return cached
+    table = snapshot_table(facts.values, n_snap, plane_stride, _lengths_of(tok))
+    buf = dev.indices(table)
+    if len(cache) >= 8:  # a handful of (n_snap, lengths) per index buffer in practice
+        cache.clear()
+    if facts.values is dst_rows.host_indices:  # only what validation saw may be reused
+        cache[key] = (facts.values, cu_values, buf)
+    return buf
+
+
+def _state_rows(
+    dev: Device,
+    pool: Buffer,
+    start_rows: object,
+    dst_rows: object,
+    tok: _Tokens,
+    n_snap: int,
+    plane_stride: int,
+) -> tuple[Buffer | None, int]:
+    """Check start and destination rows and the rows a call will write.
+
+    Returns the derived snapshot table (None when ``dst_rows`` is already
+    one) and the number of snapshot columns."""
+    n_rows, n_seqs = pool.shape[0], tok.n_seqs
+    _, start = _index(dev, start_rows, "start_rows", n_seqs)
+    _in_range(start, n_rows, "start_rows")
+    dst_buf = _own(dev, dst_rows, "dst_rows")
+    if dst_buf.ndim == 2:
+        if n_snap != 1 or plane_stride != 0:
+            raise ArgumentError(
+                "n_snap" if n_snap != 1 else "plane_stride",
+                "must stay at its default with 2-D dst_rows: the table's columns are the snapshot rows",
+            )
+        facts = _index2(dev, dst_buf, "dst_rows", n_seqs)
+        _check_table(facts.values, start.values, _lengths_of(tok), n_rows)
+        return None, dst_buf.shape[1]
+    if not isinstance(n_snap, _INTEGER) or n_snap < 1:
+        raise ArgumentError("n_snap", f"must be an integer >= 1, got {n_snap!r}")
+    if not isinstance(plane_stride, _INTEGER) or plane_stride < 0:
+        raise ArgumentError("plane_stride", f"must be an integer >= 0, got {plane_stride!r}")
+    if n_snap > 1 and plane_stride <= 0:
+        raise ArgumentError("plane_stride", "must be > 0 when n_snap > 1")
+    if dst_buf.ndim != 1:
+        raise ArgumentError("dst_rows", f"must be 1-D [n_seqs] or 2-D [n_seqs, n_cols], got shape {dst_buf.shape}")
+    _, dst = _index(dev, dst_buf, "dst_rows", n_seqs)
+    n_written = min(tok.max_tokens + 1, n_snap)
+    if dst.lo < 0 or dst.hi + (n_written - 1) * plane_stride >= n_rows:
+        table = snapshot_table(dst.values, n_snap, plane_stride, _lengths_of(tok)).astype(np.int64)
+        _in_range_array(table[table != -1] if dst.lo >= 0 else dst.values, n_rows, "dst_rows")
+    # Fast path (every decode step): destinations distinct and within one plane's
+    # width, so planes cannot collide, and each sequence starts from its own row.
+    one_plane = n_written == 1 or dst.hi - dst.lo < plane_stride
+    if not (dst.unique and one_plane and (start_rows is dst_rows or np.array_equal(start.values, dst.values))):
+        table = snapshot_table(dst.values, n_snap, plane_stride, _lengths_of(tok))
+        _check_table(table, start.values, _lengths_of(tok), n_rows)
+    if n_snap == 1 and dst_buf.is_contiguous:
+        return None, 1  # one column: the 1-D rows are the table ([n_s] and [n_s, 1] share their bytes)
+    return _derived_table(dev, dst_buf, dst, n_snap, plane_stride, tok), n_snap
+
+
+def _cu_buffer(dev: Device, tok: _Tokens) -> Buffer | None:
+    """The offsets of the equal-length form, one cached buffer per (n_s, n_t)."""
+    if tok.cu is not None:
+        return None
+    cache = dev._cu_cache
+    if cache is None:
+        cache = dev._cu_cache = {}
+    key = (tok.n_seqs, tok.equal)
+    buf = cache.get(key)
+    if buf is None:
+        if len(cache) >= 64:
+            cache.clear()
+        buf = cache[key] = dev.indices(np.arange(tok.n_seqs + 1, dtype=np.int64) * tok.equal)
+    return buf
+
+
+def _finish(
+    dev: Device, pool: Buffer, start_rows: object, dst_rows: object, tok: _Tokens, n_snap: int, plane_stride: int,
+    token_args: tuple[Buffer | None, ...],
+) -> tuple[Buffer | None, Buffer | None, int, bool]:  # fmt: skip
+    snap, n_cols = _state_rows(dev, pool, start_rows, dst_rows, tok, n_snap, plane_stride)
+    copied = tok.cu is None and any(b is not None and token_view(b) is None for b in token_args)
+    return snap, _cu_buffer(dev, tok), n_cols, copied
 
 
 def check_ssm_conv(
@@ -337,14 +617,12 @@ def check_ssm_conv(
     bias: Buffer | None,
     n_snap: int,
     plane_stride: int,
-) -> ConvShape:
+    cu_seqlens: Buffer | None = None,
+) -> StateCall:
     pool = _pool(dev, pool)
     x = _own(dev, x, "x")
-    if x.ndim != 3:
-        raise ArgumentError("x", f"must be 3-D [n_seqs, n_tokens, channels], got shape {x.shape}")
-    n_s, n_t, ch = x.shape
-    if n_t < 1 or n_s < 1 or ch < 1:
-        raise ArgumentError("x", f"empty shape {x.shape}")
+    tok = _token_axes(dev, x, "x", "channels", 1, cu_seqlens)
+    ch = x.shape[-1]
     weight = _own(dev, weight, "weight")
     if weight.ndim != 2 or weight.shape[0] != ch:
         y_ch = _own(dev, y, "y").shape[-1:]
@@ -354,10 +632,10 @@ def check_ssm_conv(
     d_conv = weight.shape[1]
     if d_conv < 2:
         raise ArgumentError("weight", f"d_conv {d_conv} must be >= 2")
-    _input(dev, x, "x", (n_s, n_t, ch))
-    _input(dev, weight, "weight", (ch, d_conv))
+    _activation(dev, x, "x", (*tok.lead, ch))
+    _param(dev, weight, "weight", (ch, d_conv))
     if bias is not None:
-        _input(dev, bias, "bias", (ch,))
+        _param(dev, bias, "bias", (ch,))
     if pool.shape[1] != ch * (d_conv - 1):
         if pool.shape[1] % ch == 0:  # a window of whole columns: the kernel width is what disagrees
             raise ArgumentError(
@@ -366,13 +644,29 @@ def check_ssm_conv(
                 f"hold {pool.shape[1]} (d_conv {pool.shape[1] // ch + 1})",
             )
         raise ArgumentError("pool", f"row size {pool.shape[1]} must be channels * (d_conv - 1) = {ch * (d_conv - 1)}")
-    y = _output(dev, y, "y", (n_s, n_t, ch))
+    y = _output(dev, y, "y", (*tok.lead, ch))
     _distinct_storage(y, "y", (pool, "pool"), (x, "x"), (weight, "weight"), (bias, "bias"))
-    _state_rows(dev, pool, start_rows, dst_rows, n_s, n_t, n_snap, plane_stride)
+    snap, cu, n_cols, copied = _finish(dev, pool, start_rows, dst_rows, tok, n_snap, plane_stride, (x,))
     # Positional, in field order: StateWrite's, then ConvShape's.
-    return _conv_shape(
-        n_s, n_t, pool.shape[0], pool.shape[1], int(n_snap), int(plane_stride), ch, d_conv, bias is not None
-    )
+    shp = _conv_shape(
+        tok.n_seqs, tok.n_tokens, tok.max_tokens, pool.shape[0], pool.shape[1], n_cols, tok.equal,
+        ch, d_conv, bias is not None,
+    )  # fmt: skip
+    return StateCall(shp, snap, cu, tok.cu is not None, copied)
+
+
+def _dt_limit(dt_limit: object) -> tuple[float, float] | None:
+    if dt_limit is None:
+        return None
+    try:
+        lo, hi = (float(v) for v in dt_limit)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise ArgumentError("dt_limit", f"must be a pair (min, max) of numbers, got {dt_limit!r}") from None
+    if np.isnan(lo) or np.isnan(hi) or lo > hi:
+        raise ArgumentError("dt_limit", f"must satisfy min <= max (no NaN), got ({lo}, {hi})")
+    if lo <= 0.0 and hi == np.inf:
+        return None  # softplus is >= 0 already: mamba2's default (0, inf) changes nothing
+    return (lo, hi)
 
 
 def check_ssm_scan(
@@ -389,18 +683,21 @@ def check_ssm_scan(
     y: Buffer,
     n_snap: int,
     plane_stride: int,
-) -> ScanShape:
+    cu_seqlens: Buffer | None = None,
+    D: Buffer | None = None,
+    z: Buffer | None = None,
+    dt_bias: Buffer | None = None,
+    dt_limit: object = None,
+) -> StateCall:
     pool = _pool(dev, pool)
     x = _own(dev, x, "x")
-    if x.ndim != 4:
-        raise ArgumentError("x", f"must be 4-D [n_seqs, n_tokens, n_head, head_dim], got shape {x.shape}")
-    n_s, n_t, n_head, head_dim = x.shape
-    if min(x.shape) < 1:
-        raise ArgumentError("x", f"empty shape {x.shape}")
+    tok = _token_axes(dev, x, "x", "n_head, head_dim", 2, cu_seqlens)
+    lead = tok.lead
+    n_head, head_dim = x.shape[-2], x.shape[-1]
     B = _own(dev, B, "B")
-    if B.ndim != 4 or B.shape[:2] != (n_s, n_t):
-        raise ArgumentError("B", f"shape {B.shape} must be [n_seqs={n_s}, n_tokens={n_t}, n_group, d_state]")
-    n_group, d_state = B.shape[2], B.shape[3]
+    if B.ndim != len(lead) + 2 or B.shape[: len(lead)] != lead:
+        raise ArgumentError("B", f"shape {B.shape} must be [{', '.join(map(str, lead))}, n_group, d_state]")
+    n_group, d_state = B.shape[-2], B.shape[-1]
     if n_group < 1 or d_state < 1 or n_head % n_group:
         raise ArgumentError("B", f"n_group {n_group} must divide n_head {n_head}")
     A = _own(dev, A, "A")
@@ -410,47 +707,47 @@ def check_ssm_scan(
         variant = "mamba1"
     else:
         dt_shape = _own(dev, dt, "dt").shape
-        if A.ndim >= 1 and A.shape[0] != n_head and dt_shape == (n_s, n_t, A.shape[0]):  # x is the odd one out
+        if A.ndim >= 1 and A.shape[0] != n_head and dt_shape == (*lead, A.shape[0]):  # x is the odd one out
             raise ArgumentError("x", f"shape {x.shape} has {n_head} heads, A and dt have {A.shape[0]}")
         raise ArgumentError("A", f"shape {A.shape} must be [n_head={n_head}] or [n_head={n_head}, d_state={d_state}]")
-    if variant == "mamba1":
-        if head_dim != 1 or n_group != 1:
-            raise ArgumentError("A", "Mamba-1 (A of [n_head, d_state]) needs head_dim == 1 and n_group == 1")
-        if n_snap != 1:
-            raise ArgumentError("n_snap", f"Mamba-1 scans emit only the final state (n_snap == 1), got {n_snap}")
-    # x, A and B are owned and their shapes were read from them: only their
-    # dtype is left to check (in the same order as for the other inputs).
-    _f32(x, "x")
-    _input(dev, dt, "dt", (n_s, n_t, n_head))
+    if variant == "mamba1" and (head_dim != 1 or n_group != 1):
+        raise ArgumentError("A", "Mamba-1 (A of [n_head, d_state]) needs head_dim == 1 and n_group == 1")
+    _activation(dev, x, "x", (*lead, n_head, head_dim))
+    _activation(dev, dt, "dt", (*lead, n_head))
     _f32(A, "A")
-    _f32(B, "B")
+    _activation(dev, B, "B", B.shape)
     C_shape = _own(dev, C, "C").shape
     row = pool.shape[1]
     if C_shape != B.shape and row % (n_head * head_dim) == 0 and C_shape[-1:] == (row // (n_head * head_dim),):
         # C agrees with the pool's d_state: B is the odd one out
         raise ArgumentError("B", f"shape {B.shape} disagrees with C {C_shape} and the pool's d_state")
-    _input(dev, C, "C", (n_s, n_t, n_group, d_state))
+    _activation(dev, C, "C", (*lead, n_group, d_state))
+    if D is not None:
+        D = _own(dev, D, "D")
+        if D.shape not in ((n_head,), (n_head, head_dim)):
+            raise ArgumentError("D", f"shape {D.shape} must be [n_head={n_head}] or [n_head, head_dim={head_dim}]")
+        _f32(D, "D")
+    if z is not None:
+        _activation(dev, z, "z", (*lead, n_head, head_dim))
+    if dt_bias is not None:
+        _param(dev, dt_bias, "dt_bias", (n_head,))
+    limit = _dt_limit(dt_limit)
     if pool.shape[1] != n_head * head_dim * d_state:
         raise ArgumentError(
             "pool", f"row size {pool.shape[1]} must be n_head * head_dim * d_state = {n_head * head_dim * d_state}"
         )
-    y = _output(dev, y, "y", (n_s, n_t, n_head, head_dim))
-    _distinct_storage(y, "y", (pool, "pool"), (x, "x"), (dt, "dt"), (A, "A"), (B, "B"), (C, "C"))
-    _state_rows(dev, pool, start_rows, dst_rows, n_s, n_t, n_snap, plane_stride)
+    y = _output(dev, y, "y", (*lead, n_head, head_dim))
+    _distinct_storage(
+        y, "y", (pool, "pool"), (x, "x"), (dt, "dt"), (A, "A"), (B, "B"), (C, "C"), (D, "D"), (z, "z"),
+        (dt_bias, "dt_bias"),
+    )  # fmt: skip
+    snap, cu, n_cols, copied = _finish(dev, pool, start_rows, dst_rows, tok, n_snap, plane_stride, (x, dt, B, C, z))
     # Positional, in field order: StateWrite's, then ScanShape's.
-    return _scan_shape(
-        n_s,
-        n_t,
-        pool.shape[0],
-        pool.shape[1],
-        int(n_snap),
-        int(plane_stride),
-        n_head,
-        head_dim,
-        d_state,
-        n_group,
-        variant,
-    )
+    shp = _scan_shape(
+        tok.n_seqs, tok.n_tokens, tok.max_tokens, pool.shape[0], pool.shape[1], n_cols, tok.equal,
+        n_head, head_dim, d_state, n_group, variant, limit,
+    )  # fmt: skip
+    return StateCall(shp, snap, cu, tok.cu is not None, copied)
 
 
 def check_gated_delta_net(
@@ -467,34 +764,69 @@ def check_gated_delta_net(
     o: Buffer,
     n_snap: int,
     plane_stride: int,
-) -> DeltaShape:
+    cu_seqlens: Buffer | None = None,
+    head_map: str = "tiled",
+    qk_l2norm: bool = False,
+    A_log: Buffer | None = None,
+    dt_bias: Buffer | None = None,
+    beta_sigmoid: bool = False,
+    scale: float | None = None,
+) -> StateCall:
     pool = _pool(dev, pool)
     v = _own(dev, v, "v")
-    if v.ndim != 4 or min(v.shape) < 1:
-        raise ArgumentError("v", f"must be 4-D [n_seqs, n_tokens, H_v, S], got shape {v.shape}")
-    n_s, n_t, h_v, size = v.shape
+    tok = _token_axes(dev, v, "v", "H_v, S", 2, cu_seqlens)
+    lead = tok.lead
+    h_v, size = v.shape[-2], v.shape[-1]
     q = _own(dev, q, "q")
-    if q.ndim != 4 or q.shape[:2] != (n_s, n_t) or q.shape[3] != size:
-        raise ArgumentError("q", f"shape {q.shape} must be [n_seqs={n_s}, n_tokens={n_t}, H_k, S={size}]")
-    h_k = q.shape[2]
+    if q.ndim != len(lead) + 2 or q.shape[: len(lead)] != lead or q.shape[-1] != size:
+        raise ArgumentError("q", f"shape {q.shape} must be [{', '.join(map(str, lead))}, H_k, S={size}]")
+    h_k = q.shape[-2]
     if h_k < 1 or h_v % h_k:
         raise ArgumentError("q", f"H_k {h_k} must divide H_v {h_v}")
-    _input(dev, q, "q", (n_s, n_t, h_k, size))
-    _input(dev, k, "k", (n_s, n_t, h_k, size))
-    _input(dev, v, "v", (n_s, n_t, h_v, size))
+    _activation(dev, q, "q", (*lead, h_k, size))
+    _activation(dev, k, "k", (*lead, h_k, size))
+    _activation(dev, v, "v", (*lead, h_v, size))
     g = _own(dev, g, "g")
-    if g.shape == (n_s, n_t, h_v):
+    if g.shape == (*lead, h_v):
         variant = "scalar"
-    elif g.shape == (n_s, n_t, h_v, size):
+    elif g.shape == (*lead, h_v, size):
         variant = "kda"
     else:
-        raise ArgumentError("g", f"shape {g.shape} must be [{n_s}, {n_t}, {h_v}] or [{n_s}, {n_t}, {h_v}, {size}]")
-    _input(dev, g, "g", g.shape)
-    _input(dev, beta, "beta", (n_s, n_t, h_v))
+        want = ", ".join(map(str, lead))
+        raise ArgumentError("g", f"shape {g.shape} must be [{want}, {h_v}] or [{want}, {h_v}, {size}]")
+    _activation(dev, g, "g", g.shape)
+    _activation(dev, beta, "beta", (*lead, h_v))
+    if head_map not in HEAD_MAPS:
+        raise ArgumentError("head_map", f"must be one of {', '.join(HEAD_MAPS)}, got {head_map!r}")
+    if not 1 < h_k < h_v:
+        head_map = "tiled"  # both maps agree when every value head has its own q/k head or all share one
+    if scale is None:
+        eff_scale = 1.0 / float(np.sqrt(size))
+    elif isinstance(scale, int | float | np.integer | np.floating) and np.isfinite(scale):
+        eff_scale = float(scale)
+    else:
+        raise ArgumentError("scale", f"must be a finite number or None, got {scale!r}")
+    if not isinstance(qk_l2norm, bool | np.bool_):
+        raise ArgumentError("qk_l2norm", f"must be a bool, got {qk_l2norm!r}")
+    if not isinstance(beta_sigmoid, bool | np.bool_):
+        raise ArgumentError("beta_sigmoid", f"must be a bool, got {beta_sigmoid!r}")
+    if A_log is not None:
+        _param(dev, A_log, "A_log", (h_v,))
+    if dt_bias is not None:
+        if A_log is None:
+            raise ArgumentError("dt_bias", "is part of the raw gate form: pass A_log too")
+        _param(dev, dt_bias, "dt_bias", (h_v, size) if variant == "kda" else (h_v,))
     if pool.shape[1] != h_v * size * size:
         raise ArgumentError("pool", f"row size {pool.shape[1]} must be H_v * S * S = {h_v * size * size}")
-    o = _output(dev, o, "o", (n_s, n_t, h_v, size))
-    _distinct_storage(o, "o", (pool, "pool"), (q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta"))
-    _state_rows(dev, pool, start_rows, dst_rows, n_s, n_t, n_snap, plane_stride)
+    o = _output(dev, o, "o", (*lead, h_v, size))
+    _distinct_storage(
+        o, "o", (pool, "pool"), (q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta"), (A_log, "A_log"),
+        (dt_bias, "dt_bias"),
+    )  # fmt: skip
+    snap, cu, n_cols, copied = _finish(dev, pool, start_rows, dst_rows, tok, n_snap, plane_stride, (q, k, v, g, beta))
     # Positional, in field order: StateWrite's, then DeltaShape's.
-    return _delta_shape(n_s, n_t, pool.shape[0], pool.shape[1], int(n_snap), int(plane_stride), h_k, h_v, size, variant)
+    shp = _delta_shape(
+        tok.n_seqs, tok.n_tokens, tok.max_tokens, pool.shape[0], pool.shape[1], n_cols, tok.equal,
+        h_k, h_v, size, variant, head_map, bool(qk_l2norm), A_log is not None, bool(beta_sigmoid), eff_scale,
+    )  # fmt: skip
+    return StateCall(shp, snap, cu, tok.cu is not None, copied)

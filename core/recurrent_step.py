@@ -14,8 +14,10 @@ For every state tensor of a recurrent layer the step
 Every argument is checked before anything is written: the shapes against
 the ubatch and the layer's state rows (so an error names the argument that
 is wrong, not one it was compared with), then the primitive's own contract
-and the device's capabilities.  A refused call changes nothing and may be
-made again, corrected; only a call that started writing counts as done.
+(``statecache.primitives``).  The device checks its capabilities when it
+launches, and the writes are ordered so that a refused launch has written
+nothing a sequence reads.  A refused call changes nothing and may be made
+again, corrected; only a call that ran counts as done.
 
 Every read happens before any write.  When the plan says a row is both read
 and written by different parties (``inputs.staged``: a reorder swapped cells,
@@ -43,7 +45,7 @@ import numpy as np
 
 from statecache import primitives as P
 from statecache.backend import Buffer
-from statecache.errors import ArgumentError
+from statecache.errors import ArgumentError, CapabilityError
 
 if TYPE_CHECKING:
     from statecache.recurrent import RecurrentInputs, RecurrentMemory
@@ -111,10 +113,11 @@ class RecurrentStep:
             parts.append(np.asarray([inp.rs_z], dtype=np.int64))
         return np.unique(np.concatenate(parts))
 
-    def _before_write(self, layer: int, name: str, pool: Buffer) -> None:
+    def _before_write(self, layer: int, name: str, pool: Buffer) -> bool:
+        """Record (for undo) that this pool is about to be written; True when this call did."""
         rec = self._record
         if rec is None or (layer, name) in rec.written:
-            return  # untracked, or an earlier step already saw this pool's old rows
+            return False  # untracked, or an earlier step already saw this pool's old rows
         if rec.overwrites is None:
             rec.overwrites = self.overwrites
         saved = None
@@ -123,6 +126,7 @@ class RecurrentStep:
             saved = dev.alloc((rec.overwrites.size, pool.shape[1]), pool.dtype)
             dev.get_rows(pool, dev.indices(rec.overwrites), saved)
         rec.written[(layer, name)] = (pool, saved)
+        return True
 
     def _validate(self, validate: _Launch | None, key: tuple[Any, ...], bufs: tuple[Any, ...], target: Buffer,
                   start: Buffer, dst: Buffer, stride: int) -> None:  # fmt: skip
@@ -149,43 +153,61 @@ class RecurrentStep:
         name: str,
         launch: _Launch,
         validate: _Launch | None = None,
-        key: tuple[Any, ...] = (),
+        op_key: tuple[Any, ...] = (),
         bufs: tuple[Any, ...] = (),
     ) -> None:
-        """Validate, then zero, materialise extras and launch the primitive for one pool.
+        """Validate, then zero, launch the primitive and materialise extras for one pool.
 
         ``validate`` gets the arguments ``launch`` will get and raises, before any
-        write, when the call would be refused (``key``/``bufs``: the scalars and
-        buffers of the call, to skip a check made before); the tensor counts as
-        stepped only once writing starts, so a refused call may be retried corrected."""
+        write, when the arguments would be refused (``key``/``bufs``: the scalars
+        and buffers of the call, to skip a check made before).  The device checks
+        its capabilities when it launches; the writes are ordered so that a launch
+        it refuses has written nothing a sequence reads (at most the zero row,
+        which no cell names yet): the extras are copied after the primitive (in
+        the unstaged path no extra row is read or written by it).  A refused call
+        therefore does not count as stepped and may be made again, corrected."""
         self._not_done(layer, name)
         dev, inp = self.device, self.inputs
         pool = self._pool(layer, name)
+        key = (layer, name)
         if not inp.staged:
-            self._validate(validate, (name, *key), bufs, pool, self._start, self._dst, inp.size)
-            self.done.add((layer, name))
-            self._before_write(layer, name, pool)
+            self._validate(validate, (name, *op_key), bufs, pool, self._start, self._dst, inp.size)
+            registered = self._before_write(layer, name, pool)
+            self.done.add(key)
             if self._zero is not None and self._needs_zero:
                 dev.zero_rows(pool, self._zero)
+            self._launch_refusable(key, registered, lambda: launch(pool, self._start, self._dst, inp.size))
             if self._ex_src is not None and self._ex_dst is not None:
                 dev.copy_rows(pool, self._ex_src, pool, self._ex_dst)
-            launch(pool, self._start, self._dst, inp.size)
             return
-        # staged: read everything first
+        # staged: read everything first (into transient buffers), write the pool last
         n = inp.n_seqs
         tmp = dev.alloc((n * inp.n_snap, pool.shape[1]), pool.dtype)
-        self._validate(validate, (name, *key), bufs, tmp, self._local, self._local, n)
-        self.done.add((layer, name))
-        self._before_write(layer, name, pool)
+        self._validate(validate, (name, *op_key), bufs, tmp, self._local, self._local, n)
+        registered = self._before_write(layer, name, pool)
+        self.done.add(key)
         dev.copy_rows(pool, self._read_rows, tmp, self._local)
         if self._fresh_local_idx is not None:
             dev.zero_rows(tmp, self._fresh_local_idx)
-        if self._ex_src is not None and self._ex_dst is not None:
+        ex = None
+        if self._ex_src is not None:
             ex = dev.alloc((self._ex_src.shape[0], pool.shape[1]), pool.dtype)
             dev.get_rows(pool, self._ex_src, ex)
+        self._launch_refusable(key, registered, lambda: launch(tmp, self._local, self._local, n))
+        if ex is not None and self._ex_dst is not None:
             dev.set_rows(pool, self._ex_dst, ex)
-        launch(tmp, self._local, self._local, n)
         dev.copy_rows(tmp, self._local_written, pool, self._pool_written)
+
+    def _launch_refusable(self, key: tuple[int, str], registered: bool, launch: Callable[[], None]) -> None:
+        """Launch; a call the device refuses before running (arguments, capabilities) is
+        not stepped and leaves no undo record, so it may be made again."""
+        try:
+            launch()
+        except (ArgumentError, CapabilityError):
+            self.done.discard(key)
+            if registered and self._record is not None:
+                self._record.written.pop(key, None)
+            raise
 
     # -- per state tensor -----------------------------------------------------
     def conv(
@@ -202,7 +224,7 @@ class RecurrentStep:
         """``ssm_conv`` on the layer's conv-window pool (``x`` [n_seqs, n_seq_tokens, ch])."""
         self._primitive(
             "ssm_conv", layer, tensor, {"x": x, "weight": weight, "y": y}, {"bias": bias},
-            {"apply_silu": bool(apply_silu)}, lambda row: self._conv_shapes(layer, row, x, weight, y, bias), (x,),
+            {"apply_silu": bool(apply_silu)}, lambda row: self._conv_shapes(layer, row, x, weight, y, bias),
         )  # fmt: skip
 
     def scan(
@@ -211,7 +233,7 @@ class RecurrentStep:
         """``ssm_scan`` (Mamba-1/2) on the layer's state pool."""
         self._primitive(
             "ssm_scan", layer, tensor, {"x": x, "dt": dt, "A": A, "B": B, "C": C, "y": y}, {}, {},
-            lambda row: self._scan_shapes(layer, row, x, dt, A, B, C, y), (x, dt, B, C),
+            lambda row: self._scan_shapes(layer, row, x, dt, A, B, C, y),
         )  # fmt: skip
 
     def delta(
@@ -230,7 +252,7 @@ class RecurrentStep:
         """``gated_delta_net`` (GDN / KDA) on the layer's state pool."""
         self._primitive(
             "gated_delta_net", layer, tensor, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "o": o}, {},
-            {"scale": scale}, lambda row: self._delta_shapes(layer, row, q, k, v, g, beta, o), (q, k, v, g, beta),
+            {"scale": scale}, lambda row: self._delta_shapes(layer, row, q, k, v, g, beta, o),
         )  # fmt: skip
 
     def _primitive(
@@ -242,22 +264,18 @@ class RecurrentStep:
         optional: dict[str, Buffer | None],
         scalars: dict[str, Any],
         shapes: Callable[[int], None],
-        inputs: tuple[Buffer, ...],
     ) -> None:
         """Run primitive ``op`` (``Device.<op>``, validated by ``primitives.check_<op>``) on the
         layer's pool.  ``args``: its buffers in call order; ``optional``: keyword buffers;
         ``scalars``: keyword scalars the validator does not take; ``shapes(row_size)``:
-        the checks against the ubatch and the layer; ``inputs``: the buffers that may be
-        strided views (the capability check asks)."""
+        the checks against the ubatch and the layer."""
         dev, snap = self.device, self.inputs.n_snap
         check = getattr(P, f"check_{op}")  # the validator the device runs too
         call = getattr(dev, op)
 
         def validate(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
             shapes(pool.shape[1])
-            shp = check(dev, pool=pool, start_rows=start, dst_rows=dst, **args, **optional, n_snap=snap,
-                        plane_stride=stride)  # fmt: skip
-            self._require(op, pool, shp, inputs)
+            check(dev, pool=pool, start_rows=start, dst_rows=dst, **args, **optional, n_snap=snap, plane_stride=stride)
 
         def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
             call(pool, start, dst, *args.values(), **optional, **scalars, n_snap=snap, plane_stride=stride)
@@ -273,13 +291,6 @@ class RecurrentStep:
             return None
 
         self._run(layer, tensor, launch)
-
-    def _require(self, op: str, pool: Buffer, shp: P.StateWrite, inputs: tuple[Buffer, ...]) -> None:
-        """The device's capability check of ``op`` with the sizes validation returned,
-        asked before the first write (the same parameters the device's own call asks)."""
-        sizes = {name: getattr(shp, name) for name in _CAPABILITY_SIZES[op]}
-        strided = not all(buf.is_contiguous for buf in inputs)
-        self.device._require(op, dtype=pool.dtype, n_snap=shp.n_snap, strided=strided, **sizes)
 
     # -- shapes against the ubatch and the layer (names the argument that is wrong) ----
     def _tokens_dims(self, name: str, buf: object, ndim: int, layout: str) -> tuple[int, ...]:
@@ -378,13 +389,6 @@ class RecurrentStep:
 
 
 _Launch = Callable[[Buffer, Buffer, Buffer, int], None]
-
-#: Per primitive, the sizes its capability check looks at (as in Device.ssm_conv & co.).
-_CAPABILITY_SIZES = {
-    "ssm_conv": ("d_conv",),
-    "ssm_scan": ("variant", "d_state", "head_dim"),
-    "gated_delta_net": ("variant", "head_size"),
-}
 
 
 def _shape_of(buf: Any, name: str) -> tuple[int, ...]:

@@ -16,14 +16,16 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError
 
 #: Families whose every state tensor gets snapshot planes from the primitives, so
-#: rollback (n_rs_seq > 0) is exact for them.  Mamba-1's scan emits only its
-#: final state (the contract requires n_snap == 1), and the RWKV wkv kernels are
-#: not part of our primitive set, so those families run with n_rs_seq = 0.
-ROLLBACK_FAMILIES = frozenset({"mamba2", "gdn", "kda", "shortconv"})
+#: rollback (n_rs_seq > 0) is exact for them (Mamba-1's scan writes snapshot
+#: planes like Mamba-2's since protocol 2).  The RWKV wkv kernels are not part of
+#: our primitive set: a memory of such a model refuses rollback planes.
+ROLLBACK_FAMILIES = frozenset({"mamba1", "mamba2", "gdn", "kda", "shortconv"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +125,25 @@ class RecurrentLayerSpec:
         """LFM2 short conv: only a conv window of L_cache - 1 columns."""
         return cls("shortconv", (StateTensor("r", n_embd * (l_cache - 1)),), {"d_conv": l_cache, "channels": n_embd})
 
+    # -- tensor parallelism: the shard of rank r of t ----------------------------
+    def shard(self, rank: int, world: int) -> RecurrentLayerSpec:
+        """The layer as rank ``rank`` of ``world`` tensor-parallel ranks holds it.
+
+        Heads split the way Megatron and vLLM split them: whole heads per rank,
+        each rank keeping the groups (Mamba-2 B/C groups, GDN key heads) its
+        heads read, so every rank's step is the unsharded step on fewer heads.
+        A split that does not divide raises :class:`ArgumentError` naming the
+        hyperparameter.  ``world == 1`` returns the layer unchanged.
+        """
+        return _shard_layer(self, rank, world)[0]
+
+    def shard_index(self, rank: int, world: int) -> dict[str, np.ndarray]:
+        """Per state tensor, which elements of the unsharded row rank ``rank``'s row
+        holds, in its own order (``full_row[index] == shard_row``).  Replicated
+        tensors (an RWKV token shift: the layer input every rank holds) map onto
+        the whole row on every rank."""
+        return _shard_layer(self, rank, world)[1]
+
 
 @dataclasses.dataclass(frozen=True)
 class MemorySpec:
@@ -157,19 +178,40 @@ class MemorySpec:
         return all(spec.rollback_capable for spec in self.layers if spec is not None)
 
     def effective_n_rs_seq(self, n_rs_seq: int) -> int:
-        """Rollback planes actually used: 0 unless every recurrent layer is rollback-capable
-        (docs/memory-semantics.md#inv-35); a model with no recurrent layer keeps it (positions only)."""
+        """Rollback planes a memory of this model allocates: ``n_rs_seq`` itself, or
+        0 for a model without recurrent layers (rollback then only moves positions).
+
+        :raises ArgumentError: ``n_rs_seq`` is negative, or positive while a recurrent
+            layer's family cannot write snapshot planes (not in
+            :data:`ROLLBACK_FAMILIES`): asking for rollback must fail loudly at
+            construction, not give a memory whose every rollback is refused.
+        """
         if n_rs_seq < 0:
             raise ArgumentError("n_rs_seq", f"must be >= 0, got {n_rs_seq}")
         if not self.recurrent_layers:
             return 0
-        return n_rs_seq if self.rollback_capable else 0
+        if n_rs_seq > 0 and not self.rollback_capable:
+            families = sorted({spec.family for spec in self.layers if spec is not None and not spec.rollback_capable})
+            raise ArgumentError(
+                "n_rs_seq",
+                f"{n_rs_seq} rollback planes asked for, but the kernels of {', '.join(families)} layers write no "
+                "snapshot planes, so rollback could never be exact: pass n_rs_seq=0",
+            )
+        return n_rs_seq
 
     def state_bytes(self, size: int, n_rs_seq: int = 0) -> int:
         """Bytes of recurrent state for ``size`` cells with ``n_rs_seq`` rollback planes."""
         planes = 1 + self.effective_n_rs_seq(n_rs_seq)
         per_cell = sum(t.row_size for spec in self.layers if spec is not None for t in spec.tensors)
         return size * planes * per_cell * self.dtype.itemsize
+
+    def shard(self, rank: int, world: int) -> MemorySpec:
+        """The spec of tensor-parallel rank ``rank`` of ``world``: every recurrent layer's
+        shard (:meth:`RecurrentLayerSpec.shard`); an error names the layer and field."""
+        layers = tuple(
+            None if spec is None else _in_layer(i, spec.shard, rank, world) for i, spec in enumerate(self.layers)
+        )
+        return MemorySpec(layers, self.dtype)
 
     def memory_breakdown(
         self, n_seq_max: int, n_rs_seq: int = 0, devices: Sequence[str] | str = "device"
@@ -213,6 +255,20 @@ class AttentionLayerSpec:
     @property
     def n_embd_v(self) -> int:
         return self.n_head_kv * (self.head_dim_k if self.head_dim_v is None else self.head_dim_v)
+
+    def shard(self, rank: int, world: int) -> AttentionLayerSpec:
+        """Rank ``rank`` of ``world`` holds ``n_head_kv / world`` whole K/V heads (its
+        query heads' groups); a count that does not divide is refused, not replicated."""
+        _check_rank(rank, world)
+        return dataclasses.replace(self, n_head_kv=_split("n_head_kv", self.n_head_kv, world, "K/V heads"))
+
+    def shard_index(self, rank: int, world: int) -> dict[str, np.ndarray]:
+        """Which elements of an unsharded K row (``"k"``) and V row (``"v"``) rank ``rank`` holds."""
+        local = self.shard(rank, world)
+        return {
+            "k": np.arange(rank * local.n_embd_k, (rank + 1) * local.n_embd_k, dtype=np.int64),
+            "v": np.arange(rank * local.n_embd_v, (rank + 1) * local.n_embd_v, dtype=np.int64),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +333,13 @@ class ModelSpec:
             indexer,
         )
 
+    def shard(self, rank: int, world: int) -> ModelSpec:
+        """The spec of tensor-parallel rank ``rank`` of ``world``: recurrent and attention
+        layers split by heads; the indexer cache (one key head) is replicated on every rank."""
+        recurrent = self.recurrent.shard(rank, world)
+        attention = {il: _in_layer(il, a.shard, rank, world) for il, a in sorted(self.attention.items())}
+        return dataclasses.replace(self, recurrent=recurrent, attention=attention)
+
     @property
     def n_layer(self) -> int:
         return self.recurrent.n_layer
@@ -315,6 +378,107 @@ class ModelSpec:
         if kv:
             out[device] = out.get(device, 0) + kv
         return out
+
+
+# -- tensor-parallel shards (Megatron / vLLM: whole heads per rank) -----------------------
+
+
+def _check_rank(rank: int, world: int) -> None:
+    if world < 1:
+        raise ArgumentError("world", f"needs at least one rank, got {world}")
+    if not 0 <= rank < world:
+        raise ArgumentError("rank", f"{rank} outside [0, world={world})")
+
+
+def _split(field: str, value: int, world: int, what: str) -> int:
+    if value % world:
+        raise ArgumentError(field, f"{value} {what} do not split over {world} ranks")
+    return value // world
+
+
+def _in_layer(layer: int, shard: Any, rank: int, world: int) -> Any:
+    """``shard(rank, world)`` with the layer index added to an error."""
+    try:
+        return shard(rank, world)
+    except ArgumentError as exc:
+        raise ArgumentError(exc.argument, f"layer {layer}: {str(exc)[len(exc.argument) + 2 :]}") from None
+
+
+def _blocks(starts: np.ndarray, width: int) -> np.ndarray:
+    """Concatenated ranges ``[s, s + width)`` for every ``s`` in ``starts``."""
+    return (np.asarray(starts, dtype=np.int64)[:, None] + np.arange(width, dtype=np.int64)).ravel()
+
+
+def _shard_layer(spec: RecurrentLayerSpec, rank: int, world: int) -> tuple[RecurrentLayerSpec, dict[str, np.ndarray]]:
+    """The local spec and the element maps of one recurrent layer (see :meth:`RecurrentLayerSpec.shard`).
+
+    Row layouts (fixed by the primitives): a conv window row is ``[channel, d_conv - 1]``;
+    a Mamba state row is ``[head, head_dim, d_state]``; a delta-rule or wkv state row
+    is ``[head, head_dim, head_dim]``.  So a rank's rows are its channels' and heads'
+    blocks of the full rows, in increasing order.
+    """
+    _check_rank(rank, world)
+    p = spec.params
+    full = {t.name: np.arange(t.row_size, dtype=np.int64) for t in spec.tensors}
+    if p.get("tp_world", 1) != 1:
+        raise ArgumentError("world", f"the {spec.family} layer is already rank {p['tp_rank']} of {p['tp_world']}")
+    if world == 1:
+        return spec, full
+    fam = spec.family
+    tp = {"tp_rank": rank, "tp_world": world}
+    if fam in ("mamba1", "mamba2"):
+        P, N = p["head_dim"], p["d_state"]
+        H = _split("d_inner" if fam == "mamba1" else "n_head", p["n_head"], world, "heads")
+        d_inner = p["n_head"] * P
+        channels = [np.arange(rank * H * P, (rank + 1) * H * P)]
+        if fam == "mamba2":
+            G = p["n_group"]
+            g = _split("n_group", G, world, "groups")
+            for base in (d_inner, d_inner + G * N):  # B, then C: each rank keeps its heads' groups
+                channels.append(base + np.arange(rank * g * N, (rank + 1) * g * N))
+            local = RecurrentLayerSpec.mamba2(d_inner=H * P, d_state=N, d_conv=p["d_conv"], n_group=g, head_dim=P)
+        else:
+            local = RecurrentLayerSpec.mamba1(d_inner=H, d_state=N, d_conv=p["d_conv"])
+        heads = np.arange(rank * H, (rank + 1) * H)
+        index = {"r": np.concatenate(channels), "s": _blocks(heads * P * N, P * N)}
+    elif fam in ("gdn", "kda"):
+        S, Hv, Hk = p["head_dim"], p["n_head"], p["n_head_k"]
+        if Hv % Hk:
+            raise ArgumentError("n_head", f"{Hv} value heads are not a multiple of {Hk} key heads")
+        _split("n_head", Hv, world, "value heads")
+        hk = _split("n_head_k", Hk, world, "key heads")
+        k_heads = np.arange(rank * hk, (rank + 1) * hk)
+        # value head h reads key head h % Hk (the primitive tiles key heads over value
+        # heads): a rank holds the value heads of its key heads, in increasing order,
+        # which the local tiling h' % hk maps onto the same key heads
+        v_heads = np.flatnonzero(np.isin(np.arange(Hv) % Hk, k_heads))
+        index = {
+            "r": np.concatenate(
+                [_blocks(k_heads * S, S), _blocks((Hk + k_heads) * S, S), _blocks((2 * Hk + v_heads) * S, S)]
+            ),
+            "s": _blocks(v_heads * S * S, S * S),
+        }
+        if fam == "gdn":
+            local = RecurrentLayerSpec.gdn(n_head=v_heads.size, head_dim=S, d_conv=p["d_conv"], n_head_k=hk)
+        else:
+            local = RecurrentLayerSpec.kda(n_head=v_heads.size, head_dim=S, d_conv=p["d_conv"])
+    elif fam in ("rwkv6", "rwkv7"):
+        hs = p["head_size"]
+        h = _split("n_head", p["n_embd"] // hs, world, "heads")
+        heads = np.arange(rank * h, (rank + 1) * h)
+        # the token shift holds the layer input, which every tensor-parallel rank holds whole
+        index = {"r": full["r"], "s": _blocks(heads * hs * hs, hs * hs)}
+        tensors = (StateTensor("r", spec.row_sizes["r"]), StateTensor("s", h * hs * hs))
+        return RecurrentLayerSpec(fam, tensors, {**p, **tp}), index
+    elif fam == "shortconv":
+        c = _split("channels", p["channels"], world, "channels")
+        local = RecurrentLayerSpec.shortconv(n_embd=c, l_cache=p["d_conv"])
+        index = {"r": np.arange(rank * c, (rank + 1) * c)}
+    else:
+        raise ArgumentError("family", f"no tensor-parallel split is defined for {fam!r}")
+    window = p["d_conv"] - 1
+    index["r"] = _blocks(index["r"] * window, window)  # channels -> elements of the [channel, window] row
+    return dataclasses.replace(local, params={**local.params, **tp}), index
 
 
 def __getattr__(name: str) -> Any:

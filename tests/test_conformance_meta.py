@@ -78,9 +78,9 @@ class WritesPastRows(ReferenceDevice):
         if end < dst.storage.size:
             dst.storage[end] = -dst.storage[end] - 7  # sign flip: visible in every dtype
 
-    def _ssm_scan(self, shp, pool, start_rows, dst_rows, x, dt, A, B, C, y):
-        super()._ssm_scan(shp, pool, start_rows, dst_rows, x, dt, A, B, C, y)
-        end = pool.offset + (int(self.index_values(dst_rows).max()) + 1) * pool.shape[1]
+    def _ssm_scan(self, shp, pool, start_rows, snap_rows, *args):
+        super()._ssm_scan(shp, pool, start_rows, snap_rows, *args)
+        end = pool.offset + (int(self.index_values(snap_rows).max()) + 1) * pool.shape[1]
         if end < pool.storage.size:
             pool.storage[end] = -pool.storage[end] - 7
 
@@ -88,13 +88,16 @@ class WritesPastRows(ReferenceDevice):
 class SkipsSnapshotPlanes(ReferenceDevice):
     """A scan that writes only the final state, whatever n_snap asks for."""
 
-    def _ssm_scan(self, shp, pool, start_rows, dst_rows, x, dt, A, B, C, y):
+    def _ssm_scan(self, shp, pool, start_rows, snap_rows, cu_seqlens, x, dt, A, B, C, y, D, z, dt_bias):
+        table = self.index_values(snap_rows).reshape(shp.n_seqs, shp.n_cols)
         ref_scan.ssm_scan(
-            dataclasses.replace(shp, n_snap=1),
+            dataclasses.replace(shp, n_cols=1),
             as_array(pool),
             self.index_values(start_rows),
-            self.index_values(dst_rows),
+            np.ascontiguousarray(table[:, :1]),
+            self.index_values(cu_seqlens),
             *(as_array(t) for t in (x, dt, A, B, C, y)),
+            *(None if t is None else as_array(t) for t in (D, z, dt_bias)),
         )
 
 

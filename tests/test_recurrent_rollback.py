@@ -9,7 +9,7 @@ from test_recurrent_book import Checked, assert_unchanged, data_snapshot
 
 import statecache
 from statecache.batch import Batch, BatchAllocator
-from statecache.errors import BatchError
+from statecache.errors import ArgumentError, BatchError
 from statecache.recurrent import RecurrentMemory
 from statecache.spec import MemorySpec, RecurrentLayerSpec
 
@@ -164,12 +164,15 @@ def test_item34_no_recurrent_layers_rollback_moves_position(dev) -> None:  # typ
     assert mem.seq_rm(0, 1, -1) and mem.seq_pos_max(0) == 0
 
 
-def test_item35_families_without_snapshots_get_no_planes(dev) -> None:  # type: ignore[no-untyped-def]
+def test_item35_rollback_planes_or_a_loud_refusal(dev) -> None:  # type: ignore[no-untyped-def]
     m1 = RecurrentLayerSpec.mamba1(d_inner=8, d_state=4, d_conv=4)
     mem = RecurrentMemory(MemorySpec.build(1, {0: m1}), dev, n_seq_max=2, n_rs_seq=3)
-    assert mem.n_rs_seq == 0 and mem.pools[0]["s"].shape[0] == 2
+    assert mem.n_rs_seq == 3 and mem.pools[0]["s"].shape[0] == 8  # Mamba-1 gets planes too
     mem2 = RecurrentMemory(toy_spec(), dev, n_seq_max=2, n_rs_seq=3)
     assert mem2.n_rs_seq == 3 and mem2.pools[0]["s"].shape[0] == 8
+    rwkv = RecurrentLayerSpec.rwkv6(n_embd=8, head_size=4)
+    with pytest.raises(ArgumentError, match="n_rs_seq"):
+        RecurrentMemory(MemorySpec.build(1, {0: rwkv}), dev, n_seq_max=2, n_rs_seq=3)
 
 
 def test_rollback_several_sequences_same_ubatch(dev) -> None:  # type: ignore[no-untyped-def]

@@ -242,7 +242,7 @@ def test_invalid_arguments_name_the_argument_and_write_nothing(ref_device, rng):
             dev.upload(f32(rng, 1, 2, 1, 1)),
             dev.upload(f32(rng, 1, 2, 1, 1)),
             dev.alloc((1, 2, 6, 1)),
-            n_snap=2,
+            n_snap=0,  # (Mamba-1 scans write snapshot planes too: only the count is wrong here)
             plane_stride=2,
         )
     np.testing.assert_array_equal(pool.numpy(), pool_np)

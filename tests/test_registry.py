@@ -13,7 +13,7 @@ import pluggy
 import pytest
 
 import statecache
-from statecache.backend import Backend
+from statecache.backend import PROTOCOL_VERSION, Backend
 from statecache.backends.reference.device import ReferenceDevice
 from statecache.errors import BackendNotFoundError, BackendUnavailableError, SettingsWarning
 from statecache.hookspecs import hookimpl
@@ -21,6 +21,8 @@ from statecache.registry import BackendRegistry, DuplicateBackendWarning
 
 
 class FakeBackend(Backend):
+    protocol = PROTOCOL_VERSION
+
     def __init__(self, name, priority=5, ok=True, reason=""):
         self.name = name
         self.priority = priority

@@ -60,9 +60,13 @@ def test_family_row_sizes(layer: RecurrentLayerSpec, r: int, s: int | None) -> N
     assert sizes.get("s") == s
 
 
-def test_rollback_capability_clamps_planes() -> None:
+def test_rollback_planes_for_every_family_with_snapshots_else_refused() -> None:
     m1 = MemorySpec.build(2, {0: RecurrentLayerSpec.mamba1(d_inner=8, d_state=4, d_conv=4)})
-    assert m1.effective_n_rs_seq(3) == 0
+    assert m1.effective_n_rs_seq(3) == 3  # Mamba-1 scans write snapshot planes
+    rwkv = MemorySpec.build(1, {0: RecurrentLayerSpec.rwkv6(n_embd=8, head_size=4)})
+    assert rwkv.effective_n_rs_seq(0) == 0
+    with pytest.raises(ArgumentError, match="n_rs_seq: 2 rollback planes asked for, but the kernels of rwkv6"):
+        rwkv.effective_n_rs_seq(2)
     m2 = MemorySpec.build(1, {0: RecurrentLayerSpec.mamba2(d_inner=8, d_state=4, d_conv=4, n_group=1, head_dim=4)})
     assert m2.effective_n_rs_seq(3) == 3
     with pytest.raises(ArgumentError):

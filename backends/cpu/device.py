@@ -22,14 +22,15 @@ from typing import Any
 import numpy as np
 
 from statecache import __version__, settings
-from statecache.backend import PRIMITIVES, Backend, Buffer, Caps, Device, DeviceKind
+from statecache.backend import PRIMITIVES, PROTOCOL_VERSION, Backend, Buffer, Caps, Device, DeviceKind
 from statecache.dlpack import DLDataType, DLTensor
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError
 from statecache.hostmem import aligned_empty, physical_memory_bytes
+from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES, L2NORM_EPS
 
 #: The C ABI this Python code was written against (SC_CPU_ABI_VERSION).
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _DTYPE_CODE = {DType.F32: 0, DType.F16: 1, DType.BF16: 2}
 
@@ -225,6 +226,9 @@ class CpuDevice(Device):
             strided_inputs=True,
             host_visible=True,
             async_launch=False,
+            varlen=True,
+            activation_dtypes=ACTIVATION_DTYPES,
+            epilogues=frozenset(EPILOGUES),
         )
 
     @property
@@ -320,6 +324,7 @@ class CpuDevice(Device):
         v = self._ffi.new("sc_view *")
         v.data = self._ptr(buf, "float *")
         v.strides = list(buf.strides) + [0] * (4 - len(buf.strides))
+        v.dtype = _DTYPE_CODE[buf.dtype]
         if cache is not None:
             cache["view"] = v  # the struct is read-only to the kernels
         return v
@@ -370,76 +375,106 @@ class CpuDevice(Device):
         args = (self._ptr(dst), _DTYPE_CODE[dst.dtype], r_ptr, len(rows_host), dst.shape[1])
         return self._lib.sc_zero_rows, args, keep
 
-    def _state_args(self, shp: Any, pool: Buffer, start_rows: Buffer, dst_rows: Buffer) -> tuple[Any, ...]:
+    def _state(self, shp: Any, pool: Buffer, start_rows: Buffer, snap_rows: Buffer, cu_seqlens: Buffer) -> Any:
+        """The sc_state of a call and the host index arrays its pointers point into."""
         start_ptr, start_keep = self._rows(self.index_values(start_rows), start_rows)
-        dst_ptr, dst_keep = self._rows(self.index_values(dst_rows), dst_rows)
-        args = (
-            self._ptr(pool),
-            _DTYPE_CODE[pool.dtype],
-            shp.row_size,
-            start_ptr,
-            dst_ptr,
-            shp.n_snap,
-            shp.plane_stride,
+        snap_ptr, snap_keep = self._rows(self.index_values(snap_rows), snap_rows)
+        cu_ptr, cu_keep = self._rows(self.index_values(cu_seqlens), cu_seqlens)
+        # One initializer in field order: field by field costs a microsecond more per validated call.
+        st = self._ffi.new(
+            "sc_state *",
+            [
+                self._ptr(pool),
+                _DTYPE_CODE[pool.dtype],
+                shp.n_cols,
+                shp.row_size,
+                start_ptr,
+                snap_ptr,
+                cu_ptr,
+                shp.n_seqs,
+                shp.n_tokens,
+                shp.max_tokens,
+            ],
         )
-        return args, (start_keep, dst_keep)
+        return st, (start_keep, snap_keep, cu_keep, start_ptr, snap_ptr, cu_ptr)
 
-    def _ssm_conv_call(self, shp, pool, start_rows, dst_rows, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
-        state, keep = self._state_args(shp, pool, start_rows, dst_rows)
+    def _ssm_conv_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
+        st, keep = self._state(shp, pool, start_rows, snap_rows, cu_seqlens)
         args = (
-            *state,
+            st,
             self._sview(x),
             self._ptr(weight, "float *"),
             self._ffi.NULL if bias is None else self._ptr(bias, "float *"),
-            self._ptr(y, "float *"),
-            shp.n_seqs,
-            shp.n_tokens,
+            self._ptr(y),
+            _DTYPE_CODE[y.dtype],
             shp.channels,
             shp.d_conv,
             int(bool(apply_silu)),
         )
         return self._lib.sc_ssm_conv, args, keep
 
-    def _ssm_scan_call(self, shp, pool, start_rows, dst_rows, x, dt, A, B, C, y):  # type: ignore[no-untyped-def]
-        state, keep = self._state_args(shp, pool, start_rows, dst_rows)
-        dense_A = _contiguous(self, A)  # a copy when strided: never kept past this call
+    def _ssm_scan_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, x, dt, A, B, C, y, D, z, dt_bias):  # type: ignore[no-untyped-def]
+        st, keep = self._state(shp, pool, start_rows, snap_rows, cu_seqlens)
+        dense = [_contiguous(self, b) if b is not None else None for b in (A, D, dt_bias)]  # copies when strided
+        dense_A, dense_D, dense_bias = dense
+        opt = self._ffi.new("sc_scan_options *")
+        null = self._ffi.NULL
+        opt.dt_bias = null if dense_bias is None else self._ptr(dense_bias, "float *")
+        opt.D = null if dense_D is None else self._ptr(dense_D, "float *")
+        opt.d_per_dim = int(D is not None and D.ndim == 2)
+        if shp.dt_limit is not None:
+            opt.dt_clamp = 1
+            opt.dt_lo, opt.dt_hi = shp.dt_limit
+        if z is not None:
+            opt.z.data = self._ptr(z, "float *")
+            opt.z.strides = list(z.strides) + [0] * (4 - z.ndim)
+            opt.z.dtype = _DTYPE_CODE[z.dtype]
         args = (
-            *state,
+            st,
             self._sview(x),
             self._sview(dt),
             self._ptr(dense_A, "float *"),
             int(shp.variant == "mamba1"),
             self._sview(B),
             self._sview(C),
-            self._ptr(y, "float *"),
-            shp.n_seqs,
-            shp.n_tokens,
+            self._ptr(y),
+            _DTYPE_CODE[y.dtype],
+            opt,
             shp.n_head,
             shp.head_dim,
             shp.d_state,
             shp.n_group,
         )
-        return self._lib.sc_ssm_scan, args, (keep, dense_A)
+        return self._lib.sc_ssm_scan, args, (keep, dense)
 
-    def _gated_delta_net_call(self, shp, pool, start_rows, dst_rows, q, k, v, g, beta, o, scale):  # type: ignore[no-untyped-def]
-        state, keep = self._state_args(shp, pool, start_rows, dst_rows)
+    def _gated_delta_net_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, q, k, v, g, beta, o, A_log, dt_bias):  # type: ignore[no-untyped-def]
+        st, keep = self._state(shp, pool, start_rows, snap_rows, cu_seqlens)
+        dense = [_contiguous(self, b) if b is not None else None for b in (A_log, dt_bias)]
+        null = self._ffi.NULL
+        opt = self._ffi.new("sc_delta_options *")
+        opt.grouped = int(shp.head_map == "grouped")
+        opt.qk_l2norm = int(shp.qk_l2norm)
+        opt.beta_sigmoid = int(shp.beta_sigmoid)
+        opt.A_log = null if dense[0] is None else self._ptr(dense[0], "float *")
+        opt.dt_bias = null if dense[1] is None else self._ptr(dense[1], "float *")
+        opt.scale = shp.scale
+        opt.l2norm_eps = L2NORM_EPS
         args = (
-            *state,
+            st,
             self._sview(q),
             self._sview(k),
             self._sview(v),
             self._sview(g),
             int(shp.variant == "kda"),
             self._sview(beta),
-            self._ptr(o, "float *"),
-            shp.n_seqs,
-            shp.n_tokens,
+            self._ptr(o),
+            _DTYPE_CODE[o.dtype],
+            opt,
             shp.n_head_k,
             shp.n_head_v,
             shp.head_size,
-            float(scale),
         )
-        return self._lib.sc_gated_delta_net, args, keep
+        return self._lib.sc_gated_delta_net, args, (keep, dense)
 
     def _launch(self, call: tuple[Any, tuple[Any, ...], Any]) -> None:
         kernel, args, _keep = call
@@ -467,8 +502,9 @@ class CpuDevice(Device):
         self._launch(self._gated_delta_net_call(*args))
 
     def _prepare_launch(self, op: str, call_args: tuple[Any, ...]) -> Any:
-        if op == "ssm_scan" and not call_args[6].is_contiguous:
-            return None  # A is packed per call: a kept copy would miss the caller's updates
+        weights = {"ssm_scan": (7, 11, 13), "gated_delta_net": (11, 12)}.get(op, ())
+        if any(call_args[i] is not None and not call_args[i].is_contiguous for i in weights):
+            return None  # A, D, dt_bias, A_log are packed per call: a kept copy would miss the caller's updates
         kernel, args, keep = getattr(self, f"_{op}_call")(*call_args)
         num_threads = settings.num_threads
 
@@ -507,6 +543,7 @@ class CpuBackend(Backend):
     priority = 100  # preferred over the NumPy reference whenever it is built
     description = "C kernels (cffi, OpenMP) on the host CPU"
     provided_by = "statecache"
+    protocol = PROTOCOL_VERSION
 
     def __init__(self) -> None:
         self._devices: list[Device] | None = None

@@ -40,6 +40,13 @@ int sc_cpu_isa_supported(void) {
 }
 
 int64_t sc_state_parallel_min_bytes = SC_STATE_PARALLEL_MIN_BYTES;
+int64_t sc_stream_min_bytes = SC_STREAM_MIN_BYTES;
+
+int64_t sc_set_stream_min_bytes(int64_t bytes) {
+    const int64_t previous = sc_stream_min_bytes;
+    sc_stream_min_bytes = bytes < 0 ? 0 : bytes;
+    return previous;
+}
 
 int64_t sc_set_state_parallel_min_bytes(int64_t bytes) {
     const int64_t previous = sc_state_parallel_min_bytes;

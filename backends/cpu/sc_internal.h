@@ -252,6 +252,21 @@ static inline __m128 sc_hsum4x8(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
 }
 #endif
 
+/* Calls streaming at least this many bytes of state write rows other than
+ * the ones they read (rotated planes) with non-temporal stores: such state
+ * is out of cache, where a normal store first reads the line it writes.
+ * Smaller calls keep normal stores: their rows may still be in cache when
+ * the next step reads them. */
+#define SC_STREAM_MIN_BYTES ((int64_t)4 << 20)
+extern int64_t sc_stream_min_bytes; /* SC_STREAM_MIN_BYTES unless a test changed it */
+
+/* Orders a thread's non-temporal (streamed) stores before what follows. */
+static inline void sc_stream_fence(void) {
+#ifdef SC_HAVE_AVX2
+    _mm_sfence();
+#endif
+}
+
 /* Units [lo, hi) of n for thread tid of nt: contiguous, fixed by (n, nt). */
 static inline void sc_split(int64_t n, int tid, int nt, int64_t *lo, int64_t *hi) {
     *lo = n * tid / nt;
@@ -288,9 +303,104 @@ static inline int sc_state_team(int64_t n_units, int64_t work_bytes, int n_threa
     return n_units < n_threads ? (int)n_units : n_threads;
 }
 
+/* The row sequence s writes its state after n_t(s) - j tokens to, or -1. */
+static inline int64_t sc_snap_row(const sc_state *st, int64_t s, int64_t j) {
+    return j < st->n_cols ? (int64_t)st->snap_rows[s * st->n_cols + j] : -1;
+}
+
+/* Pointer to element `elem` of pool row `row`. */
+static inline char *sc_pool_at(const sc_state *st, int64_t row, int64_t elem) {
+    return (char *)st->pool + ((size_t)row * (size_t)st->row_elems + (size_t)elem) * sc_dtype_size((sc_dtype)st->pool_dtype);
+}
+
+/* Columns written at most per sequence: min(longest + 1, n_cols). */
+static inline int64_t sc_max_written(const sc_state *st) {
+    return st->max_tokens + 1 < st->n_cols ? st->max_tokens + 1 : st->n_cols;
+}
+
+/* Copy a state slice from the start row to the input-state column
+ * (j = n_t) when that column is written and is another row. */
+static inline void sc_copy_input_state(const sc_state *st, int64_t s, int64_t n_t, int64_t elem, const void *loaded,
+                                       int64_t n) {
+    const int64_t r = sc_snap_row(st, s, n_t);
+    if (r < 0) return;
+    void *dst = sc_pool_at(st, r, elem);
+    if (loaded) {
+        sc_store_f32((const float *)loaded, dst, (sc_dtype)st->pool_dtype, n);
+    } else { /* f32 pool: a plain copy from the start row */
+        const void *src = sc_pool_at(st, st->start_rows[s], elem);
+        if (dst != src) memcpy(dst, src, (size_t)n * 4);
+    }
+}
+
+static inline float sc_silu(float x) { return x / (1.0f + sc_exp(-x)); }
+
+
+/* NaN-preserving clamp (the comparisons are false for NaN). */
+static inline float sc_clamp(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
 static inline void *sc_alloc(size_t bytes) {
     size_t rounded = (bytes + SC_ALIGN - 1) / SC_ALIGN * SC_ALIGN;
     return aligned_alloc(SC_ALIGN, rounded ? rounded : SC_ALIGN);
+}
+
+/* Activations in f16/bf16: the kernels compute on float32 views, so a
+ * non-f32 input is first widened into a contiguous float32 copy (one pass
+ * over the activations, far fewer bytes than the state a call streams) and
+ * a non-f32 output narrowed from a float32 scratch at the end. */
+
+/* The [n0][n1][n2] elements of view v (strides[0..2]; n2 innermost) as a
+ * contiguous float32 array in `out`. */
+static inline void sc_widen_into(const sc_view *v, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
+                                 int64_t s2, float *out) {
+    const sc_dtype dt = (sc_dtype)v->dtype;
+    const char *base = (const char *)v->data;
+    const size_t es = sc_dtype_size(dt);
+    for (int64_t i0 = 0; i0 < n0; i0++)
+        for (int64_t i1 = 0; i1 < n1; i1++) {
+            const char *row = base + (size_t)(i0 * s0 + i1 * s1) * es;
+            float *o = out + (i0 * n1 + i1) * n2;
+            if (s2 == 1) {
+                sc_load_f32(row, dt, o, n2);
+            } else {
+                for (int64_t i2 = 0; i2 < n2; i2++) sc_load_f32(row + (size_t)(i2 * s2) * es, dt, o + i2, 1);
+            }
+        }
+}
+
+/* A float32 view of a 3-D input [n0, n1, n2]: the view itself when it is
+ * float32 (or absent), else a widened copy whose allocation goes to *owned. */
+static inline sc_view sc_widen3(const sc_view *v, int64_t n0, int64_t n1, int64_t n2, float **owned) {
+    *owned = NULL;
+    if (v->data == NULL || v->dtype == SC_F32) return *v;
+    float *buf = (float *)sc_alloc(sizeof(float) * (size_t)(n0 * n1 * n2 > 0 ? n0 * n1 * n2 : 1));
+    sc_widen_into(v, n0, n1, n2, v->strides[0], v->strides[1], v->strides[2], buf);
+    sc_view out = {buf, {n1 * n2, n2, 1, 0}, SC_F32, 0};
+    *owned = buf;
+    return out;
+}
+
+/* The same for a 2-D input [n0, n1]. */
+static inline sc_view sc_widen2(const sc_view *v, int64_t n0, int64_t n1, float **owned) {
+    *owned = NULL;
+    if (v->data == NULL || v->dtype == SC_F32) return *v;
+    float *buf = (float *)sc_alloc(sizeof(float) * (size_t)(n0 * n1 > 0 ? n0 * n1 : 1));
+    sc_widen_into(v, n0, 1, n1, v->strides[0], 0, v->strides[1], buf);
+    sc_view out = {buf, {n1, 1, 0, 0}, SC_F32, 0};
+    *owned = buf;
+    return out;
+}
+
+/* Where a kernel writes an output of n elements: the output itself when it
+ * is float32, else a float32 scratch that sc_narrow_output stores into it. */
+static inline float *sc_output_f32(void *out, sc_dtype dt, int64_t n) {
+    return dt == SC_F32 ? (float *)out : (float *)sc_alloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+}
+
+static inline void sc_narrow_output(float *scratch, void *out, sc_dtype dt, int64_t n) {
+    if (dt == SC_F32) return;
+    sc_store_f32(scratch, out, dt, n);
+    free(scratch);
 }
 
 #endif

@@ -1,5 +1,9 @@
 /* Depthwise causal conv over concat(window, x), with window snapshots.
  *
+ * Tokens are packed (sequence s owns tokens cu_seqlens[s] .. cu_seqlens[s+1]-1)
+ * and a sequence's path depends only on its own length, so a packed call
+ * computes every sequence exactly as a call of its own would.
+ *
  * A work unit is (sequence, block of SC_CONV_BLOCK channels).  Each unit
  * transposes its windows into a time-major scratch `ext[t][c]` and reads x
  * rows in place (strided x is packed into ext), so that the taps, bias and
@@ -183,39 +187,115 @@ static void conv4_decode_block(const float *win, float *nwin, float *old, const 
 }
 #endif
 
-void sc_ssm_conv(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32_t *start_rows,
-                 const int32_t *dst_rows, int n_snap, int64_t plane_stride, const sc_view *x, const float *weight,
-                 const float *bias, float *y, int64_t n_s, int64_t n_t, int64_t channels, int64_t d_conv,
-                 int apply_silu, int n_threads) {
+/* Unit (s, channels [c0, c0 + cb)) of a sequence with n_t != 1 tokens (or
+ * any count on builds without AVX2): windows through the time-major `ext`. */
+static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, const sc_view *x, const float *weight,
+                      const float *bias, float *y, int64_t channels, int64_t d_conv, int apply_silu, float *ext,
+                      float *win, float *wT) {
     const int64_t W = d_conv - 1;
+    const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
+    const sc_dtype pdt = (sc_dtype)st->pool_dtype;
+    const int64_t xt = x->strides[0], xc = x->strides[1];
+    const int64_t slice = c0 * W;
+    /* Window [cb, W] (time fastest in the pool) -> ext[0..W)[c]. */
+    sc_load_f32(sc_pool_at(st, st->start_rows[s], slice), pdt, win, cb * W);
+    for (int64_t c = 0; c < cb; c++)
+        for (int64_t m = 0; m < W; m++) ext[m * SC_CONV_BLOCK + c] = win[c * W + m];
+    /* Time row q of concat(window, x) for this block: contiguous x is
+     * read in place, strided x is packed into ext once. */
+    const float *xblock = x->data + t0 * xt + c0 * xc;
+#define EROW(q) ((q) < W || xc != 1 ? ext + (q) * SC_CONV_BLOCK : xblock + ((q) - W) * xt)
+    if (xc != 1)
+        for (int64_t t = 0; t < n_t; t++)
+            for (int64_t c = 0; c < cb; c++) ext[(W + t) * SC_CONV_BLOCK + c] = xblock[t * xt + c * xc];
+    for (int64_t k = 0; k < d_conv; k++)
+        for (int64_t c = 0; c < cb; c++) wT[k * SC_CONV_BLOCK + c] = weight[(c0 + c) * d_conv + k];
+    int64_t c_vec = 0; /* channels [0, c_vec) done by the AVX2 loop */
+#ifdef SC_HAVE_AVX2
+    c_vec = cb - cb % 8;
+    for (int64_t t = 0; t < n_t; t++) {
+        float *yr = y + (t0 + t) * channels + c0;
+        const float *taps[SC_CONV_MAX_TAPS];
+        const int64_t n_taps = d_conv < SC_CONV_MAX_TAPS ? d_conv : SC_CONV_MAX_TAPS;
+        for (int64_t k = 0; k < n_taps; k++) taps[k] = EROW(t + k);
+        for (int64_t c = 0; c < c_vec; c += 8) {
+            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(taps[0] + c), _mm256_load_ps(wT + c));
+            for (int64_t k = 1; k < n_taps; k++)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(taps[k] + c), _mm256_load_ps(wT + k * SC_CONV_BLOCK + c), acc);
+            for (int64_t k = n_taps; k < d_conv; k++)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(EROW(t + k) + c), _mm256_load_ps(wT + k * SC_CONV_BLOCK + c),
+                                      acc);
+            if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + c0 + c));
+            if (apply_silu) acc = sc_silu8(acc);
+            _mm256_storeu_ps(yr + c, acc);
+        }
+    }
+#endif
+    for (int64_t t = 0; t < n_t && c_vec < cb; t++) {
+        float *yr = y + (t0 + t) * channels + c0;
+        /* k outer, channels inner: every loop below vectorises. */
+#pragma omp simd
+        for (int64_t c = c_vec; c < cb; c++) yr[c] = EROW(t)[c] * wT[c];
+        for (int64_t k = 1; k < d_conv; k++) {
+            const float *SC_RESTRICT e = EROW(t + k);
+            const float *SC_RESTRICT wk = wT + k * SC_CONV_BLOCK;
+#pragma omp simd
+            for (int64_t c = c_vec; c < cb; c++) yr[c] += e[c] * wk[c];
+        }
+        if (bias) {
+#pragma omp simd
+            for (int64_t c = c_vec; c < cb; c++) yr[c] += bias[c0 + c];
+        }
+        if (apply_silu) {
+#pragma omp simd
+            for (int64_t c = c_vec; c < cb; c++) yr[c] = yr[c] / (1.0f + sc_exp(-yr[c]));
+        }
+    }
+    /* Snapshot column j is the window ending j tokens before the end. */
+    const int64_t n_written = n_t + 1 < st->n_cols ? n_t + 1 : st->n_cols;
+    for (int64_t j = 0; j < n_written; j++) {
+        const int64_t r = sc_snap_row(st, s, j);
+        if (r < 0) continue;
+        for (int64_t m = 0; m < W; m++) {
+            const float *e = EROW(n_t - j + m);
+            for (int64_t c = 0; c < cb; c++) win[c * W + m] = e[c];
+        }
+        sc_store_f32(win, sc_pool_at(st, r, slice), pdt, cb * W);
+    }
+#undef EROW
+}
+
+static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, const float *bias, float *y,
+                     int64_t channels, int64_t d_conv, int apply_silu, int n_threads) {
+    const int64_t W = d_conv - 1, n_s = st->n_seqs;
     const int64_t n_blocks = (channels + SC_CONV_BLOCK - 1) / SC_CONV_BLOCK;
     const int64_t n_units = n_s * n_blocks;
-    const int64_t n_written = n_t + 1 < n_snap ? n_t + 1 : n_snap;
-    const size_t es = sc_dtype_size(pool_dtype);
-    const int64_t xs0 = x->strides[0], xs1 = x->strides[1], xs2 = x->strides[2];
-    /* Bytes moved: the window read and the planes written, plus x in and y out. */
-    const int64_t work_bytes = n_s * channels * (int64_t)sizeof(float) * (W * (1 + n_written) + 2 * n_t);
+    const sc_dtype pool_dtype = (sc_dtype)st->pool_dtype;
+    const int64_t xt = x->strides[0], xc = x->strides[1];
+    /* Bytes moved: the window read and the rows written, plus x in and y out. */
+    const int64_t work_bytes =
+        channels * (int64_t)sizeof(float) * (n_s * W * (1 + sc_max_written(st)) + 2 * st->n_tokens);
     const int team = sc_state_team(n_units, work_bytes, n_threads);
 #ifdef SC_HAVE_AVX2
-    const int decode4 = n_t == 1 && d_conv == 4;
+    const int has_avx2 = 1;
 #else
-    const int decode4 = 0;
+    const int has_avx2 = 0;
 #endif
-    /* Decode with d_conv == 4 runs its units block-major, so that a thread
-     * meets each block for a run of sequences and transposes that block's
-     * weights once (a unit's result never depends on which thread runs it). */
-    const int block_major = decode4;
+    /* A call where every sequence decodes one token with d_conv == 4 runs its
+     * units block-major, so that a thread meets each block for a run of
+     * sequences and transposes that block's weights once (a unit's result
+     * never depends on which thread runs it, nor on the transposed copy). */
+    const int all_decode4 = has_avx2 && d_conv == 4 && st->max_tokens == 1 && st->n_tokens == n_s;
+    const int block_major = all_decode4;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
-        /* Decode with d_conv == 4 on f32 pools needs no window scratch. */
-        const int scratch = !(decode4 && pool_dtype == SC_F32);
-        const size_t ext_elems = (size_t)((W + (xs2 == 1 ? 0 : n_t)) * SC_CONV_BLOCK);
-        float *ext = decode4 ? NULL : (float *)sc_alloc(sizeof(float) * ext_elems);
-        float *win = scratch ? (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK)) : NULL;
+        const size_t ext_elems = (size_t)((W + (xc == 1 ? 0 : st->max_tokens)) * SC_CONV_BLOCK);
+        float *ext = all_decode4 ? NULL : (float *)sc_alloc(sizeof(float) * ext_elems);
+        float *win = (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK));
         float *wT = (float *)sc_alloc(sizeof(float) * (size_t)(d_conv * SC_CONV_BLOCK));
-        float *nwin = scratch ? (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK)) : NULL;
+        float *nwin = (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK));
 #ifdef SC_HAVE_AVX2
-        int64_t wT_c0 = -1; /* block whose taps wT holds (decode4) */
+        int64_t wT_c0 = -1; /* block whose taps wT holds (block-major decode) */
 #endif
         int64_t lo, hi;
         sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
@@ -223,117 +303,65 @@ void sc_ssm_conv(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32
             const int64_t s = block_major ? u % n_s : u / n_blocks;
             const int64_t c0 = (block_major ? u / n_s : u % n_blocks) * SC_CONV_BLOCK;
             const int64_t cb = channels - c0 < SC_CONV_BLOCK ? channels - c0 : SC_CONV_BLOCK;
-            const size_t slice = (size_t)(c0 * W);
-            const char *src = (const char *)pool + ((size_t)start_rows[s] * (size_t)row_elems + slice) * es;
-#define PLANE(j) ((char *)pool + ((size_t)(dst_rows[s] + (j) * plane_stride) * (size_t)row_elems + slice) * es)
+            const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
+            const int64_t slice = c0 * W;
 #ifdef SC_HAVE_AVX2
-            if (decode4) {
-                const float *xr = x->data + s * xs0 + c0 * xs2;
-                float *yr = y + s * channels + c0;
-                /* Transposed taps pay off from the second sequence of a run on. */
-                const int reuse = u + 1 < hi && (u + 1) / n_s == u / n_s;
-                if (wT_c0 != c0 && reuse) {
-                    for (int64_t c = 0; c + 8 <= cb; c += 8) {
-                        __m256 k[4];
-                        conv4_taps(weight + (c0 + c) * 4, k);
-                        for (int t = 0; t < 4; t++) _mm256_store_ps(wT + t * SC_CONV_BLOCK + c, k[t]);
+            if (n_t == 1) {
+                /* Column 0 is the new window, column 1 the input one; either may be absent. */
+                const char *src = sc_pool_at(st, st->start_rows[s], slice);
+                const int64_t r0 = sc_snap_row(st, s, 0), r1 = sc_snap_row(st, s, 1);
+                const float *xr = x->data + t0 * xt + c0 * xc;
+                float *yr = y + t0 * channels + c0;
+                if (d_conv == 4) {
+                    const float *taps = NULL;
+                    if (block_major) {
+                        /* Transposed taps pay off from the second sequence of a run on. */
+                        const int reuse = u + 1 < hi && (u + 1) / n_s == u / n_s;
+                        if (wT_c0 != c0 && reuse) {
+                            for (int64_t c = 0; c + 8 <= cb; c += 8) {
+                                __m256 k[4];
+                                conv4_taps(weight + (c0 + c) * 4, k);
+                                for (int t = 0; t < 4; t++) _mm256_store_ps(wT + t * SC_CONV_BLOCK + c, k[t]);
+                            }
+                            wT_c0 = c0;
+                        }
+                        taps = wT_c0 == c0 ? wT : NULL;
                     }
-                    wT_c0 = c0;
-                }
-                const float *taps = wT_c0 == c0 ? wT : NULL;
-                /* Plane 0 is the new window, plane 1 (when kept) the input one. */
-                if (pool_dtype == SC_F32) {
-                    /* f32 windows are read and written in the pool, no scratch. */
-                    float *old = n_written > 1 ? (float *)PLANE(1) : NULL;
-                    conv4_decode_block((const float *)src, (float *)PLANE(0), old == (const float *)src ? NULL : old,
-                                       xr, xs2, weight, taps, bias, yr, c0, cb, apply_silu);
+                    if (pool_dtype == SC_F32) {
+                        /* f32 windows are read and written in the pool, no scratch. */
+                        float *fresh = r0 >= 0 ? (float *)sc_pool_at(st, r0, slice) : nwin;
+                        float *old = r1 >= 0 ? (float *)sc_pool_at(st, r1, slice) : NULL;
+                        conv4_decode_block((const float *)src, fresh, old == (const float *)src ? NULL : old, xr, xc,
+                                           weight, taps, bias, yr, c0, cb, apply_silu);
+                        continue;
+                    }
+                    sc_load_f32(src, pool_dtype, win, cb * W);
+                    conv4_decode_block(win, nwin, NULL, xr, xc, weight, taps, bias, yr, c0, cb, apply_silu);
                 } else {
                     sc_load_f32(src, pool_dtype, win, cb * W);
-                    conv4_decode_block(win, nwin, NULL, xr, xs2, weight, taps, bias, yr, c0, cb, apply_silu);
-                    for (int64_t j = 0; j < n_written; j++)
-                        sc_store_f32(j == 0 ? nwin : win, PLANE(j), pool_dtype, cb * W);
+                    conv_decode_block(win, nwin, xr, xc, weight, bias, yr, c0, cb, d_conv, apply_silu);
                 }
-                continue;
-            }
-            if (n_t == 1) {
-                /* Plane 0 is the new window, plane 1 (when kept) the input one. */
-                sc_load_f32(src, pool_dtype, win, cb * W);
-                conv_decode_block(win, nwin, x->data + s * xs0 + c0 * xs2, xs2, weight, bias, y + s * channels + c0,
-                                  c0, cb, d_conv, apply_silu);
-                for (int64_t j = 0; j < n_written; j++)
-                    sc_store_f32(j == 0 ? nwin : win, PLANE(j), pool_dtype, cb * W);
+                if (r0 >= 0) sc_store_f32(nwin, sc_pool_at(st, r0, slice), pool_dtype, cb * W);
+                if (r1 >= 0) sc_store_f32(win, sc_pool_at(st, r1, slice), pool_dtype, cb * W);
                 continue;
             }
 #endif
-            /* Window [cb, W] (time fastest in the pool) -> ext[0..W)[c]. */
-            sc_load_f32(src, pool_dtype, win, cb * W);
-            for (int64_t c = 0; c < cb; c++)
-                for (int64_t m = 0; m < W; m++) ext[m * SC_CONV_BLOCK + c] = win[c * W + m];
-            /* Time row q of concat(window, x) for this block: contiguous x is
-             * read in place, strided x is packed into ext once. */
-            const float *xblock = x->data + s * xs0 + c0 * xs2;
-#define EROW(q) ((q) < W || xs2 != 1 ? ext + (q) * SC_CONV_BLOCK : xblock + ((q) - W) * xs1)
-            if (xs2 != 1)
-                for (int64_t t = 0; t < n_t; t++)
-                    for (int64_t c = 0; c < cb; c++) ext[(W + t) * SC_CONV_BLOCK + c] = xblock[t * xs1 + c * xs2];
-            for (int64_t k = 0; k < d_conv; k++)
-                for (int64_t c = 0; c < cb; c++) wT[k * SC_CONV_BLOCK + c] = weight[(c0 + c) * d_conv + k];
-            int64_t c_vec = 0; /* channels [0, c_vec) done by the AVX2 loop */
-#ifdef SC_HAVE_AVX2
-            c_vec = cb - cb % 8;
-            for (int64_t t = 0; t < n_t; t++) {
-                float *yr = y + (s * n_t + t) * channels + c0;
-                const float *taps[SC_CONV_MAX_TAPS];
-                const int64_t n_taps = d_conv < SC_CONV_MAX_TAPS ? d_conv : SC_CONV_MAX_TAPS;
-                for (int64_t k = 0; k < n_taps; k++) taps[k] = EROW(t + k);
-                for (int64_t c = 0; c < c_vec; c += 8) {
-                    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(taps[0] + c), _mm256_load_ps(wT + c));
-                    for (int64_t k = 1; k < n_taps; k++)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(taps[k] + c), _mm256_load_ps(wT + k * SC_CONV_BLOCK + c),
-                                              acc);
-                    for (int64_t k = n_taps; k < d_conv; k++)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(EROW(t + k) + c),
-                                              _mm256_load_ps(wT + k * SC_CONV_BLOCK + c), acc);
-                    if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + c0 + c));
-                    if (apply_silu) acc = sc_silu8(acc);
-                    _mm256_storeu_ps(yr + c, acc);
-                }
-            }
-#endif
-            for (int64_t t = 0; t < n_t && c_vec < cb; t++) {
-                float *yr = y + (s * n_t + t) * channels + c0;
-                /* k outer, channels inner: every loop below vectorises. */
-#pragma omp simd
-                for (int64_t c = c_vec; c < cb; c++) yr[c] = EROW(t)[c] * wT[c];
-                for (int64_t k = 1; k < d_conv; k++) {
-                    const float *SC_RESTRICT e = EROW(t + k);
-                    const float *SC_RESTRICT wk = wT + k * SC_CONV_BLOCK;
-#pragma omp simd
-                    for (int64_t c = c_vec; c < cb; c++) yr[c] += e[c] * wk[c];
-                }
-                if (bias) {
-#pragma omp simd
-                    for (int64_t c = c_vec; c < cb; c++) yr[c] += bias[c0 + c];
-                }
-                if (apply_silu) {
-#pragma omp simd
-                    for (int64_t c = c_vec; c < cb; c++) yr[c] = yr[c] / (1.0f + sc_exp(-yr[c]));
-                }
-            }
-            /* Snapshot j is the window ending j tokens before the end. */
-            for (int64_t j = 0; j < n_written; j++) {
-                for (int64_t m = 0; m < W; m++) {
-                    const float *e = EROW(n_t - j + m);
-                    for (int64_t c = 0; c < cb; c++) win[c * W + m] = e[c];
-                }
-                sc_store_f32(win, PLANE(j), pool_dtype, cb * W);
-            }
+            conv_unit(st, s, c0, cb, x, weight, bias, y, channels, d_conv, apply_silu, ext, win, wT);
         }
-#undef EROW
-#undef PLANE
         free(ext);
         free(win);
         free(wT);
         free(nwin);
     }
+}
+
+void sc_ssm_conv(const sc_state *st, const sc_view *x, const float *weight, const float *bias, void *y,
+                 sc_dtype y_dtype, int64_t channels, int64_t d_conv, int apply_silu, int n_threads) {
+    const int64_t T = st->n_tokens;
+    float *own;
+    const sc_view xf = sc_widen2(x, T, channels, &own);
+    float *yf = sc_output_f32(y, y_dtype, T * channels);
+    conv_f32(st, &xf, weight, bias, yf, channels, d_conv, apply_silu, n_threads);
+    sc_narrow_output(yf, y, y_dtype, T * channels);
+    free(own);
 }

@@ -1,16 +1,20 @@
-/* Mamba-1 / Mamba-2 selective scan from start rows, with snapshot planes.
+/* Mamba-1 / Mamba-2 selective scan from start rows, with snapshot rows.
+ *
+ * Tokens are packed (sequence s owns tokens cu_seqlens[s] .. cu_seqlens[s+1]-1)
+ * and every sequence is computed exactly as a call of its own would compute
+ * it: which path a unit takes depends only on its own sequence.
  *
  * Mamba-2: a work unit is (sequence, head).  Rows i of a head's state
  * [head_dim, d_state] evolve independently (the per-token decay and B/C are
  * shared), so each unit walks a tile of rows (up to 32 KiB) through every token
  * with the tile in L1, vectorised over d_state, and writes the tile's slice
- * of each snapshot plane when its token passes.  The AVX2 path updates four
+ * of each snapshot row when its token passes.  The AVX2 path updates four
  * rows per pass over d_state: B and C are loaded once for the four, and the
  * four dot products are independent FMA chains (one chain would leave the
  * FMA units waiting on its latency), reduced together at the end.  The decay
  * exp and softplus are computed once per head and token, never per element.
  * For f32 pools the first token reads the start row in place and the last
- * token writes plane 0 in place, so decode makes one pass over the state.
+ * token writes column 0 in place, so decode makes one pass over the state.
  *
  * Mamba-1 (head_dim 1, d_inner heads, decay per state element): a unit is
  * (sequence, block of SC_M1_HEADS heads), walked token by token so that each
@@ -20,10 +24,13 @@
  * AVX2 path; it also reads and writes f32 pools in place, so decode makes one
  * pass over the state).  Lanes across heads would save the horizontal sum
  * but need the state and A transposed per call, which costs decode more than
- * the sum costs prefill.
+ * the sum costs prefill.  It writes snapshot columns like Mamba-2.
+ *
+ * The fused epilogues (dt_bias and the dt clamp before the recurrence, the
+ * D skip and the z gate on y after it) run inside the same unit.
  *
  * A unit reads its slice of the start row before writing that slice of any
- * plane, and no other unit touches the slice, so in-place decode and
+ * row, and no other unit touches the slice, so in-place decode and
  * rollback are safe and the result does not depend on the thread split. */
 #include "sc_internal.h"
 
@@ -32,55 +39,139 @@
 #define SC_SCAN_TILE_BYTES 32768
 #define SC_M1_HEADS 256
 
-static inline char *row_ptr(void *pool, sc_dtype dt, int64_t row, int64_t row_elems, int64_t elem) {
-    return (char *)pool + ((size_t)row * (size_t)row_elems + (size_t)elem) * sc_dtype_size(dt);
-}
+/* Everything a unit needs to know about the call. */
+typedef struct {
+    const sc_state *st;
+    const sc_view *x, *dt, *B, *C;
+    const float *A;
+    float *y;
+    const sc_scan_options *opt;
+    int64_t H, P, N, G;
+    int stream; /* write disjoint destination rows with non-temporal stores */
+} scan_call;
 
-/* B[s, t, g, :] as a contiguous pointer: the view itself when its last
- * stride is 1, else a packed copy of all tokens in `scratch`. */
-static const float *tokens_of(const sc_view *v, int64_t s, int64_t g, int64_t n_t, int64_t n, float *scratch,
+/* B[t0 .. t0 + n_t, g, :] as token rows at stride *t_stride: the view itself
+ * when its last stride is 1, else a packed copy in `scratch`. */
+static const float *tokens_of(const sc_view *v, int64_t t0, int64_t g, int64_t n_t, int64_t n, float *scratch,
                               int64_t *t_stride) {
-    const float *base = v->data + s * v->strides[0] + g * v->strides[2];
-    if (v->strides[3] == 1) {
-        *t_stride = v->strides[1];
+    const float *base = v->data + t0 * v->strides[0] + g * v->strides[1];
+    if (v->strides[2] == 1) {
+        *t_stride = v->strides[0];
         return base;
     }
     for (int64_t t = 0; t < n_t; t++)
-        for (int64_t k = 0; k < n; k++) scratch[t * n + k] = base[t * v->strides[1] + k * v->strides[3]];
+        for (int64_t k = 0; k < n; k++) scratch[t * n + k] = base[t * v->strides[0] + k * v->strides[2]];
     *t_stride = n;
     return scratch;
 }
 
+/* softplus(dt + dt_bias), clamped when asked, per token of head h; abuf gets
+ * the Mamba-2 decay exp(d * A[h]) and dAbuf (if not NULL) d * A[h]. */
+static void prep_dt(const scan_call *c, int64_t t0, int64_t n_t, int64_t h, float *dbuf, float *abuf, float *dAbuf) {
+    const sc_view *dt = c->dt;
+    const float Ah = c->A[h];
+    const float *dtr = dt->data + t0 * dt->strides[0] + h * dt->strides[1];
+    for (int64_t t = 0; t < n_t; t++) dbuf[t] = dtr[t * dt->strides[0]];
+    if (c->opt->dt_bias) {
+        const float bias = c->opt->dt_bias[h];
+        for (int64_t t = 0; t < n_t; t++) dbuf[t] += bias;
+    }
+    const int clamp = c->opt->dt_clamp;
+    const float lo = c->opt->dt_lo, hi = c->opt->dt_hi;
+#pragma omp simd
+    for (int64_t t = 0; t < n_t; t++) {
+        float d = sc_softplus(dbuf[t]);
+        if (clamp) d = sc_clamp(d, lo, hi);
+        dbuf[t] = d;
+        abuf[t] = sc_exp(d * Ah);
+        if (dAbuf) dAbuf[t] = d * Ah;
+    }
+}
+
+/* y = (y + D * x) * silu(z) over tokens [t0, t0 + n_t) and heads [h0, h0 + hb). */
+static void scan_epilogue(const scan_call *c, int64_t t0, int64_t n_t, int64_t h0, int64_t hb) {
+    const sc_scan_options *o = c->opt;
+    if (!o->D && !o->z.data) return;
+    const sc_view *x = c->x, *z = &o->z;
+    const int64_t H = c->H, P = c->P;
+    for (int64_t t = t0; t < t0 + n_t; t++) {
+        for (int64_t h = h0; h < h0 + hb; h++) {
+            float *yt = c->y + (t * H + h) * P;
+            const float *xt = x->data + t * x->strides[0] + h * x->strides[1];
+            const float *zt = o->z.data ? z->data + t * z->strides[0] + h * z->strides[1] : NULL;
+            for (int64_t i = 0; i < P; i++) {
+                float v = yt[i];
+                if (o->D) v += o->D[o->d_per_dim ? h * P + i : h] * xt[i * x->strides[2]];
+                if (zt) v *= sc_silu(zt[i * z->strides[2]]);
+                yt[i] = v;
+            }
+        }
+    }
+}
+
 /* One token over `ir` rows of N: out[r] = in[r] * a + B * xd[r] and
  * y[r] = out[r] . C.  `in` and `out` are either the same rows or disjoint. */
+#ifdef SC_HAVE_AVX2
+/* Four rows of one token, lanes across N; `stream` stores the results with
+ * non-temporal stores (see update_rows). */
+static inline __attribute__((always_inline)) void update_rows4(const float *i0, float *o0, int64_t N,
+                                                               const float *SC_RESTRICT Bt,
+                                                               const float *SC_RESTRICT Ct, __m256 av,
+                                                               const float *xd, float *yt, const int stream) {
+    const float *i1 = i0 + N, *i2 = i1 + N, *i3 = i2 + N;
+    float *o1 = o0 + N, *o2 = o1 + N, *o3 = o2 + N;
+    const __m256 x0 = _mm256_set1_ps(xd[0]), x1 = _mm256_set1_ps(xd[1]);
+    const __m256 x2 = _mm256_set1_ps(xd[2]), x3 = _mm256_set1_ps(xd[3]);
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (int64_t k = 0; k < N; k += 8) {
+        const __m256 b = _mm256_loadu_ps(Bt + k), c = _mm256_loadu_ps(Ct + k);
+        __m256 v0 = _mm256_fmadd_ps(_mm256_loadu_ps(i0 + k), av, _mm256_mul_ps(b, x0));
+        __m256 v1 = _mm256_fmadd_ps(_mm256_loadu_ps(i1 + k), av, _mm256_mul_ps(b, x1));
+        __m256 v2 = _mm256_fmadd_ps(_mm256_loadu_ps(i2 + k), av, _mm256_mul_ps(b, x2));
+        __m256 v3 = _mm256_fmadd_ps(_mm256_loadu_ps(i3 + k), av, _mm256_mul_ps(b, x3));
+        if (stream) {
+            _mm256_stream_ps(o0 + k, v0);
+            _mm256_stream_ps(o1 + k, v1);
+            _mm256_stream_ps(o2 + k, v2);
+            _mm256_stream_ps(o3 + k, v3);
+        } else {
+            _mm256_storeu_ps(o0 + k, v0);
+            _mm256_storeu_ps(o1 + k, v1);
+            _mm256_storeu_ps(o2 + k, v2);
+            _mm256_storeu_ps(o3 + k, v3);
+        }
+        c0 = _mm256_fmadd_ps(v0, c, c0);
+        c1 = _mm256_fmadd_ps(v1, c, c1);
+        c2 = _mm256_fmadd_ps(v2, c, c2);
+        c3 = _mm256_fmadd_ps(v3, c, c3);
+    }
+    _mm_storeu_ps(yt, sc_hsum4x8(c0, c1, c2, c3));
+}
+#endif
+
+/* One token over `ir` rows of N: out[r] = in[r] * a + B * xd[r] and
+ * y[r] = out[r] . C.  `in` and `out` are either the same rows or disjoint;
+ * `to_pool`: `out` is a pool row (not scratch that the next token rereads)
+ * of a call large enough to stream (SC_STREAM_MIN_BYTES).
+ *
+ * Disjoint pool rows (a rotated plane, a copy-on-write destination) are written
+ * with non-temporal stores when `out` is 32-byte aligned: a normal store to
+ * a line out of cache waits for the line to be read first, and the store
+ * buffer full of such stores stalls every later load at the same address
+ * modulo 4 KiB (pool rows are multiples of 4 KiB apart, so the next rows'
+ * loads all alias): reading one row and writing another was several times
+ * slower than updating in place.  Streamed, it moves the same bytes.  The
+ * caller fences (sc_stream_fence) before the kernel returns. */
 static inline void update_rows(const float *in, float *out, int64_t ir, int64_t N, const float *SC_RESTRICT Bt,
-                               const float *SC_RESTRICT Ct, float a, const float *xd, float *yt) {
+                               const float *SC_RESTRICT Ct, float a, const float *xd, float *yt, int to_pool) {
     int64_t r = 0;
 #ifdef SC_HAVE_AVX2
     if (N % 8 == 0) {
         const __m256 av = _mm256_set1_ps(a);
-        for (; r + 4 <= ir; r += 4) {
-            const float *i0 = in + r * N, *i1 = i0 + N, *i2 = i1 + N, *i3 = i2 + N;
-            float *o0 = out + r * N, *o1 = o0 + N, *o2 = o1 + N, *o3 = o2 + N;
-            const __m256 x0 = _mm256_set1_ps(xd[r]), x1 = _mm256_set1_ps(xd[r + 1]);
-            const __m256 x2 = _mm256_set1_ps(xd[r + 2]), x3 = _mm256_set1_ps(xd[r + 3]);
-            __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-            for (int64_t k = 0; k < N; k += 8) {
-                const __m256 b = _mm256_loadu_ps(Bt + k), c = _mm256_loadu_ps(Ct + k);
-                __m256 v0 = _mm256_fmadd_ps(_mm256_loadu_ps(i0 + k), av, _mm256_mul_ps(b, x0));
-                __m256 v1 = _mm256_fmadd_ps(_mm256_loadu_ps(i1 + k), av, _mm256_mul_ps(b, x1));
-                __m256 v2 = _mm256_fmadd_ps(_mm256_loadu_ps(i2 + k), av, _mm256_mul_ps(b, x2));
-                __m256 v3 = _mm256_fmadd_ps(_mm256_loadu_ps(i3 + k), av, _mm256_mul_ps(b, x3));
-                _mm256_storeu_ps(o0 + k, v0);
-                _mm256_storeu_ps(o1 + k, v1);
-                _mm256_storeu_ps(o2 + k, v2);
-                _mm256_storeu_ps(o3 + k, v3);
-                c0 = _mm256_fmadd_ps(v0, c, c0);
-                c1 = _mm256_fmadd_ps(v1, c, c1);
-                c2 = _mm256_fmadd_ps(v2, c, c2);
-                c3 = _mm256_fmadd_ps(v3, c, c3);
-            }
-            _mm_storeu_ps(yt + r, sc_hsum4x8(c0, c1, c2, c3));
+        if (to_pool && out != in && ((uintptr_t)out & 31) == 0) {
+            for (; r + 4 <= ir; r += 4) update_rows4(in + r * N, out + r * N, N, Bt, Ct, av, xd + r, yt + r, 1);
+        } else {
+            for (; r + 4 <= ir; r += 4) update_rows4(in + r * N, out + r * N, N, Bt, Ct, av, xd + r, yt + r, 0);
         }
     }
 #endif
@@ -105,75 +196,84 @@ static inline int64_t tile_rows(int64_t N) {
     return rows < 4 ? 4 : rows > SC_SCAN_TILE ? SC_SCAN_TILE : rows;
 }
 
-static void scan_mamba2_unit(void *pool, sc_dtype pdt, int64_t row_elems, int64_t start_row, int64_t dst_row,
-                             int n_snap, int64_t plane_stride, const sc_view *x, const sc_view *dt, const float *A,
-                             const sc_view *B, const sc_view *C, float *y, int64_t s, int64_t h, int64_t n_t,
-                             int64_t H, int64_t P, int64_t N, int64_t G, float *dbuf, float *abuf, float *bpack,
+static void scan_mamba2_unit(const scan_call *c, int64_t s, int64_t h, float *dbuf, float *abuf, float *bpack,
                              float *cpack, float *tile) {
-    const int64_t g = h / (H / G);
-    const float Ah = A[h];
-    for (int64_t t = 0; t < n_t; t++) dbuf[t] = dt->data[s * dt->strides[0] + t * dt->strides[1] + h * dt->strides[2]];
-#pragma omp simd
-    for (int64_t t = 0; t < n_t; t++) {
-        float d = sc_softplus(dbuf[t]);
-        dbuf[t] = d;
-        abuf[t] = sc_exp(d * Ah);
-    }
+    const sc_state *st = c->st;
+    const sc_dtype pdt = (sc_dtype)st->pool_dtype;
+    const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
+    const int64_t H = c->H, P = c->P, N = c->N, g = h / (H / c->G);
+    const sc_view *x = c->x;
+    prep_dt(c, t0, n_t, h, dbuf, abuf, NULL);
     int64_t bts, cts;
-    const float *Bs = tokens_of(B, s, g, n_t, N, bpack, &bts);
-    const float *Cs = tokens_of(C, s, g, n_t, N, cpack, &cts);
-    const float *xs = x->data + s * x->strides[0] + h * x->strides[2];
-    const int64_t head_off = h * P * N;
-    const int64_t rows = tile_rows(N);
+    const float *Bs = tokens_of(c->B, t0, g, n_t, N, bpack, &bts);
+    const float *Cs = tokens_of(c->C, t0, g, n_t, N, cpack, &cts);
+    const float *xs = x->data + t0 * x->strides[0] + h * x->strides[1];
+    const int64_t head_off = h * P * N, rows = tile_rows(N);
+    const int64_t start_row = st->start_rows[s], r0 = sc_snap_row(st, s, 0);
+    /* f32 pools: the first token reads the start row and the last writes
+     * column 0 in place (no copy through the tile). */
+    const int direct = pdt == SC_F32 && n_t > 0;
     for (int64_t i0 = 0; i0 < P; i0 += rows) {
         const int64_t ir = P - i0 < rows ? P - i0 : rows;
         const int64_t off = head_off + i0 * N;
-        const int direct = pdt == SC_F32 && n_t > 0;
-        if (!direct) sc_load_f32(row_ptr(pool, pdt, start_row, row_elems, off), pdt, tile, ir * N);
-        if (n_t < n_snap) { /* the input state, so that undoing the whole call is exact */
-            const void *src = direct ? (const void *)row_ptr(pool, pdt, start_row, row_elems, off) : (const void *)tile;
-            void *dst = row_ptr(pool, pdt, dst_row + n_t * plane_stride, row_elems, off);
-            if (dst != src) sc_store_f32(src, dst, pdt, ir * N);
-        }
+        if (!direct) sc_load_f32(sc_pool_at(st, start_row, off), pdt, tile, ir * N);
+        /* The input state, so that undoing the whole call is exact. */
+        sc_copy_input_state(st, s, n_t, off, direct ? NULL : tile, ir * N);
         for (int64_t t = 0; t < n_t; t++) {
             const float a = abuf[t], d = dbuf[t];
-            float *yt = y + ((s * n_t + t) * H + h) * P + i0;
+            float *yt = c->y + ((t0 + t) * H + h) * P + i0;
             float xd[SC_SCAN_TILE];
-            for (int64_t r = 0; r < ir; r++) xd[r] = xs[t * x->strides[1] + (i0 + r) * x->strides[3]] * d;
+            for (int64_t r = 0; r < ir; r++) xd[r] = xs[t * x->strides[0] + (i0 + r) * x->strides[2]] * d;
             const int64_t j = n_t - 1 - t;
-            /* f32 pools: the first token reads the start row, the last writes
-             * plane 0, both in place (no copy through the tile). */
-            const float *in = t == 0 && direct ? (const float *)row_ptr(pool, pdt, start_row, row_elems, off) : tile;
-            float *out = j == 0 && direct ? (float *)row_ptr(pool, pdt, dst_row, row_elems, off) : tile;
-            update_rows(in, out, ir, N, Bs + t * bts, Cs + t * cts, a, xd, yt);
-            if (j < n_snap && !(j == 0 && direct))
-                sc_store_f32(tile, row_ptr(pool, pdt, dst_row + j * plane_stride, row_elems, off), pdt, ir * N);
+            const float *in = t == 0 && direct ? (const float *)sc_pool_at(st, start_row, off) : tile;
+            float *out = j == 0 && direct && r0 >= 0 ? (float *)sc_pool_at(st, r0, off) : tile;
+            update_rows(in, out, ir, N, Bs + t * bts, Cs + t * cts, a, xd, yt, c->stream && out != tile);
+            const int64_t rj = sc_snap_row(st, s, j);
+            if (out == tile && rj >= 0) sc_store_f32(tile, sc_pool_at(st, rj, off), pdt, ir * N);
         }
     }
+    scan_epilogue(c, t0, n_t, h, 1);
 }
 
-static void scan_mamba1_unit(void *pool, sc_dtype pdt, int64_t row_elems, int64_t start_row, int64_t dst_row,
-                             const sc_view *x, const sc_view *dt, const float *A, const sc_view *B, const sc_view *C,
-                             float *y, int64_t s, int64_t h0, int64_t hb, int64_t n_t, int64_t H, int64_t N,
-                             float *dvec, float *bvec, float *cvec, float *decay, float *state) {
-    const int64_t off = h0 * N;
-    sc_load_f32(row_ptr(pool, pdt, start_row, row_elems, off), pdt, state, hb * N);
-    for (int64_t t = 0; t < n_t; t++) {
-        const float *dtr = dt->data + s * dt->strides[0] + t * dt->strides[1] + h0 * dt->strides[2];
-        const int64_t dts = dt->strides[2];
+/* softplus(dt + dt_bias), clamped when asked, for heads [h0, h0 + hb) of one token. */
+static inline void mamba1_dt(const scan_call *c, const float *dtr, int64_t dts, int64_t h0, int64_t hb, float *dvec) {
+    const sc_scan_options *o = c->opt;
+    for (int64_t hh = 0; hh < hb; hh++) dvec[hh] = dtr[hh * dts];
+    if (o->dt_bias)
+        for (int64_t hh = 0; hh < hb; hh++) dvec[hh] += o->dt_bias[h0 + hh];
+#ifdef SC_HAVE_AVX2
+    for (int64_t hh = 0; hh < hb; hh += 8) _mm256_store_ps(dvec + hh, sc_softplus8(_mm256_load_ps(dvec + hh)));
+#else
 #pragma omp simd
-        for (int64_t hh = 0; hh < hb; hh++) dvec[hh] = sc_softplus(dtr[hh * dts]);
-        const float *Br = B->data + s * B->strides[0] + t * B->strides[1];
-        const float *Cr = C->data + s * C->strides[0] + t * C->strides[1];
+    for (int64_t hh = 0; hh < hb; hh++) dvec[hh] = sc_softplus(dvec[hh]);
+#endif
+    if (o->dt_clamp)
+        for (int64_t hh = 0; hh < hb; hh++) dvec[hh] = sc_clamp(dvec[hh], o->dt_lo, o->dt_hi);
+}
+
+static void scan_mamba1_unit(const scan_call *c, int64_t s, int64_t h0, int64_t hb, float *dvec, float *bvec,
+                             float *cvec, float *decay, float *state) {
+    const sc_state *st = c->st;
+    const sc_dtype pdt = (sc_dtype)st->pool_dtype;
+    const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
+    const int64_t H = c->H, N = c->N, off = h0 * N;
+    const sc_view *x = c->x, *dt = c->dt, *B = c->B, *C = c->C;
+    sc_load_f32(sc_pool_at(st, st->start_rows[s], off), pdt, state, hb * N);
+    sc_copy_input_state(st, s, n_t, off, state, hb * N);
+    for (int64_t t = 0; t < n_t; t++) {
+        const int64_t tt = t0 + t;
+        mamba1_dt(c, dt->data + tt * dt->strides[0] + h0 * dt->strides[1], dt->strides[1], h0, hb, dvec);
+        const float *Br = B->data + tt * B->strides[0];
+        const float *Cr = C->data + tt * C->strides[0];
         for (int64_t k = 0; k < N; k++) {
-            bvec[k] = Br[k * B->strides[3]];
-            cvec[k] = Cr[k * C->strides[3]];
+            bvec[k] = Br[k * B->strides[2]];
+            cvec[k] = Cr[k * C->strides[2]];
         }
-        const float *xr = x->data + s * x->strides[0] + t * x->strides[1] + h0 * x->strides[2];
-        float *yt = y + (s * n_t + t) * H + h0;
+        const float *xr = x->data + tt * x->strides[0] + h0 * x->strides[1];
+        float *yt = c->y + tt * H + h0;
         for (int64_t hh = 0; hh < hb; hh++) {
-            const float d = dvec[hh], xd = xr[hh * x->strides[2]] * d;
-            const float *SC_RESTRICT Ah = A + (h0 + hh) * N;
+            const float d = dvec[hh], xd = xr[hh * x->strides[1]] * d;
+            const float *SC_RESTRICT Ah = c->A + (h0 + hh) * N;
             float *SC_RESTRICT S = state + hh * N;
             float acc = 0.0f;
             /* The decay exps in their own loop: it vectorises cleanly. */
@@ -187,9 +287,10 @@ static void scan_mamba1_unit(void *pool, sc_dtype pdt, int64_t row_elems, int64_
             }
             yt[hh] = acc;
         }
+        const int64_t rj = sc_snap_row(st, s, n_t - 1 - t);
+        if (rj >= 0) sc_store_f32(state, sc_pool_at(st, rj, off), pdt, hb * N);
     }
-    /* Mamba-1 emits only the final state (n_snap == 1, checked by the caller). */
-    sc_store_f32(state, row_ptr(pool, pdt, dst_row, row_elems, off), pdt, hb * N);
+    scan_epilogue(c, t0, n_t, h0, hb);
 }
 
 #ifdef SC_HAVE_AVX2
@@ -254,44 +355,47 @@ static inline void mamba1_heads16(const float *A, const float *in, float *out, c
                               hb - hh, 16);
 }
 
+
 /* Mamba-1 over heads [h0, h0 + hb) with lanes across d_state (N % 8 == 0):
  * no transposes, so it suits decode; `state` is [hb][N] scratch for
  * non-f32 pools and multi-token calls. */
-static void scan_mamba1_rows(void *pool, sc_dtype pdt, int64_t row_elems, int64_t start_row, int64_t dst_row,
-                             const sc_view *x, const sc_view *dt, const float *A, const sc_view *B, const sc_view *C,
-                             float *y, int64_t s, int64_t h0, int64_t hb, int64_t n_t, int64_t H, int64_t N,
-                             float *dvec, float *bvec, float *cvec, float *state) {
-    const int64_t off = h0 * N;
+static void scan_mamba1_rows(const scan_call *c, int64_t s, int64_t h0, int64_t hb, float *dvec, float *bvec,
+                             float *cvec, float *state) {
+    const sc_state *st = c->st;
+    const sc_dtype pdt = (sc_dtype)st->pool_dtype;
+    const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
+    const int64_t H = c->H, N = c->N, off = h0 * N;
+    const sc_view *x = c->x, *dt = c->dt, *B = c->B, *C = c->C;
+    const int64_t start_row = st->start_rows[s], r0 = sc_snap_row(st, s, 0);
     const int direct = pdt == SC_F32;
-    if (!direct) sc_load_f32(row_ptr(pool, pdt, start_row, row_elems, off), pdt, state, hb * N);
-    const int64_t dts = dt->strides[2], xs = x->strides[2], bs = B->strides[3], cs = C->strides[3];
+    if (!direct) sc_load_f32(sc_pool_at(st, start_row, off), pdt, state, hb * N);
+    sc_copy_input_state(st, s, n_t, off, direct ? NULL : state, hb * N);
+    const int64_t dts = dt->strides[1], xs = x->strides[1], bs = B->strides[2], cs = C->strides[2];
     for (int64_t t = 0; t < n_t; t++) {
-        const float *dtr = dt->data + s * dt->strides[0] + t * dt->strides[1] + h0 * dts;
-        for (int64_t hh = 0; hh < hb; hh++) dvec[hh] = dtr[hh * dts];
-        for (int64_t hh = 0; hh < hb; hh += 8) _mm256_store_ps(dvec + hh, sc_softplus8(_mm256_load_ps(dvec + hh)));
-        const float *Bt = B->data + s * B->strides[0] + t * B->strides[1];
-        const float *Ct = C->data + s * C->strides[0] + t * C->strides[1];
+        const int64_t tt = t0 + t;
+        mamba1_dt(c, dt->data + tt * dt->strides[0] + h0 * dts, dts, h0, hb, dvec);
+        const float *Bt = B->data + tt * B->strides[0];
+        const float *Ct = C->data + tt * C->strides[0];
         if (bs != 1)
             for (int64_t k = 0; k < N; k++) bvec[k] = Bt[k * bs];
         if (cs != 1)
             for (int64_t k = 0; k < N; k++) cvec[k] = Ct[k * cs];
-        const float *b = bs == 1 ? Bt : bvec, *c = cs == 1 ? Ct : cvec;
-        const float *xr = x->data + s * x->strides[0] + t * x->strides[1] + h0 * xs;
-        float *yt = y + (s * n_t + t) * H + h0;
-        const float *in = t == 0 && direct ? (const float *)row_ptr(pool, pdt, start_row, row_elems, off) : state;
-        float *out = t == n_t - 1 && direct ? (float *)row_ptr(pool, pdt, dst_row, row_elems, off) : state;
+        const float *b = bs == 1 ? Bt : bvec, *cc = cs == 1 ? Ct : cvec;
+        const float *xr = x->data + tt * x->strides[0] + h0 * xs;
+        float *yt = c->y + tt * H + h0;
+        const int64_t j = n_t - 1 - t;
+        const float *in = t == 0 && direct ? (const float *)sc_pool_at(st, start_row, off) : state;
+        float *out = j == 0 && direct && r0 >= 0 ? (float *)sc_pool_at(st, r0, off) : state;
         /* d_state 16 (every Mamba-1 model) gets its own copy of the loop,
          * unrolled with the constants hoisted. */
         if (N == 16)
-            mamba1_heads16(A + h0 * N, in, out, b, c, dvec, xr, xs, yt, hb);
+            mamba1_heads16(c->A + h0 * N, in, out, b, cc, dvec, xr, xs, yt, hb);
         else
-            mamba1_heads(A + h0 * N, in, out, b, c, dvec, xr, xs, yt, hb, N);
+            mamba1_heads(c->A + h0 * N, in, out, b, cc, dvec, xr, xs, yt, hb, N);
+        const int64_t rj = sc_snap_row(st, s, j);
+        if (out == state && rj >= 0) sc_store_f32(state, sc_pool_at(st, rj, off), pdt, hb * N);
     }
-    if (!direct || n_t == 0) {
-        if (direct) /* n_t == 0: the start state is the result */
-            sc_load_f32(row_ptr(pool, pdt, start_row, row_elems, off), pdt, state, hb * N);
-        sc_store_f32(state, row_ptr(pool, pdt, dst_row, row_elems, off), pdt, hb * N);
-    }
+    scan_epilogue(c, t0, n_t, h0, hb);
 }
 #endif
 
@@ -424,18 +528,19 @@ typedef struct {
     float *lam;  /* [L] */
 } sc_chunk_scratch;
 
+
 /* Advances the f32 state S [P][N] over tokens [0, n_c) of unit (s, h) in
  * chunks, writing y for those tokens.  d and dA hold softplus(dt) and
  * d * A for every token; Bs/Cs are token rows at strides bts/cts. */
 static void scan_mamba2_chunks(float *S, const sc_view *x, const float *d, const float *dA, const float *Bs,
-                               int64_t bts, const float *Cs, int64_t cts, float *y, int64_t s, int64_t h, int64_t n_t,
-                               int64_t n_c, int64_t H, int64_t P, int64_t N, sc_chunk_scratch *w) {
+                               int64_t bts, const float *Cs, int64_t cts, float *y, int64_t t0, int64_t h, int64_t n_c,
+                               int64_t H, int64_t P, int64_t N, sc_chunk_scratch *w) {
     const int64_t L = SC_CHUNK, ldy = H * P;
-    const float *xs = x->data + s * x->strides[0] + h * x->strides[2];
+    const float *xs = x->data + t0 * x->strides[0] + h * x->strides[1];
     for (int64_t c0 = 0; c0 < n_c; c0 += L) {
         const int64_t Lc = n_c - c0 < L ? n_c - c0 : L;
         const float *Bc = Bs + c0 * bts, *Cc = Cs + c0 * cts;
-        float *yc = y + ((s * n_t + c0) * H + h) * P;
+        float *yc = y + ((t0 + c0) * H + h) * P;
         /* Decays: row t of D from row t-1 by adding dA_t (segsum). */
         float total = 0.0f;
         for (int64_t t = 0; t < Lc; t++) {
@@ -454,8 +559,8 @@ static void scan_mamba2_chunks(float *S, const sc_view *x, const float *d, const
         const float *Dend = w->D + (Lc - 1) * L;
         for (int64_t u = 0; u < Lc; u++) {
             const float du = d[c0 + u];
-            const float *xu = xs + (c0 + u) * x->strides[1];
-            for (int64_t i = 0; i < P; i++) w->xd[u * P + i] = xu[i * x->strides[3]] * du;
+            const float *xu = xs + (c0 + u) * x->strides[0];
+            for (int64_t i = 0; i < P; i++) w->xd[u * P + i] = xu[i * x->strides[2]] * du;
         }
         for (int64_t i = 0; i < P; i++)
             for (int64_t u = 0; u < Lc; u++) w->wT[i * L + u] = Dend[u] * w->xd[u * P + i];
@@ -484,60 +589,70 @@ static void scan_mamba2_chunks(float *S, const sc_view *x, const float *d, const
     }
 }
 
-/* Mamba-2 unit (s, h) with the first n_t - (n_snap - 1) tokens in chunks and
- * the last n_snap - 1 token by token, so every snapshot plane is a state the
- * recurrence passes through exactly as the token loop defines it.  The
- * head's start slice is read whole into S before any plane is written. */
-static void scan_mamba2_chunked_unit(void *pool, sc_dtype pdt, int64_t row_elems, int64_t start_row,
-                                     int64_t dst_row, int n_snap, int64_t plane_stride, const sc_view *x,
-                                     const sc_view *dt, const float *A, const sc_view *B, const sc_view *C, float *y,
-                                     int64_t s, int64_t h, int64_t n_t, int64_t H, int64_t P, int64_t N, int64_t G,
-                                     float *dbuf, float *abuf, float *dAbuf, float *bpack, float *cpack, float *S,
-                                     sc_chunk_scratch *w) {
-    const int64_t g = h / (H / G);
-    const float Ah = A[h];
-    for (int64_t t = 0; t < n_t; t++) dbuf[t] = dt->data[s * dt->strides[0] + t * dt->strides[1] + h * dt->strides[2]];
-#pragma omp simd
-    for (int64_t t = 0; t < n_t; t++) {
-        float d = sc_softplus(dbuf[t]);
-        dbuf[t] = d;
-        dAbuf[t] = d * Ah;
-        abuf[t] = sc_exp(d * Ah);
-    }
+/* The largest snapshot column below n_t that sequence s writes (0 if none):
+ * the chunked form covers the tokens before it, the token loop the rest, so
+ * every snapshot is a state the recurrence passes through exactly as the
+ * token loop defines it. */
+static int64_t last_snapshot(const sc_state *st, int64_t s, int64_t n_t) {
+    int64_t j = (n_t - 1 < st->n_cols - 1 ? n_t - 1 : st->n_cols - 1);
+    for (; j > 0; j--)
+        if (sc_snap_row(st, s, j) >= 0) return j;
+    return 0;
+}
+
+/* Mamba-2 unit (s, h) with the first n_t - jmax tokens in chunks and the
+ * rest token by token (see last_snapshot).  The head's start slice is read
+ * whole into S before any row is written. */
+static void scan_mamba2_chunked_unit(const scan_call *c, int64_t s, int64_t h, int64_t jmax, float *dbuf, float *abuf,
+                                     float *dAbuf, float *bpack, float *cpack, float *S, sc_chunk_scratch *w) {
+    const sc_state *st = c->st;
+    const sc_dtype pdt = (sc_dtype)st->pool_dtype;
+    const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
+    const int64_t H = c->H, P = c->P, N = c->N, g = h / (H / c->G);
+    const sc_view *x = c->x;
+    prep_dt(c, t0, n_t, h, dbuf, abuf, dAbuf);
     int64_t bts, cts;
-    const float *Bs = tokens_of(B, s, g, n_t, N, bpack, &bts);
-    const float *Cs = tokens_of(C, s, g, n_t, N, cpack, &cts);
-    const int64_t off = h * P * N, n_c = n_t - (n_snap - 1);
-    sc_load_f32(row_ptr(pool, pdt, start_row, row_elems, off), pdt, S, P * N);
-    scan_mamba2_chunks(S, x, dbuf, dAbuf, Bs, bts, Cs, cts, y, s, h, n_t, n_c, H, P, N, w);
-    sc_store_f32(S, row_ptr(pool, pdt, dst_row + (n_t - n_c) * plane_stride, row_elems, off), pdt, P * N);
-    const float *xs = x->data + s * x->strides[0] + h * x->strides[2];
+    const float *Bs = tokens_of(c->B, t0, g, n_t, N, bpack, &bts);
+    const float *Cs = tokens_of(c->C, t0, g, n_t, N, cpack, &cts);
+    const int64_t off = h * P * N, n_c = n_t - jmax;
+    sc_load_f32(sc_pool_at(st, st->start_rows[s], off), pdt, S, P * N);
+    sc_copy_input_state(st, s, n_t, off, S, P * N);
+    scan_mamba2_chunks(S, x, dbuf, dAbuf, Bs, bts, Cs, cts, c->y, t0, h, n_c, H, P, N, w);
+    const int64_t rc = sc_snap_row(st, s, jmax);
+    if (rc >= 0) sc_store_f32(S, sc_pool_at(st, rc, off), pdt, P * N);
+    const float *xs = x->data + t0 * x->strides[0] + h * x->strides[1];
     for (int64_t t = n_c; t < n_t; t++) {
         const float d = dbuf[t];
-        for (int64_t i = 0; i < P; i++) w->xd[i] = xs[t * x->strides[1] + i * x->strides[3]] * d;
-        update_rows(S, S, P, N, Bs + t * bts, Cs + t * cts, abuf[t], w->xd, y + ((s * n_t + t) * H + h) * P);
-        sc_store_f32(S, row_ptr(pool, pdt, dst_row + (n_t - 1 - t) * plane_stride, row_elems, off), pdt, P * N);
+        for (int64_t i = 0; i < P; i++) w->xd[i] = xs[t * x->strides[0] + i * x->strides[2]] * d;
+        update_rows(S, S, P, N, Bs + t * bts, Cs + t * cts, abuf[t], w->xd, c->y + ((t0 + t) * H + h) * P, 0);
+        const int64_t rj = sc_snap_row(st, s, n_t - 1 - t);
+        if (rj >= 0) sc_store_f32(S, sc_pool_at(st, rj, off), pdt, P * N);
     }
+    scan_epilogue(c, t0, n_t, h, 1);
 }
 #endif
 
-void sc_ssm_scan(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32_t *start_rows,
-                 const int32_t *dst_rows, int n_snap, int64_t plane_stride, const sc_view *x, const sc_view *dt,
-                 const float *A, int a_per_state, const sc_view *B, const sc_view *C, float *y, int64_t n_s,
-                 int64_t n_t, int64_t n_head, int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads) {
-    const int64_t H = n_head, P = head_dim, N = d_state;
-    /* State streamed: every token passes over the state, plus the planes written. */
-    const int64_t n_written = n_t + 1 < n_snap ? n_t + 1 : n_snap;
-    const int64_t work_bytes = n_s * H * P * N * (int64_t)sizeof(float) * (n_t + n_written);
-#ifdef SC_HAVE_AVX2
-    if (a_per_state && N % 8 == 0) {
+static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, const float *A, int a_per_state,
+                     const sc_view *B, const sc_view *C, float *y, const sc_scan_options *opt, int64_t n_head,
+                     int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads) {
+    const int64_t H = n_head, P = head_dim, N = d_state, n_s = st->n_seqs, n_t_max = st->max_tokens;
+    /* State streamed: every token passes over the state, plus the rows written. */
+    const int64_t work_bytes = H * P * N * (int64_t)sizeof(float) * (st->n_tokens + n_s * sc_max_written(st));
+    const scan_call c = {st, x, dt, B, C, A, y, opt, H, P, N, n_group, work_bytes >= sc_stream_min_bytes};
+    if (a_per_state) {
         const int64_t n_blocks = (H + SC_M1_HEADS - 1) / SC_M1_HEADS, n_units = n_s * n_blocks;
         const int team = sc_state_team(n_units, work_bytes, n_threads);
+#ifdef SC_HAVE_AVX2
+        const int rows_path = N % 8 == 0;
+#else
+        const int rows_path = 0;
+#endif
 #pragma omp parallel num_threads(team) if (team > 1)
         {
             float *dvec = (float *)sc_alloc(sizeof(float) * (size_t)SC_M1_HEADS);
             float *bvec = (float *)sc_alloc(sizeof(float) * (size_t)N);
             float *cvec = (float *)sc_alloc(sizeof(float) * (size_t)N);
+            float *decay = (float *)sc_alloc(sizeof(float) * (size_t)N);
             float *state = (float *)sc_alloc(sizeof(float) * (size_t)(SC_M1_HEADS * N));
             memset(dvec, 0, sizeof(float) * SC_M1_HEADS); /* lanes past a short block stay finite */
             int64_t lo, hi;
@@ -545,35 +660,15 @@ void sc_ssm_scan(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32
             for (int64_t u = lo; u < hi; u++) {
                 const int64_t s = u / n_blocks, h0 = (u % n_blocks) * SC_M1_HEADS;
                 const int64_t hb = H - h0 < SC_M1_HEADS ? H - h0 : SC_M1_HEADS;
-                scan_mamba1_rows(pool, pool_dtype, row_elems, start_rows[s], dst_rows[s], x, dt, A, B, C, y, s, h0, hb,
-                                 n_t, H, N, dvec, bvec, cvec, state);
-            }
-            free(dvec);
-            free(bvec);
-            free(cvec);
-            free(state);
-        }
-        return;
-    }
+#ifdef SC_HAVE_AVX2
+                if (rows_path) {
+                    scan_mamba1_rows(&c, s, h0, hb, dvec, bvec, cvec, state);
+                    continue;
+                }
 #endif
-    if (a_per_state) {
-        const int64_t n_blocks = (H + SC_M1_HEADS - 1) / SC_M1_HEADS, n_units = n_s * n_blocks;
-        const int team = sc_state_team(n_units, work_bytes, n_threads);
-#pragma omp parallel num_threads(team) if (team > 1)
-        {
-            float *dvec = (float *)sc_alloc(sizeof(float) * SC_M1_HEADS);
-            float *bvec = (float *)sc_alloc(sizeof(float) * (size_t)N);
-            float *cvec = (float *)sc_alloc(sizeof(float) * (size_t)N);
-            float *decay = (float *)sc_alloc(sizeof(float) * (size_t)N);
-            float *state = (float *)sc_alloc(sizeof(float) * (size_t)(SC_M1_HEADS * N));
-            int64_t lo, hi;
-            sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
-            for (int64_t u = lo; u < hi; u++) {
-                const int64_t s = u / n_blocks, h0 = (u % n_blocks) * SC_M1_HEADS;
-                const int64_t hb = H - h0 < SC_M1_HEADS ? H - h0 : SC_M1_HEADS;
-                scan_mamba1_unit(pool, pool_dtype, row_elems, start_rows[s], dst_rows[s], x, dt, A, B, C, y, s, h0, hb,
-                                 n_t, H, N, dvec, bvec, cvec, decay, state);
+                scan_mamba1_unit(&c, s, h0, hb, dvec, bvec, cvec, decay, state);
             }
+            (void)rows_path;
             free(dvec);
             free(bvec);
             free(cvec);
@@ -583,68 +678,83 @@ void sc_ssm_scan(void *pool, sc_dtype pool_dtype, int64_t row_elems, const int32
         return;
     }
     const int64_t n_units = n_s * H;
-    const int need_pack = B->strides[3] != 1 || C->strides[3] != 1;
+    const int need_pack = B->strides[2] != 1 || C->strides[2] != 1;
     const int team = sc_state_team(n_units, work_bytes, n_threads);
 #ifdef SC_HAVE_AVX2
-    if (N % 8 == 0 && P % 8 == 0 && n_t - (n_snap - 1) >= SC_CHUNK_MIN) {
-        const int64_t L = SC_CHUNK;
+    const int may_chunk = N % 8 == 0 && P % 8 == 0 && n_t_max >= SC_CHUNK_MIN;
+#else
+    const int may_chunk = 0;
+#endif
 #pragma omp parallel num_threads(team) if (team > 1)
-        {
-            float *dbuf = (float *)sc_alloc(sizeof(float) * (size_t)n_t);
-            float *abuf = (float *)sc_alloc(sizeof(float) * (size_t)n_t);
-            float *dAbuf = (float *)sc_alloc(sizeof(float) * (size_t)n_t);
-            float *bpack = need_pack ? (float *)sc_alloc(sizeof(float) * (size_t)(n_t * N)) : NULL;
-            float *cpack = need_pack ? (float *)sc_alloc(sizeof(float) * (size_t)(n_t * N)) : NULL;
-            float *S = (float *)sc_alloc(sizeof(float) * (size_t)(P * N));
-            sc_chunk_scratch w;
+    {
+        const size_t tmax = (size_t)(n_t_max > 0 ? n_t_max : 1);
+        float *dbuf = (float *)sc_alloc(sizeof(float) * tmax);
+        float *abuf = (float *)sc_alloc(sizeof(float) * tmax);
+        float *bpack = need_pack ? (float *)sc_alloc(sizeof(float) * tmax * (size_t)N) : NULL;
+        float *cpack = need_pack ? (float *)sc_alloc(sizeof(float) * tmax * (size_t)N) : NULL;
+        float *tile = (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows(N) * N));
+#ifdef SC_HAVE_AVX2
+        const int64_t L = SC_CHUNK;
+        float *dAbuf = NULL, *S = NULL;
+        sc_chunk_scratch w = {NULL, NULL, NULL, NULL, NULL, NULL};
+        if (may_chunk) {
+            dAbuf = (float *)sc_alloc(sizeof(float) * tmax);
+            S = (float *)sc_alloc(sizeof(float) * (size_t)(P * N));
             w.seg = (float *)sc_alloc(sizeof(float) * (size_t)L);
             w.D = (float *)sc_alloc(sizeof(float) * (size_t)(L * L));
             w.M = (float *)sc_alloc(sizeof(float) * (size_t)(L * L));
             w.xd = (float *)sc_alloc(sizeof(float) * (size_t)(L * P));
             w.wT = (float *)sc_alloc(sizeof(float) * (size_t)(P * L));
             w.lam = (float *)sc_alloc(sizeof(float) * (size_t)L);
-            int64_t lo, hi;
-            sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
-            for (int64_t u = lo; u < hi; u++) {
-                const int64_t s = u / H, h = u % H;
-                scan_mamba2_chunked_unit(pool, pool_dtype, row_elems, start_rows[s], dst_rows[s], n_snap,
-                                         plane_stride, x, dt, A, B, C, y, s, h, n_t, H, P, N, n_group, dbuf, abuf,
-                                         dAbuf, bpack, cpack, S, &w);
-            }
-            free(dbuf);
-            free(abuf);
-            free(dAbuf);
-            free(bpack);
-            free(cpack);
-            free(S);
-            free(w.seg);
-            free(w.D);
-            free(w.M);
-            free(w.xd);
-            free(w.wT);
-            free(w.lam);
         }
-        return;
-    }
 #endif
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-        float *dbuf = (float *)sc_alloc(sizeof(float) * (size_t)n_t);
-        float *abuf = (float *)sc_alloc(sizeof(float) * (size_t)n_t);
-        float *bpack = need_pack ? (float *)sc_alloc(sizeof(float) * (size_t)(n_t * N)) : NULL;
-        float *cpack = need_pack ? (float *)sc_alloc(sizeof(float) * (size_t)(n_t * N)) : NULL;
-        float *tile = (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows(N) * N));
         int64_t lo, hi;
         sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
         for (int64_t u = lo; u < hi; u++) {
             const int64_t s = u / H, h = u % H;
-            scan_mamba2_unit(pool, pool_dtype, row_elems, start_rows[s], dst_rows[s], n_snap, plane_stride, x, dt, A,
-                             B, C, y, s, h, n_t, H, P, N, n_group, dbuf, abuf, bpack, cpack, tile);
+#ifdef SC_HAVE_AVX2
+            if (may_chunk) {
+                const int64_t n_t = st->cu_seqlens[s + 1] - st->cu_seqlens[s];
+                const int64_t jmax = n_t > 0 ? last_snapshot(st, s, n_t) : 0;
+                if (n_t - jmax >= SC_CHUNK_MIN) {
+                    scan_mamba2_chunked_unit(&c, s, h, jmax, dbuf, abuf, dAbuf, bpack, cpack, S, &w);
+                    continue;
+                }
+            }
+#endif
+            scan_mamba2_unit(&c, s, h, dbuf, abuf, bpack, cpack, tile);
         }
+        sc_stream_fence(); /* this thread's streamed rows are visible before it joins */
+        (void)may_chunk;
         free(dbuf);
         free(abuf);
         free(bpack);
         free(cpack);
         free(tile);
+#ifdef SC_HAVE_AVX2
+        free(dAbuf);
+        free(S);
+        free(w.seg);
+        free(w.D);
+        free(w.M);
+        free(w.xd);
+        free(w.wT);
+        free(w.lam);
+#endif
     }
+}
+
+void sc_ssm_scan(const sc_state *st, const sc_view *x, const sc_view *dt, const float *A, int a_per_state,
+                 const sc_view *B, const sc_view *C, void *y, sc_dtype y_dtype, const sc_scan_options *opt,
+                 int64_t n_head, int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads) {
+    const int64_t T = st->n_tokens, H = n_head, P = head_dim, N = d_state, G = n_group;
+    float *own[5];
+    const sc_view xf = sc_widen3(x, T, H, P, &own[0]), dtf = sc_widen2(dt, T, H, &own[1]);
+    const sc_view Bf = sc_widen3(B, T, G, N, &own[2]), Cf = sc_widen3(C, T, G, N, &own[3]);
+    sc_scan_options o = *opt;
+    o.z = sc_widen3(&opt->z, T, H, P, &own[4]);
+    float *yf = sc_output_f32(y, y_dtype, T * H * P);
+    scan_f32(st, &xf, &dtf, A, a_per_state, &Bf, &Cf, yf, &o, H, P, N, G, n_threads);
+    sc_narrow_output(yf, y, y_dtype, T * H * P);
+    for (int i = 0; i < 5; i++) free(own[i]);
 }

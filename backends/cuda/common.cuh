@@ -116,19 +116,54 @@ SC_HD void store(f16 *p, float v) { p->bits = float_to_f16(v); }
 SC_HD void store(bf16 *p, float v) { p->bits = float_to_bf16(v); }
 
 // -- views -------------------------------------------------------------------
-SC_HD float at(const statecache_cuda_view &v, int64_t i0) { return v.data[i0 * v.strides[0]]; }
+// Element `off` of a view, widened to float32 from the view's dtype (the
+// branch is uniform across a warp: one view, one dtype).
+SC_HD float view_load(const statecache_cuda_view &v, int64_t off) {
+    switch (v.dtype) {
+        case STATECACHE_CUDA_F16:
+            return f16_to_float(((const uint16_t *)v.data)[off]);
+        case STATECACHE_CUDA_BF16:
+            return bf16_to_float(((const uint16_t *)v.data)[off]);
+        default:
+            return v.data[off];
+    }
+}
+SC_HD float at(const statecache_cuda_view &v, int64_t i0) { return view_load(v, i0 * v.strides[0]); }
 SC_HD float at(const statecache_cuda_view &v, int64_t i0, int64_t i1) {
-    return v.data[i0 * v.strides[0] + i1 * v.strides[1]];
+    return view_load(v, i0 * v.strides[0] + i1 * v.strides[1]);
 }
 SC_HD float at(const statecache_cuda_view &v, int64_t i0, int64_t i1, int64_t i2) {
-    return v.data[i0 * v.strides[0] + i1 * v.strides[1] + i2 * v.strides[2]];
+    return view_load(v, i0 * v.strides[0] + i1 * v.strides[1] + i2 * v.strides[2]);
 }
 SC_HD float at(const statecache_cuda_view &v, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
-    return v.data[i0 * v.strides[0] + i1 * v.strides[1] + i2 * v.strides[2] + i3 * v.strides[3]];
+    return view_load(v, i0 * v.strides[0] + i1 * v.strides[1] + i2 * v.strides[2] + i3 * v.strides[3]);
+}
+
+// Element `off` of a contiguous output of dtype code `dtype` (y, o).
+SC_HD void out_store(void *out, int32_t dtype, int64_t off, float v) {
+    switch (dtype) {
+        case STATECACHE_CUDA_F16:
+            ((uint16_t *)out)[off] = float_to_f16(v);
+            break;
+        case STATECACHE_CUDA_BF16:
+            ((uint16_t *)out)[off] = float_to_bf16(v);
+            break;
+        default:
+            ((float *)out)[off] = v;
+    }
+}
+
+// -- rows of a stateful call ---------------------------------------------------
+// The row sequence s writes its state after n_t(s) - j tokens to, or -1.
+SC_HD int64_t snap_row(const statecache_cuda_state_args &st, int s, int j) {
+    return j < st.n_cols ? (int64_t)st.snap_rows[(int64_t)s * st.n_cols + j] : -1;
 }
 
 // -- math --------------------------------------------------------------------
 SC_HD float softplus(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
+SC_HD float silu(float z) { return z / (1.0f + expf(-z)); }
+// NaN-preserving clamp (the comparisons are false for NaN).
+SC_HD float clamp_keep_nan(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 // Sum over the `lanes` consecutive lanes of a reduction group (a power of two
 // <= 32, aligned within the warp).  Every lane of the warp must call it (the

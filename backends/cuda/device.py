@@ -24,14 +24,15 @@ from typing import Any
 import numpy as np
 
 from statecache import __version__
-from statecache.backend import PRIMITIVES, Backend, Buffer, Caps, Device, DeviceKind, Support
+from statecache.backend import PRIMITIVES, PROTOCOL_VERSION, Backend, Buffer, Caps, Device, DeviceKind, Support
 from statecache.backends.cuda import build
 from statecache.dlpack import DLDataType, DLDevice, DLTensor
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import StatecacheError
+from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES, L2NORM_EPS
 
 #: The ABI this Python code speaks; the library must report the same.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 #: Storage dtype codes of the header.
 DTYPE_CODES: dict[DType, int] = {DType.F32: 0, DType.F16: 1, DType.BF16: 2}
@@ -292,11 +293,14 @@ class CudaBuffer(Buffer):
 # -- device ---------------------------------------------------------------------
 
 
-def _view(runtime: Runtime, view: Any, buf: Buffer) -> None:
-    """Fill a statecache_cuda_view from a float32 buffer (any strides)."""
+def _view(runtime: Runtime, view: Any, buf: Buffer | None) -> None:
+    """Fill a statecache_cuda_view from a buffer (any strides); None leaves it NULL."""
+    if buf is None:
+        return
     assert isinstance(buf, CudaBuffer)
     view.data = runtime.ffi.cast("const float *", buf.data_ptr())
     view.strides = list(buf.strides) + [0] * (4 - buf.ndim)
+    view.dtype = DTYPE_CODES[buf.dtype]
 
 
 class CudaDevice(Device):
@@ -340,6 +344,9 @@ class CudaDevice(Device):
             strided_inputs=True,
             host_visible=False,
             async_launch=True,
+            varlen=True,
+            activation_dtypes=ACTIVATION_DTYPES,
+            epilogues=frozenset(EPILOGUES),
         )
 
     @property
@@ -464,66 +471,81 @@ class CudaDevice(Device):
         args = (self._ptr(src), DTYPE_CODES[src.dtype], src_p, self._ptr(dst), DTYPE_CODES[dst.dtype], dst_p)
         return "copy_rows", (*args, src_rows.shape[0], src.shape[1])
 
-    def _state_args(self, args: Any, shp: Any, pool: Buffer, start_rows: Buffer, dst_rows: Buffer) -> None:
+    def _state_args(
+        self, args: Any, shp: Any, pool: Buffer, start_rows: Buffer, snap_rows: Buffer, cu_seqlens: Buffer
+    ) -> None:
         """Fill the shared state fields (strided index temporaries are kept until synchronize)."""
         start_p, _keep_start = self._rows_ptr(start_rows, self.index_values(start_rows))
-        dst_p, _keep_dst = self._rows_ptr(dst_rows, self.index_values(dst_rows))
         st = args.state
         st.pool = self._ptr(pool)
         st.start_rows = start_p
-        st.dst_rows = dst_p
+        st.snap_rows = self._ptr(snap_rows, "const int32_t *")  # contiguous (the validator made sure)
+        st.cu_seqlens = self._ptr(cu_seqlens, "const int32_t *")
         st.row_size = shp.row_size
-        st.plane_stride = shp.plane_stride
         st.pool_dtype = DTYPE_CODES[pool.dtype]
         st.n_seqs = shp.n_seqs
         st.n_tokens = shp.n_tokens
-        st.n_snap = shp.n_snap
+        st.max_tokens = shp.max_tokens
+        st.n_cols = shp.n_cols
 
     def _new_args(self, struct: str) -> Any:
         args = self.runtime.ffi.new(f"{struct} *")
         args.struct_size = self.runtime.ffi.sizeof(struct)
         return args
 
-    def _ssm_conv_call(self, shp, pool, start_rows, dst_rows, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
+    def _ssm_conv_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
         rt = self.runtime
         a = self._new_args("statecache_cuda_conv_args")
-        self._state_args(a, shp, pool, start_rows, dst_rows)
+        self._state_args(a, shp, pool, start_rows, snap_rows, cu_seqlens)
         _view(rt, a.x, x)
         _view(rt, a.weight, weight)
-        if bias is not None:
-            _view(rt, a.bias, bias)
-        a.y = self._ptr(y, "float *")
+        _view(rt, a.bias, bias)
+        a.y = self._ptr(y)
+        a.y_dtype = DTYPE_CODES[y.dtype]
         a.channels = shp.channels
         a.d_conv = shp.d_conv
         a.apply_silu = int(bool(apply_silu))
         return "ssm_conv", (a,)
 
-    def _ssm_scan_call(self, shp, pool, start_rows, dst_rows, x, dt, A, B, C, y):  # type: ignore[no-untyped-def]
+    def _ssm_scan_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, x, dt, A, B, C, y, D, z, dt_bias):  # type: ignore[no-untyped-def]
         rt = self.runtime
         a = self._new_args("statecache_cuda_scan_args")
-        self._state_args(a, shp, pool, start_rows, dst_rows)
-        for field, buf in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
+        self._state_args(a, shp, pool, start_rows, snap_rows, cu_seqlens)
+        for field, buf in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z)):
             _view(rt, getattr(a, field), buf)
-        a.y = self._ptr(y, "float *")
+        _view(rt, a.dt_bias, dt_bias)
+        if D is not None and D.ndim == 1:
+            a.D.strides = [D.strides[0], 0, 0, 0]  # [n_head]: the same skip for every head_dim index
+        a.y = self._ptr(y)
+        a.y_dtype = DTYPE_CODES[y.dtype]
         a.n_head = shp.n_head
         a.head_dim = shp.head_dim
         a.d_state = shp.d_state
         a.n_group = shp.n_group
         a.mamba1 = int(shp.variant == "mamba1")
+        if shp.dt_limit is not None:
+            a.dt_clamp = 1
+            a.dt_lo, a.dt_hi = shp.dt_limit
         return "ssm_scan", (a,)
 
-    def _gated_delta_net_call(self, shp, pool, start_rows, dst_rows, q, k, v, g, beta, o, scale):  # type: ignore[no-untyped-def]
+    def _gated_delta_net_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, q, k, v, g, beta, o, A_log, dt_bias):  # type: ignore[no-untyped-def]
         rt = self.runtime
         a = self._new_args("statecache_cuda_delta_args")
-        self._state_args(a, shp, pool, start_rows, dst_rows)
-        for field, buf in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        self._state_args(a, shp, pool, start_rows, snap_rows, cu_seqlens)
+        for field, buf in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log)):
             _view(rt, getattr(a, field), buf)
-        a.o = self._ptr(o, "float *")
-        a.scale = scale
+        _view(rt, a.dt_bias, dt_bias)
+        a.o = self._ptr(o)
+        a.o_dtype = DTYPE_CODES[o.dtype]
+        a.scale = shp.scale
+        a.l2norm_eps = L2NORM_EPS
         a.n_head_k = shp.n_head_k
         a.n_head_v = shp.n_head_v
         a.head_size = shp.head_size
         a.kda = int(shp.variant == "kda")
+        a.grouped = int(shp.head_map == "grouped")
+        a.qk_l2norm = int(shp.qk_l2norm)
+        a.beta_sigmoid = int(shp.beta_sigmoid)
         return "gated_delta_net", (a,)
 
     def _get_rows(self, *args):  # type: ignore[no-untyped-def]
@@ -596,6 +618,7 @@ class CudaBackend(Backend):
     priority = 30  # a usable GPU wins automatic selection
     description = "CUDA kernels built by nvcc, loaded with cffi (ABI mode)"
     provided_by = "statecache"
+    protocol = PROTOCOL_VERSION
 
     def __init__(self, cache_root: str | Path | None = None) -> None:
         self.cache_root = cache_root

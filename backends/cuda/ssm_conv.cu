@@ -1,10 +1,11 @@
 // Depthwise causal conv over concat(window, x), with window snapshots.
 //
-// One thread per (sequence, channel).  The thread keeps the sliding window
-// (d_conv - 1 values) and the channel's weights in registers (arrays indexed
-// only by unrolled constants), reads its window from the start row once, and
-// writes the window after token t to plane n_t - 1 - t when that plane is
-// kept.  A thread reads its window completely before it writes anything, and
+// Protocol 2: packed tokens (sequence s owns tokens cu_seqlens[s] ..
+// cu_seqlens[s + 1] - 1) and a snapshot table.  One thread per (sequence,
+// channel).  The thread keeps the sliding window (d_conv - 1 values) and the
+// channel's weights in registers (arrays indexed only by unrolled constants),
+// reads its window from the start row once, and writes the window after
+// token t to its row of column n_t - 1 - t when the table has one.  A thread reads its window completely before it writes anything, and
 // no other thread touches those pool elements, so a start row that is one of
 // the sequence's own destination rows is safe.
 #include "common.cuh"
@@ -12,10 +13,9 @@
 namespace sc {
 
 template <typename T>
-SC_HD void conv_write_window(const statecache_cuda_conv_args &a, const float *win, int s, int c, int plane) {
+SC_HD void conv_write_window(const statecache_cuda_conv_args &a, const float *win, int64_t row, int c) {
     const statecache_cuda_state_args &st = a.state;
     const int W = a.d_conv - 1;
-    const int64_t row = (int64_t)st.dst_rows[s] + (int64_t)plane * st.plane_stride;
     T *p = (T *)st.pool + row * st.row_size + (int64_t)c * W;
 #pragma unroll
     for (int k = 0; k < kMaxDConv - 1; ++k)
@@ -26,8 +26,8 @@ template <typename T>
 SC_HD void conv_thread(const statecache_cuda_conv_args &a, int s, int c) {
     const statecache_cuda_state_args &st = a.state;
     const int W = a.d_conv - 1;
-    const int n_t = st.n_tokens;
-    const int n_written = n_t + 1 < st.n_snap ? n_t + 1 : st.n_snap;
+    const int t0 = st.cu_seqlens[s];
+    const int n_t = st.cu_seqlens[s + 1] - t0;
     const T *src = (const T *)st.pool + (int64_t)st.start_rows[s] * st.row_size + (int64_t)c * W;
 
     // win[k] = ext[t + k] for k < W before token t; w[k] = weight[c, k].
@@ -39,11 +39,13 @@ SC_HD void conv_thread(const statecache_cuda_conv_args &a, int s, int c) {
         w[k] = k < a.d_conv ? at(a.weight, c, k) : 0.0f;
     }
     const float bias = a.bias.data ? at(a.bias, c) : 0.0f;
-    // Plane n_t holds the input window, so undoing the whole call is exact.
-    if (n_t < n_written) conv_write_window<T>(a, win, s, c, n_t);
+    // The input window, so undoing the whole call is exact.
+    const int64_t in_row = snap_row(st, s, n_t);
+    if (in_row >= 0) conv_write_window<T>(a, win, in_row, c);
 
     for (int t = 0; t < n_t; ++t) {
-        const float xt = at(a.x, s, t, c);
+        const int64_t tok = t0 + t;
+        const float xt = at(a.x, tok, c);
         float acc = 0.0f;
 #pragma unroll
         for (int k = 0; k < kMaxDConv; ++k) {
@@ -52,13 +54,13 @@ SC_HD void conv_thread(const statecache_cuda_conv_args &a, int s, int c) {
         }
         acc += bias;
         if (a.apply_silu) acc = acc / (1.0f + expf(-acc));
-        a.y[((int64_t)s * n_t + t) * a.channels + c] = acc;
+        out_store(a.y, a.y_dtype, tok * a.channels + c, acc);
         // Slide: the window now ends at token t.
 #pragma unroll
         for (int k = 0; k < kMaxDConv - 1; ++k)
             if (k < W) win[k] = k + 1 < W ? win[k + 1] : xt;
-        const int plane = n_t - 1 - t;
-        if (plane < n_written) conv_write_window<T>(a, win, s, c, plane);
+        const int64_t row = snap_row(st, s, n_t - 1 - t);
+        if (row >= 0) conv_write_window<T>(a, win, row, c);
     }
 }
 
@@ -81,7 +83,7 @@ using namespace sc;
 
 extern "C" int statecache_cuda_ssm_conv(const statecache_cuda_conv_args *args, void *stream_ptr) {
     if (int bad = check_conv(args)) return bad;
-    if (args->state.n_seqs <= 0 || args->state.n_tokens <= 0) return 0;
+    if (args->state.n_seqs <= 0) return 0;
     const int threads = 128;
     const int n_seqs = args->state.n_seqs;
     const dim3 grid((unsigned)((args->channels + threads - 1) / threads), (unsigned)(n_seqs > 65535 ? 65535 : n_seqs));

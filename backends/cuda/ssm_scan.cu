@@ -1,4 +1,9 @@
-// Mamba-1 / Mamba-2 selective scan from start rows, with snapshot planes.
+// Mamba-1 / Mamba-2 selective scan from start rows, with snapshot rows.
+//
+// Protocol 2: tokens packed (sequence s owns tokens cu_seqlens[s] ..
+// cu_seqlens[s + 1] - 1), the state after n_t - j tokens goes to the row in
+// column j of the snapshot table (none where it holds -1).  dt_bias and the
+// dt clamp are applied before the recurrence, the D skip and the z gate to y.
 //
 // One thread block per (sequence, head).  The head's state is [head_dim,
 // d_state]; its rows (one per head_dim index i) evolve independently, so a
@@ -6,8 +11,8 @@
 // elements k = l + m * LANES (m < NPL) in registers, which makes every load
 // and store of the group one coalesced run.  The group streams the row from
 // the start row of the pool, runs all tokens, reduces y[i] = sum_k S[i,k] C[k]
-// with warp shuffles, and writes the destination row and the kept snapshot
-// planes straight into the pool in the same pass: decode is bandwidth-bound,
+// with warp shuffles, and writes the snapshot rows straight into the pool in
+// the same pass: decode is bandwidth-bound,
 // and reading plus writing the state once is the whole cost.
 //
 // Read-before-write: each pool element is read and written by one lane only,
@@ -19,11 +24,9 @@
 namespace sc {
 
 template <typename T, int NPL, int LANES>
-SC_HD void scan_write_row(const statecache_cuda_scan_args &a, const float *S, int s, int h, int i, int lane,
-                          int plane) {
+SC_HD void scan_write_row(const statecache_cuda_scan_args &a, const float *S, int64_t row, int h, int i, int lane) {
     const statecache_cuda_state_args &st = a.state;
     const int P = a.head_dim, N = a.d_state;
-    const int64_t row = (int64_t)st.dst_rows[s] + (int64_t)plane * st.plane_stride;
     T *p = (T *)st.pool + row * st.row_size + ((int64_t)h * P + i) * N;
 #pragma unroll
     for (int m = 0; m < NPL; ++m) {
@@ -43,8 +46,9 @@ SC_HD void scan_block(const statecache_cuda_scan_args &a, int s, int h, int tid,
     const int lane = tid % LANES;
     const int group = tid / LANES;
     const int groups = nthreads / LANES;
-    const int n_t = st.n_tokens;
-    const int n_written = n_t + 1 < st.n_snap ? n_t + 1 : st.n_snap;
+    const int t0 = st.cu_seqlens[s];
+    const int n_t = st.cu_seqlens[s + 1] - t0;
+    const int64_t in_row = snap_row(st, s, n_t);  // the input state's row, or -1
     const T *src = (const T *)st.pool + (int64_t)st.start_rows[s] * st.row_size + (int64_t)h * P * N;
 
     float A_k[NPL];  // Mamba-1: one decay rate per state element
@@ -54,6 +58,7 @@ SC_HD void scan_block(const statecache_cuda_scan_args &a, int s, int h, int tid,
         const int k = lane + m * LANES;
         A_k[m] = (a.mamba1 && k < N) ? at(a.A, h, k) : 0.0f;
     }
+    const float dt_bias = a.dt_bias.data ? at(a.dt_bias, h) : 0.0f;
 
     for (int r0 = 0; r0 < P; r0 += groups) {
         const int i = r0 + group;
@@ -64,12 +69,15 @@ SC_HD void scan_block(const statecache_cuda_scan_args &a, int s, int h, int tid,
             const int k = lane + m * LANES;
             S[m] = (active && k < N) ? load(src + (int64_t)i * N + k) : 0.0f;
         }
-        // Plane n_t is the input state, so undoing the whole call is exact.
-        if (active && n_t < n_written) scan_write_row<T, NPL, LANES>(a, S, s, h, i, lane, n_t);
+        // The input state, so undoing the whole call is exact.
+        if (active && in_row >= 0) scan_write_row<T, NPL, LANES>(a, S, in_row, h, i, lane);
 
         for (int t = 0; t < n_t; ++t) {
-            const float d = softplus(at(a.dt, s, t, h));
-            const float xd = active ? at(a.x, s, t, h, i) * d : 0.0f;
+            const int64_t tok = t0 + t;
+            float d = softplus(a.dt_bias.data ? at(a.dt, tok, h) + dt_bias : at(a.dt, tok, h));
+            if (a.dt_clamp) d = clamp_keep_nan(d, a.dt_lo, a.dt_hi);
+            const float xv = active ? at(a.x, tok, h, i) : 0.0f;
+            const float xd = xv * d;
             const float decay_h = a.mamba1 ? 0.0f : expf(d * A_h);
             float partial = 0.0f;
 #pragma unroll
@@ -77,14 +85,18 @@ SC_HD void scan_block(const statecache_cuda_scan_args &a, int s, int h, int tid,
                 const int k = lane + m * LANES;
                 if (k < N) {
                     const float decay = a.mamba1 ? expf(d * A_k[m]) : decay_h;
-                    S[m] = S[m] * decay + at(a.B, s, t, g, k) * xd;
-                    partial += S[m] * at(a.C, s, t, g, k);
+                    S[m] = S[m] * decay + at(a.B, tok, g, k) * xd;
+                    partial += S[m] * at(a.C, tok, g, k);
                 }
             }
-            const float y = group_sum<LANES>(partial);
-            if (active && lane == 0) a.y[(((int64_t)s * n_t + t) * H + h) * P + i] = y;
-            const int plane = n_t - 1 - t;
-            if (active && plane < n_written) scan_write_row<T, NPL, LANES>(a, S, s, h, i, lane, plane);
+            float y = group_sum<LANES>(partial);
+            if (active && lane == 0) {
+                if (a.D.data) y += at(a.D, h, i) * xv;
+                if (a.z.data) y *= silu(at(a.z, tok, h, i));
+                out_store(a.y, a.y_dtype, (tok * H + h) * P + i, y);
+            }
+            const int64_t row = snap_row(st, s, n_t - 1 - t);
+            if (active && row >= 0) scan_write_row<T, NPL, LANES>(a, S, row, h, i, lane);
         }
     }
 }
@@ -120,7 +132,7 @@ using namespace sc;
 
 extern "C" int statecache_cuda_ssm_scan(const statecache_cuda_scan_args *args, void *stream_ptr) {
     if (int bad = check_scan(args)) return bad;
-    if (args->state.n_seqs <= 0 || args->state.n_tokens <= 0) return 0;
+    if (args->state.n_seqs <= 0) return 0;
     cudaStream_t stream = (cudaStream_t)stream_ptr;
 #define SC_LAUNCH(NPL, LANES) launch_scan<T, NPL, LANES>(*args, stream)
     SC_DISPATCH_DTYPE(args->state.pool_dtype, T, SC_STATE_DIM_SHAPES(args->d_state, SC_LAUNCH))

@@ -23,7 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define STATECACHE_CUDA_ABI_VERSION 1
+#define STATECACHE_CUDA_ABI_VERSION 2
 
 /* Storage dtype codes (pool, rows buffers). */
 #define STATECACHE_CUDA_F32 0
@@ -39,70 +39,93 @@
 extern "C" {
 #endif
 
-/* A read-only float32 input view: up to 4 dims, unused trailing strides 0. */
+/* A read-only input view: up to 4 dims, unused trailing strides 0; `dtype`
+ * is the storage dtype code of its elements (per-token activations may be
+ * f16 or bf16; weights are f32).  `data` points at element 0 whatever the
+ * dtype. */
 typedef struct statecache_cuda_view {
     const float *data;
     int64_t strides[4];
+    int32_t dtype;
+    int32_t reserved;
 } statecache_cuda_view;
 
-/* Fields every stateful primitive shares (see Device.ssm_scan's contract). */
+/* Fields every stateful primitive shares (protocol 2, see Device.ssm_scan's
+ * contract): tokens packed, sequence s owning tokens cu_seqlens[s] ..
+ * cu_seqlens[s + 1] - 1; it reads row start_rows[s] and writes its state
+ * after n_t(s) - j tokens to row snap_rows[s * n_cols + j] unless that is -1. */
 typedef struct statecache_cuda_state_args {
     void *pool;                 /* [n_rows, row_size] of pool_dtype */
-    const int32_t *start_rows;  /* [n_seqs] row each sequence reads */
-    const int32_t *dst_rows;    /* [n_seqs] plane-0 row each sequence writes */
+    const int32_t *start_rows;  /* [n_seqs] */
+    const int32_t *snap_rows;   /* [n_seqs, n_cols] */
+    const int32_t *cu_seqlens;  /* [n_seqs + 1] */
     int64_t row_size;
-    int64_t plane_stride;
     int32_t pool_dtype;
     int32_t n_seqs;
-    int32_t n_tokens;
-    int32_t n_snap;
+    int32_t n_tokens;           /* T = cu_seqlens[n_seqs] */
+    int32_t max_tokens;         /* the longest sequence */
+    int32_t n_cols;
+    int32_t reserved;
 } statecache_cuda_state_args;
 
 typedef struct statecache_cuda_conv_args {
     size_t struct_size;
     statecache_cuda_state_args state;
-    statecache_cuda_view x;       /* [n_seqs, n_tokens, channels] */
+    statecache_cuda_view x;       /* [T, channels] */
     statecache_cuda_view weight;  /* [channels, d_conv] */
     statecache_cuda_view bias;    /* [channels]; data NULL when absent */
-    float *y;                     /* [n_seqs, n_tokens, channels], contiguous */
+    void *y;                      /* [T, channels] of y_dtype, contiguous */
+    int32_t y_dtype;
     int32_t channels;
     int32_t d_conv;
     int32_t apply_silu;
-    int32_t reserved;
 } statecache_cuda_conv_args;
 
 typedef struct statecache_cuda_scan_args {
     size_t struct_size;
     statecache_cuda_state_args state;
-    statecache_cuda_view x;   /* [n_seqs, n_tokens, n_head, head_dim] */
-    statecache_cuda_view dt;  /* [n_seqs, n_tokens, n_head] */
-    statecache_cuda_view A;   /* [n_head] (Mamba-2) or [n_head, d_state] (Mamba-1) */
-    statecache_cuda_view B;   /* [n_seqs, n_tokens, n_group, d_state] */
-    statecache_cuda_view C;   /* [n_seqs, n_tokens, n_group, d_state] */
-    float *y;                 /* [n_seqs, n_tokens, n_head, head_dim], contiguous */
+    statecache_cuda_view x;        /* [T, n_head, head_dim] */
+    statecache_cuda_view dt;       /* [T, n_head] */
+    statecache_cuda_view A;        /* [n_head] (Mamba-2) or [n_head, d_state] (Mamba-1) */
+    statecache_cuda_view B;        /* [T, n_group, d_state] */
+    statecache_cuda_view C;        /* [T, n_group, d_state] */
+    statecache_cuda_view D;        /* [n_head(, head_dim)], stride 0 along head_dim for [n_head]; data NULL: none */
+    statecache_cuda_view z;        /* [T, n_head, head_dim]; data NULL: none */
+    statecache_cuda_view dt_bias;  /* [n_head]; data NULL: none */
+    void *y;                       /* [T, n_head, head_dim] of y_dtype, contiguous */
+    int32_t y_dtype;
     int32_t n_head;
     int32_t head_dim;
     int32_t d_state;
     int32_t n_group;
-    int32_t mamba1;           /* 1: A is [n_head, d_state] */
+    int32_t mamba1;                /* 1: A is [n_head, d_state] */
+    int32_t dt_clamp;              /* 1: d = clamp(softplus(...), dt_lo, dt_hi), NaN kept */
+    float dt_lo;
+    float dt_hi;
     int32_t reserved;
 } statecache_cuda_scan_args;
 
 typedef struct statecache_cuda_delta_args {
     size_t struct_size;
     statecache_cuda_state_args state;
-    statecache_cuda_view q;     /* [n_seqs, n_tokens, n_head_k, head_size] */
-    statecache_cuda_view k;     /* [n_seqs, n_tokens, n_head_k, head_size] */
-    statecache_cuda_view v;     /* [n_seqs, n_tokens, n_head_v, head_size] */
-    statecache_cuda_view g;     /* [n_seqs, n_tokens, n_head_v(, head_size)] */
-    statecache_cuda_view beta;  /* [n_seqs, n_tokens, n_head_v] */
-    float *o;                   /* [n_seqs, n_tokens, n_head_v, head_size], contiguous */
+    statecache_cuda_view q;        /* [T, n_head_k, head_size] */
+    statecache_cuda_view k;        /* [T, n_head_k, head_size] */
+    statecache_cuda_view v;        /* [T, n_head_v, head_size] */
+    statecache_cuda_view g;        /* [T, n_head_v(, head_size)] */
+    statecache_cuda_view beta;     /* [T, n_head_v] */
+    statecache_cuda_view A_log;    /* [n_head_v]; data NULL: g is the log-decay itself */
+    statecache_cuda_view dt_bias;  /* [n_head_v(, head_size)]; data NULL: none */
+    void *o;                       /* [T, n_head_v, head_size] of o_dtype, contiguous */
+    int32_t o_dtype;
     float scale;
+    float l2norm_eps;
     int32_t n_head_k;
     int32_t n_head_v;
     int32_t head_size;
-    int32_t kda;                /* 1: g has a per-key dimension */
-    int32_t reserved;
+    int32_t kda;                   /* 1: g has a per-key dimension */
+    int32_t grouped;               /* 1: value head h reads q/k head h / (n_head_v / n_head_k), else h % n_head_k */
+    int32_t qk_l2norm;             /* 1: q and k divided by sqrt(sum of squares + l2norm_eps) */
+    int32_t beta_sigmoid;          /* 1: beta = sigmoid(beta) */
 } statecache_cuda_delta_args;
 
 /* -- version and layout ------------------------------------------------- */

@@ -44,10 +44,12 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "zero_rows_u32",
         "zero_rows_u16",
         "zero_rows_v16",
+        "widen_act",
+        "narrow_act",
     ),
     "ssm_conv": ("ssm_conv",),
     "ssm_scan": ("ssm_scan_prep", "ssm_scan", "ssm_scan_vec8"),
-    "delta_net": ("gated_delta_net_gate", "gated_delta_net", "gated_delta_net_vec8"),
+    "delta_net": ("gated_delta_net_gate", "gated_delta_net_l2norm", "gated_delta_net", "gated_delta_net_vec8"),
 }
 
 _FAMILY_DEFINES: dict[str, tuple[str, ...]] = {

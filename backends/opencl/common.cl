@@ -145,3 +145,14 @@ inline float8 load8_strided(__global const float *p, long stride) {
     return (float8)(p[0], p[stride], p[2 * stride], p[3 * stride], p[4 * stride], p[5 * stride], p[6 * stride],
                     p[7 * stride]);
 }
+
+// Snapshot table of a stateful call (protocol 2): the pool row sequence s
+// writes its state after n_t(s) - j tokens to, or -1 (also past the table).
+inline long snap_row(__global const int *snap_rows, long snap_off, long n_cols, long s, long j) {
+    return j < n_cols ? (long)snap_rows[snap_off + s * n_cols + j] : -1L;
+}
+
+inline float silu_f(float v) { return v / (1.0f + exp(-v)); }
+
+// NaN-preserving clamp: the comparisons are false for NaN.
+inline float clamp_keep_nan(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }

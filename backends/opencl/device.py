@@ -22,9 +22,20 @@ import numpy as np
 
 from statecache import __version__, settings
 from statecache import primitives as P
-from statecache.backend import PRIMITIVES, SUPPORTED, Backend, Buffer, Caps, Device, DeviceKind, Support
+from statecache.backend import (
+    PRIMITIVES,
+    PROTOCOL_VERSION,
+    SUPPORTED,
+    Backend,
+    Buffer,
+    Caps,
+    Device,
+    DeviceKind,
+    Support,
+)
 from statecache.backends.opencl import build
 from statecache.dtypes import STORAGE_DTYPES, DType
+from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES, L2NORM_EPS
 
 INSTALL_HINT = "apt-get install pocl-opencl-icd"
 EXTRA_HINT = "pip install 'statecache[opencl]'"
@@ -107,6 +118,9 @@ class OpenCLDevice(Device):
             strided_inputs=True,
             host_visible=False,
             async_launch=True,
+            varlen=True,
+            activation_dtypes=ACTIVATION_DTYPES,
+            epilogues=frozenset(EPILOGUES),
         )
         self._lock = threading.Lock()
         # One launch sequence at a time: the kernels' arguments are set on shared
@@ -375,9 +389,93 @@ class OpenCLDevice(Device):
         return cl.Buffer(self.context, flags, hostbuf=host if host.size else np.zeros(1, np.int32))
 
     @staticmethod
-    def _strided(buf: Buffer) -> list[Any]:
-        """A read-only input as kernel arguments: storage, offset, strides (elements)."""
-        return [buf.storage, _long(buf.offset), *(_long(s) for s in buf.strides)]
+    def _strided(buf: Buffer | None, ndim: int | None = None) -> list[Any]:
+        """A read-only input as kernel arguments: storage, offset, strides
+        (elements; ``ndim`` of them, padded with 0).  None gives a NULL
+        buffer and zeros."""
+        n = ndim if ndim is not None else (0 if buf is None else buf.ndim)
+        if buf is None:
+            return [None, _long(0), *([_long(0)] * n)]
+        strides = [*buf.strides, *([0] * (n - buf.ndim))]
+        return [buf.storage, _long(buf.offset), *(_long(v) for v in strides)]
+
+    def _state_rows(self, shp: Any, start_rows: Buffer, snap_rows: Buffer, cu_seqlens: Buffer) -> list[Any]:
+        """Index arguments of a stateful kernel (offsets in elements).  The
+        table and offsets are contiguous; strided start rows are uploaded
+        contiguously (the kernels index them densely)."""
+        if not start_rows.is_contiguous:
+            start_rows = self.indices(self.index_values(start_rows))
+        return [
+            start_rows.storage,
+            _long(start_rows.offset),
+            snap_rows.storage,
+            _long(snap_rows.offset),
+            _long(shp.n_cols),
+            cu_seqlens.storage,
+            _long(cu_seqlens.offset),
+        ]
+
+    def _widened(self, buf: Buffer | None, scratch: Any, at: int) -> list[Any]:
+        """Kernel arguments of a per-token input: its own (storage, offset,
+        strides), or for f16/bf16 those of a float32 copy widened into
+        ``scratch`` at float offset ``at`` (contiguous)."""
+        if buf is None or buf.dtype is DType.F32:
+            return self._strided(buf)
+        if buf.ndim == 2:
+            n0, n1, n2 = buf.shape[0], 1, buf.shape[1]
+            s0, s1, s2 = buf.strides[0], 0, buf.strides[1]
+            strides = [n2, 1]
+        else:
+            n0, n1, n2 = buf.shape
+            s0, s1, s2 = buf.strides
+            strides = [n1 * n2, n2, 1]
+        if buf.size:
+            self.kernel("rows", "widen_act")(
+                self.queue,
+                (n2, n1, n0),
+                None,
+                buf.storage,
+                _long(buf.offset),
+                _int(build.DTYPE_CODES[buf.dtype]),
+                _long(s0),
+                _long(s1),
+                _long(s2),
+                _long(n1),
+                _long(n2),
+                scratch,
+                _long(at),
+            )
+        return [scratch, _long(at), *(_long(v) for v in strides)]
+
+    def _narrow(self, scratch: Any, at: int, out: Buffer) -> None:
+        """Store a float32 result from ``scratch`` into an f16/bf16 output."""
+        if out.size:
+            self.kernel("rows", "narrow_act")(
+                self.queue,
+                (_round_up(out.size, 64),),
+                None,
+                scratch,
+                _long(at),
+                out.storage,
+                _long(out.offset),
+                _int(build.DTYPE_CODES[out.dtype]),
+                _long(out.size),
+            )
+
+    @staticmethod
+    def _plan(regions: dict[str, int], *buffers: tuple[str, Buffer | None]) -> dict[str, int]:
+        """Float offsets in the scratch buffer: the given regions first, then
+        one per non-f32 buffer (its widened copy or float32 result);
+        ``"end"`` is the total."""
+        at, offsets = 0, {}
+        for name, size in [
+            *regions.items(),
+            *((n, b.size) for n, b in buffers if b is not None and b.dtype is not DType.F32),
+        ]:
+            offsets[name] = at
+            at += int(size)
+        offsets["end"] = at
+        return offsets
 
     @_serialized
     def _ssm_conv(
@@ -385,16 +483,19 @@ class OpenCLDevice(Device):
         shp: P.ConvShape,
         pool: Buffer,
         start_rows: Buffer,
-        dst_rows: Buffer,
+        snap_rows: Buffer,
+        cu_seqlens: Buffer,
         x: Buffer,
         weight: Buffer,
         bias: Buffer | None,
         y: Buffer,
         apply_silu: bool,
     ) -> None:
+        plan = self._plan({}, ("x", x), ("y", y))
+        scratch = self.scratch(4 * max(plan["end"], 1))
+        y_args = [scratch, _long(plan["y"])] if "y" in plan else [y.storage, _long(y.offset)]
         knl = self.kernel("ssm_conv", "ssm_conv", pool.dtype)
         gsize, lsize, per_item = self._row_geometry(shp.channels, shp.n_seqs)
-        bias_args = [None, _long(0), _long(0)] if bias is None else self._strided(bias)
         knl(
             self.queue,
             gsize,
@@ -402,21 +503,18 @@ class OpenCLDevice(Device):
             pool.storage,
             _long(pool.offset),
             _long(shp.row_size),
-            self._index_storage(start_rows),
-            self._index_storage(dst_rows),
-            *self._strided(x),
+            *self._state_rows(shp, start_rows, snap_rows, cu_seqlens),
+            *self._widened(x, scratch, plan.get("x", 0)),
             *self._strided(weight),
-            *bias_args,
-            y.storage,
-            _long(y.offset),
-            _long(shp.n_tokens),
+            *self._strided(bias, 1),
+            *y_args,
             _long(shp.channels),
             _long(shp.d_conv),
-            _long(shp.n_written),
-            _long(shp.plane_stride * shp.row_size),  # elements between planes
             _int(apply_silu),
             per_item,
         )
+        if "y" in plan:
+            self._narrow(scratch, plan["y"], y)
 
     @_serialized
     def _ssm_scan(
@@ -424,36 +522,51 @@ class OpenCLDevice(Device):
         shp: P.ScanShape,
         pool: Buffer,
         start_rows: Buffer,
-        dst_rows: Buffer,
+        snap_rows: Buffer,
+        cu_seqlens: Buffer,
         x: Buffer,
         dt: Buffer,
         A: Buffer,
         B: Buffer,
         C: Buffer,
         y: Buffer,
+        D: Buffer | None,
+        z: Buffer | None,
+        dt_bias: Buffer | None,
     ) -> None:
-        n_prep = shp.n_seqs * shp.n_tokens * shp.n_head
-        prep = self.scratch(2 * n_prep * 4)  # softplus(dt), then the Mamba-2 decays
-        a_args = self._strided(A) if A.ndim == 2 else [*self._strided(A), _long(0)]
+        n_prep = max(shp.n_tokens * shp.n_head, 1)
+        # scratch: softplus(dt), then the Mamba-2 decays; widened f16/bf16 inputs; a float32 y
+        plan = self._plan({"prep": 2 * n_prep}, ("x", x), ("dt", dt), ("B", B), ("C", C), ("z", z), ("y", y))
+        prep = self.scratch(4 * plan["end"])
+        x_args, dt_args = self._widened(x, prep, plan.get("x", 0)), self._widened(dt, prep, plan.get("dt", 0))
+        B_args, C_args = self._widened(B, prep, plan.get("B", 0)), self._widened(C, prep, plan.get("C", 0))
+        z_args = self._widened(z, prep, plan.get("z", 0)) if z is not None else self._strided(None, 3)
+        y_args = [prep, _long(plan["y"])] if "y" in plan else [y.storage, _long(y.offset)]
+        a_args = self._strided(A, 2)
         mamba1 = shp.variant == "mamba1"
-        n_pairs = shp.n_seqs * shp.n_tokens  # one prep work-item per (sequence, token)
-        self.kernel("ssm_scan", "ssm_scan_prep", pool.dtype)(
-            self.queue,
-            (n_pairs,),
-            None,
-            *self._strided(dt),
-            *a_args[:3],
-            _int(mamba1),
-            prep,
-            n_prep,
-            _long(shp.n_seqs),
-            _long(shp.n_tokens),
-            _long(shp.n_head),
-        )
-        contiguous_k = B.strides[3] == 1 and C.strides[3] == 1 and (A.ndim == 1 or A.strides[1] == 1)
+        lo, hi = shp.dt_limit if shp.dt_limit is not None else (0.0, 0.0)
+        if shp.n_tokens:
+            self.kernel("ssm_scan", "ssm_scan_prep", pool.dtype)(
+                self.queue,
+                (shp.n_tokens,),
+                None,
+                *dt_args,
+                *a_args[:3],
+                _int(mamba1),
+                *self._strided(dt_bias, 1),
+                _int(shp.dt_limit is not None),
+                float(lo),
+                float(hi),
+                prep,
+                n_prep,
+                _long(shp.n_tokens),
+                _long(shp.n_head),
+            )
+        contiguous_k = B_args[-1] == 1 and C_args[-1] == 1 and (A.ndim == 1 or A.strides[1] == 1)
         name = "ssm_scan_vec8" if contiguous_k and shp.d_state % 8 == 0 else "ssm_scan"
         knl = self.kernel("ssm_scan", name, pool.dtype)
         gsize, lsize, per_item = self._row_geometry(shp.n_head * shp.head_dim, shp.n_seqs)
+        d_args = self._strided(D, 2)  # D [n_head] gets stride 0 along head_dim
         knl(
             self.queue,
             gsize,
@@ -461,26 +574,25 @@ class OpenCLDevice(Device):
             pool.storage,
             _long(pool.offset),
             _long(shp.row_size),
-            self._index_storage(start_rows),
-            self._index_storage(dst_rows),
-            *self._strided(x),
+            *self._state_rows(shp, start_rows, snap_rows, cu_seqlens),
+            *x_args,
             prep,
             n_prep,
             *a_args,
-            *self._strided(B),
-            *self._strided(C),
-            y.storage,
-            _long(y.offset),
-            _long(shp.n_tokens),
+            *B_args,
+            *C_args,
+            *y_args,
+            *d_args,
+            *z_args,
             _long(shp.n_head),
             _long(shp.head_dim),
             _long(shp.d_state),
             _long(shp.n_head // shp.n_group),
             _int(mamba1),
-            _long(shp.n_written),
-            _long(shp.plane_stride * shp.row_size),  # elements between planes
             per_item,
         )
+        if "y" in plan:
+            self._narrow(prep, plan["y"], y)
 
     @_serialized
     def _gated_delta_net(
@@ -488,32 +600,72 @@ class OpenCLDevice(Device):
         shp: P.DeltaShape,
         pool: Buffer,
         start_rows: Buffer,
-        dst_rows: Buffer,
+        snap_rows: Buffer,
+        cu_seqlens: Buffer,
         q: Buffer,
         k: Buffer,
         v: Buffer,
         g: Buffer,
         beta: Buffer,
         o: Buffer,
-        scale: float,
+        A_log: Buffer | None,
+        dt_bias: Buffer | None,
     ) -> None:
-        size = shp.head_size
+        size, T = shp.head_size, shp.n_tokens
         per_head = size if shp.variant == "kda" else 1
-        n_gate = shp.n_seqs * shp.n_tokens * shp.n_head_v * per_head
-        gate = self.scratch(n_gate * 4)
-        g_args = self._strided(g) if g.ndim == 4 else [*self._strided(g), _long(0)]
-        self.kernel("delta_net", "gated_delta_net_gate", pool.dtype)(
-            self.queue,
-            (shp.n_seqs * shp.n_tokens * shp.n_head_v,),
-            None,
-            *g_args,
-            gate,
-            _long(shp.n_seqs),
-            _long(shp.n_tokens),
-            _long(shp.n_head_v),
-            _long(per_head),
+        n_gate = T * shp.n_head_v * per_head
+        beta_at = n_gate  # scratch: gates, then beta, then (with qk_l2norm) normalised q and k
+        n_qk = T * shp.n_head_k * size
+        qn_at = beta_at + T * shp.n_head_v
+        kn_at = qn_at + n_qk
+        regions = {"gates": kn_at + (n_qk if shp.qk_l2norm else 0)}
+        plan = self._plan(regions, ("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("o", o))
+        scratch = self.scratch(4 * max(plan["end"], 1))
+        q_args, k_args = self._widened(q, scratch, plan.get("q", 0)), self._widened(k, scratch, plan.get("k", 0))
+        v_args = self._widened(v, scratch, plan.get("v", 0))
+        g_args, beta_args = (
+            self._widened(g, scratch, plan.get("g", 0)),
+            self._widened(beta, scratch, plan.get("beta", 0)),
         )
-        contiguous_i = q.strides[3] == 1 and k.strides[3] == 1
+        if len(g_args) == 4:  # scalar gate [T, H_v]: no per-key stride
+            g_args.append(_long(0))
+        o_args = [scratch, _long(plan["o"])] if "o" in plan else [o.storage, _long(o.offset)]
+        if T:
+            self.kernel("delta_net", "gated_delta_net_gate", pool.dtype)(
+                self.queue,
+                (T * shp.n_head_v,),
+                None,
+                *g_args,
+                *beta_args,
+                *self._strided(A_log, 1),
+                *self._strided(dt_bias, 2),
+                _int(shp.beta_sigmoid),
+                scratch,
+                _long(beta_at),
+                _long(T),
+                _long(shp.n_head_v),
+                _long(per_head),
+            )
+        contiguous_i = q_args[-1] == 1 and k_args[-1] == 1
+        if shp.qk_l2norm:
+            if T:
+                self.kernel("delta_net", "gated_delta_net_l2norm", pool.dtype)(
+                    self.queue,
+                    (2 * T * shp.n_head_k,),
+                    None,
+                    *q_args,
+                    *k_args,
+                    scratch,
+                    _long(qn_at),
+                    _long(kn_at),
+                    _long(T),
+                    _long(shp.n_head_k),
+                    _long(size),
+                    float(L2NORM_EPS),
+                )
+            row = [_long(shp.n_head_k * size), _long(size), _long(1)]
+            q_args, k_args = [scratch, _long(qn_at), *row], [scratch, _long(kn_at), *row]
+            contiguous_i = True
         name = "gated_delta_net_vec8" if contiguous_i and size % 8 == 0 else "gated_delta_net"
         knl = self.kernel("delta_net", name, pool.dtype)
         gsize, lsize, per_item = self._row_geometry(shp.n_head_v * size, shp.n_seqs)
@@ -524,25 +676,23 @@ class OpenCLDevice(Device):
             pool.storage,
             _long(pool.offset),
             _long(shp.row_size),
-            self._index_storage(start_rows),
-            self._index_storage(dst_rows),
-            *self._strided(q),
-            *self._strided(k),
-            *self._strided(v),
-            gate,
-            *self._strided(beta),
-            o.storage,
-            _long(o.offset),
-            _long(shp.n_tokens),
+            *self._state_rows(shp, start_rows, snap_rows, cu_seqlens),
+            *q_args,
+            *k_args,
+            *v_args,
+            scratch,
+            _long(beta_at),
+            *o_args,
             _long(shp.n_head_k),
             _long(shp.n_head_v),
             _long(size),
             _int(shp.variant == "kda"),
-            _long(shp.n_written),
-            _long(shp.plane_stride * shp.row_size),  # elements between planes
-            float(scale),
+            _int(shp.head_map == "grouped"),
+            float(shp.scale),
             per_item,
         )
+        if "o" in plan:
+            self._narrow(scratch, plan["o"], o)
 
 
 def _match(answer: str, candidates: list[Any], what: str) -> list[int]:
@@ -564,6 +714,7 @@ class OpenCLBackend(Backend):
     priority = 20  # below the C CPU backend on a CPU-only machine, above the reference
     description = "OpenCL C kernels through pyopencl (any OpenCL 1.2+ platform; PoCL on CPUs)"
     provided_by = "statecache[opencl]"
+    protocol = PROTOCOL_VERSION
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -70,3 +70,20 @@ __kernel void zero_rows_v16(__global uint *dst, long dst_off, __global const int
     const long end = min(row_len4, (c + 1) * STRETCH);
     for (long e = c * STRETCH; e < end; ++e) vstore4((uint4)(0u), e, d);
 }
+
+// f16/bf16 activations of the stateful primitives: the kernels compute on
+// float32 inputs, so a non-f32 input view [n0, n1, n2] (any strides, in
+// elements) is widened into contiguous float32 scratch first, and a non-f32
+// output is narrowed from float32 scratch after (one pass over activations,
+// far fewer bytes than the states the kernels stream).
+__kernel void widen_act(__global const uchar *src, long src_off, int dtype, long s0, long s1, long s2, long n1,
+                        long n2, __global float *dst, long dst_off) {
+    const long i2 = get_global_id(0), i1 = get_global_id(1), i0 = get_global_id(2);
+    dst[dst_off + (i0 * n1 + i1) * n2 + i2] = load_any(src, dtype, src_off + i0 * s0 + i1 * s1 + i2 * s2);
+}
+
+__kernel void narrow_act(__global const float *src, long src_off, __global uchar *dst, long dst_off, int dtype,
+                         long n) {
+    const long i = get_global_id(0);
+    if (i < n) store_any(dst, dtype, dst_off + i, src[src_off + i]);
+}

@@ -9,10 +9,11 @@ from __future__ import annotations
 import numpy as np
 
 from statecache import __version__
-from statecache.backend import PRIMITIVES, Backend, Buffer, Caps, Device, DeviceKind
+from statecache.backend import PRIMITIVES, PROTOCOL_VERSION, Backend, Buffer, Caps, Device, DeviceKind
 from statecache.backends.reference import delta_net, rows, ssm_conv, ssm_scan
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.hostmem import aligned_empty, as_array, physical_memory_bytes
+from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES
 
 
 class ReferenceDevice(Device):
@@ -29,6 +30,9 @@ class ReferenceDevice(Device):
             strided_inputs=True,
             host_visible=True,
             async_launch=False,
+            varlen=True,
+            activation_dtypes=ACTIVATION_DTYPES,
+            epilogues=frozenset(EPILOGUES),
         )
 
     # memory
@@ -55,47 +59,48 @@ class ReferenceDevice(Device):
     def _copy_rows(self, src, src_rows, dst, dst_rows, src_host, dst_host):  # type: ignore[no-untyped-def]
         rows.copy_rows(as_array(src), src_host, as_array(dst), dst_host)
 
-    def _ssm_conv(self, shp, pool, start_rows, dst_rows, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
+    def _ssm_conv(self, shp, pool, start_rows, snap_rows, cu_seqlens, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
         ssm_conv.ssm_conv(
             shp,
             as_array(pool),
             self.index_values(start_rows),
-            self.index_values(dst_rows),
+            self.index_values(snap_rows),
+            self.index_values(cu_seqlens),
             as_array(x),
             as_array(weight),
-            None if bias is None else as_array(bias),
+            _opt(bias),
             as_array(y),
             apply_silu,
         )
 
-    def _ssm_scan(self, shp, pool, start_rows, dst_rows, x, dt, A, B, C, y):  # type: ignore[no-untyped-def]
+    def _ssm_scan(self, shp, pool, start_rows, snap_rows, cu_seqlens, x, dt, A, B, C, y, D, z, dt_bias):  # type: ignore[no-untyped-def]
         ssm_scan.ssm_scan(
             shp,
             as_array(pool),
             self.index_values(start_rows),
-            self.index_values(dst_rows),
-            as_array(x),
-            as_array(dt),
-            as_array(A),
-            as_array(B),
-            as_array(C),
-            as_array(y),
+            self.index_values(snap_rows),
+            self.index_values(cu_seqlens),
+            *(as_array(t) for t in (x, dt, A, B, C, y)),
+            _opt(D),
+            _opt(z),
+            _opt(dt_bias),
         )
 
-    def _gated_delta_net(self, shp, pool, start_rows, dst_rows, q, k, v, g, beta, o, scale):  # type: ignore[no-untyped-def]
+    def _gated_delta_net(self, shp, pool, start_rows, snap_rows, cu_seqlens, q, k, v, g, beta, o, A_log, dt_bias):  # type: ignore[no-untyped-def]
         delta_net.gated_delta_net(
             shp,
             as_array(pool),
             self.index_values(start_rows),
-            self.index_values(dst_rows),
-            as_array(q),
-            as_array(k),
-            as_array(v),
-            as_array(g),
-            as_array(beta),
-            as_array(o),
-            scale,
+            self.index_values(snap_rows),
+            self.index_values(cu_seqlens),
+            *(as_array(t) for t in (q, k, v, g, beta, o)),
+            _opt(A_log),
+            _opt(dt_bias),
         )
+
+
+def _opt(buf: Buffer | None) -> np.ndarray | None:
+    return None if buf is None else as_array(buf)
 
 
 class ReferenceBackend(Backend):
@@ -104,6 +109,7 @@ class ReferenceBackend(Backend):
     priority = 0  # chosen automatically only when nothing faster is usable
     description = "NumPy reference implementation (always available, slow)"
     provided_by = "statecache"
+    protocol = PROTOCOL_VERSION
 
     def __init__(self) -> None:
         self._devices: list[Device] | None = None

@@ -82,7 +82,7 @@ def _snapshot(bufs: dict) -> dict:  # type: ignore[type-arg]
         (lambda d, b: b.update(start_rows=d.indices([0, 99])), "start_rows"),  # out of range
         (lambda d, b: b.update(dst_rows=d.indices([2, 2])), "dst_rows"),  # duplicate destinations
         (lambda d, b: b.update(A=d.alloc((4, 16)), x=d.alloc((2, 3, 4, 1)), y=d.alloc((2, 3, 4, 1))), "A"),
-        (lambda d, b: b.update(B=d.alloc((2, 3, 2, 16), "f16")), "B"),  # wrong dtype
+        (lambda d, b: b.update(B=d.alloc((2, 3, 2, 16), "i32")), "B"),  # wrong dtype
         (lambda d, b: b.update(start_rows=d.indices([3, 1])), "start_rows"),  # another sequence's destination
     ],
 )
@@ -98,19 +98,30 @@ def test_invalid_scan_arguments_raise_before_anything_is_written(change, argumen
         np.testing.assert_array_equal(value.view(np.uint8), before[name].view(np.uint8), err_msg=name)
 
 
-def test_mamba1_with_snapshots_is_refused() -> None:
-    dev = cpu_device()
+def test_mamba1_writes_snapshot_planes_like_the_reference() -> None:
+    """Mamba-1 scans write snapshot planes (n_snap > 1), as Mamba-2 ones do."""
+    from statecache.registry import get_device
+
     rng = np.random.default_rng(2)
-    f = lambda *shape: dev.upload(rng.uniform(-1, 1, shape).astype(np.float32))  # noqa: E731
-    pool = f(8, 4 * 16)
-    before = np.asarray(pool).copy()
-    y = f(1, 2, 4, 1)
-    with pytest.raises(ArgumentError, match="n_snap"):
-        dev.ssm_scan(
-            pool, dev.indices([0]), dev.indices([1]), f(1, 2, 4, 1), f(1, 2, 4), f(4, 16), f(1, 2, 1, 16),
-            f(1, 2, 1, 16), y, n_snap=2, plane_stride=4,
-        )  # fmt: skip
-    np.testing.assert_array_equal(np.asarray(pool), before)
+    host = {
+        "pool": rng.uniform(-1, 1, (8, 4 * 16)),
+        "x": rng.uniform(-1, 1, (1, 2, 4, 1)),
+        "dt": rng.uniform(-1, 1, (1, 2, 4)),
+        "A": -rng.uniform(0.1, 1, (4, 16)),
+        "B": rng.uniform(-1, 1, (1, 2, 1, 16)),
+        "C": rng.uniform(-1, 1, (1, 2, 1, 16)),
+    }
+    pools = []
+    for dev in (cpu_device(), get_device("reference")):
+        b = {k: dev.upload(v.astype(np.float32)) for k, v in host.items()}
+        y = dev.alloc((1, 2, 4, 1))
+        dev.ssm_scan(b["pool"], dev.indices([0]), dev.indices([1]), b["x"], b["dt"], b["A"], b["B"], b["C"], y,
+                     n_snap=3, plane_stride=2)  # fmt: skip
+        pools.append(dev.download(b["pool"]))
+    np.testing.assert_allclose(pools[0], pools[1], rtol=1e-5, atol=1e-6)
+    # rows 1, 3 and 5 (final state, one token back, the input state) were written; nothing else
+    np.testing.assert_array_equal(pools[0][[0, 2, 4, 6, 7]], host["pool"].astype(np.float32)[[0, 2, 4, 6, 7]])
+    np.testing.assert_array_equal(pools[0][5], host["pool"].astype(np.float32)[0])
 
 
 def test_duplicate_scatter_destination_is_refused() -> None:
@@ -210,11 +221,12 @@ def test_header_cdef_and_python_agree_on_the_abi_version() -> None:
 
 
 def test_mismatched_abi_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = cpu_mod.ABI_VERSION
     monkeypatch.setattr(cpu_mod, "ABI_VERSION", 999)
     cpu_mod.load_kernels.cache_clear()
     try:
         ok, reason = cpu_mod.CpuBackend().availability()
-        assert not ok and "ABI version 1" in reason and "999" in reason
+        assert not ok and f"ABI version {built}" in reason and "999" in reason
     finally:
         monkeypatch.undo()
         cpu_mod.load_kernels.cache_clear()

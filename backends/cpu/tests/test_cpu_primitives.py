@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from cpu_cases import Arg, against_reference, assert_bitwise, cpu_device, run, written_rows
 
+from statecache.conformance.primitive_cases import decay_rates, dt_values, log_decays, write_strengths
 from statecache.dtypes import DType
 
 F32, F16, BF16 = DType.F32, DType.F16, DType.BF16
@@ -193,7 +194,9 @@ SCAN_GRID = [
 
 def scan_inputs(rng, N, P, H, G, n_t, n_s, layout):  # type: ignore[no-untyped-def]
     x, B, C = u(rng, (n_s, n_t, H, P)), u(rng, (n_s, n_t, G, N)), u(rng, (n_s, n_t, G, N))
-    args = {"dt": Arg(u(rng, (n_s, n_t, H), -4.0, 2.0))}
+    # dt across softplus's branches (below 0, 2..20, above 20): a threshold
+    # changed from 20 to 2 went unseen while dt came from [-4, 2).
+    args = {"dt": Arg(dt_values(rng, (n_s, n_t, H)))}
     if layout == "contig":
         args.update(x=Arg(x), B=Arg(B), C=Arg(C))
     elif layout == "permuted":
@@ -224,7 +227,7 @@ def test_ssm_scan(N: int, P: int, H: int, G: int, n_t: int, n_s: int, K: int, dt
         "pool": Arg(u(rng, (n_rows, H * P * N)), dtype),
         "start_rows": Arg(start, DType.I32),
         "dst_rows": Arg(dst, DType.I32),
-        "A": Arg(-u(rng, (H, N) if mamba1 else (H,), 0.2, 2.0)),
+        "A": Arg(decay_rates(rng, (H, N) if mamba1 else (H,))),
         "y": Arg(u(rng, (n_s, n_t, H, P))),
         **scan_inputs(rng, N, P, H, G, n_t, n_s, layout),
     }
@@ -263,13 +266,13 @@ def test_gated_delta_net(
         "q": l2(u(rng, (n_s, n_t, Hk, S))),
         "k": l2(u(rng, (n_s, n_t, Hk, S))),
         "v": u(rng, (n_s, n_t, Hv, S), -0.3, 5.0),
-        "g": u(rng, (n_s, n_t, Hv, S) if kda else (n_s, n_t, Hv), -20.0, -1e-4),
+        "g": log_decays(rng, (n_s, n_t, Hv, S) if kda else (n_s, n_t, Hv)),  # decays near 1 and near 0
     }
     args = {
         "pool": Arg(u(rng, (n_rows, Hv * S * S)), dtype),
         "start_rows": Arg(start, DType.I32),
         "dst_rows": Arg(dst, DType.I32),
-        "beta": Arg(u(rng, (n_s, n_t, Hv), 0.0, 1.0)),
+        "beta": Arg(write_strengths(rng, (n_s, n_t, Hv))),
         "o": Arg(u(rng, (n_s, n_t, Hv, S))),
     }
     for name, value in data.items():
@@ -448,3 +451,54 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyPat
             for name in results[0]:
                 assert_bitwise(f"case {i} {name}", other[name], results[0][name])
     assert math.isfinite(float(results[0]["pool"].astype(np.float32).sum()))
+
+
+@pytest.mark.usefixtures("split_small_calls")
+def test_packed_calls_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed (varlen) calls with snapshot tables: the same bits for 1, 2 and 3
+    threads, whatever sequence lengths the split cuts through."""
+    from statecache.conformance import varlen_cases as V
+    from statecache.conformance.cases import run_on
+
+    dev = cpu_device()
+    for op in V.ops():
+        params = V.VarlenParams(op, (20, 0, 1, 5, 3), 4, "sparse")
+        tensors, rows, _ = V.varlen_tensors(params, seed=11)
+        call = V.varlen_call(params, rows)
+        results = []
+        for threads in ("1", "2", "3"):
+            monkeypatch.setenv("STATECACHE_NUM_THREADS", threads)
+            got = run_on(dev, tensors, 11, call)
+            results.append({name: full for name, (_, full) in got.items() if tensors[name].output})
+        for other in results[1:]:
+            for name in results[0]:
+                assert_bitwise(f"{op.label} {name}", other[name], results[0][name])
+
+
+@pytest.fixture
+def stream_every_call() -> Iterator[None]:
+    """Non-temporal stores of disjoint destination rows start at 4 MiB of state;
+    lifted here so that the conformance shapes take that path."""
+    lib = cpu_device()._lib
+    previous = lib.sc_set_stream_min_bytes(0)
+    assert previous == 4 << 20  # the shipped default, restored below
+    yield
+    lib.sc_set_stream_min_bytes(previous)
+
+
+@pytest.mark.usefixtures("stream_every_call")
+def test_streamed_destination_rows_pass_the_contract_cases() -> None:
+    """Rotation (read one plane, write another), copy-on-write starts and
+    packed calls with the streaming stores on: the same checks as the
+    conformance suite (reference, per-sequence calls, the 1-D form)."""
+    from statecache.conformance import varlen_cases as V
+
+    dev = cpu_device()
+    ids = ("rotation[", "packed_split[", "equal_form[", "varlen[")
+    ran = 0
+    for case in V.all_cases():
+        if any(marker in case.id for marker in ids) and case.ops[0] in ("ssm_scan", "gated_delta_net"):
+            with np.errstate(all="ignore"):
+                case.run(dev)
+            ran += 1
+    assert ran >= 16

@@ -525,3 +525,31 @@ def test_copy_buffer_is_a_native_copy(cl_device, rng):
     assert_bits_equal(dst.numpy(), host, "copy")
     with pytest.raises(ArgumentError, match="dst"):
         cl_device.copy_buffer(src, cl_device.alloc(999))
+
+
+def test_strided_and_offset_index_buffers(cl_device, ref_dev, rng):
+    """Start rows as a strided view and a 2-D snapshot table at an offset
+    inside a larger index buffer: the kernels index the right elements."""
+    H, P_, N, n_s = 2, 8, 8, 3
+    pool_host = rng.uniform(-1, 1, (12, H * P_ * N)).astype(np.float32)
+    host = {
+        "x": rng.uniform(-1, 1, (5, H, P_)),
+        "dt": rng.uniform(-2, 1, (5, H)),
+        "A": -rng.uniform(0.1, 1, H),
+        "B": rng.uniform(-1, 1, (5, 1, N)),
+        "C": rng.uniform(-1, 1, (5, 1, N)),
+    }
+    results = []
+    for dev in (cl_device, ref_dev):
+        pool = dev.upload(pool_host)
+        start = dev.indices([9, 99, 10, 99, 11]).view((n_s,), (2,), 0)  # rows 9, 10, 11
+        tables = dev.indices([[-7, -7], [0, 3], [1, -1], [2, 5]])
+        table = tables.view((n_s, 2), offset=2)  # skips the first (junk) row of the buffer
+        cu = dev.indices([7, 0, 2, 3, 5]).view((4,), offset=1)  # [0, 2, 3, 5]
+        y = dev.alloc((5, H, P_))
+        b = {k: dev.upload(v.astype(np.float32)) for k, v in host.items()}
+        dev.ssm_scan(pool, start, table, b["x"], b["dt"], b["A"], b["B"], b["C"], y, cu_seqlens=cu)
+        results.append((dev.download(pool), dev.download(y)))
+    assert nmse(results[0][0], results[1][0]) <= 1e-7
+    assert nmse(results[0][1], results[1][1]) <= 1e-7
+    assert_bits_equal(np.delete(results[0][0], [0, 1, 2, 3, 5], 0), np.delete(pool_host, [0, 1, 2, 3, 5], 0), "rows")

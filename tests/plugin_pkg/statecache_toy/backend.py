@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from statecache.backend import Backend, Device
+from statecache.backend import PROTOCOL_VERSION, Backend, Device
 from statecache.backends.reference.device import ReferenceDevice
 
 
@@ -28,6 +28,7 @@ class ToyBackend(Backend):
     version = "0.0.1"
     description = "toy third-party backend (tests)"
     provided_by = "statecache-toy"
+    protocol = PROTOCOL_VERSION
 
     def __init__(self, name: str, broken: bool) -> None:
         self.name = name
@@ -43,6 +44,7 @@ class ToyBackend(Backend):
 class NoDeviceBackend(Backend):
     name = "toy_nodev"
     version = "0.0.1"
+    protocol = PROTOCOL_VERSION
 
     def availability(self) -> tuple[bool, str]:
         return True, ""

@@ -1,0 +1,194 @@
+"""The state format seen as metadata and row blocks, without a memory.
+
+Resharding a checkpoint and checking a transfer before it is written need
+to read a blob without the memory that wrote it.  Every section of the
+format (docs/state-format.md) is a sequence of *metadata* (cell positions
+and owners, layer indices, tensor names) and *row blocks* (a type code, a
+row size, then one row per cell).  :func:`parse_section` splits a section
+payload into exactly that: verbatim metadata chunks, which two ranks of a
+tensor-parallel memory must agree on byte for byte, and :class:`RowBlock`\\ s,
+whose rows each rank holds a different part of.  :meth:`Section.payload`
+writes it back, with whatever rows the blocks hold now.
+
+Only :mod:`statecache.state_io`'s public reader and writer are used, so the
+container (header, section lengths, any field it grows) stays that module's
+business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from statecache.dtypes import DType
+from statecache.errors import StateError
+from statecache.hybrid_idx import TAG_IDX
+from statecache.kv_cache import KV_CELL_COUNT_EXT, TAG_KV, TAG_KV_BASE, TAG_KV_SWA
+from statecache.recurrent import SECTION_TAG as TAG_RECR
+from statecache.state_io import CODE_DTYPES, Reader, Writer
+
+#: Sections laid out as a KV cache: K rows, then V rows unless the cache is key-only.
+KV_TAGS = {TAG_KV: True, TAG_KV_BASE: True, TAG_KV_SWA: True, TAG_IDX: False}
+#: What each section tag holds, for error messages.
+TAG_NAMES = {
+    TAG_RECR: "recurrent",
+    TAG_KV: "attention",
+    TAG_KV_BASE: "attention.base",
+    TAG_KV_SWA: "attention.swa",
+    TAG_IDX: "indexer",
+}
+
+
+@dataclasses.dataclass
+class RowBlock:
+    """One state tensor (``key = ("recr", layer, name)``) or K/V layer
+    (``key = ("k" | "v", layer)``) of a section: ``rows`` is ``uint8 [cells, row_bytes]``."""
+
+    key: tuple[Any, ...]
+    field: str
+    type_code: int
+    rows: np.ndarray
+
+    @property
+    def dtype(self) -> DType:
+        dtype = CODE_DTYPES.get(self.type_code)
+        if dtype is None:
+            raise StateError(f"{self.field}.type", f"unknown dtype code {self.type_code}")
+        return dtype
+
+    @property
+    def elements(self) -> int:
+        """Elements per row."""
+        return int(self.rows.shape[1]) // self.dtype.itemsize
+
+
+@dataclasses.dataclass
+class Section:
+    """A parsed section: ``parts`` alternates verbatim metadata (bytes) and row blocks;
+    ``positions`` lists the positions of its cells (every stream)."""
+
+    tag: bytes
+    parts: list[bytes | RowBlock]
+    positions: list[int]
+
+    @property
+    def name(self) -> str:
+        return TAG_NAMES.get(self.tag, self.tag.decode(errors="replace"))
+
+    @property
+    def blocks(self) -> list[RowBlock]:
+        return [p for p in self.parts if isinstance(p, RowBlock)]
+
+    @property
+    def metadata(self) -> list[bytes]:
+        return [p for p in self.parts if isinstance(p, bytes)]
+
+    def payload(self) -> bytes:
+        w = Writer()
+        for part in self.parts:
+            if isinstance(part, RowBlock):
+                w.i32(part.type_code)
+                w.u64(part.rows.shape[1])
+                w.raw(np.ascontiguousarray(part.rows).data)
+            else:
+                w.raw(part)
+        return w.getvalue()
+
+
+class _Cutter:
+    """Reads a payload, cutting it into verbatim chunks and row blocks."""
+
+    def __init__(self, tag: bytes, payload: Any) -> None:
+        self.data = memoryview(payload)
+        self.r = Reader(self.data, TAG_NAMES.get(tag, tag.decode(errors="replace")))
+        self.start = 0
+        self.parts: list[bytes | RowBlock] = []
+
+    def block(self, key: tuple[Any, ...], field: str, n_rows: int) -> None:
+        """The rows of one tensor: everything since the last block is metadata."""
+        self.parts.append(bytes(self.data[self.start : self.r.off]))
+        code = self.r.i32(f"{field}.type")
+        row_bytes = self.r.u64(f"{field}.row_bytes")
+        raw = self.r.raw(n_rows * row_bytes, f"{field}.rows")
+        rows = np.frombuffer(raw, dtype=np.uint8).reshape(n_rows, row_bytes)
+        self.parts.append(RowBlock(key, f"{self.r.where}.{field}", code, rows))
+        self.start = self.r.off
+
+    def finish(self) -> list[bytes | RowBlock]:
+        self.r.at_end()
+        self.parts.append(bytes(self.data[self.start :]))
+        return self.parts
+
+
+def _parse_recurrent(tag: bytes, payload: Any) -> Section:
+    c = _Cutter(tag, payload)
+    r = c.r
+    n = r.u32("cell_count")
+    positions = []
+    for i in range(n):
+        positions.append(r.i32(f"cell[{i}].pos"))
+        for k in range(r.u32(f"cell[{i}].n_seq_id")):
+            r.i32(f"cell[{i}].seq_id[{k}]")
+    r.u32("s_trans")
+    r.u32("n_layer")
+    for _ in range(r.u32("n_state_layers")):
+        layer = r.u32("layer")
+        for _ in range(r.u32(f"layer[{layer}].n_tensors")):
+            name = r.name(f"layer[{layer}].tensor")
+            c.block(("recr", layer, name), f"layer[{layer}].{name}", n)
+    return Section(tag, c.finish(), positions)
+
+
+def _parse_kv(tag: bytes, payload: Any) -> Section:
+    c = _Cutter(tag, payload)
+    r = c.r
+    positions = []
+    for strm in range(r.u32("n_stream")):
+        word = r.u32(f"stream[{strm}].cell_count")
+        count = word & ~KV_CELL_COUNT_EXT
+        ext = bool(word & KV_CELL_COUNT_EXT)
+        one_owner = _one_owner_cells(r, count, ext)
+        if one_owner is not None:  # a sequence's blob: fixed-size records, read at once
+            positions += one_owner
+        for i in range(0 if one_owner is not None else count):
+            positions.append(r.i32(f"stream[{strm}].cell[{i}].pos"))
+            for _ in range(r.u32(f"stream[{strm}].cell[{i}].n_seq_id")):
+                r.i32(f"stream[{strm}].cell[{i}].seq_id")
+            if ext:
+                r.i32(f"stream[{strm}].cell[{i}].ext_x")
+                r.i32(f"stream[{strm}].cell[{i}].ext_y")
+        if not count:
+            continue
+        n_layer = r.u32(f"stream[{strm}].n_layer")
+        for kind in ("k", "v") if KV_TAGS[tag] else ("k",):
+            for _ in range(n_layer):
+                il = r.u32(f"stream[{strm}].{kind}_layer")
+                c.block((kind, il), f"stream[{strm}].{kind}[{il}]", count)
+    return Section(tag, c.finish(), positions)
+
+
+def _one_owner_cells(r: Reader, count: int, ext: bool) -> list[int] | None:
+    """The positions of ``count`` cells that each have exactly one owner (``pos, 1, seq``
+    and the 2-D extension when ``ext``), consumed from ``r``; None (nothing consumed)
+    when they are not all such cells."""
+    width = 5 if ext else 3
+    n = count * width * 4
+    if not count or r.off + n > len(r.data):
+        return None
+    rec = np.frombuffer(r.data[r.off : r.off + n], dtype="<i4").reshape(count, width)
+    if not (rec[:, 1] == 1).all():
+        return None
+    r.raw(n, "cells")
+    return [int(p) for p in rec[:, 0]]
+
+
+def parse_section(tag: bytes, payload: Any) -> Section:
+    """Split one section payload (from :func:`statecache.state_io.unpack_sections`).
+    Raises :class:`StateError` naming the field for a truncated or unknown section."""
+    if tag == TAG_RECR:
+        return _parse_recurrent(tag, payload)
+    if tag in KV_TAGS:
+        return _parse_kv(tag, payload)
+    raise StateError("section", f"no layout is known for section {tag.decode(errors='replace')!r}")

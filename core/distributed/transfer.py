@@ -1,0 +1,313 @@
+"""Move one sequence's state between two instances over torch.distributed.
+
+Disaggregated serving prefills a request on one instance and decodes it on
+another; for a recurrent or hybrid model the decode side needs everything
+the sequence owns: its recurrent rows in every layer, its K/V cells with
+their positions, its indexer rows, and its book entries.  That is exactly
+``memory.state_write(seq)``: the validated state format
+(docs/state-format.md), written from the sequence's rows alone whatever the
+memory's size, streams or backend, and read by ``state_read`` with every
+size, dtype and position checked before anything is written.  So a transfer
+is that blob, sent as one contiguous ``uint8`` tensor (a host tensor over
+gloo, a CUDA tensor over NCCL), in a small protocol that keeps the receiver
+safe:
+
+1. the sender sends a header: magic, protocol version, payload bytes, the
+   sequence's first and last position, the state flags, an optional CRC-32
+   of the payload, and a hash of the header itself;
+2. the receiver checks the header (a corrupt one, or a payload larger than
+   its memory could ever hold, is refused before it allocates anything) and
+   answers *go* or *refused*;
+3. the sender sends the payload; the receiver waits for it within
+   ``timeout`` seconds (a sender that dies or stalls raises
+   :class:`~statecache.distributed.errors.TransferError`), checks the CRC
+   when one was sent and that every part's last position is the header's,
+   then ``state_read``\\ s it into its sequence;
+4. the receiver answers *accepted* or why not; the sender raises if not.
+
+The receiving memory changes only in step 3's final read, which validates
+the whole blob first and changes nothing when it refuses it; if writing
+fails after validation, the sequence's previous state (saved before the
+read) is put back.  So a transfer that fails anywhere leaves the receiver
+as it was, and raises an error that says where it failed.
+
+Limits: snapshot planes are not part of the state format, so after a
+transfer the sequence has no rollback budget until its next multi-token
+write (as after any ``state_read``).  The rows are staged through host memory
+on each side (``state_write`` downloads them), also for NCCL: a truly
+device-to-device row path needs a memory hook that exposes a sequence's
+rows as device buffers.  After a transfer fails mid-payload the pair's
+message stream is out of step (a send may still be pending): use a fresh
+``tag`` (gloo) or a fresh group for the next one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+from statecache.distributed.errors import TransferError
+from statecache.distributed.wire import as_tensor, group_device, host_view, post, torch_dist, wait
+from statecache.errors import StateError
+from statecache.memory import StateFlags
+from statecache.state_io import unpack_sections
+
+MAGIC = 0x5343_5351  # "SCSQ"
+PROTOCOL = 1
+ANSWER = 0x5343_4F4B  # "SCOK": the magic of every answer
+_HEADER_WORDS = 8
+_CRC_PRESENT = 1 << 16  # in the header's flags word, above the state flags
+
+OK = 0
+BAD_HEADER = 1
+TOO_LARGE = 2
+BAD_CHECKSUM = 3
+REFUSED = 4
+FAILED = 5
+ABORTED = 6
+#: What each answer code means (sent as a number, told to the sender's user in words).
+REASONS = {
+    OK: "accepted",
+    BAD_HEADER: "the header is corrupt",
+    TOO_LARGE: "the payload is larger than the receiving memory could hold",
+    BAD_CHECKSUM: "the payload does not match its CRC-32",
+    REFUSED: "the receiving memory refused the state (layout, dtype, sizes or positions differ)",
+    FAILED: "writing the state failed on the receiver (its previous state was put back)",
+    ABORTED: "the sender could not write the sequence",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """What moved: payload bytes, the sequence's positions, wall seconds on this side."""
+
+    nbytes: int
+    pos_min: int
+    pos_max: int
+    seconds: float
+
+
+def _header_hash(words: list[int]) -> int:
+    data = np.asarray(words[: _HEADER_WORDS - 1], dtype="<i8").tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+
+
+def _header(nbytes: int, pos_min: int, pos_max: int, flags: int, crc: int | None) -> list[int]:
+    words = [MAGIC, PROTOCOL, nbytes, pos_min, pos_max, flags | (_CRC_PRESENT if crc is not None else 0), crc or 0]
+    return [*words, _header_hash(words)]
+
+
+def _check_header(words: list[int]) -> str | None:
+    """Why the header is corrupt, or None."""
+    if words[0] != MAGIC:
+        return f"magic is {words[0]:#x}, expected {MAGIC:#x}"
+    if words[7] != _header_hash(words):
+        return "the header hash does not match its fields"
+    if words[1] != PROTOCOL:
+        return f"protocol version {words[1]}, this library speaks {PROTOCOL}"
+    if words[2] < -1:
+        return f"payload size {words[2]}"
+    return None
+
+
+class _Channel:
+    """The sends and receives of one transfer with one peer (one group, one tag)."""
+
+    def __init__(self, peer: int, group: Any, tag: int, timeout: float) -> None:
+        self.torch, self.dist = torch_dist()
+        self.peer, self.group, self.tag, self.timeout = peer, group, tag, timeout
+        self.device = group_device(group)
+
+    def ints(self, values: list[int]) -> Any:
+        return self.torch.tensor(values, dtype=self.torch.int64, device=self.device)
+
+    def send(self, t: Any, what: str) -> Any:
+        return post(lambda: self.dist.isend(t, self.peer, group=self.group, tag=self.tag), self.peer, what)
+
+    def recv(self, t: Any, what: str) -> Any:
+        work = post(lambda: self.dist.irecv(t, self.peer, group=self.group, tag=self.tag), self.peer, what)
+        wait(work, self.timeout, self.peer, what)
+        return t
+
+    def answer(self, code: int) -> None:
+        """Best effort: a peer that is gone cannot hear why (the caller raises anyway)."""
+        try:
+            wait(self.send(self.ints([ANSWER, code]), "answering"), min(self.timeout, 5.0), self.peer, "answering")
+        except TransferError:
+            pass
+
+    def hear(self, what: str) -> int:
+        words = self.recv(self.ints([0, 0]), what).tolist()
+        if words[0] != ANSWER or words[1] not in REASONS:
+            raise TransferError(self.peer, f"rank {self.peer} answered {words}, not a transfer answer")
+        return int(words[1])
+
+
+def send_sequence(
+    memory: Any,
+    seq_id: int,
+    dst: int,
+    group: Any = None,
+    *,
+    flags: int = StateFlags.NONE,
+    timeout: float = 60.0,
+    checksum: bool = False,
+    tag: int = 0,
+) -> Transfer:
+    """Send sequence ``seq_id`` of ``memory`` to global rank ``dst`` (which calls
+    :func:`recv_sequence`).  The sender's memory is only read.  Raises
+    :class:`TransferError` when the receiver refuses (the reason in words), dies or
+    does not answer within ``timeout`` seconds.  ``checksum``: add a CRC-32 of the
+    payload (one more pass over it on each side; gloo and NCCL deliver intact bytes,
+    so it guards against bugs, not the wire)."""
+    t0 = time.perf_counter()
+    ch = _Channel(dst, group, tag, timeout)
+    try:
+        pos_min, pos_max = int(memory.seq_pos_min(seq_id)), int(memory.seq_pos_max(seq_id))
+        blob = memory.state_write(seq_id, flags)
+    except Exception:
+        try:  # tell the receiver not to wait for a payload
+            abort = ch.ints(_header(-1, -1, -1, int(flags), None))
+            wait(ch.send(abort, "sending the abort"), min(timeout, 5.0), dst, "sending the abort")
+        except TransferError:
+            pass
+        raise
+    _offer(ch, blob, pos_min, pos_max, int(flags), checksum, f"sequence {seq_id}")
+    return Transfer(len(blob), pos_min, pos_max, time.perf_counter() - t0)
+
+
+def _offer(ch: _Channel, blob: bytes, pos_min: int, pos_max: int, flags: int, checksum: bool, what: str) -> None:
+    """The sender's side of the protocol for one payload (see the module docstring)."""
+    crc = zlib.crc32(blob) if checksum else None
+    sent = ch.send(ch.ints(_header(len(blob), pos_min, pos_max, flags, crc)), "sending the header")
+    code = ch.hear("waiting for the answer to the header")
+    if code != OK:
+        raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
+    sent_payload = ch.send(as_tensor(blob, ch.device), "sending the payload")
+    code = ch.hear("waiting for the answer to the payload")
+    wait(sent, ch.timeout, ch.peer, "sending the header")
+    wait(sent_payload, ch.timeout, ch.peer, "sending the payload")
+    if code != OK:
+        raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
+
+
+def default_max_bytes(memory: Any) -> int:
+    """The largest payload :func:`recv_sequence` accepts by default: twice every byte the
+    memory holds (a sequence's rows never exceed its memory; metadata per cell is
+    smaller than a cell's rows) plus 1 MiB."""
+    return 2 * int(sum(memory.memory_breakdown().values())) + (1 << 20)
+
+
+def recv_sequence(
+    memory: Any,
+    seq_id: int,
+    src: int,
+    group: Any = None,
+    *,
+    timeout: float = 60.0,
+    max_bytes: int | None = None,
+    tag: int = 0,
+) -> Transfer:
+    """Receive the sequence global rank ``src`` sends (:func:`send_sequence`) into
+    sequence ``seq_id`` of ``memory``, replacing what ``seq_id`` held.
+
+    Works between memories of different sizes, stream layouts and backends (the
+    state format carries the sequence, not the memory).  Raises
+    :class:`TransferError` (no or a corrupt header, a payload over ``max_bytes``, a
+    sender that dies or stalls past ``timeout`` seconds, a bad checksum or
+    positions) or :class:`~statecache.errors.StateError` (the memory refused the
+    state: layout, dtype or sizes differ); in every case ``memory`` is as it was.
+    """
+    t0 = time.perf_counter()
+    ch = _Channel(src, group, tag, timeout)
+    limit = default_max_bytes(memory) if max_bytes is None else int(max_bytes)
+    data, (nbytes, pos_min, pos_max, flags) = _take(ch, limit)
+    try:
+        _check_positions(data, pos_max)
+    except StateError:
+        ch.answer(REFUSED)
+        raise
+    # what a failure after validation must put back (an empty destination: nothing to save)
+    held = max(memory.seq_pos_min(seq_id), memory.seq_pos_max(seq_id)) >= 0  # either part of a hybrid
+    backup = memory.state_write(seq_id, flags) if held else None
+    try:
+        memory.state_read(data, seq_id, flags)
+    except StateError:
+        ch.answer(REFUSED)  # state_read validates everything before writing: nothing changed
+        raise
+    except BaseException:
+        if backup is not None:
+            memory.state_read(backup, seq_id, flags)  # failed after validating: put the old state back
+        else:
+            memory.seq_rm(seq_id, -1, -1)
+        ch.answer(FAILED)
+        raise
+    ch.answer(OK)
+    return Transfer(nbytes, pos_min, pos_max, time.perf_counter() - t0)
+
+
+def _take(ch: _Channel, limit: int) -> tuple[memoryview, tuple[int, int, int, int]]:
+    """The receiver's side up to a payload it has checked: ``(payload, (bytes, pos_min,
+    pos_max, state flags))``; the final answer is the caller's."""
+    src = ch.peer
+    words = [int(x) for x in ch.recv(ch.ints([0] * _HEADER_WORDS), "receiving the header").tolist()]
+    bad = _check_header(words)
+    if bad is not None:
+        ch.answer(BAD_HEADER)
+        raise TransferError(src, f"corrupt header from rank {src}: {bad}; nothing was received")
+    nbytes, pos_min, pos_max, flags_word, crc = words[2:7]
+    if nbytes == -1:
+        raise TransferError(src, f"rank {src} could not write the sequence it was to send; nothing was received")
+    if nbytes > limit:
+        ch.answer(TOO_LARGE)
+        raise TransferError(src, f"rank {src} announced {nbytes} bytes, more than max_bytes={limit}; refused")
+    ch.answer(OK)
+    payload = _receive_buffer(ch, nbytes)
+    ch.recv(payload, "receiving the payload")
+    data = host_view(payload)
+    if flags_word & _CRC_PRESENT and zlib.crc32(data) != crc:
+        ch.answer(BAD_CHECKSUM)
+        raise TransferError(src, f"the payload from rank {src} does not match its CRC-32; nothing was written")
+    return data, (nbytes, pos_min, pos_max, flags_word & 0xFFFF)
+
+
+_BUFFERS = threading.local()
+
+
+def _receive_buffer(ch: _Channel, nbytes: int) -> Any:
+    """``nbytes`` of a receive buffer kept for the next transfer (per thread and device):
+    touching fresh pages for every payload costs about as much as receiving it.  The
+    payload is only read until ``state_read`` has copied it, so reuse is safe."""
+    key = str(ch.device)
+    cache = getattr(_BUFFERS, "by_device", None)
+    if cache is None:
+        cache = _BUFFERS.by_device = {}
+    buf = cache.get(key)
+    if buf is None or buf.numel() < nbytes:
+        buf = cache[key] = ch.torch.empty(nbytes, dtype=ch.torch.uint8, device=ch.device)
+    return buf[:nbytes]
+
+
+def release_buffers() -> None:
+    """Free the receive buffers this thread keeps for its next transfer."""
+    _BUFFERS.by_device = {}
+
+
+def _check_positions(data: Any, pos_max: int) -> None:
+    """Every part of the blob ends at the header's last position (an empty sequence: no cells)."""
+    from statecache.distributed.sections import parse_section
+
+    _, sections = unpack_sections(data)
+    for tag, payload in sections:
+        sec = parse_section(tag, payload)
+        last = max(sec.positions) if sec.positions else -1
+        if last != pos_max:
+            raise StateError(
+                f"{sec.name}.pos", f"the sequence ends at position {last} there, the header says {pos_max}"
+            )
