@@ -30,7 +30,7 @@ from statecache.backend import Buffer, Device
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, StateError
 from statecache.kv_cells import EMPTY, KVCells
-from statecache.kv_mask import SWAType, build_mask, is_masked_swa, n_kv_for, round_up
+from statecache.kv_mask import SWAType, build_mask_streams, is_masked_swa, n_kv_for, round_up
 from statecache.memory import (
     Memory,
     MemoryContext,
@@ -518,22 +518,20 @@ class KVCache(Memory):
         # (y, x) is later than the token's (upstream compares 2-D positions only for a
         # ubatch that carries them)
         ext = ub.pos_ext
-        out = np.empty((ub.n_tokens, n_kv), dtype=np.float32)
         streams = np.zeros(ub.n_tokens, dtype=np.int64) if self.unified else primary
-        for strm in np.unique(streams):
-            sel = np.flatnonzero(streams == strm)
-            out[sel] = build_mask(
-                self.cells[int(strm)],
-                pos[sel],
-                primary[sel],
-                n_kv,
-                causal=causal,
-                swa_type=self.swa_type,
-                n_swa=self.n_swa,
-                alibi=alibi,
-                token_ext=None if ext is None else ext[sel],
-            )
-        return out
+        held = np.unique(streams)  # one vectorised pass over every stream the ubatch touches
+        return build_mask_streams(
+            [self.cells[int(strm)] for strm in held],
+            np.searchsorted(held, streams),
+            pos,
+            primary,
+            n_kv,
+            causal=causal,
+            swa_type=self.swa_type,
+            n_swa=self.n_swa,
+            alibi=alibi,
+            token_ext=ext,
+        )
 
     # -- state (docs/state-format.md) ---------------------------------------------------
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:

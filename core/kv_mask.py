@@ -83,24 +83,60 @@ def build_mask(
     cell at the same temporal position is in the future when its ``(y, x)``
     is lexicographically greater than the token's.
     """
+    return build_mask_streams(
+        [cells], None, token_pos, token_seq, n_kv, causal=causal, swa_type=swa_type, n_swa=n_swa, alibi=alibi,
+        token_ext=token_ext,
+    )  # fmt: skip
+
+
+def build_mask_streams(
+    streams: Sequence[KVCells],
+    token_stream: np.ndarray | None,
+    token_pos: Sequence[int] | np.ndarray,
+    token_seq: Sequence[int] | np.ndarray,
+    n_kv: int,
+    *,
+    causal: bool = True,
+    swa_type: SWAType | str = SWAType.NONE,
+    n_swa: int = 0,
+    alibi: bool = False,
+    token_ext: np.ndarray | None = None,
+) -> np.ndarray:
+    """:func:`build_mask` of tokens over several streams at once: row ``i`` is over the
+    cells of ``streams[token_stream[i]]`` (``token_stream`` None: every token over
+    ``streams[0]``).  One vectorised pass instead of one call per stream: a KV cache
+    with a stream per sequence would otherwise build its decode mask in as many calls
+    as it has sequences."""
     swa = SWAType.parse(swa_type)
     if swa is not SWAType.NONE and n_swa <= 0:
         raise ArgumentError("n_swa", f"sliding window {swa.value} needs n_swa > 0, got {n_swa}")
-    if not 0 < n_kv <= cells.size:
-        raise ArgumentError("n_kv", f"must be in [1, {cells.size}], got {n_kv}")
+    size = min(c.size for c in streams)
+    if not 0 < n_kv <= size:
+        raise ArgumentError("n_kv", f"must be in [1, {size}], got {n_kv}")
     p1 = np.asarray(token_pos, dtype=np.int64).reshape(-1, 1)
     seqs = np.asarray(token_seq, dtype=np.int64)
     if seqs.shape[0] != p1.shape[0]:
         raise ArgumentError("token_seq", f"{seqs.shape[0]} entries for {p1.shape[0]} tokens")
-    if seqs.size and (seqs.min() < 0 or seqs.max() >= cells.n_seq_max):
-        raise ArgumentError("token_seq", f"sequence ids must be in [0, {cells.n_seq_max})")
-    p0 = cells.pos[:n_kv].reshape(1, -1)
-    visible = (p0 != EMPTY) & cells.seq[:n_kv, :].T[seqs]
+    n_seq_max = min(c.n_seq_max for c in streams)
+    if seqs.size and (seqs.min() < 0 or seqs.max() >= n_seq_max):
+        raise ArgumentError("token_seq", f"sequence ids must be in [0, {n_seq_max})")
+    if token_stream is None or len(streams) == 1:
+        cells = streams[0]
+        p0 = cells.pos[:n_kv].reshape(1, -1)
+        held = cells.seq[:n_kv, :].T[seqs]
+        ext_of_cells = cells.ext[:n_kv].reshape(1, n_kv, 2)
+    else:
+        k = np.asarray(token_stream, dtype=np.int64)
+        p0 = np.stack([c.pos[:n_kv] for c in streams])[k]  # [n_tokens, n_kv]
+        held = np.stack([c.seq[:n_kv] for c in streams])[k, :, seqs]  # [n_tokens, n_kv]
+        ext_of_cells = np.stack([c.ext[:n_kv] for c in streams])[k] if token_ext is not None else None
+    visible = (p0 != EMPTY) & held
     if causal:
         future = p0 > p1
         if token_ext is not None:
+            assert ext_of_cells is not None
             ext = np.asarray(token_ext, dtype=np.int64).reshape(-1, 2)
-            cx, cy = cells.ext[:n_kv, 0].reshape(1, -1), cells.ext[:n_kv, 1].reshape(1, -1)
+            cx, cy = ext_of_cells[..., 0], ext_of_cells[..., 1]
             tx, ty = ext[:, 0:1], ext[:, 1:2]
             tie_later = (cy > ty) | ((cy == ty) & (cx > tx))
             future |= (p0 == p1) & tie_later
