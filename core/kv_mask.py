@@ -124,7 +124,7 @@ def build_mask_streams(
         cells = streams[0]
         p0 = cells.pos[:n_kv].reshape(1, -1)
         held = cells.seq[:n_kv, :].T[seqs]
-        ext_of_cells = cells.ext[:n_kv].reshape(1, n_kv, 2)
+        ext_of_cells: np.ndarray | None = cells.ext[:n_kv].reshape(1, n_kv, 2)
     else:
         k = np.asarray(token_stream, dtype=np.int64)
         p0 = np.stack([c.pos[:n_kv] for c in streams])[k]  # [n_tokens, n_kv]
