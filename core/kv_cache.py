@@ -335,9 +335,15 @@ class KVCache(Memory):
             _, hi = sc.span(0, swa_visible_from(self.n_swa, self.swa_type, p_next))
             if not hi:
                 continue
-            cand = sc.cells(0, hi)
-            cand = cand[cells.n_owner[cand] == 1]
-            out.extend(cand[: need - len(out)].tolist())
+            # oldest first, a slice at a time: the cells read are about those taken, not
+            # every cell the window has left (in a full window cache, most of the sequence)
+            lo = 0
+            while lo < hi and len(out) < need:
+                step = min(hi, lo + max(64, 2 * (need - len(out))))
+                cand = sc.cells(lo, step)
+                cand = cand[cells.n_owner[cand] == 1]
+                out.extend(cand[: need - len(out)].tolist())
+                lo = step
             if len(out) >= need:
                 break
         return out
@@ -355,12 +361,12 @@ class KVCache(Memory):
             idx = sinfo.cells[tok]
             # sliding-window reuse: remember the overwritten position per sequence
             max_rm: dict[int, int] = {}
-            for k in np.flatnonzero(cells.pos[idx] != EMPTY).tolist():
-                c = int(idx[k])
-                p_old = cells.pos_get(c)
-                for s in cells.seqs_of(c):
-                    max_rm[s] = max(max_rm.get(s, -1), p_old)
-                cells.rm(c)
+            occ = idx[cells.pos[idx] != EMPTY]
+            if occ.size:  # (vectorised: a prefill chunk may reuse a whole window's cells)
+                p_occ, owners = cells.pos[occ], cells.seq[occ]
+                for s in np.flatnonzero(owners.any(axis=0)).tolist():
+                    max_rm[s] = int(p_occ[owners[:, s]].max())
+                cells.rm_many(occ)
             if single:
                 cells.place_seqs(idx, pos[tok], ext[tok], ub.seq_id.ids[tok])  # type: ignore[attr-defined]
             else:
