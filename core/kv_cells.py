@@ -206,6 +206,10 @@ class SeqCells:
         keys = self._keys[:n]
         if m <= n and np.array_equal(keys[n - m :], keys_sorted):
             self._n = n - m
+        elif m <= n and np.array_equal(keys[:m], keys_sorted):
+            # the oldest pairs (a window cache reusing a sequence's first cells): one move
+            self._keys[: n - m] = self._keys[m:n]
+            self._n = n - m
         else:
             idx = np.searchsorted(keys, keys_sorted)
             if (idx >= n).any() or not np.array_equal(keys[np.minimum(idx, n - 1)], keys_sorted):
@@ -240,6 +244,16 @@ class CellJournal:
         else:
             x, y = cells.ext[i]
             self.saved[i] = (int(cells.pos[i]), int(x), int(y), int(cells.shift[i]), tuple(cells.seqs_of(i)))
+
+    def touch_many(self, cells: KVCells, idx: np.ndarray) -> None:
+        """:meth:`touch` for the cells ``idx`` (distinct, each holding a position), read in bulk."""
+        new = [i for i in idx.tolist() if i not in self.saved and i not in self.empty_before]
+        if not new:
+            return
+        sel = np.asarray(new, dtype=np.int64)
+        pos, ext, shift, owners = cells.pos[sel], cells.ext[sel], cells.shift[sel], cells.seq[sel]
+        for k, (i, p, (x, y), sh) in enumerate(zip(new, pos.tolist(), ext.tolist(), shift.tolist(), strict=True)):
+            self.saved[i] = (p, x, y, sh, tuple(np.flatnonzero(owners[k]).tolist()))
 
     def touch_empty(self, idx: np.ndarray) -> None:
         """The cells ``idx``, all empty now, are about to be placed in bulk.  (One
@@ -574,8 +588,7 @@ class KVCells:
         if not idx.size:
             return idx
         if self._journal is not None:
-            for i in idx.tolist():
-                self._journal.touch(self, i)
+            self._journal.touch_many(self, idx)
         self.seq_pos[s].remove_many(np.sort((self.pos[idx] << _CELL_BITS) | idx))
         self.removals += int(idx.size)
         self.seq[idx, s] = False
@@ -597,8 +610,7 @@ class KVCells:
         if not idx.size:
             return
         if self._journal is not None:
-            for i in idx.tolist():
-                self._journal.touch(self, i)
+            self._journal.touch_many(self, idx)
         owners = self.seq[idx]
         keys = (self.pos[idx] << _CELL_BITS) | idx
         for s in np.flatnonzero(owners.any(axis=0)).tolist():
