@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from statecache.batch import SeqIds
 from statecache.errors import ArgumentError, StateError
 from statecache.hybrid import HybridContext, HybridMemory, HybridUpdateContext
 from statecache.kpool import (
@@ -130,7 +131,7 @@ class HybridIdxMemory(HybridMemory):
     def _pairs_view(self, s: int) -> tuple[int, SeqCells]:
         """:meth:`pairs_of` without the copy: the live pairs, with their stamp, for
         :meth:`KPoolLayout.update` (which then reads only what was appended)."""
-        strm = self.idx.stream_of(s)
+        strm = 0 if self.idx.unified else s  # s is a loop index in range: no check (once per sequence and apply)
         return strm, self.idx.cells[strm].seq_pos[s]
 
     # -- plans ----------------------------------------------------------------------
@@ -373,8 +374,11 @@ class HybridIdxContext(HybridContext):
 
     def tokens(self) -> list[Token]:
         ub = self.get_ubatch()
-        cells = self.idx.sinfo.cells  # type: ignore[attr-defined]
-        return [Token(int(ub.pos[i]), tuple(ub.seq_id[i]), int(cells[i])) for i in range(ub.n_tokens)]
+        cells = self.idx.sinfo.cells.tolist()  # type: ignore[attr-defined]
+        pos = np.asarray(ub.pos).tolist()
+        if isinstance(ub.seq_id, SeqIds):  # one sequence per token: no per-token set to read
+            return [Token(p, (s,), c) for p, s, c in zip(pos, ub.seq_id.ids.tolist(), cells, strict=True)]
+        return [Token(pos[i], tuple(ub.seq_id[i]), cells[i]) for i in range(ub.n_tokens)]
 
     def _state(self) -> KPoolState:
         if self._state_for != self.i_cur or self.kpool_state is None:

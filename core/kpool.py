@@ -210,12 +210,12 @@ class KPoolLayout:
             layout = self.seqs[s]
             old = layout.cells
             clean = marks.is_clean(s)
-            stamp = getattr(sp, "stamp", None)
-            if clean and old and stamp is not None and stamp == layout.src_stamp and strm == layout.strm:
+            stamp = sp.stamp if isinstance(sp, SeqCells) else None
+            if clean and old and isinstance(sp, SeqCells) and stamp == layout.src_stamp and strm == layout.strm:
                 # the pairs it was built from are still the first ones: read only the appended
                 # ones (O(new pairs), where comparing the whole list cost the context)
                 if len(sp) > len(old):
-                    old.extend(sp[len(old) :])
+                    old.extend(sp.pairs_from(len(old)))
                     scan_pools(layout, self.kpool, self.by_order)
                 continue
             if clean and old and sp and layout.pos_min == sp[0][0] and strm == layout.strm:
@@ -295,8 +295,7 @@ class KPoolLayout:
         stale = np.full(self.n_seq_max, POS_CLEAN, dtype=np.int64) if stale_batch is None else stale_batch.copy()
         for s, p in (forced or {}).items():
             stale[s] = min(int(stale[s]), p)
-        for s in range(self.n_seq_max):
-            f = int(stale[s])
+        for s, f in enumerate(stale.tolist()):
             if f == POS_CLEAN:
                 continue
             for k in range(len(self.seqs[s].pools)):

@@ -95,6 +95,10 @@ class SeqCells:
     def cells(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
         return self._keys[lo : self._n if hi is None else hi] & _CELL_MASK
 
+    def pairs_from(self, lo: int) -> list[tuple[int, int]]:
+        """The pairs from index ``lo`` on, as tuples (O(pairs returned))."""
+        return [(k >> _CELL_BITS, k & _CELL_MASK) for k in self._keys[lo : self._n].tolist()]
+
     def first_pos(self) -> int:
         return int(self._keys[0] >> _CELL_BITS) if self._n else -1
 
@@ -166,6 +170,15 @@ class SeqCells:
             keys[i] = k
             self.stamp = next(_STAMPS)
         self._n = n + 1
+
+    def add_key(self, k: int) -> None:
+        """:meth:`add` of a pair given as its key (the decode path: usually an append)."""
+        n = self._n
+        if n < self._keys.size and (n == 0 or k > self._keys[n - 1]):
+            self._keys[n] = k
+            self._n = n + 1
+        else:
+            self.add(k >> _CELL_BITS, k & _CELL_MASK)
 
     def add_many(self, keys_sorted: np.ndarray) -> None:
         """Add sorted keys none of which is held yet (one merge)."""
@@ -572,7 +585,13 @@ class KVCells:
             return
         order = np.lexsort((keys, seqs))
         seqs_sorted, keys_sorted = seqs[order], keys[order]
-        starts = np.flatnonzero(np.r_[True, seqs_sorted[1:] != seqs_sorted[:-1]])
+        new_seq = seqs_sorted[1:] != seqs_sorted[:-1]
+        if new_seq.all():  # one cell per sequence (a decode step): one append each
+            seq_pos = self.seq_pos
+            for s, k in zip(seqs_sorted.tolist(), keys_sorted.tolist(), strict=True):
+                seq_pos[s].add_key(k)
+            return
+        starts = np.flatnonzero(np.r_[True, new_seq])
         ends = np.r_[starts[1:], n]
         for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
             sc = self.seq_pos[int(seqs_sorted[a])]
