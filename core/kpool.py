@@ -258,8 +258,11 @@ class KPoolLayout:
     def _pool_of_pos(self, s: int, pos: int) -> int:
         """Position mode: the pool holding ``pos``, or -1."""
         layout = self.seqs[s]
-        cells = layout.cells
-        k = bisect.bisect_right(layout.pools, pos, key=lambda j: cells[j][0]) - 1  # O(log pools)
+        cells, pools = layout.cells, layout.pools
+        if pools and cells[pools[-1]][0] <= pos:  # a decode token: the last pool or none
+            k = len(pools) - 1
+        else:
+            k = bisect.bisect_right(pools, pos, key=lambda j: cells[j][0]) - 1  # O(log pools)
         if k < 0:
             return -1
         last = layout.cells[layout.pools[k] + self.kpool - 1][0]
