@@ -64,7 +64,7 @@ def _pos_key(p: int) -> int:
     return min(max(p, 0), _POS_END) << _CELL_BITS
 
 
-class SeqCells:
+class SeqCells(Sequence[tuple[int, int]]):
     """The ``(pos, cell)`` pairs one sequence holds in one stream, sorted by position
     then cell: a growable int64 array of keys (``pos << 32 | cell``).
 
@@ -612,7 +612,7 @@ class KVCells:
         self.removals += int(idx.size)
         self.seq[idx, s] = False
         self.n_owner[idx] -= 1
-        gone = idx[self.n_owner[idx] == 0]
+        gone: np.ndarray = idx[self.n_owner[idx] == 0]
         if gone.size:
             self.pos[gone] = EMPTY
             self.ext[gone] = 0
