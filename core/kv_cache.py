@@ -323,7 +323,7 @@ class KVCache(Memory):
         skipped because shared + sequences tried)."""
         out: list[int] = []
         tried: set[int] = set()
-        own = dict.fromkeys(int(s) for s in ub.primary[tok].tolist())
+        own = dict.fromkeys(ub.primary[tok].tolist())
         for s in [*own, *range(self.n_seq_max)]:
             if s in tried:
                 continue

@@ -264,9 +264,15 @@ class CellJournal:
         if not new:
             return
         sel = np.asarray(new, dtype=np.int64)
-        pos, ext, shift, owners = cells.pos[sel], cells.ext[sel], cells.shift[sel], cells.seq[sel]
-        for k, (i, p, (x, y), sh) in enumerate(zip(new, pos.tolist(), ext.tolist(), shift.tolist(), strict=True)):
-            self.saved[i] = (p, x, y, sh, tuple(np.flatnonzero(owners[k]).tolist()))
+        pos, ext, shift = cells.pos[sel].tolist(), cells.ext[sel].tolist(), cells.shift[sel].tolist()
+        rows, owners = np.nonzero(cells.seq[sel])  # row-major: each cell's sequences ascending
+        owner_list = owners.tolist()
+        ends = np.cumsum(np.bincount(rows, minlength=sel.size)).tolist()
+        start = 0
+        for k, i in enumerate(new):
+            x, y = ext[k]
+            self.saved[i] = (pos[k], x, y, shift[k], tuple(owner_list[start : ends[k]]))
+            start = ends[k]
 
     def touch_empty(self, idx: np.ndarray) -> None:
         """The cells ``idx``, all empty now, are about to be placed in bulk.  (One
