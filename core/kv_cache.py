@@ -332,18 +332,7 @@ class KVCache(Memory):
             if not sc:
                 continue
             p_next = sc.last_pos() + 1 - self.rollback_depth
-            _, hi = sc.span(0, swa_visible_from(self.n_swa, self.swa_type, p_next))
-            if not hi:
-                continue
-            # oldest first, a slice at a time: the cells read are about those taken, not
-            # every cell the window has left (in a full window cache, most of the sequence)
-            lo = 0
-            while lo < hi and len(out) < need:
-                step = min(hi, lo + max(64, 2 * (need - len(out))))
-                cand = sc.cells(lo, step)
-                cand = cand[cells.n_owner[cand] == 1]
-                out.extend(cand[: need - len(out)].tolist())
-                lo = step
+            out += cells.oldest_alone(s, swa_visible_from(self.n_swa, self.swa_type, p_next), need - len(out))
             if len(out) >= need:
                 break
         return out

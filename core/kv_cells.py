@@ -438,6 +438,36 @@ class KVCells:
             b0 = w
         return -1
 
+    def oldest_alone(self, s: int, p_end: int, need: int) -> list[int]:
+        """Up to ``need`` cells of ``s`` at positions below ``p_end`` that ``s`` holds alone,
+        oldest first (a window cache's reusable cells).  The first few pairs are read one
+        by one (a decode step takes about one cell per sequence), then a slice at a time:
+        O(cells taken + shared cells skipped), never the whole sequence."""
+        out: list[int] = []
+        if need <= 0 or p_end <= 0:
+            return out
+        sc = self.seq_pos[s]
+        keys, n, end_key, owners = sc._keys, len(sc), _pos_key(p_end), self.n_owner
+        j = 0
+        while j < min(n, 8) and len(out) < need:
+            k = int(keys[j])
+            if k >= end_key:
+                return out
+            c = k & _CELL_MASK
+            if owners[c] == 1:
+                out.append(c)
+            j += 1
+        if len(out) >= need or j >= n:
+            return out
+        _, hi = sc.span(0, p_end)
+        while j < hi and len(out) < need:
+            stop = min(hi, j + max(64, 2 * (need - len(out))))
+            cand = sc.cells(j, stop)
+            cand = cand[owners[cand] == 1]
+            out.extend(cand[: need - len(out)].tolist())
+            j = stop
+        return out
+
     def check(self) -> None:
         """Raise :class:`InvariantError` unless the book is consistent (tests call
         this after every step; explicit raises, so ``python -O`` keeps them)."""

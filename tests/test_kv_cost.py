@@ -173,3 +173,15 @@ def test_kpool_layout_from_live_cells_matches_the_copied_pairs(seed: int, by_ord
             assert live.seqs[q] == copied.seqs[q] == rebuild(c.seq_cells(q), 0, 4, by_order)
         if rng.random() < 0.5:
             marks.clear()
+
+
+@given(seed=st.integers(0, 2**32 - 1), fill=st.floats(0.0, 1.0), need=st.integers(0, 80))
+def test_oldest_alone_is_the_naive_pick(seed: int, fill: float, need: int) -> None:
+    """A window cache's reusable cells of a sequence: those below the window it holds alone,
+    oldest (position, then cell) first -- read a few at a time, equal to filtering every pair."""
+    rng = np.random.default_rng(seed)
+    c = random_book(rng, int(rng.integers(1, 4 * BLOCK)), fill)
+    s = int(rng.integers(0, N_SEQ))
+    p_end = int(rng.integers(-2, 3 * BLOCK + 2))
+    naive = [cell for p, cell in c.seq_cells(s) if p < p_end and c.seq_count(cell) == 1][:need]
+    assert c.oldest_alone(s, p_end, need) == naive
