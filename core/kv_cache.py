@@ -352,9 +352,11 @@ class KVCache(Memory):
             max_rm: dict[int, int] = {}
             occ = idx[cells.pos[idx] != EMPTY]
             if occ.size:  # (vectorised: a prefill chunk may reuse a whole window's cells)
-                p_occ, owners = cells.pos[occ], cells.seq[occ]
-                for s in np.flatnonzero(owners.any(axis=0)).tolist():
-                    max_rm[s] = int(p_occ[owners[:, s]].max())
+                rows, seqs = np.nonzero(cells.seq[occ])
+                top = np.full(self.n_seq_max, -1, dtype=np.int64)
+                np.maximum.at(top, seqs, cells.pos[occ][rows])
+                held = np.flatnonzero(top >= 0)
+                max_rm = dict(zip(held.tolist(), top[held].tolist(), strict=True))
                 cells.rm_many(occ)
             if single:
                 cells.place_seqs(idx, pos[tok], ext[tok], ub.seq_id.ids[tok])  # type: ignore[attr-defined]

@@ -210,6 +210,19 @@ class SeqCells(Sequence[tuple[int, int]]):
         self._n = n - 1
         self.stamp = next(_STAMPS)
 
+    def remove_key(self, k: int) -> None:
+        """Remove one held pair given as its key: O(1) for the oldest or the newest."""
+        n, keys = self._n, self._keys
+        if n and keys[0] == k:
+            keys[: n - 1] = keys[1:n]
+        elif not (n and keys[n - 1] == k):
+            i = int(np.searchsorted(keys[:n], k))
+            if i >= n or keys[i] != k:
+                raise InvariantError("kv-seq-pos", f"pair (pos {k >> _CELL_BITS}, cell {k & _CELL_MASK}) is not held")
+            keys[i : n - 1] = keys[i + 1 : n]
+        self._n = n - 1
+        self.stamp = next(_STAMPS)
+
     def remove_many(self, keys_sorted: np.ndarray) -> None:
         """Remove sorted keys, every one of them held (a tail is cut in O(m))."""
         m = int(keys_sorted.size)
@@ -666,12 +679,19 @@ class KVCells:
             return
         if self._journal is not None:
             self._journal.touch_many(self, idx)
-        owners = self.seq[idx]
-        keys = (self.pos[idx] << _CELL_BITS) | idx
-        for s in np.flatnonzero(owners.any(axis=0)).tolist():
-            mine = np.sort(keys[owners[:, s]])
-            self.seq_pos[s].remove_many(mine)
-            self.removals += int(mine.size)
+        rows, seqs = np.nonzero(self.seq[idx])  # every (cell, sequence) pair dropped
+        keys = ((self.pos[idx] << _CELL_BITS) | idx)[rows]
+        order = np.lexsort((keys, seqs))
+        seqs, keys = seqs[order], keys[order]
+        new_seq = seqs[1:] != seqs[:-1]
+        if new_seq.all():  # one cell per sequence (a decode step's window reuse): no grouping
+            for q, k in zip(seqs.tolist(), keys.tolist(), strict=True):
+                self.seq_pos[q].remove_key(k)
+        else:
+            bounds = [0, *(np.flatnonzero(new_seq) + 1).tolist(), int(seqs.size)]
+            for a, b in itertools.pairwise(bounds):
+                self.seq_pos[int(seqs[a])].remove_many(keys[a:b])
+        self.removals += int(seqs.size)
         self.seq[idx] = False
         self.n_owner[idx] = 0
         self.pos[idx] = EMPTY
