@@ -663,14 +663,18 @@ class KVCells:
         self.n_owner[idx] -= 1
         gone: np.ndarray = idx[self.n_owner[idx] == 0]
         if gone.size:
-            self.pos[gone] = EMPTY
-            self.ext[gone] = 0
-            self.shift[gone] = 0
-            self.used -= int(gone.size)
-            np.add.at(self._nfree, gone >> BLOCK_SHIFT, 1)
-            if int(gone.max()) >= self._hi - 1:
-                self._hi_dirty = True
+            self._empty_many(gone)
         return gone
+
+    def _empty_many(self, idx: np.ndarray) -> None:
+        """Clear the cells ``idx`` (distinct, non-empty, no sequence left) and the counts."""
+        self.pos[idx] = EMPTY
+        self.ext[idx] = 0
+        self.shift[idx] = 0
+        self.used -= int(idx.size)
+        np.add.at(self._nfree, idx >> BLOCK_SHIFT, 1)
+        if int(idx.max()) >= self._hi - 1:
+            self._hi_dirty = True
 
     def rm_many(self, idx: np.ndarray) -> None:
         """Empty the cells ``idx`` (distinct), whatever sequences hold them; vectorised."""
@@ -694,13 +698,7 @@ class KVCells:
         self.removals += int(seqs.size)
         self.seq[idx] = False
         self.n_owner[idx] = 0
-        self.pos[idx] = EMPTY
-        self.ext[idx] = 0
-        self.shift[idx] = 0
-        self.used -= int(idx.size)
-        np.add.at(self._nfree, idx >> BLOCK_SHIFT, 1)
-        if int(idx.max()) >= self._hi - 1:
-            self._hi_dirty = True
+        self._empty_many(idx)
 
     def _repos(self, i: int, new: int) -> None:
         old = int(self.pos[i])
