@@ -197,18 +197,7 @@ class SeqCells(Sequence[tuple[int, int]]):
         self._n = n + m
 
     def remove(self, p: int, c: int) -> None:
-        k = _key(p, c)
-        n = self._n
-        keys = self._keys
-        if n and keys[n - 1] == k:
-            i = n - 1
-        else:
-            i = int(np.searchsorted(keys[:n], k))
-            if i >= n or keys[i] != k:
-                raise InvariantError("kv-seq-pos", f"pair (pos {p}, cell {c}) is not held")
-            keys[i : n - 1] = keys[i + 1 : n]
-        self._n = n - 1
-        self.stamp = next(_STAMPS)
+        self.remove_key(_key(p, c))
 
     def remove_key(self, k: int) -> None:
         """Remove one held pair given as its key: O(1) for the oldest or the newest."""
