@@ -13,7 +13,7 @@ from statecache.batch import Batch, BatchAllocator
 from statecache.errors import ArgumentError, StateError
 from statecache.kv_cache import KVCache, KVCacheISWA, KVLayer, iswa_sizes
 from statecache.kv_cells import KVCells
-from statecache.kv_mask import SWAType, build_mask, build_mask_streams, is_masked_swa, n_kv_for
+from statecache.kv_mask import SWAType, build_mask, is_masked_swa, n_kv_for
 from statecache.memory import MemoryStatus, StateFlags
 
 E = 8  # K and V row width of the test layers
@@ -147,40 +147,6 @@ def test_mask_matches_naive_rules(swa, causal):
             assert m[i, j] == -abs(int(c.pos[j]) - int(tok_pos[i]))
         else:
             assert m[i, j] == -np.inf
-
-
-@pytest.mark.parametrize("swa", [SWAType.NONE, SWAType.STANDARD])
-@pytest.mark.parametrize("with_ext", [False, True])
-def test_mask_over_several_streams_matches_the_naive_rules(swa, with_ext):
-    """One vectorised pass over several streams (a KV cache with a stream per sequence):
-    row i follows the rules over the cells of token i's own stream only."""
-    rng = np.random.default_rng(11)
-    streams = []
-    for _ in range(4):
-        c = KVCells(16, 3)
-        for i in range(14):
-            if rng.random() < 0.25:
-                continue
-            c.pos_set(i, int(rng.integers(0, 10)), (int(rng.integers(0, 3)), int(rng.integers(0, 3))))
-            for s in range(3):
-                if rng.random() < 0.5 or s == 1:
-                    c.seq_add(i, s)
-        streams.append(c)
-    n_tok, n_kv = 11, 16
-    tok_stream = rng.integers(0, 4, size=n_tok)
-    tok_pos = rng.integers(0, 12, size=n_tok)
-    tok_seq = rng.integers(0, 3, size=n_tok)
-    tok_ext = rng.integers(0, 3, size=(n_tok, 2)) if with_ext else None
-    m = build_mask_streams(streams, tok_stream, tok_pos, tok_seq, n_kv, swa_type=swa, n_swa=3, token_ext=tok_ext)
-    for i, j in itertools.product(range(n_tok), range(n_kv)):
-        c = streams[int(tok_stream[i])]
-        ext1 = tok_ext[i] if tok_ext is not None else (0, 0)
-        cell_ext = c.ext[j] if tok_ext is not None else (0, 0)
-        vis = naive_visible(
-            int(c.pos[j]), c.seqs_of(j) if c.pos[j] >= 0 else [], cell_ext, int(tok_pos[i]), int(tok_seq[i]),
-            ext1, swa, 3,
-        )  # fmt: skip
-        assert m[i, j] == (0.0 if vis else -np.inf), (i, j)
 
 
 def test_mask_swa_types_by_hand():
