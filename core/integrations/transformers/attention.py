@@ -51,8 +51,10 @@ class KVRows:
         self.n_kv = int(actx.n_kv())
         dev = cache.device
         self.rows: Buffer = dev.indices(actx.k_idxs())  # one upload per ubatch, shared by every layer
-        mask = actx.mask()  # [n_tokens, n_kv], 0 or -inf
-        self.mask = torch.from_numpy(np.ascontiguousarray(mask)).to(bridge.torch_device, dtype)
+        # [n_tokens, n_kv], 0 or -inf; the memory's read-only array (it reuses it across
+        # layers), so torch gets a copy rather than a view it could write through
+        mask = actx.mask()
+        self.mask = torch.tensor(mask, dtype=dtype, device=bridge.torch_device)
         self.mask = self.mask.view(self.n_s, 1, self.n_t, self.n_kv)
         self.streams = None
         if not cache.unified:
