@@ -13,24 +13,28 @@
  * walks a tile of rows (up to 32 KiB) through every token with the tile in
  * L1, vectorised over the key index; the AVX2 path takes four rows per pass
  * (see gdn_rows4).  Read-before-write per slice as in ssm_scan.c. */
-#include "sc_internal.h"
+#include "sc_gemm.h"
 
 /* Rows per tile: 32 KiB of f32 at head size 128, L1-resident for all tokens. */
 #define SC_GDN_TILE_BYTES 32768
 
 /* q or k[t0 .. t0 + n_t, h, :] as token rows at stride *t_stride: the view
- * itself when its last stride is 1 and nothing is normalised, else a packed
- * (L2-normalised when `eps` >= 0) copy in `scratch`. */
+ * itself when its last stride is 1, nothing is normalised and no copy is
+ * forced, else a packed (L2-normalised when `eps` >= 0) copy in `scratch`. */
 static const float *pack_tokens(const sc_view *v, int64_t t0, int64_t h, int64_t n_t, int64_t n, float eps,
-                                float *scratch, int64_t *t_stride) {
+                                int force, float *scratch, int64_t *t_stride) {
     const float *base = v->data + t0 * v->strides[0] + h * v->strides[1];
-    if (v->strides[2] == 1 && eps < 0.0f) {
+    if (v->strides[2] == 1 && eps < 0.0f && !force) {
         *t_stride = v->strides[0];
         return base;
     }
     for (int64_t t = 0; t < n_t; t++) {
         float *row = scratch + t * n;
-        for (int64_t i = 0; i < n; i++) row[i] = base[t * v->strides[0] + i * v->strides[2]];
+        if (t + SC_PREFETCH_ROWS < n_t) sc_prefetch_run(base + (t + SC_PREFETCH_ROWS) * v->strides[0], n, v->strides[2]);
+        if (v->strides[2] == 1)
+            memcpy(row, base + t * v->strides[0], sizeof(float) * (size_t)n);
+        else
+            for (int64_t i = 0; i < n; i++) row[i] = base[t * v->strides[0] + i * v->strides[2]];
         if (eps >= 0.0f) {
             float ss = 0.0f;
             for (int64_t i = 0; i < n; i++) ss += row[i] * row[i];
@@ -114,14 +118,451 @@ static void gdn_rows4(const float *in, float *out, float *mid, int64_t S, const 
 }
 #endif
 
+/* What a unit needs of its (sequence, value head): per-token vectors after
+ * the options were applied (k and q normalised when asked, the log decay
+ * after the raw-gate map, beta after its sigmoid). */
+typedef struct {
+    int64_t S, n_t, per; /* per: 1 (scalar gate) or S (KDA) */
+    const float *k, *q;  /* token rows at strides kts, qts */
+    int64_t kts, qts;
+    const float *v; /* token rows at stride vts, elements at stride ves */
+    int64_t vts, ves;
+    float *g;          /* [n_t][per] log decays (exp'd in place by the token loop) */
+    const float *beta; /* [n_t] */
+    float *o;          /* token rows at stride ots */
+    int64_t ots;
+    float scale;
+    int stream; /* a large call: outputs written with non-temporal stores */
+} gdn_unit;
+
+/* The token loop over one unit (see the top of the file); g holds the
+ * decays themselves (exp of the log decays). */
+static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, const gdn_unit *u, int64_t tile_rows,
+                           int stream, float *tile, float *mid) {
+    const int64_t S = u->S, n_t = u->n_t;
+    const int kda = u->per > 1;
+    const sc_dtype pool_dtype = (sc_dtype)st->pool_dtype;
+    const int64_t r0 = sc_snap_row(st, s, 0);
+    for (int64_t j0 = 0; j0 < S; j0 += tile_rows) {
+        const int64_t jr = S - j0 < tile_rows ? S - j0 : tile_rows;
+        const int64_t off = head_off + j0 * S;
+        /* f32 pools: the first token reads the start row and the last
+         * writes column 0 in place, as in ssm_scan.c. */
+        const int direct = pool_dtype == SC_F32 && n_t > 0;
+        char *start = sc_pool_at(st, st->start_rows[s], off);
+        if (!direct) sc_load_f32(start, pool_dtype, tile, jr * S);
+        /* The input state: undoing the whole call is exact. */
+        sc_copy_input_state(st, s, n_t, off, direct ? NULL : tile, jr * S);
+        for (int64_t t = 0; t < n_t; t++) {
+            const float *SC_RESTRICT kt = u->k + t * u->kts;
+            const float *SC_RESTRICT qt = u->q + t * u->qts;
+            const float *SC_RESTRICT et = kda ? u->g + t * S : NULL;
+            const float es_t = kda ? 1.0f : u->g[t];
+            const float b = u->beta[t];
+            float *ot = u->o + t * u->ots + j0;
+            const float *vt = u->v + t * u->vts + j0 * u->ves;
+            const int64_t j = n_t - 1 - t;
+            const float *in = t == 0 && direct ? (const float *)start : tile;
+            float *out = j == 0 && direct && r0 >= 0 ? (float *)sc_pool_at(st, r0, off) : tile;
+            int64_t r = 0;
+#ifdef SC_HAVE_AVX2
+            if (S % 8 == 0) {
+                /* a disjoint, aligned pool row of a large call: streamed */
+                float *via = stream && out != tile && out != in && ((uintptr_t)out & 31) == 0 ? mid : NULL;
+                for (; r + 4 <= jr; r += 4)
+                    gdn_rows4(in + r * S, out + r * S, via, S, kt, qt, et, es_t, vt + r * u->ves, u->ves, b, u->scale,
+                              ot + r);
+            }
+#endif
+            for (; r < jr; r++) {
+                const float *rin = in + r * S; /* the same row as `row` or disjoint from it */
+                float *row = out + r * S;
+                float kd = 0.0f;
+                if (kda) {
+#pragma omp simd reduction(+ : kd)
+                    for (int64_t i = 0; i < S; i++) {
+                        float m = rin[i] * et[i];
+                        row[i] = m;
+                        kd += m * kt[i];
+                    }
+                } else {
+#pragma omp simd reduction(+ : kd)
+                    for (int64_t i = 0; i < S; i++) {
+                        float m = rin[i] * es_t;
+                        row[i] = m;
+                        kd += m * kt[i];
+                    }
+                }
+                const float delta = (vt[r * u->ves] - kd) * b;
+                float oq = 0.0f;
+#pragma omp simd reduction(+ : oq)
+                for (int64_t i = 0; i < S; i++) {
+                    float m = row[i] + kt[i] * delta;
+                    row[i] = m;
+                    oq += m * qt[i];
+                }
+                ot[r] = u->scale * oq;
+            }
+            const int64_t rj = sc_snap_row(st, s, j);
+            if (out == tile && rj >= 0) sc_store_f32(tile, sc_pool_at(st, rj, off), pool_dtype, jr * S);
+        }
+    }
+}
+
+#ifdef SC_HAVE_AVX2
+/* -- Prefill in chunked (WY / UT-transform) form --------------------------------
+ *
+ * flash-linear-attention's chunked form of the gated delta rule, on the CPU.
+ * With the state as M [key i][value j], a chunk of L tokens starting from
+ * state M0, the decays folded as G_t = sum_{v<=t} g_v (per key for KDA),
+ * gam_t = exp(G_t) and Gam[t][u] = exp(G_t - G_u), the token loop is
+ *
+ *   delta = U - W M0                    (the L value corrections)
+ *   U = T (beta v),  W = T (beta gam k),  T = (I + A)^-1,
+ *   A[t][u] = beta_t (k_t . Gam[t][u] k_u) for u < t (unit lower triangular
+ *             system, solved by forward substitution),
+ *   o_t = scale (q_t gam_t) M0 + scale sum_{u<=t} (q_t . Gam[t][u] k_u) delta_u,
+ *   M_L = gam_L M0 + sum_u (Gam[L][u] k_u) delta_u^T,
+ *
+ * all of them products of [L x S] and [S x S] matrices (sc_gemm).  The state
+ * is kept key-major (the transpose of the pool's storage) so that every
+ * product runs with lanes across values; it is transposed in at the start of
+ * a unit and out at each snapshot.  Chunks end at every snapshot position
+ * (sc_state_stops), so snapshots are states of the recurrence; the rounding
+ * differs from the token loop by the order of the sums only.
+ *
+ * KDA's decays differ per key, so Gam[t][u] cannot leave the dot products
+ * q_t . Gam[t][u] k_u as one scalar.  As in fla's KDA kernels the chunk is
+ * cut into sub-blocks of 16 rows, each with a reference point R (the
+ * cumulative decay just before the block): rows are scaled by
+ * exp(G_t - R) <= 1, columns of earlier tokens by exp(R - G_u) <= 1, so one
+ * product per sub-block gives every pair without overflow.  Pairs inside a
+ * sub-block need exp(R - G_u) >= 1 for the block's own keys: used while the
+ * block's decay span stays below SC_KDA_SPAN (the factors then stay far from
+ * overflow), else those pairs are summed element by element with their exact
+ * decay. */
+#ifndef SC_GDN_CHUNK
+#define SC_GDN_CHUNK 32
+#endif
+/* A unit takes the chunked form when some run between its stops is at least
+ * this long; shorter runs of such a unit are chunks of their own. */
+#ifndef SC_GDN_CHUNK_MIN
+#define SC_GDN_CHUNK_MIN 16
+#endif
+#define SC_KDA_BLOCK 16
+#define SC_KDA_SPAN 60.0f
+
+/* Scratch of one thread for the chunked form (C = SC_GDN_CHUNK). */
+typedef struct {
+    float *M;            /* [S][S] state, key-major */
+    float *tmp;          /* [S][S] a state in storage layout */
+    float *KT;           /* [S][C] keys transposed (then the decayed keys of the state update) */
+    float *Akk, *Aqk, *T; /* [C][C] */
+    float *Vb, *U, *Kb;  /* [C][S] */
+    float *X, *Y;        /* [2C][S]: [W; gam q] and [W M; gam q M] */
+    float *seg, *gam;    /* [C] (scalar gate) */
+    float *Gam;          /* [C][C] (scalar gate) */
+    float *Gc, *E;       /* [C][S] cumulative log decays, exp(G_t) (KDA) */
+    float *XA, *AB;      /* [2 * SC_KDA_BLOCK][S], [2 * SC_KDA_BLOCK][C] (KDA) */
+    float *R;            /* [S] (KDA) */
+    int64_t *stops;      /* [n_cols + 1] */
+} gdn_chunk_ws;
+
+static inline int64_t round8(int64_t n) { return (n + 7) & ~(int64_t)7; }
+
+/* Akk and Aqk of a chunk with a scalar gate. */
+static void gdn_chunk_pairs_scalar(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L) {
+    const int64_t S = u->S, C = SC_GDN_CHUNK, Lp = round8(L);
+    const float *g = u->g + c0, *beta = u->beta + c0;
+    /* Gam[t][u] = exp(g_{u+1} + ... + g_t) as running sums (never a
+     * difference of cumulative sums, which loses short-range decays). */
+    float total = 0.0f;
+    for (int64_t t = 0; t < L; t++) {
+        const float a = g[t];
+        for (int64_t v = 0; v < t; v++) w->seg[v] += a;
+        w->seg[t] = 0.0f;
+        total += a;
+        float *Gt = w->Gam + t * C;
+        int64_t v = 0;
+        for (; v + 8 <= t + 1; v += 8) _mm256_storeu_ps(Gt + v, sc_exp8(_mm256_loadu_ps(w->seg + v)));
+        for (; v <= t; v++) Gt[v] = sc_exp(w->seg[v]);
+        w->gam[t] = sc_exp(total);
+    }
+    const float *kc = u->k + c0 * u->kts, *qc = u->q + c0 * u->qts;
+    sc_transpose(kc, u->kts, w->KT, C, L, S);
+    for (int64_t i = 0; i < S; i++)
+        for (int64_t v = L; v < Lp; v++) w->KT[i * C + v] = 0.0f;
+    sc_gemm(L, Lp, S, kc, u->kts, w->KT, C, w->Akk, C, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_C_LOWER, 0);
+    sc_gemm(L, Lp, S, qc, u->qts, w->KT, C, w->Aqk, C, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_C_LOWER, 1);
+    for (int64_t t = 0; t < L; t++) {
+        float *ak = w->Akk + t * C, *aq = w->Aqk + t * C;
+        const float *Gt = w->Gam + t * C;
+        const float b = beta[t];
+        for (int64_t v = 0; v < t; v++) ak[v] *= b * Gt[v];
+        for (int64_t v = t; v < Lp; v++) ak[v] = 0.0f;
+        for (int64_t v = 0; v <= t; v++) aq[v] *= Gt[v];
+        for (int64_t v = t + 1; v < Lp; v++) aq[v] = 0.0f;
+    }
+}
+
+/* KT[i][v] = k_v[i] exp(R[i] - G_v[i]) for tokens v < n of the chunk at c0
+ * (R NULL: 0), zero in columns [n, n_pad); built token-major in Vb (free
+ * whenever this runs) with lanes across keys, then transposed. */
+static void kda_decayed_keys(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, const float *R, int64_t n,
+                             int64_t n_pad) {
+    const int64_t S = u->S, C = SC_GDN_CHUNK;
+    const float *kc = u->k + c0 * u->kts;
+    for (int64_t v = 0; v < n; v++) {
+        const float *Gv = w->Gc + v * S, *kv = kc + v * u->kts;
+        float *d = w->Vb + v * S;
+        for (int64_t i = 0; i < S; i += 8) {
+            const __m256 r = R ? _mm256_loadu_ps(R + i) : _mm256_setzero_ps();
+            const __m256 e = sc_exp8(_mm256_sub_ps(r, _mm256_loadu_ps(Gv + i)));
+            _mm256_storeu_ps(d + i, _mm256_mul_ps(_mm256_loadu_ps(kv + i), e));
+        }
+    }
+    sc_transpose(w->Vb, S, w->KT, C, n, S);
+    for (int64_t i = 0; i < S; i++)
+        for (int64_t v = n; v < n_pad; v++) w->KT[i * C + v] = 0.0f;
+}
+
+/* Akk and Aqk of a KDA chunk, by sub-blocks (see above); also fills Gc
+ * (cumulative log decays) and E (exp(G_t)). */
+static void gdn_chunk_pairs_kda(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L) {
+    const int64_t S = u->S, C = SC_GDN_CHUNK, B = SC_KDA_BLOCK;
+    const float *beta = u->beta + c0;
+    const float *kc = u->k + c0 * u->kts, *qc = u->q + c0 * u->qts;
+    for (int64_t t = 0; t < L; t++) {
+        const float *gt = u->g + (c0 + t) * S, *prev = t ? w->Gc + (t - 1) * S : NULL;
+        float *Gt = w->Gc + t * S;
+        for (int64_t i = 0; i < S; i++) Gt[i] = prev ? prev[i] + gt[i] : gt[i];
+    }
+    for (int64_t i0 = 0; i0 < L; i0 += B) {
+        const int64_t i1 = i0 + B < L ? i0 + B : L, nb = i1 - i0, n_cols = round8(i1);
+        const float *R = i0 ? w->Gc + (i0 - 1) * S : NULL;
+        /* Rows: beta_t k_t exp(G_t - R) and q_t exp(G_t - R); E = exp(G_t). */
+        float span = 0.0f;
+        for (int64_t t = i0; t < i1; t++) {
+            const float *Gt = w->Gc + t * S, *kt = kc + t * u->kts, *qt = qc + t * u->qts;
+            float *kr = w->XA + (t - i0) * S, *qr = w->XA + (nb + t - i0) * S, *Et = w->E + t * S;
+            const __m256 b = _mm256_set1_ps(beta[t]);
+            for (int64_t i = 0; i < S; i += 8) {
+                const __m256 G = _mm256_loadu_ps(Gt + i), Rv = R ? _mm256_loadu_ps(R + i) : _mm256_setzero_ps();
+                const __m256 e = sc_exp8(_mm256_sub_ps(G, Rv));
+                _mm256_storeu_ps(kr + i, _mm256_mul_ps(_mm256_mul_ps(b, _mm256_loadu_ps(kt + i)), e));
+                _mm256_storeu_ps(qr + i, _mm256_mul_ps(_mm256_loadu_ps(qt + i), e));
+                _mm256_storeu_ps(Et + i, R ? sc_exp8(G) : e);
+            }
+        }
+        const float *Glast = w->Gc + (i1 - 1) * S;
+        for (int64_t i = 0; i < S; i++) {
+            const float d = (R ? R[i] : 0.0f) - Glast[i];
+            span = d > span ? d : span;
+        }
+        const int factored = span <= SC_KDA_SPAN; /* NaN spans are not: they take the exact sums */
+        /* Columns: k_u exp(R - G_u) for u < i1 (the block's own only when factored). */
+        kda_decayed_keys(u, w, c0, R, factored ? i1 : i0, n_cols);
+        sc_gemm(2 * nb, n_cols, S, w->XA, S, w->KT, C, w->AB, C, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
+        for (int64_t t = i0; t < i1; t++) {
+            const float *ab = w->AB + (t - i0) * C, *qb = w->AB + (nb + t - i0) * C;
+            float *ak = w->Akk + t * C, *aq = w->Aqk + t * C;
+            for (int64_t v = 0; v < t; v++) ak[v] = ab[v];
+            for (int64_t v = 0; v <= t; v++) aq[v] = qb[v];
+            if (!factored) {
+                /* The block's own pairs, each with its exact decays. */
+                const float *Gt = w->Gc + t * S, *kt = kc + t * u->kts, *qt = qc + t * u->qts;
+                for (int64_t v = i0; v <= t; v++) {
+                    const float *Gv = w->Gc + v * S, *kv = kc + v * u->kts;
+                    __m256 sk = _mm256_setzero_ps(), sq = sk;
+                    for (int64_t i = 0; i < S; i += 8) {
+                        const __m256 d = sc_exp8(_mm256_sub_ps(_mm256_loadu_ps(Gt + i), _mm256_loadu_ps(Gv + i)));
+                        const __m256 kd = _mm256_mul_ps(_mm256_loadu_ps(kv + i), d);
+                        sk = _mm256_fmadd_ps(_mm256_loadu_ps(kt + i), kd, sk);
+                        sq = _mm256_fmadd_ps(_mm256_loadu_ps(qt + i), kd, sq);
+                    }
+                    float hk[8], hq[8], tk = 0.0f, tq = 0.0f;
+                    _mm256_storeu_ps(hk, sk);
+                    _mm256_storeu_ps(hq, sq);
+                    for (int l = 0; l < 8; l++) {
+                        tk += hk[l];
+                        tq += hq[l];
+                    }
+                    if (v < t) ak[v] = beta[t] * tk;
+                    aq[v] = tq;
+                }
+            }
+            for (int64_t v = t; v < C; v++) ak[v] = 0.0f;
+            for (int64_t v = t + 1; v < C; v++) aq[v] = 0.0f;
+        }
+    }
+}
+
+/* One chunk [c0, c0 + L) of a unit: M advances over it and o is written. */
+static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L) {
+    const int64_t S = u->S, C = SC_GDN_CHUNK, Lp = round8(L);
+    const int kda = u->per > 1;
+    if (kda)
+        gdn_chunk_pairs_kda(u, w, c0, L);
+    else
+        gdn_chunk_pairs_scalar(u, w, c0, L);
+    /* T = (I + Akk)^-1 by forward substitution: T_t = e_t - sum_{v<t} Akk[t][v] T_v. */
+    for (int64_t t = 0; t < L; t++) {
+        float *Tt = w->T + t * C;
+        for (int64_t v = 0; v < Lp; v++) Tt[v] = v == t ? 1.0f : 0.0f;
+        const float *ak = w->Akk + t * C;
+        for (int64_t v = 0; v < t; v++) {
+            const __m256 a = _mm256_set1_ps(-ak[v]);
+            const float *Tv = w->T + v * C;
+            for (int64_t x = 0; x <= v; x += 8)
+                _mm256_storeu_ps(Tt + x, _mm256_fmadd_ps(a, _mm256_loadu_ps(Tv + x), _mm256_loadu_ps(Tt + x)));
+        }
+    }
+    /* beta v, beta gam k and gam q. */
+    const float *kc = u->k + c0 * u->kts, *qc = u->q + c0 * u->qts;
+    float *gq = w->X + L * S;
+    for (int64_t t = 0; t < L; t++) {
+        const float b = u->beta[c0 + t];
+        const float *vt = u->v + (c0 + t) * u->vts, *kt = kc + t * u->kts, *qt = qc + t * u->qts;
+        float *vb = w->Vb + t * S, *kb = w->Kb + t * S, *qg = gq + t * S;
+        if (u->ves == 1) {
+            for (int64_t j = 0; j < S; j++) vb[j] = b * vt[j];
+        } else {
+            for (int64_t j = 0; j < S; j++) vb[j] = b * vt[j * u->ves];
+        }
+        if (kda) {
+            const float *Et = w->E + t * S;
+            for (int64_t i = 0; i < S; i++) {
+                kb[i] = b * kt[i] * Et[i];
+                qg[i] = qt[i] * Et[i];
+            }
+        } else {
+            const float bg = b * w->gam[t], gt = w->gam[t];
+            for (int64_t i = 0; i < S; i++) {
+                kb[i] = bg * kt[i];
+                qg[i] = gt * qt[i];
+            }
+        }
+    }
+    /* U = T (beta v) and W = T (beta gam k) (T lower triangular). */
+    sc_gemm(L, S, L, w->T, C, w->Vb, S, w->U, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
+    sc_gemm(L, S, L, w->T, C, w->Kb, S, w->X, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
+    /* [W; gam q] M0 in one product. */
+    sc_gemm(2 * L, S, S, w->X, S, w->M, S, w->Y, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
+    for (int64_t t = 0; t < L; t++) {
+        float *d = w->U + t * S;
+        const float *wm = w->Y + t * S;
+        for (int64_t j = 0; j < S; j++) d[j] -= wm[j];
+    }
+    /* o = scale (gam q M0 + Aqk delta). */
+    float *oq = w->Y + L * S;
+    sc_gemm(L, S, L, w->Aqk, C, w->U, S, oq, S, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 0);
+    const __m256 sc = _mm256_set1_ps(u->scale);
+    for (int64_t t = 0; t < L; t++) {
+        float *ot = u->o + (c0 + t) * u->ots;
+        const float *r = oq + t * S;
+        /* Outputs of a large call go out with non-temporal stores: o rows are
+         * out of cache, and a normal store would first read each line. */
+        if (u->stream && ((uintptr_t)ot & 31) == 0)
+            for (int64_t j = 0; j < S; j += 8) _mm256_stream_ps(ot + j, _mm256_mul_ps(sc, _mm256_loadu_ps(r + j)));
+        else
+            for (int64_t j = 0; j < S; j += 8) _mm256_storeu_ps(ot + j, _mm256_mul_ps(sc, _mm256_loadu_ps(r + j)));
+    }
+    /* M = gam_L M0 + (Gam[L][u] k_u)^T delta. */
+    if (kda) {
+        kda_decayed_keys(u, w, c0, w->Gc + (L - 1) * S, L, L);
+        sc_gemm(S, S, L, w->KT, C, w->U, S, w->M, S, SC_GEMM_ROWS, 0.0f, w->E + (L - 1) * S, SC_GEMM_DENSE, 0);
+    } else {
+        const float *Gl = w->Gam + (L - 1) * C;
+        for (int64_t v = 0; v < L; v++) {
+            const float *kv = kc + v * u->kts;
+            float *d = w->Vb + v * S; /* free again: U holds T (beta v) */
+            for (int64_t i = 0; i < S; i++) d[i] = kv[i] * Gl[v];
+        }
+        sc_transpose(w->Vb, S, w->KT, C, L, S);
+        sc_gemm(S, S, L, w->KT, C, w->U, S, w->M, S, SC_GEMM_SCALE, w->gam[L - 1], NULL, SC_GEMM_DENSE, 0);
+    }
+}
+
+/* The chunked form of a unit, or 0 (nothing written) when its inputs or start
+ * state are not all finite; the caller then runs the token loop. */
+static int gdn_chunked_unit(const sc_state *st, int64_t s, int64_t head_off, const gdn_unit *u, gdn_chunk_ws *w,
+                            const int64_t *stops, int64_t n_stops) {
+    const int64_t S = u->S, n_t = u->n_t;
+    const sc_dtype pdt = (sc_dtype)st->pool_dtype;
+    /* k and q are packed here (kts == qts == S), g and beta contiguous. */
+    if (!sc_all_finite(u->k, 1, 0, n_t * S, 1) || !sc_all_finite(u->q, 1, 0, n_t * S, 1) ||
+        !sc_all_finite(u->v, n_t, u->vts, S, u->ves) || !sc_all_finite(u->g, 1, 0, n_t * u->per, 1) ||
+        !sc_all_finite(u->beta, 1, 0, n_t, 1))
+        return 0;
+    const char *start = sc_pool_at(st, st->start_rows[s], head_off);
+    const float *src = (const float *)start;
+    if (pdt != SC_F32) {
+        sc_load_f32(start, pdt, w->tmp, S * S);
+        src = w->tmp;
+    }
+    if (!sc_all_finite(src, 1, 0, S * S, 1)) return 0;
+    sc_transpose(src, S, w->M, S, S, S);
+    sc_copy_input_state(st, s, n_t, head_off, pdt == SC_F32 ? NULL : w->tmp, S * S);
+    int64_t pos = 0;
+    for (int64_t i = 0; i < n_stops; i++) {
+        for (; pos < stops[i]; pos += SC_GDN_CHUNK)
+            gdn_chunk(u, w, pos, stops[i] - pos < SC_GDN_CHUNK ? stops[i] - pos : SC_GDN_CHUNK);
+        pos = stops[i];
+        const int64_t r = sc_snap_row(st, s, n_t - stops[i]);
+        if (r < 0) continue;
+        char *dst = sc_pool_at(st, r, head_off);
+        if (pdt == SC_F32 && !u->stream) {
+            sc_transpose(w->M, S, (float *)dst, S, S, S);
+        } else {
+            sc_transpose(w->M, S, w->tmp, S, S, S);
+            sc_store_state(w->tmp, dst, pdt, S * S, u->stream);
+        }
+    }
+    return 1;
+}
+
+static void gdn_chunk_ws_alloc(gdn_chunk_ws *w, int64_t S, int kda, int64_t n_cols) {
+    const size_t C = SC_GDN_CHUNK, f = sizeof(float), SS = (size_t)S;
+    memset(w, 0, sizeof(*w));
+    w->M = (float *)sc_alloc(f * SS * SS);
+    w->tmp = (float *)sc_alloc(f * SS * SS);
+    w->KT = (float *)sc_alloc(f * SS * C);
+    w->Akk = (float *)sc_alloc(f * C * C);
+    w->Aqk = (float *)sc_alloc(f * C * C);
+    w->T = (float *)sc_alloc(f * C * C);
+    w->Vb = (float *)sc_alloc(f * C * SS);
+    w->U = (float *)sc_alloc(f * C * SS);
+    w->Kb = (float *)sc_alloc(f * C * SS);
+    w->X = (float *)sc_alloc(f * 2 * C * SS);
+    w->Y = (float *)sc_alloc(f * 2 * C * SS);
+    w->stops = (int64_t *)sc_alloc(sizeof(int64_t) * (size_t)(n_cols + 1));
+    if (kda) {
+        w->Gc = (float *)sc_alloc(f * C * SS);
+        w->E = (float *)sc_alloc(f * C * SS);
+        w->XA = (float *)sc_alloc(f * 2 * SC_KDA_BLOCK * SS);
+        w->AB = (float *)sc_alloc(f * 2 * SC_KDA_BLOCK * C);
+    } else {
+        w->seg = (float *)sc_alloc(f * C);
+        w->gam = (float *)sc_alloc(f * C);
+        w->Gam = (float *)sc_alloc(f * C * C);
+    }
+}
+
+static void gdn_chunk_ws_free(gdn_chunk_ws *w) {
+    float *all[] = {w->M,  w->tmp, w->KT,  w->Akk, w->Aqk, w->T,  w->Vb, w->U, w->Kb,
+                    w->X,  w->Y,   w->seg, w->gam, w->Gam, w->Gc, w->E,  w->XA, w->AB};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) free(all[i]);
+    free(w->stops);
+}
+#endif
+
 static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, const sc_view *v, const sc_view *g,
                       int kda, const sc_view *beta, float *o, const sc_delta_options *opt, int64_t n_head_k,
                       int64_t n_head_v, int64_t head_size, int n_threads) {
     const int64_t S = head_size, Hv = n_head_v, n_s = st->n_seqs, n_units = n_s * Hv;
-    const sc_dtype pool_dtype = (sc_dtype)st->pool_dtype;
     int64_t tile_rows = SC_GDN_TILE_BYTES / 4 / (S > 0 ? S : 1);
     tile_rows = tile_rows < 4 ? 4 : tile_rows - tile_rows % 4;
-    const float scale = opt->scale, eps = opt->qk_l2norm ? opt->l2norm_eps : -1.0f;
+    const float eps = opt->qk_l2norm ? opt->l2norm_eps : -1.0f;
     /* State streamed: every token passes over the state, plus the rows written
      * (a token does more arithmetic per element than the scan: this undercounts,
      * so the single-thread rule errs towards threads). */
@@ -129,118 +570,93 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
     const int team = sc_state_team(n_units, work_bytes, n_threads);
     const int stream = work_bytes >= sc_stream_min_bytes;
     const size_t tmax = (size_t)(st->max_tokens > 0 ? st->max_tokens : 1);
+    const int64_t per = kda ? S : 1;
+#ifdef SC_HAVE_AVX2
+    const int may_chunk = S % 8 == 0 && st->max_tokens >= SC_GDN_CHUNK_MIN;
+#else
+    const int may_chunk = 0;
+#endif
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         float *kpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
         float *qpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
-        float *gexp = (float *)sc_alloc(sizeof(float) * tmax * (size_t)(kda ? S : 1));
+        float *vpack = may_chunk ? (float *)sc_alloc(sizeof(float) * tmax * (size_t)S) : NULL;
+        float *gbuf = (float *)sc_alloc(sizeof(float) * tmax * (size_t)per);
         float *bt = (float *)sc_alloc(sizeof(float) * tmax);
         float *tile = (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows * S));
         float *mid = (float *)sc_alloc(sizeof(float) * (size_t)(4 * S));
+#ifdef SC_HAVE_AVX2
+        gdn_chunk_ws w = {0};
+        if (may_chunk) gdn_chunk_ws_alloc(&w, S, kda, st->n_cols);
+#endif
         int64_t lo, hi;
         sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
-        for (int64_t u = lo; u < hi; u++) {
-            const int64_t s = u / Hv, h = u % Hv;
+        for (int64_t un = lo; un < hi; un++) {
+            const int64_t s = un / Hv, h = un % Hv;
             const int64_t hk = opt->grouped ? h / (Hv / n_head_k) : h % n_head_k;
             const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
-            int64_t kts, qts;
-            const float *ks = pack_tokens(k, t0, hk, n_t, S, eps, kpack, &kts);
-            const float *qs = pack_tokens(q, t0, hk, n_t, S, eps, qpack, &qts);
+            gdn_unit u = {S, n_t, per, NULL, NULL, 0, 0, NULL, v->strides[0], v->strides[2], gbuf, bt,
+                          o + (t0 * Hv + h) * S, Hv * S, opt->scale, stream};
+            /* The chunked form reads k and q as matrices: packed contiguous, since
+             * rows a head count apart all fall in the same few L1 sets. */
+            int64_t longest = 0, n_stops = 0;
+#ifdef SC_HAVE_AVX2
+            if (may_chunk && n_t >= SC_GDN_CHUNK_MIN) n_stops = sc_state_stops(st, s, n_t, w.stops, &longest);
+#endif
+            const int chunked = longest >= SC_GDN_CHUNK_MIN;
+            u.k = pack_tokens(k, t0, hk, n_t, S, eps, chunked, kpack, &u.kts);
+            u.q = pack_tokens(q, t0, hk, n_t, S, eps, chunked, qpack, &u.qts);
+            if (chunked) {
+                /* v packed as well (with the prefetch), read as a matrix per chunk. */
+                u.v = pack_tokens(v, t0, h, n_t, S, -1.0f, 1, vpack, &u.vts);
+                u.ves = 1;
+            } else {
+                u.v = v->data + t0 * v->strides[0] + h * v->strides[1];
+            }
             const float *gs = g->data + t0 * g->strides[0] + h * g->strides[1];
-            const int64_t per = kda ? S : 1, gi = kda ? g->strides[2] : 0;
-            for (int64_t t = 0; t < n_t; t++)
-                for (int64_t i = 0; i < per; i++) gexp[t * per + i] = gs[t * g->strides[0] + i * gi];
+            const int64_t gi = kda ? g->strides[2] : 0;
+            for (int64_t t = 0; t < n_t; t++) {
+                if (kda && t + SC_PREFETCH_ROWS < n_t) sc_prefetch_run(gs + (t + SC_PREFETCH_ROWS) * g->strides[0], S, gi);
+                if (gi == 1)
+                    memcpy(gbuf + t * per, gs + t * g->strides[0], sizeof(float) * (size_t)per);
+                else
+                    for (int64_t i = 0; i < per; i++) gbuf[t * per + i] = gs[t * g->strides[0] + i * gi];
+            }
             if (opt->A_log) {
                 /* The raw gate: log-decay = -exp(A_log) * softplus(a + dt_bias). */
                 const float rate = -expf(opt->A_log[h]);
                 const float *bias = opt->dt_bias ? opt->dt_bias + h * per : NULL;
                 for (int64_t t = 0; t < n_t; t++) {
-                    float *gt = gexp + t * per;
+                    float *gt = gbuf + t * per;
                     if (bias)
                         for (int64_t i = 0; i < per; i++) gt[i] += bias[i];
 #pragma omp simd
                     for (int64_t i = 0; i < per; i++) gt[i] = rate * sc_softplus(gt[i]);
                 }
             }
-#pragma omp simd
-            for (int64_t i = 0; i < n_t * per; i++) gexp[i] = sc_exp(gexp[i]);
-            for (int64_t t = 0; t < n_t; t++)
-                bt[t] = beta->data[(t0 + t) * beta->strides[0] + h * beta->strides[1]];
+            for (int64_t t = 0; t < n_t; t++) bt[t] = beta->data[(t0 + t) * beta->strides[0] + h * beta->strides[1]];
             if (opt->beta_sigmoid)
                 for (int64_t t = 0; t < n_t; t++) bt[t] = 1.0f / (1.0f + sc_exp(-bt[t]));
-            const float *vs = v->data + t0 * v->strides[0] + h * v->strides[1];
-            const int64_t head_off = h * S * S, r0 = sc_snap_row(st, s, 0);
-            for (int64_t j0 = 0; j0 < S; j0 += tile_rows) {
-                const int64_t jr = S - j0 < tile_rows ? S - j0 : tile_rows;
-                const int64_t off = head_off + j0 * S;
-                /* f32 pools: the first token reads the start row and the last
-                 * writes column 0 in place, as in ssm_scan.c. */
-                const int direct = pool_dtype == SC_F32 && n_t > 0;
-                char *start = sc_pool_at(st, st->start_rows[s], off);
-                if (!direct) sc_load_f32(start, pool_dtype, tile, jr * S);
-                /* The input state: undoing the whole call is exact. */
-                sc_copy_input_state(st, s, n_t, off, direct ? NULL : tile, jr * S);
-                for (int64_t t = 0; t < n_t; t++) {
-                    const float *SC_RESTRICT kt = ks + t * kts;
-                    const float *SC_RESTRICT qt = qs + t * qts;
-                    const float *SC_RESTRICT et = kda ? gexp + t * S : NULL;
-                    const float es_t = kda ? 1.0f : gexp[t];
-                    const float b = bt[t];
-                    float *ot = o + ((t0 + t) * Hv + h) * S + j0;
-                    const float *vt = vs + t * v->strides[0] + j0 * v->strides[2];
-                    const int64_t j = n_t - 1 - t;
-                    const float *in = t == 0 && direct ? (const float *)start : tile;
-                    float *out = j == 0 && direct && r0 >= 0 ? (float *)sc_pool_at(st, r0, off) : tile;
-                    int64_t r = 0;
+            const int64_t head_off = h * S * S;
 #ifdef SC_HAVE_AVX2
-                    if (S % 8 == 0) {
-                        /* a disjoint, aligned pool row of a large call: streamed */
-                        float *via = stream && out != tile && out != in && ((uintptr_t)out & 31) == 0 ? mid : NULL;
-                        for (; r + 4 <= jr; r += 4)
-                            gdn_rows4(in + r * S, out + r * S, via, S, kt, qt, et, es_t, vt + r * v->strides[2],
-                                      v->strides[2], b, scale, ot + r);
-                    }
+            if (chunked && gdn_chunked_unit(st, s, head_off, &u, &w, w.stops, n_stops)) continue;
+#else
+            (void)n_stops;
 #endif
-                    for (; r < jr; r++) {
-                        const float *rin = in + r * S; /* the same row as `row` or disjoint from it */
-                        float *row = out + r * S;
-                        float kd = 0.0f;
-                        if (kda) {
-#pragma omp simd reduction(+ : kd)
-                            for (int64_t i = 0; i < S; i++) {
-                                float m = rin[i] * et[i];
-                                row[i] = m;
-                                kd += m * kt[i];
-                            }
-                        } else {
-#pragma omp simd reduction(+ : kd)
-                            for (int64_t i = 0; i < S; i++) {
-                                float m = rin[i] * es_t;
-                                row[i] = m;
-                                kd += m * kt[i];
-                            }
-                        }
-                        const float delta = (vt[r * v->strides[2]] - kd) * b;
-                        float oq = 0.0f;
-#pragma omp simd reduction(+ : oq)
-                        for (int64_t i = 0; i < S; i++) {
-                            float m = row[i] + kt[i] * delta;
-                            row[i] = m;
-                            oq += m * qt[i];
-                        }
-                        ot[r] = scale * oq;
-                    }
-                    const int64_t rj = sc_snap_row(st, s, j);
-                    if (out == tile && rj >= 0) sc_store_f32(tile, sc_pool_at(st, rj, off), pool_dtype, jr * S);
-                }
-            }
+#pragma omp simd
+            for (int64_t i = 0; i < n_t * per; i++) gbuf[i] = sc_exp(gbuf[i]);
+            gdn_token_unit(st, s, head_off, &u, tile_rows, stream, tile, mid);
         }
         free(kpack);
         free(qpack);
-        free(gexp);
+        free(vpack);
+        free(gbuf);
         free(bt);
         free(tile);
         free(mid);
+#ifdef SC_HAVE_AVX2
+        if (may_chunk) gdn_chunk_ws_free(&w);
+#endif
         sc_stream_fence(); /* this thread's streamed rows are visible before it joins */
     }
 }

@@ -14,8 +14,10 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__F16C__) && defined(__AVX__)
+#ifdef __AVX__
 #include <immintrin.h>
+#endif
+#if defined(__F16C__) && defined(__AVX__)
 #define SC_HAVE_F16C 1
 #endif
 
@@ -318,6 +320,24 @@ static inline int64_t sc_max_written(const sc_state *st) {
     return st->max_tokens + 1 < st->n_cols ? st->max_tokens + 1 : st->n_cols;
 }
 
+/* sc_store_f32 of a state into a pool row; `stream` (a call past
+ * SC_STREAM_MIN_BYTES) writes an aligned f32 row with non-temporal stores:
+ * the row is out of cache, and a normal store would first read each line.
+ * The caller fences (sc_stream_fence) before the kernel returns. */
+static inline void sc_store_state(const float *src, void *dst, sc_dtype dt, int64_t n, int stream) {
+#ifdef SC_HAVE_AVX2
+    if (stream && dt == SC_F32 && ((uintptr_t)dst & 31) == 0) {
+        float *d = (float *)dst;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) _mm256_stream_ps(d + i, _mm256_loadu_ps(src + i));
+        for (; i < n; i++) d[i] = src[i];
+        return;
+    }
+#endif
+    (void)stream;
+    sc_store_f32(src, dst, dt, n);
+}
+
 /* Copy a state slice from the start row to the input-state column
  * (j = n_t) when that column is written and is another row. */
 static inline void sc_copy_input_state(const sc_state *st, int64_t s, int64_t n_t, int64_t elem, const void *loaded,
@@ -334,6 +354,68 @@ static inline void sc_copy_input_state(const sc_state *st, int64_t s, int64_t n_
 }
 
 static inline float sc_silu(float x) { return x / (1.0f + sc_exp(-x)); }
+
+/* Token rows of one head lie a whole token's width apart, so each starts
+ * in another page, where the hardware prefetchers find no stream: loops
+ * that walk such rows fetch the row SC_PREFETCH_ROWS ahead of the one they
+ * read (a run of n floats at element stride es). */
+#define SC_PREFETCH_ROWS 8
+static inline void sc_prefetch_run(const float *p, int64_t n, int64_t es) {
+    const char *c = (const char *)p;
+    const int64_t bytes = (n - 1) * es * (int64_t)sizeof(float);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
+    __builtin_prefetch(c + bytes);
+}
+
+/* The token counts after which sequence s's state is wanted, ascending:
+ * n_t - j for every column 1 <= j < n_t that has a snapshot row, then n_t
+ * (column 0, and where every token's output is due).  A chunked form ends a
+ * chunk at each of them, so every snapshot is a state the recurrence passes
+ * through, not one recomputed another way.  `stops` has room for n_cols + 1
+ * entries; returns their count, and in *longest the most tokens between two
+ * consecutive stops (or from the start to the first). */
+static inline int64_t sc_state_stops(const sc_state *st, int64_t s, int64_t n_t, int64_t *stops, int64_t *longest) {
+    int64_t n = 0, prev = 0, most = 0;
+    for (int64_t j = (n_t - 1 < st->n_cols - 1 ? n_t - 1 : st->n_cols - 1); j >= 1; j--)
+        if (sc_snap_row(st, s, j) >= 0) stops[n++] = n_t - j;
+    stops[n++] = n_t;
+    for (int64_t i = 0; i < n; i++) {
+        most = stops[i] - prev > most ? stops[i] - prev : most;
+        prev = stops[i];
+    }
+    *longest = most;
+    return n;
+}
+
+/* 1 when none of rows x n elements (row stride rs, element stride es) is
+ * NaN or infinite.  The chunked forms mix tokens inside matrix products
+ * (a masked-out zero times an infinity is NaN, and a sum of infinities of
+ * both signs is NaN where the recurrence keeps one infinity), so a unit
+ * whose inputs are not all finite runs the token loop, which puts NaN and
+ * Inf exactly where the definition does. */
+static inline int sc_all_finite(const float *p, int64_t rows, int64_t rs, int64_t n, int64_t es) {
+    int ok = 1;
+    for (int64_t r = 0; r < rows && ok; r++) {
+        const float *row = p + r * rs;
+        if (r + SC_PREFETCH_ROWS < rows) sc_prefetch_run(row + SC_PREFETCH_ROWS * rs, n, es);
+        int64_t i = 0;
+        /* x - x is 0 exactly when x is finite (NaN for NaN and for +-Inf). */
+        if (es == 1) {
+#ifdef __AVX__
+            __m256 bad = _mm256_setzero_ps();
+            for (; i + 8 <= n; i += 8) {
+                const __m256 x = _mm256_loadu_ps(row + i);
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+            }
+            ok = !_mm256_movemask_ps(bad);
+#endif
+            for (; i < n; i++) ok &= row[i] - row[i] == 0.0f;
+        } else {
+            for (; i < n; i++) ok &= row[i * es] - row[i * es] == 0.0f;
+        }
+    }
+    return ok;
+}
 
 
 /* NaN-preserving clamp (the comparisons are false for NaN). */
