@@ -191,7 +191,7 @@ static void conv4_decode_block(const float *win, float *nwin, float *old, const 
  * any count on builds without AVX2): windows through the time-major `ext`. */
 static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, const sc_view *x, const float *weight,
                       const float *bias, float *y, int64_t channels, int64_t d_conv, int apply_silu, float *ext,
-                      float *win, float *wT) {
+                      float *win, float *wT, int stream) {
     const int64_t W = d_conv - 1;
     const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
     const sc_dtype pdt = (sc_dtype)st->pool_dtype;
@@ -215,6 +215,10 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
     c_vec = cb - cb % 8;
     for (int64_t t = 0; t < n_t; t++) {
         float *yr = y + (t0 + t) * channels + c0;
+        /* x rows are a whole channel count apart, each in a new page: fetched
+         * ahead.  Outputs of a large call are streamed (see sc_store_state). */
+        if (xc == 1 && t + SC_PREFETCH_ROWS < n_t) sc_prefetch_run(xblock + (t + SC_PREFETCH_ROWS) * xt, cb, 1);
+        const int nt_store = stream && ((uintptr_t)yr & 31) == 0;
         const float *taps[SC_CONV_MAX_TAPS];
         const int64_t n_taps = d_conv < SC_CONV_MAX_TAPS ? d_conv : SC_CONV_MAX_TAPS;
         for (int64_t k = 0; k < n_taps; k++) taps[k] = EROW(t + k);
@@ -227,7 +231,10 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
                                       acc);
             if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + c0 + c));
             if (apply_silu) acc = sc_silu8(acc);
-            _mm256_storeu_ps(yr + c, acc);
+            if (nt_store)
+                _mm256_stream_ps(yr + c, acc);
+            else
+                _mm256_storeu_ps(yr + c, acc);
         }
     }
 #endif
@@ -276,6 +283,7 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
     const int64_t work_bytes =
         channels * (int64_t)sizeof(float) * (n_s * W * (1 + sc_max_written(st)) + 2 * st->n_tokens);
     const int team = sc_state_team(n_units, work_bytes, n_threads);
+    const int stream = work_bytes >= sc_stream_min_bytes;
 #ifdef SC_HAVE_AVX2
     const int has_avx2 = 1;
 #else
@@ -346,8 +354,9 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
                 continue;
             }
 #endif
-            conv_unit(st, s, c0, cb, x, weight, bias, y, channels, d_conv, apply_silu, ext, win, wT);
+            conv_unit(st, s, c0, cb, x, weight, bias, y, channels, d_conv, apply_silu, ext, win, wT, stream);
         }
+        sc_stream_fence(); /* this thread's streamed outputs are visible before it joins */
         free(ext);
         free(win);
         free(wT);
