@@ -133,6 +133,12 @@ typedef struct {
     int64_t ots;
     float scale;
     int stream; /* a large call: outputs written with non-temporal stores */
+    /* The chunked form packs its chunks itself: the views, the token the
+     * sequence starts at, the q/k head and value head, the L2 epsilon (< 0:
+     * none). */
+    const sc_view *kv, *qv, *vv;
+    int64_t t0, hk, h;
+    float eps;
 } gdn_unit;
 
 /* The token loop over one unit (see the top of the file); g holds the
@@ -231,6 +237,12 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
  * (sc_state_stops), so snapshots are states of the recurrence; the rounding
  * differs from the token loop by the order of the sums only.
  *
+ * Each chunk's q, k and v rows are packed (and normalised) as the chunk
+ * starts, while the previous chunk's products were fetching them (rows a
+ * head count apart defeat the hardware prefetchers and share L1 sets).  A
+ * chunk whose inputs are not all finite, and every token after it, runs the
+ * token loop on the key-major state instead (see sc_all_finite).
+ *
  * KDA's decays differ per key, so Gam[t][u] cannot leave the dot products
  * q_t . Gam[t][u] k_u as one scalar.  As in fla's KDA kernels the chunk is
  * cut into sub-blocks of 16 rows, each with a reference point R (the
@@ -242,7 +254,7 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
  * overflow), else those pairs are summed element by element with their exact
  * decay. */
 #ifndef SC_GDN_CHUNK
-#define SC_GDN_CHUNK 32
+#define SC_GDN_CHUNK 16
 #endif
 /* A unit takes the chunked form when some run between its stops is at least
  * this long; shorter runs of such a unit are chunks of their own. */
@@ -254,21 +266,37 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
 
 /* Scratch of one thread for the chunked form (C = SC_GDN_CHUNK). */
 typedef struct {
-    float *M;            /* [S][S] state, key-major */
-    float *tmp;          /* [S][S] a state in storage layout */
-    float *KT;           /* [S][C] keys transposed (then the decayed keys of the state update) */
-    float *Akk, *Aqk, *T; /* [C][C] */
-    float *Vb, *U, *Kb;  /* [C][S] */
-    float *X, *Y;        /* [2C][S]: [W; gam q] and [W M; gam q M] */
-    float *seg, *gam;    /* [C] (scalar gate) */
-    float *Gam;          /* [C][C] (scalar gate) */
-    float *Gc, *E;       /* [C][S] cumulative log decays, exp(G_t) (KDA) */
-    float *XA, *AB;      /* [2 * SC_KDA_BLOCK][S], [2 * SC_KDA_BLOCK][C] (KDA) */
-    float *R;            /* [S] (KDA) */
-    int64_t *stops;      /* [n_cols + 1] */
+    float *M;                  /* [S][S] state, key-major */
+    float *tmp;                /* [S][S] a state in storage layout */
+    float *kc, *qc, *vc;       /* [C][S] the chunk's packed k, q, v */
+    float *KT;                 /* [S][C] keys transposed (then the decayed keys of the state update) */
+    float *Akk, *Aqk, *T, *T2; /* [C][C] */
+    float *Vb, *U, *Kb;        /* [C][S]; Vb: token-major scratch */
+    float *X, *Y;              /* [2C][S]: [W; gam q] and [W M; gam q M] */
+    float *seg, *gam;          /* [C] (scalar gate) */
+    float *Gam;                /* [C][C] (scalar gate) */
+    float *Gc, *E;             /* [C][S] cumulative log decays, exp(G_t) (KDA) */
+    float *XA, *AB;            /* [2 * SC_KDA_BLOCK][S], [2 * SC_KDA_BLOCK][C] (KDA) */
+    float *R;                  /* [S] exp of a sub-block's reference (KDA) */
+    int keys_factored;         /* KT holds k_u exp(-G_u) for the whole chunk (KDA) */
+    int64_t next, n_next;      /* the next chunk's tokens (prefetched meanwhile), rows fetched */
+    int64_t *stops;            /* [n_cols + 1] */
 } gdn_chunk_ws;
 
 static inline int64_t round8(int64_t n) { return (n + 7) & ~(int64_t)7; }
+
+/* Fetches the next `rows` of the 3 * n_next token rows (k, q, v) of the
+ * next chunk: called a few rows at a time from the current chunk's loops,
+ * so the misses overlap its arithmetic instead of stalling in a burst. */
+static void gdn_fetch_next(const gdn_unit *u, gdn_chunk_ws *w, int64_t len, int64_t rows) {
+    const int64_t total = 3 * len;
+    for (int64_t r = 0; r < rows && w->n_next < total; r++, w->n_next++) {
+        const int64_t which = w->n_next / len, t = u->t0 + w->next + w->n_next % len;
+        const sc_view *v = which == 0 ? u->kv : which == 1 ? u->qv : u->vv;
+        const int64_t head = which == 2 ? u->h : u->hk;
+        sc_prefetch_run(v->data + t * v->strides[0] + head * v->strides[1], u->S, v->strides[2]);
+    }
+}
 
 /* Akk and Aqk of a chunk with a scalar gate. */
 static void gdn_chunk_pairs_scalar(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L) {
@@ -288,12 +316,11 @@ static void gdn_chunk_pairs_scalar(const gdn_unit *u, gdn_chunk_ws *w, int64_t c
         for (; v <= t; v++) Gt[v] = sc_exp(w->seg[v]);
         w->gam[t] = sc_exp(total);
     }
-    const float *kc = u->k + c0 * u->kts, *qc = u->q + c0 * u->qts;
-    sc_transpose(kc, u->kts, w->KT, C, L, S);
+    sc_transpose(w->kc, S, w->KT, C, L, S);
     for (int64_t i = 0; i < S; i++)
         for (int64_t v = L; v < Lp; v++) w->KT[i * C + v] = 0.0f;
-    sc_gemm(L, Lp, S, kc, u->kts, w->KT, C, w->Akk, C, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_C_LOWER, 0);
-    sc_gemm(L, Lp, S, qc, u->qts, w->KT, C, w->Aqk, C, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_C_LOWER, 1);
+    sc_gemm(L, Lp, S, w->kc, S, w->KT, C, w->Akk, C, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_C_LOWER, 0);
+    sc_gemm(L, Lp, S, w->qc, S, w->KT, C, w->Aqk, C, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_C_LOWER, 1);
     for (int64_t t = 0; t < L; t++) {
         float *ak = w->Akk + t * C, *aq = w->Aqk + t * C;
         const float *Gt = w->Gam + t * C;
@@ -305,15 +332,11 @@ static void gdn_chunk_pairs_scalar(const gdn_unit *u, gdn_chunk_ws *w, int64_t c
     }
 }
 
-/* KT[i][v] = k_v[i] exp(R[i] - G_v[i]) for tokens v < n of the chunk at c0
- * (R NULL: 0), zero in columns [n, n_pad); built token-major in Vb (free
- * whenever this runs) with lanes across keys, then transposed. */
-static void kda_decayed_keys(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, const float *R, int64_t n,
-                             int64_t n_pad) {
-    const int64_t S = u->S, C = SC_GDN_CHUNK;
-    const float *kc = u->k + c0 * u->kts;
+/* Rows v < n of the token-major scratch Vb: k_v exp(R - G_v) (R NULL: 0). */
+static void kda_decayed_key_rows(const gdn_unit *u, gdn_chunk_ws *w, const float *R, int64_t n) {
+    const int64_t S = u->S;
     for (int64_t v = 0; v < n; v++) {
-        const float *Gv = w->Gc + v * S, *kv = kc + v * u->kts;
+        const float *Gv = w->Gc + v * S, *kv = w->kc + v * S;
         float *d = w->Vb + v * S;
         for (int64_t i = 0; i < S; i += 8) {
             const __m256 r = R ? _mm256_loadu_ps(R + i) : _mm256_setzero_ps();
@@ -321,47 +344,68 @@ static void kda_decayed_keys(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, con
             _mm256_storeu_ps(d + i, _mm256_mul_ps(_mm256_loadu_ps(kv + i), e));
         }
     }
+}
+
+/* KT [S][C] = the first n rows of Vb transposed, zero in columns [n, n_pad). */
+static void kda_keys_to_columns(gdn_chunk_ws *w, int64_t S, int64_t n, int64_t n_pad) {
+    const int64_t C = SC_GDN_CHUNK;
     sc_transpose(w->Vb, S, w->KT, C, n, S);
     for (int64_t i = 0; i < S; i++)
         for (int64_t v = n; v < n_pad; v++) w->KT[i * C + v] = 0.0f;
 }
 
 /* Akk and Aqk of a KDA chunk, by sub-blocks (see above); also fills Gc
- * (cumulative log decays) and E (exp(G_t)). */
+ * (cumulative log decays) and E (exp(G_t)).  When the chunk is one factored
+ * sub-block, KT is left holding k_u exp(-G_u) (w->keys_factored), from which
+ * the state update's keys follow by a row scale instead of exps. */
 static void gdn_chunk_pairs_kda(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L) {
     const int64_t S = u->S, C = SC_GDN_CHUNK, B = SC_KDA_BLOCK;
     const float *beta = u->beta + c0;
-    const float *kc = u->k + c0 * u->kts, *qc = u->q + c0 * u->qts;
     for (int64_t t = 0; t < L; t++) {
-        const float *gt = u->g + (c0 + t) * S, *prev = t ? w->Gc + (t - 1) * S : NULL;
+        const float *gt = u->g + (c0 + t) * S, *prev = w->Gc + (t - 1) * S;
         float *Gt = w->Gc + t * S;
-        for (int64_t i = 0; i < S; i++) Gt[i] = prev ? prev[i] + gt[i] : gt[i];
+        for (int64_t i = 0; i < S; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gt + i);
+            _mm256_storeu_ps(Gt + i, t ? _mm256_add_ps(_mm256_loadu_ps(prev + i), g) : g);
+        }
     }
+    w->keys_factored = 0;
     for (int64_t i0 = 0; i0 < L; i0 += B) {
         const int64_t i1 = i0 + B < L ? i0 + B : L, nb = i1 - i0, n_cols = round8(i1);
-        const float *R = i0 ? w->Gc + (i0 - 1) * S : NULL;
-        /* Rows: beta_t k_t exp(G_t - R) and q_t exp(G_t - R); E = exp(G_t). */
+        const float *R = i0 ? w->Gc + (i0 - 1) * S : NULL, *Glast = w->Gc + (i1 - 1) * S;
         float span = 0.0f;
-        for (int64_t t = i0; t < i1; t++) {
-            const float *Gt = w->Gc + t * S, *kt = kc + t * u->kts, *qt = qc + t * u->qts;
-            float *kr = w->XA + (t - i0) * S, *qr = w->XA + (nb + t - i0) * S, *Et = w->E + t * S;
-            const __m256 b = _mm256_set1_ps(beta[t]);
-            for (int64_t i = 0; i < S; i += 8) {
-                const __m256 G = _mm256_loadu_ps(Gt + i), Rv = R ? _mm256_loadu_ps(R + i) : _mm256_setzero_ps();
-                const __m256 e = sc_exp8(_mm256_sub_ps(G, Rv));
-                _mm256_storeu_ps(kr + i, _mm256_mul_ps(_mm256_mul_ps(b, _mm256_loadu_ps(kt + i)), e));
-                _mm256_storeu_ps(qr + i, _mm256_mul_ps(_mm256_loadu_ps(qt + i), e));
-                _mm256_storeu_ps(Et + i, R ? sc_exp8(G) : e);
-            }
-        }
-        const float *Glast = w->Gc + (i1 - 1) * S;
         for (int64_t i = 0; i < S; i++) {
             const float d = (R ? R[i] : 0.0f) - Glast[i];
             span = d > span ? d : span;
         }
         const int factored = span <= SC_KDA_SPAN; /* NaN spans are not: they take the exact sums */
-        /* Columns: k_u exp(R - G_u) for u < i1 (the block's own only when factored). */
-        kda_decayed_keys(u, w, c0, R, factored ? i1 : i0, n_cols);
+        if (R)
+            for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(w->R + i, sc_exp8(_mm256_loadu_ps(R + i)));
+        /* Columns of earlier blocks: k_u exp(R - G_u) <= 1. */
+        kda_decayed_key_rows(u, w, R, i0);
+        /* Rows: beta_t k_t e_t and q_t e_t with e_t = exp(G_t - R) <= 1;
+         * E = exp(G_t) = e_t exp(R); the block's own columns (factored)
+         * k_t exp(R - G_t) = k_t / e_t, by a refined reciprocal. */
+        for (int64_t t = i0; t < i1; t++) {
+            const float *Gt = w->Gc + t * S, *kt = w->kc + t * S, *qt = w->qc + t * S;
+            float *kr = w->XA + (t - i0) * S, *qr = w->XA + (nb + t - i0) * S, *Et = w->E + t * S;
+            float *col = w->Vb + t * S;
+            const __m256 b = _mm256_set1_ps(beta[t]), one = _mm256_set1_ps(1.0f);
+            for (int64_t i = 0; i < S; i += 8) {
+                const __m256 G = _mm256_loadu_ps(Gt + i), k = _mm256_loadu_ps(kt + i);
+                const __m256 e = sc_exp8(R ? _mm256_sub_ps(G, _mm256_loadu_ps(R + i)) : G);
+                _mm256_storeu_ps(kr + i, _mm256_mul_ps(_mm256_mul_ps(b, k), e));
+                _mm256_storeu_ps(qr + i, _mm256_mul_ps(_mm256_loadu_ps(qt + i), e));
+                _mm256_storeu_ps(Et + i, R ? _mm256_mul_ps(e, _mm256_loadu_ps(w->R + i)) : e);
+                if (factored) {
+                    const __m256 r0 = _mm256_rcp_ps(e);
+                    const __m256 r = _mm256_fmadd_ps(r0, _mm256_fnmadd_ps(e, r0, one), r0);
+                    _mm256_storeu_ps(col + i, _mm256_mul_ps(k, r));
+                }
+            }
+        }
+        kda_keys_to_columns(w, S, factored ? i1 : i0, n_cols);
+        w->keys_factored = factored && i0 == 0 && i1 == L;
         sc_gemm(2 * nb, n_cols, S, w->XA, S, w->KT, C, w->AB, C, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
         for (int64_t t = i0; t < i1; t++) {
             const float *ab = w->AB + (t - i0) * C, *qb = w->AB + (nb + t - i0) * C;
@@ -370,9 +414,9 @@ static void gdn_chunk_pairs_kda(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, 
             for (int64_t v = 0; v <= t; v++) aq[v] = qb[v];
             if (!factored) {
                 /* The block's own pairs, each with its exact decays. */
-                const float *Gt = w->Gc + t * S, *kt = kc + t * u->kts, *qt = qc + t * u->qts;
+                const float *Gt = w->Gc + t * S, *kt = w->kc + t * S, *qt = w->qc + t * S;
                 for (int64_t v = i0; v <= t; v++) {
-                    const float *Gv = w->Gc + v * S, *kv = kc + v * u->kts;
+                    const float *Gv = w->Gc + v * S, *kv = w->kc + v * S;
                     __m256 sk = _mm256_setzero_ps(), sq = sk;
                     for (int64_t i = 0; i < S; i += 8) {
                         const __m256 d = sc_exp8(_mm256_sub_ps(_mm256_loadu_ps(Gt + i), _mm256_loadu_ps(Gv + i)));
@@ -397,16 +441,20 @@ static void gdn_chunk_pairs_kda(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, 
     }
 }
 
-/* One chunk [c0, c0 + L) of a unit: M advances over it and o is written. */
-static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L) {
+/* One chunk [c0, c0 + L) of a unit, its k, q, v packed in w->kc, qc, vc: M
+ * advances over it and o is written; `next_len` rows of the next chunk are
+ * fetched meanwhile. */
+static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L, int64_t next_len) {
     const int64_t S = u->S, C = SC_GDN_CHUNK, Lp = round8(L);
     const int kda = u->per > 1;
+    const int64_t fetch = next_len ? (3 * next_len + L - 1) / L : 0; /* rows per step of the T loop */
     if (kda)
         gdn_chunk_pairs_kda(u, w, c0, L);
     else
         gdn_chunk_pairs_scalar(u, w, c0, L);
     /* T = (I + Akk)^-1 by forward substitution: T_t = e_t - sum_{v<t} Akk[t][v] T_v. */
     for (int64_t t = 0; t < L; t++) {
+        gdn_fetch_next(u, w, next_len, fetch);
         float *Tt = w->T + t * C;
         for (int64_t v = 0; v < Lp; v++) Tt[v] = v == t ? 1.0f : 0.0f;
         const float *ak = w->Akk + t * C;
@@ -417,41 +465,45 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L)
                 _mm256_storeu_ps(Tt + x, _mm256_fmadd_ps(a, _mm256_loadu_ps(Tv + x), _mm256_loadu_ps(Tt + x)));
         }
     }
-    /* beta v, beta gam k and gam q. */
-    const float *kc = u->k + c0 * u->kts, *qc = u->q + c0 * u->qts;
+    /* U = T (beta v) = T' v and W = T (beta gam k) with T' = T diag(beta): the
+     * column scales go into the small T (scalar gate: into a second copy
+     * T'' = T' diag(gam), so that both products read v and k in place; KDA's
+     * per-key gam needs the rows k_t E_t). */
+    const float *beta = u->beta + c0;
+    for (int64_t t = 0; t < L; t++) {
+        float *Tt = w->T + t * C, *T2 = w->T2 + t * C;
+        for (int64_t v = 0; v <= t; v++) Tt[v] *= beta[v];
+        if (!kda)
+            for (int64_t v = 0; v < Lp; v++) T2[v] = v <= t ? Tt[v] * w->gam[v] : 0.0f;
+    }
     float *gq = w->X + L * S;
     for (int64_t t = 0; t < L; t++) {
-        const float b = u->beta[c0 + t];
-        const float *vt = u->v + (c0 + t) * u->vts, *kt = kc + t * u->kts, *qt = qc + t * u->qts;
-        float *vb = w->Vb + t * S, *kb = w->Kb + t * S, *qg = gq + t * S;
-        if (u->ves == 1) {
-            for (int64_t j = 0; j < S; j++) vb[j] = b * vt[j];
-        } else {
-            for (int64_t j = 0; j < S; j++) vb[j] = b * vt[j * u->ves];
-        }
+        const float *kt = w->kc + t * S, *qt = w->qc + t * S;
+        float *kb = w->Kb + t * S, *qg = gq + t * S;
         if (kda) {
             const float *Et = w->E + t * S;
-            for (int64_t i = 0; i < S; i++) {
-                kb[i] = b * kt[i] * Et[i];
-                qg[i] = qt[i] * Et[i];
+            for (int64_t i = 0; i < S; i += 8) {
+                const __m256 e = _mm256_loadu_ps(Et + i);
+                _mm256_storeu_ps(kb + i, _mm256_mul_ps(_mm256_loadu_ps(kt + i), e));
+                _mm256_storeu_ps(qg + i, _mm256_mul_ps(_mm256_loadu_ps(qt + i), e));
             }
         } else {
-            const float bg = b * w->gam[t], gt = w->gam[t];
-            for (int64_t i = 0; i < S; i++) {
-                kb[i] = bg * kt[i];
-                qg[i] = gt * qt[i];
-            }
+            const __m256 gt = _mm256_set1_ps(w->gam[t]);
+            for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(qg + i, _mm256_mul_ps(gt, _mm256_loadu_ps(qt + i)));
         }
     }
-    /* U = T (beta v) and W = T (beta gam k) (T lower triangular). */
-    sc_gemm(L, S, L, w->T, C, w->Vb, S, w->U, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
-    sc_gemm(L, S, L, w->T, C, w->Kb, S, w->X, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
+    sc_gemm(L, S, L, w->T, C, w->vc, S, w->U, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
+    if (kda)
+        sc_gemm(L, S, L, w->T, C, w->Kb, S, w->X, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
+    else
+        sc_gemm(L, S, L, w->T2, C, w->kc, S, w->X, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
     /* [W; gam q] M0 in one product. */
     sc_gemm(2 * L, S, S, w->X, S, w->M, S, w->Y, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
     for (int64_t t = 0; t < L; t++) {
         float *d = w->U + t * S;
         const float *wm = w->Y + t * S;
-        for (int64_t j = 0; j < S; j++) d[j] -= wm[j];
+        for (int64_t j = 0; j < S; j += 8)
+            _mm256_storeu_ps(d + j, _mm256_sub_ps(_mm256_loadu_ps(d + j), _mm256_loadu_ps(wm + j)));
     }
     /* o = scale (gam q M0 + Aqk delta). */
     float *oq = w->Y + L * S;
@@ -469,31 +521,114 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L)
     }
     /* M = gam_L M0 + (Gam[L][u] k_u)^T delta. */
     if (kda) {
-        kda_decayed_keys(u, w, c0, w->Gc + (L - 1) * S, L, L);
-        sc_gemm(S, S, L, w->KT, C, w->U, S, w->M, S, SC_GEMM_ROWS, 0.0f, w->E + (L - 1) * S, SC_GEMM_DENSE, 0);
+        const float *El = w->E + (L - 1) * S;
+        if (w->keys_factored) {
+            /* KT holds k_u exp(-G_u): times exp(G_last), row by row. */
+            for (int64_t i = 0; i < S; i++) {
+                float *row = w->KT + i * C;
+                const __m256 e = _mm256_set1_ps(El[i]);
+                for (int64_t v = 0; v < L; v += 8) _mm256_storeu_ps(row + v, _mm256_mul_ps(e, _mm256_loadu_ps(row + v)));
+            }
+        } else {
+            kda_decayed_key_rows(u, w, w->Gc + (L - 1) * S, L);
+            kda_keys_to_columns(w, S, L, L);
+        }
+        sc_gemm(S, S, L, w->KT, C, w->U, S, w->M, S, SC_GEMM_ROWS, 0.0f, El, SC_GEMM_DENSE, 0);
     } else {
         const float *Gl = w->Gam + (L - 1) * C;
         for (int64_t v = 0; v < L; v++) {
-            const float *kv = kc + v * u->kts;
-            float *d = w->Vb + v * S; /* free again: U holds T (beta v) */
-            for (int64_t i = 0; i < S; i++) d[i] = kv[i] * Gl[v];
+            const float *kv = w->kc + v * S;
+            float *d = w->Vb + v * S; /* scratch */
+            const __m256 gv = _mm256_set1_ps(Gl[v]);
+            for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(d + i, _mm256_mul_ps(_mm256_loadu_ps(kv + i), gv));
         }
         sc_transpose(w->Vb, S, w->KT, C, L, S);
         sc_gemm(S, S, L, w->KT, C, w->U, S, w->M, S, SC_GEMM_SCALE, w->gam[L - 1], NULL, SC_GEMM_DENSE, 0);
     }
+    gdn_fetch_next(u, w, next_len, 3 * next_len); /* whatever the T loop left */
 }
 
-/* The chunked form of a unit, or 0 (nothing written) when its inputs or start
- * state are not all finite; the caller then runs the token loop. */
+/* Packs tokens [c0, c0 + L) of k, q (normalised when asked) and v into
+ * w->kc, qc, vc; 1 when they and the tokens' log decays and betas are all
+ * finite. */
+static int gdn_pack_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L) {
+    const int64_t S = u->S;
+    int64_t ts;
+    pack_tokens(u->kv, u->t0 + c0, u->hk, L, S, u->eps, 1, w->kc, &ts);
+    pack_tokens(u->qv, u->t0 + c0, u->hk, L, S, u->eps, 1, w->qc, &ts);
+    pack_tokens(u->vv, u->t0 + c0, u->h, L, S, -1.0f, 1, w->vc, &ts);
+    return sc_all_finite(w->kc, 1, 0, L * S, 1) && sc_all_finite(w->qc, 1, 0, L * S, 1) &&
+           sc_all_finite(w->vc, 1, 0, L * S, 1) && sc_all_finite(u->g + c0 * u->per, 1, 0, L * u->per, 1) &&
+           sc_all_finite(u->beta + c0, 1, 0, L, 1);
+}
+
+/* State M (key-major) into pool row r at head_off, in storage layout. */
+static void gdn_store_state(const sc_state *st, int64_t r, int64_t head_off, const gdn_unit *u, gdn_chunk_ws *w) {
+    const int64_t S = u->S;
+    const sc_dtype pdt = (sc_dtype)st->pool_dtype;
+    char *dst = sc_pool_at(st, r, head_off);
+    if (pdt == SC_F32 && !u->stream) {
+        sc_transpose(w->M, S, (float *)dst, S, S, S);
+    } else {
+        sc_transpose(w->M, S, w->tmp, S, S, S);
+        sc_store_state(w->tmp, dst, pdt, S * S, u->stream);
+    }
+}
+
+/* The token loop on the key-major state M over tokens [t, n_t), with the
+ * snapshots at stops[i..]: where a chunk's inputs are not all finite, so
+ * that NaN and Inf land where the definition puts them. */
+static void gdn_tokens_keymajor(const sc_state *st, int64_t s, int64_t head_off, const gdn_unit *u, gdn_chunk_ws *w,
+                                int64_t t, const int64_t *stops, int64_t i, int64_t n_stops) {
+    const int64_t S = u->S, n_t = u->n_t;
+    float *kd = w->Y, *o = w->Y + S;
+    for (; t < n_t; t++) {
+        int64_t ts;
+        pack_tokens(u->kv, u->t0 + t, u->hk, 1, S, u->eps, 1, w->kc, &ts);
+        pack_tokens(u->qv, u->t0 + t, u->hk, 1, S, u->eps, 1, w->qc, &ts);
+        pack_tokens(u->vv, u->t0 + t, u->h, 1, S, -1.0f, 1, w->vc, &ts);
+        const float *g = u->g + t * u->per;
+        /* M = decay M; kd = M^T k. */
+        for (int64_t j = 0; j < S; j++) kd[j] = 0.0f;
+        for (int64_t r = 0; r < S; r++) {
+            float *row = w->M + r * S;
+            const __m256 a = _mm256_set1_ps(sc_exp(g[u->per > 1 ? r : 0])), kr = _mm256_set1_ps(w->kc[r]);
+            for (int64_t j = 0; j < S; j += 8) {
+                const __m256 m = _mm256_mul_ps(a, _mm256_loadu_ps(row + j));
+                _mm256_storeu_ps(row + j, m);
+                _mm256_storeu_ps(kd + j, _mm256_fmadd_ps(kr, m, _mm256_loadu_ps(kd + j)));
+            }
+        }
+        /* delta = beta (v - kd); M += k delta^T; o = scale M^T q. */
+        const __m256 b = _mm256_set1_ps(u->beta[t]);
+        for (int64_t j = 0; j < S; j += 8) {
+            _mm256_storeu_ps(kd + j, _mm256_mul_ps(b, _mm256_sub_ps(_mm256_loadu_ps(w->vc + j), _mm256_loadu_ps(kd + j))));
+            _mm256_storeu_ps(o + j, _mm256_setzero_ps());
+        }
+        for (int64_t r = 0; r < S; r++) {
+            float *row = w->M + r * S;
+            const __m256 kr = _mm256_set1_ps(w->kc[r]), qr = _mm256_set1_ps(w->qc[r]);
+            for (int64_t j = 0; j < S; j += 8) {
+                const __m256 m = _mm256_fmadd_ps(kr, _mm256_loadu_ps(kd + j), _mm256_loadu_ps(row + j));
+                _mm256_storeu_ps(row + j, m);
+                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(qr, m, _mm256_loadu_ps(o + j)));
+            }
+        }
+        float *ot = u->o + t * u->ots;
+        for (int64_t j = 0; j < S; j++) ot[j] = u->scale * o[j];
+        for (; i < n_stops && stops[i] <= t + 1; i++) {
+            const int64_t r = sc_snap_row(st, s, n_t - stops[i]);
+            if (r >= 0) gdn_store_state(st, r, head_off, u, w);
+        }
+    }
+}
+
+/* The chunked form of a unit, or 0 (nothing written) when its start state
+ * is not all finite; the caller then runs the token loop. */
 static int gdn_chunked_unit(const sc_state *st, int64_t s, int64_t head_off, const gdn_unit *u, gdn_chunk_ws *w,
                             const int64_t *stops, int64_t n_stops) {
-    const int64_t S = u->S, n_t = u->n_t;
+    const int64_t S = u->S, n_t = u->n_t, C = SC_GDN_CHUNK;
     const sc_dtype pdt = (sc_dtype)st->pool_dtype;
-    /* k and q are packed here (kts == qts == S), g and beta contiguous. */
-    if (!sc_all_finite(u->k, 1, 0, n_t * S, 1) || !sc_all_finite(u->q, 1, 0, n_t * S, 1) ||
-        !sc_all_finite(u->v, n_t, u->vts, S, u->ves) || !sc_all_finite(u->g, 1, 0, n_t * u->per, 1) ||
-        !sc_all_finite(u->beta, 1, 0, n_t, 1))
-        return 0;
     const char *start = sc_pool_at(st, st->start_rows[s], head_off);
     const float *src = (const float *)start;
     if (pdt != SC_F32) {
@@ -505,18 +640,22 @@ static int gdn_chunked_unit(const sc_state *st, int64_t s, int64_t head_off, con
     sc_copy_input_state(st, s, n_t, head_off, pdt == SC_F32 ? NULL : w->tmp, S * S);
     int64_t pos = 0;
     for (int64_t i = 0; i < n_stops; i++) {
-        for (; pos < stops[i]; pos += SC_GDN_CHUNK)
-            gdn_chunk(u, w, pos, stops[i] - pos < SC_GDN_CHUNK ? stops[i] - pos : SC_GDN_CHUNK);
-        pos = stops[i];
-        const int64_t r = sc_snap_row(st, s, n_t - stops[i]);
-        if (r < 0) continue;
-        char *dst = sc_pool_at(st, r, head_off);
-        if (pdt == SC_F32 && !u->stream) {
-            sc_transpose(w->M, S, (float *)dst, S, S, S);
-        } else {
-            sc_transpose(w->M, S, w->tmp, S, S, S);
-            sc_store_state(w->tmp, dst, pdt, S * S, u->stream);
+        while (pos < stops[i]) {
+            const int64_t L = stops[i] - pos < C ? stops[i] - pos : C;
+            if (!gdn_pack_chunk(u, w, pos, L)) {
+                gdn_tokens_keymajor(st, s, head_off, u, w, pos, stops, i, n_stops);
+                return 1;
+            }
+            /* The next chunk ends at the next stop or C tokens on. */
+            const int64_t nxt = pos + L, end = nxt < stops[i] ? stops[i] : (i + 1 < n_stops ? stops[i + 1] : nxt);
+            const int64_t next_len = end - nxt < C ? end - nxt : C;
+            w->next = nxt;
+            w->n_next = 0;
+            gdn_chunk(u, w, pos, L, next_len);
+            pos = nxt;
         }
+        const int64_t r = sc_snap_row(st, s, n_t - stops[i]);
+        if (r >= 0) gdn_store_state(st, r, head_off, u, w);
     }
     return 1;
 }
@@ -526,10 +665,14 @@ static void gdn_chunk_ws_alloc(gdn_chunk_ws *w, int64_t S, int kda, int64_t n_co
     memset(w, 0, sizeof(*w));
     w->M = (float *)sc_alloc(f * SS * SS);
     w->tmp = (float *)sc_alloc(f * SS * SS);
+    w->kc = (float *)sc_alloc(f * C * SS);
+    w->qc = (float *)sc_alloc(f * C * SS);
+    w->vc = (float *)sc_alloc(f * C * SS);
     w->KT = (float *)sc_alloc(f * SS * C);
     w->Akk = (float *)sc_alloc(f * C * C);
     w->Aqk = (float *)sc_alloc(f * C * C);
     w->T = (float *)sc_alloc(f * C * C);
+    w->T2 = (float *)sc_alloc(f * C * C);
     w->Vb = (float *)sc_alloc(f * C * SS);
     w->U = (float *)sc_alloc(f * C * SS);
     w->Kb = (float *)sc_alloc(f * C * SS);
@@ -541,6 +684,7 @@ static void gdn_chunk_ws_alloc(gdn_chunk_ws *w, int64_t S, int kda, int64_t n_co
         w->E = (float *)sc_alloc(f * C * SS);
         w->XA = (float *)sc_alloc(f * 2 * SC_KDA_BLOCK * SS);
         w->AB = (float *)sc_alloc(f * 2 * SC_KDA_BLOCK * C);
+        w->R = (float *)sc_alloc(f * SS);
     } else {
         w->seg = (float *)sc_alloc(f * C);
         w->gam = (float *)sc_alloc(f * C);
@@ -549,8 +693,8 @@ static void gdn_chunk_ws_alloc(gdn_chunk_ws *w, int64_t S, int kda, int64_t n_co
 }
 
 static void gdn_chunk_ws_free(gdn_chunk_ws *w) {
-    float *all[] = {w->M,  w->tmp, w->KT,  w->Akk, w->Aqk, w->T,  w->Vb, w->U, w->Kb,
-                    w->X,  w->Y,   w->seg, w->gam, w->Gam, w->Gc, w->E,  w->XA, w->AB};
+    float *all[] = {w->M, w->tmp, w->kc,  w->qc,  w->vc,  w->KT, w->Akk, w->Aqk, w->T,  w->T2, w->Vb, w->U,
+                    w->Kb, w->X,  w->Y,   w->seg, w->gam, w->Gam, w->Gc, w->E,   w->XA, w->AB, w->R};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) free(all[i]);
     free(w->stops);
 }
@@ -580,7 +724,6 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
     {
         float *kpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
         float *qpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
-        float *vpack = may_chunk ? (float *)sc_alloc(sizeof(float) * tmax * (size_t)S) : NULL;
         float *gbuf = (float *)sc_alloc(sizeof(float) * tmax * (size_t)per);
         float *bt = (float *)sc_alloc(sizeof(float) * tmax);
         float *tile = (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows * S));
@@ -595,24 +738,14 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
             const int64_t s = un / Hv, h = un % Hv;
             const int64_t hk = opt->grouped ? h / (Hv / n_head_k) : h % n_head_k;
             const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
-            gdn_unit u = {S, n_t, per, NULL, NULL, 0, 0, NULL, v->strides[0], v->strides[2], gbuf, bt,
-                          o + (t0 * Hv + h) * S, Hv * S, opt->scale, stream};
-            /* The chunked form reads k and q as matrices: packed contiguous, since
-             * rows a head count apart all fall in the same few L1 sets. */
+            gdn_unit u = {S,      n_t,  per, NULL, NULL, 0, 0, v->data + t0 * v->strides[0] + h * v->strides[1],
+                          v->strides[0], v->strides[2], gbuf, bt, o + (t0 * Hv + h) * S, Hv * S, opt->scale,
+                          stream, k, q, v, t0, hk, h, eps};
             int64_t longest = 0, n_stops = 0;
 #ifdef SC_HAVE_AVX2
             if (may_chunk && n_t >= SC_GDN_CHUNK_MIN) n_stops = sc_state_stops(st, s, n_t, w.stops, &longest);
 #endif
-            const int chunked = longest >= SC_GDN_CHUNK_MIN;
-            u.k = pack_tokens(k, t0, hk, n_t, S, eps, chunked, kpack, &u.kts);
-            u.q = pack_tokens(q, t0, hk, n_t, S, eps, chunked, qpack, &u.qts);
-            if (chunked) {
-                /* v packed as well (with the prefetch), read as a matrix per chunk. */
-                u.v = pack_tokens(v, t0, h, n_t, S, -1.0f, 1, vpack, &u.vts);
-                u.ves = 1;
-            } else {
-                u.v = v->data + t0 * v->strides[0] + h * v->strides[1];
-            }
+            const int chunked = longest >= SC_GDN_CHUNK_MIN; /* which packs its own chunks */
             const float *gs = g->data + t0 * g->strides[0] + h * g->strides[1];
             const int64_t gi = kda ? g->strides[2] : 0;
             for (int64_t t = 0; t < n_t; t++) {
@@ -642,14 +775,16 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
             if (chunked && gdn_chunked_unit(st, s, head_off, &u, &w, w.stops, n_stops)) continue;
 #else
             (void)n_stops;
+            (void)chunked;
 #endif
+            u.k = pack_tokens(k, t0, hk, n_t, S, eps, 0, kpack, &u.kts);
+            u.q = pack_tokens(q, t0, hk, n_t, S, eps, 0, qpack, &u.qts);
 #pragma omp simd
             for (int64_t i = 0; i < n_t * per; i++) gbuf[i] = sc_exp(gbuf[i]);
             gdn_token_unit(st, s, head_off, &u, tile_rows, stream, tile, mid);
         }
         free(kpack);
         free(qpack);
-        free(vpack);
         free(gbuf);
         free(bt);
         free(tile);

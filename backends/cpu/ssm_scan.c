@@ -537,9 +537,40 @@ static void mamba2_head_chunk(const scan_call *c, m2_chunk_ws *w, float *S, cons
     sc_gemm(P, N, L, w->wT, LD, w->Bc, N, S, N, SC_GEMM_SCALE, w->lam[L - 1], NULL, SC_GEMM_DENSE, 0);
 }
 
+/* The token loop over tokens [t, n_t) of heads [h0, h0 + hb), from the
+ * block's states in w->S, with the snapshots at stops[i..]: the rest of a
+ * unit from a chunk whose inputs are not all finite on, so that NaN and Inf
+ * land where the definition puts them. */
+static void mamba2_tokens_from(const scan_call *c, m2_chunk_ws *w, int64_t s, int64_t h0, int64_t hb, int64_t t,
+                               const int64_t *stops, int64_t i, int64_t n_stops) {
+    const sc_state *st = c->st;
+    const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
+    const int64_t H = c->H, P = c->P, N = c->N, g = h0 / (H / c->G), off = h0 * P * N;
+    const sc_view *x = c->x, *B = c->B, *C = c->C;
+    for (; t < n_t; t++) {
+        const int64_t tt = t0 + t;
+        pack_rows(B->data + tt * B->strides[0] + g * B->strides[1], 1, 0, N, B->strides[2], w->Bc, NULL, 0);
+        pack_rows(C->data + tt * C->strides[0] + g * C->strides[1], 1, 0, N, C->strides[2], w->Cc, NULL, 0);
+        for (int64_t hh = 0; hh < hb; hh++) {
+            const float *xr = x->data + tt * x->strides[0] + (h0 + hh) * x->strides[1];
+            const float d = w->d[hh * n_t + t];
+            for (int64_t p = 0; p < P; p++) w->xdT[p] = xr[p * x->strides[2]] * d;
+            float *S = w->S + hh * P * N;
+            update_rows(S, S, P, N, w->Bc, w->Cc, sc_exp(w->dA[hh * n_t + t]), w->xdT,
+                        c->y + (tt * H + h0 + hh) * P, 0);
+        }
+        for (; i < n_stops && stops[i] <= t + 1; i++) {
+            const int64_t r = sc_snap_row(st, s, n_t - stops[i]);
+            if (r >= 0) sc_store_state(w->S, sc_pool_at(st, r, off), (sc_dtype)st->pool_dtype, hb * P * N, c->stream);
+        }
+    }
+}
+
 /* Unit (sequence s, heads [h0, h0 + hb) of one group) in chunks ending at
- * `stops`, or 0 (nothing written) when its inputs or start states are not
- * all finite. */
+ * `stops`, or 0 (nothing written) when a start state is not all finite.
+ * Each chunk's inputs are checked as it starts (and its successor's x rows
+ * fetched meanwhile); from a chunk with non-finite inputs on, the token loop
+ * runs instead. */
 static int scan_mamba2_chunked_unit(const scan_call *c, int64_t s, int64_t h0, int64_t hb, const int64_t *stops,
                                     int64_t n_stops, float *abuf, m2_chunk_ws *w) {
     const sc_state *st = c->st;
@@ -551,17 +582,10 @@ static int scan_mamba2_chunked_unit(const scan_call *c, int64_t s, int64_t h0, i
     const float *Cs = C->data + t0 * C->strides[0] + g * C->strides[1];
     const float *xs = x->data + t0 * x->strides[0] + h0 * x->strides[1];
     const int64_t off = h0 * P * N;
-    for (int64_t hh = 0; hh < hb; hh++) prep_dt(c, t0, n_t, h0 + hh, w->d + hh * n_t, abuf, w->dA + hh * n_t);
+    const int side_by_side = x->strides[2] == 1 && x->strides[1] == P; /* one run of hb * P per token */
     sc_load_f32(sc_pool_at(st, st->start_rows[s], off), pdt, w->S, hb * P * N);
-    int finite = sc_all_finite(w->dA, 1, 0, hb * n_t, 1) && sc_all_finite(w->S, 1, 0, hb * P * N, 1) &&
-                 sc_all_finite(Bs, n_t, B->strides[0], N, B->strides[2]) &&
-                 sc_all_finite(Cs, n_t, C->strides[0], N, C->strides[2]);
-    if (x->strides[2] == 1 && x->strides[1] == P) /* the block's heads side by side: one run per token */
-        finite = finite && sc_all_finite(xs, n_t, x->strides[0], hb * P, 1);
-    else
-        for (int64_t hh = 0; hh < hb && finite; hh++)
-            finite = sc_all_finite(xs + hh * x->strides[1], n_t, x->strides[0], P, x->strides[2]);
-    if (!finite) return 0;
+    if (!sc_all_finite(w->S, 1, 0, hb * P * N, 1)) return 0;
+    for (int64_t hh = 0; hh < hb; hh++) prep_dt(c, t0, n_t, h0 + hh, w->d + hh * n_t, abuf, w->dA + hh * n_t);
     sc_copy_input_state(st, s, n_t, off, w->S, hb * P * N);
     int64_t pos = 0;
     for (int64_t i = 0; i < n_stops; i++) {
@@ -572,6 +596,19 @@ static int scan_mamba2_chunked_unit(const scan_call *c, int64_t s, int64_t h0, i
                       Bs + (pos + L) * B->strides[0], n_next);
             pack_rows(Cs + pos * C->strides[0], L, C->strides[0], N, C->strides[2], w->Cc,
                       Cs + (pos + L) * C->strides[0], n_next);
+            int finite = sc_all_finite(w->Bc, 1, 0, L * N, 1) && sc_all_finite(w->Cc, 1, 0, L * N, 1);
+            for (int64_t hh = 0; hh < hb && finite; hh++) finite = sc_all_finite(w->dA + hh * n_t + pos, 1, 0, L, 1);
+            if (side_by_side)
+                finite = finite && sc_all_finite(xs + pos * x->strides[0], L, x->strides[0], hb * P, 1);
+            else
+                for (int64_t hh = 0; hh < hb && finite; hh++)
+                    finite = sc_all_finite(xs + hh * x->strides[1] + pos * x->strides[0], L, x->strides[0], P,
+                                           x->strides[2]);
+            if (!finite) {
+                mamba2_tokens_from(c, w, s, h0, hb, pos, stops, i, n_stops);
+                scan_epilogue(c, t0, n_t, h0, hb);
+                return 1;
+            }
             sc_transpose(w->Cc, N, w->CT, LD, L, N);
             sc_transpose(w->Bc, N, w->BT, LD, L, N);
             for (int64_t n = 0; n < N; n++)
