@@ -191,7 +191,7 @@ static void conv4_decode_block(const float *win, float *nwin, float *old, const 
  * any count on builds without AVX2): windows through the time-major `ext`. */
 static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, const sc_view *x, const float *weight,
                       const float *bias, float *y, int64_t channels, int64_t d_conv, int apply_silu, float *ext,
-                      float *win, float *wT, int stream) {
+                      float *win, float *wT, float *rowbuf, int stream) {
     const int64_t W = d_conv - 1;
     const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
     const sc_dtype pdt = (sc_dtype)st->pool_dtype;
@@ -222,19 +222,38 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
         const float *taps[SC_CONV_MAX_TAPS];
         const int64_t n_taps = d_conv < SC_CONV_MAX_TAPS ? d_conv : SC_CONV_MAX_TAPS;
         for (int64_t k = 0; k < n_taps; k++) taps[k] = EROW(t + k);
+        /* Taps and bias first, for the whole row, then SiLU over it (L1-hot): the
+         * SiLU's long dependency chain per vector, behind the taps' in one loop,
+         * left the out-of-order window room for too few vectors at a time. */
+        float *row = apply_silu ? rowbuf : yr;
+        const int nt_row = !apply_silu && nt_store;
         for (int64_t c = 0; c < c_vec; c += 8) {
-            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(taps[0] + c), _mm256_load_ps(wT + c));
-            for (int64_t k = 1; k < n_taps; k++)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(taps[k] + c), _mm256_load_ps(wT + k * SC_CONV_BLOCK + c), acc);
-            for (int64_t k = n_taps; k < d_conv; k++)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(EROW(t + k) + c), _mm256_load_ps(wT + k * SC_CONV_BLOCK + c),
-                                      acc);
+            __m256 acc;
+            if (d_conv == 4) {
+                acc = _mm256_mul_ps(_mm256_loadu_ps(taps[0] + c), _mm256_load_ps(wT + c));
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(taps[1] + c), _mm256_load_ps(wT + SC_CONV_BLOCK + c), acc);
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(taps[2] + c), _mm256_load_ps(wT + 2 * SC_CONV_BLOCK + c), acc);
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(taps[3] + c), _mm256_load_ps(wT + 3 * SC_CONV_BLOCK + c), acc);
+            } else {
+                acc = _mm256_mul_ps(_mm256_loadu_ps(taps[0] + c), _mm256_load_ps(wT + c));
+                for (int64_t k = 1; k < n_taps; k++)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(taps[k] + c), _mm256_load_ps(wT + k * SC_CONV_BLOCK + c),
+                                          acc);
+                for (int64_t k = n_taps; k < d_conv; k++)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(EROW(t + k) + c),
+                                          _mm256_load_ps(wT + k * SC_CONV_BLOCK + c), acc);
+            }
             if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + c0 + c));
-            if (apply_silu) acc = sc_silu8(acc);
-            if (nt_store)
-                _mm256_stream_ps(yr + c, acc);
+            if (nt_row)
+                _mm256_stream_ps(row + c, acc);
             else
-                _mm256_storeu_ps(yr + c, acc);
+                _mm256_storeu_ps(row + c, acc);
+        }
+        if (apply_silu) {
+            if (nt_store)
+                for (int64_t c = 0; c < c_vec; c += 8) _mm256_stream_ps(yr + c, sc_silu8(_mm256_load_ps(row + c)));
+            else
+                for (int64_t c = 0; c < c_vec; c += 8) _mm256_storeu_ps(yr + c, sc_silu8(_mm256_load_ps(row + c)));
         }
     }
 #endif
@@ -302,6 +321,7 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
         float *win = (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK));
         float *wT = (float *)sc_alloc(sizeof(float) * (size_t)(d_conv * SC_CONV_BLOCK));
         float *nwin = (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK));
+        float *rowbuf = (float *)sc_alloc(sizeof(float) * SC_CONV_BLOCK);
 #ifdef SC_HAVE_AVX2
         int64_t wT_c0 = -1; /* block whose taps wT holds (block-major decode) */
 #endif
@@ -354,13 +374,14 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
                 continue;
             }
 #endif
-            conv_unit(st, s, c0, cb, x, weight, bias, y, channels, d_conv, apply_silu, ext, win, wT, stream);
+            conv_unit(st, s, c0, cb, x, weight, bias, y, channels, d_conv, apply_silu, ext, win, wT, rowbuf, stream);
         }
         sc_stream_fence(); /* this thread's streamed outputs are visible before it joins */
         free(ext);
         free(win);
         free(wT);
         free(nwin);
+        free(rowbuf);
     }
 }
 
