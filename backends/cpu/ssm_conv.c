@@ -187,6 +187,16 @@ static void conv4_decode_block(const float *win, float *nwin, float *old, const 
 }
 #endif
 
+#ifdef SC_HAVE_AVX2
+/* 8 outputs: streamed (`stream`, dst 32-byte aligned) or stored. */
+static inline void conv_store8(float *dst, __m256 v, int stream) {
+    if (stream)
+        _mm256_stream_ps(dst, v);
+    else
+        _mm256_storeu_ps(dst, v);
+}
+#endif
+
 /* Unit (s, channels [c0, c0 + cb)) of a sequence with n_t != 1 tokens (or
  * any count on builds without AVX2): windows through the time-major `ext`. */
 static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, const sc_view *x, const float *weight,
@@ -213,6 +223,9 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
     int64_t c_vec = 0; /* channels [0, c_vec) done by the AVX2 loop */
 #ifdef SC_HAVE_AVX2
     c_vec = cb - cb % 8;
+    float *cur = rowbuf, *prev = rowbuf + SC_CONV_BLOCK; /* rows t and t - 1 before their SiLU */
+    float *y_prev = NULL;                                /* output row t - 1, once it is in `prev` */
+    int nt_prev = 0;
     for (int64_t t = 0; t < n_t; t++) {
         float *yr = y + (t0 + t) * channels + c0;
         /* x rows are a whole channel count apart, each in a new page: fetched
@@ -222,10 +235,14 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
         const float *taps[SC_CONV_MAX_TAPS];
         const int64_t n_taps = d_conv < SC_CONV_MAX_TAPS ? d_conv : SC_CONV_MAX_TAPS;
         for (int64_t k = 0; k < n_taps; k++) taps[k] = EROW(t + k);
-        /* Taps and bias first, for the whole row, then SiLU over it (L1-hot): the
-         * SiLU's long dependency chain per vector, behind the taps' in one loop,
-         * left the out-of-order window room for too few vectors at a time. */
-        float *row = apply_silu ? rowbuf : yr;
+        /* Taps and bias of row t go to an L1 row buffer; the SiLU of row t - 1
+         * (the other buffer) runs in the same loop.  The SiLU's ~90-cycle
+         * dependency chain per vector, right behind the taps of the same
+         * vector, left the out-of-order window room for too few vectors; in
+         * a second pass over the row it no longer overlapped the taps'
+         * loads.  Skewed by a row, each iteration holds independent work of
+         * both kinds. */
+        float *row = apply_silu ? cur : yr;
         const int nt_row = !apply_silu && nt_store;
         for (int64_t c = 0; c < c_vec; c += 8) {
             __m256 acc;
@@ -248,14 +265,18 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
                 _mm256_stream_ps(row + c, acc);
             else
                 _mm256_storeu_ps(row + c, acc);
+            if (y_prev) conv_store8(y_prev + c, sc_silu8(_mm256_load_ps(prev + c)), nt_prev);
         }
         if (apply_silu) {
-            if (nt_store)
-                for (int64_t c = 0; c < c_vec; c += 8) _mm256_stream_ps(yr + c, sc_silu8(_mm256_load_ps(row + c)));
-            else
-                for (int64_t c = 0; c < c_vec; c += 8) _mm256_storeu_ps(yr + c, sc_silu8(_mm256_load_ps(row + c)));
+            float *swap = prev;
+            prev = cur;
+            cur = swap;
+            y_prev = yr;
+            nt_prev = nt_store;
         }
     }
+    if (y_prev)
+        for (int64_t c = 0; c < c_vec; c += 8) conv_store8(y_prev + c, sc_silu8(_mm256_load_ps(prev + c)), nt_prev);
 #endif
     for (int64_t t = 0; t < n_t && c_vec < cb; t++) {
         float *yr = y + (t0 + t) * channels + c0;
@@ -321,7 +342,7 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
         float *win = (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK));
         float *wT = (float *)sc_alloc(sizeof(float) * (size_t)(d_conv * SC_CONV_BLOCK));
         float *nwin = (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK));
-        float *rowbuf = (float *)sc_alloc(sizeof(float) * SC_CONV_BLOCK);
+        float *rowbuf = (float *)sc_alloc(sizeof(float) * 2 * SC_CONV_BLOCK);
 #ifdef SC_HAVE_AVX2
         int64_t wT_c0 = -1; /* block whose taps wT holds (block-major decode) */
 #endif
