@@ -350,26 +350,24 @@ def host_memcpy_seconds(nbytes: int, threads: int, clock: Callable[[], float] = 
 def _rate(
     loop: Callable[[int, int], float], per_iter: int, iters: int, threads: int, clock: Callable[[], float]
 ) -> float:
-    """Operations per second (of ``clock``) of a C loop: fastest of three runs."""
-    loop(iters // 20, threads)  # warm up clocks and threads
-    best = 0.0
-    for _ in range(3):
-        t0 = clock()
-        loop(iters, threads)
-        best = max(best, iters * per_iter * threads / (clock() - t0))
-    return best
+    """Operations per second (of ``clock``) of a C loop: its fastest run, timed
+    as the kernels are (:func:`time_call`).  ``iters`` keeps one run a few
+    milliseconds long on a quiet machine, as long as a prefill call: a few
+    long runs on a loaded machine rarely found both cores free, which
+    understated the peak (10x once) and so overstated every ratio to it."""
+    return iters * per_iter * threads / time_call(lambda: loop(iters, threads), min_time=0.25, clock=clock)
 
 
 def fma_peak(threads: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """Lane-FMAs per second the machine sustains on ``threads`` threads."""
-    return _rate(bench_lib()[1].bench_fma_loop, 96, 20_000_000, threads, clock)
+    return _rate(bench_lib()[1].bench_fma_loop, 96, 1_000_000, threads, clock)
 
 
 def exp_rate(threads: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """Exponentials per second of the kernels' vectorised exp (``sc_exp8`` on
     the x86-64-v3 build) on ``threads`` threads, arguments in L1: the most a
     kernel whose work is mostly exponentials can reach."""
-    return _rate(bench_lib()[1].bench_exp_loop, 1024, 400_000, threads, clock)
+    return _rate(bench_lib()[1].bench_exp_loop, 1024, 20_000, threads, clock)
 
 
 # -- cases ---------------------------------------------------------------------------
