@@ -302,20 +302,7 @@ static void gdn_fetch_next(const gdn_unit *u, gdn_chunk_ws *w, int64_t len, int6
 static void gdn_chunk_pairs_scalar(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L) {
     const int64_t S = u->S, C = SC_GDN_CHUNK, Lp = round8(L);
     const float *g = u->g + c0, *beta = u->beta + c0;
-    /* Gam[t][u] = exp(g_{u+1} + ... + g_t) as running sums (never a
-     * difference of cumulative sums, which loses short-range decays). */
-    float total = 0.0f;
-    for (int64_t t = 0; t < L; t++) {
-        const float a = g[t];
-        for (int64_t v = 0; v < t; v++) w->seg[v] += a;
-        w->seg[t] = 0.0f;
-        total += a;
-        float *Gt = w->Gam + t * C;
-        int64_t v = 0;
-        for (; v + 8 <= t + 1; v += 8) _mm256_storeu_ps(Gt + v, sc_exp8(_mm256_loadu_ps(w->seg + v)));
-        for (; v <= t; v++) Gt[v] = sc_exp(w->seg[v]);
-        w->gam[t] = sc_exp(total);
-    }
+    sc_chunk_decays(g, L, w->seg, w->Gam, C, w->gam); /* Gam[t][u] and gam_t */
     sc_transpose(w->kc, S, w->KT, C, L, S);
     for (int64_t i = 0; i < S; i++)
         for (int64_t v = L; v < Lp; v++) w->KT[i * C + v] = 0.0f;

@@ -118,6 +118,28 @@ static void sc_gemm(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda
     }
 }
 
+/* The decays of a chunk of L tokens with log decays a[0..L): row t of D
+ * (row stride ld) holds D[t][u] = exp(a[u+1] + ... + a[t]) for u <= t and
+ * zeros up to column round8(L); lam[t] = exp(a[0] + ... + a[t]).  The
+ * exponents are running sums (segsum; `seg` is [L] scratch), never
+ * differences of cumulative sums, which lose short-range decays to
+ * cancellation.  Used by Mamba-2's SSD blocks and the scalar-gate delta rule. */
+static void sc_chunk_decays(const float *a, int64_t L, float *seg, float *D, int64_t ld, float *lam) {
+    const int64_t Lp = (L + 7) & ~(int64_t)7;
+    float total = 0.0f;
+    for (int64_t t = 0; t < L; t++) {
+        for (int64_t u = 0; u < t; u++) seg[u] += a[t];
+        seg[t] = 0.0f;
+        total += a[t];
+        float *Dt = D + t * ld;
+        int64_t u = 0;
+        for (; u + 8 <= t + 1; u += 8) _mm256_storeu_ps(Dt + u, sc_exp8(_mm256_loadu_ps(seg + u)));
+        for (; u <= t; u++) Dt[u] = sc_exp(seg[u]);
+        for (; u < Lp; u++) Dt[u] = 0.0f;
+        lam[t] = sc_exp(total);
+    }
+}
+
 /* One 8 x 8 block: dst[j][i] = src[i][j]. */
 static inline void sc_transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
     __m256 r[8], t[8];

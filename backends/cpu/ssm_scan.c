@@ -482,20 +482,7 @@ static void mamba2_head_chunk(const scan_call *c, m2_chunk_ws *w, float *S, cons
                               int64_t t0, int64_t h, int64_t c0, int64_t L) {
     const int64_t P = c->P, N = c->N, LD = SC_CHUNK, Lp = round8(L);
     const sc_view *x = c->x;
-    /* Decays: row t of D from row t-1 by adding dA_t (segsum). */
-    float total = 0.0f;
-    for (int64_t t = 0; t < L; t++) {
-        const float a = dA[t];
-        for (int64_t u = 0; u < t; u++) w->seg[u] += a;
-        w->seg[t] = 0.0f;
-        total += a;
-        float *Dt = w->D + t * LD;
-        int64_t u = 0;
-        for (; u + 8 <= t + 1; u += 8) _mm256_storeu_ps(Dt + u, sc_exp8(_mm256_loadu_ps(w->seg + u)));
-        for (; u <= t; u++) Dt[u] = sc_exp(w->seg[u]);
-        for (; u < Lp; u++) Dt[u] = 0.0f;
-        w->lam[t] = sc_exp(total);
-    }
+    sc_chunk_decays(dA, L, w->seg, w->D, LD, w->lam);
     for (int64_t t = L; t < Lp; t++) w->lam[t] = 0.0f;
     /* G = (C B^T) o D, zero above the diagonal (where G0 was not computed:
      * selected, not multiplied by D's zeros); then its transpose. */

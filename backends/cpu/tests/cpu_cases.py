@@ -152,3 +152,22 @@ def against_reference(
 def written_rows(dst: np.ndarray, n_t: int, n_snap: int, plane_stride: int) -> np.ndarray:
     n_written = min(n_t + 1, n_snap)
     return (dst[:, None] + plane_stride * np.arange(n_written)[None, :]).ravel()
+
+
+def assert_thread_count_free(params: Any, seed: int, monkeypatch: pytest.MonkeyPatch, label: str) -> None:
+    """One varlen call (``conformance.varlen_cases.VarlenParams``) on the C
+    device with 1, 2 and 3 threads: every output storage bitwise the same."""
+    from statecache.conformance import varlen_cases as V
+    from statecache.conformance.cases import run_on
+
+    dev = cpu_device()
+    tensors, rows, _ = V.varlen_tensors(params, seed=seed)
+    call = V.varlen_call(params, rows)
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("STATECACHE_NUM_THREADS", threads)
+        got = run_on(dev, tensors, seed, call)
+        results.append({name: full for name, (_, full) in got.items() if tensors[name].output})
+    for other in results[1:]:
+        for name in results[0]:
+            assert_bitwise(f"{label} {name}", other[name], results[0][name])

@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from cpu_cases import assert_bitwise, cpu_device
+from cpu_cases import assert_thread_count_free, cpu_device
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statecache.conformance import varlen_cases as V
-from statecache.conformance.cases import assert_close, run_on
+from statecache.conformance.cases import assert_close
 from statecache.dtypes import DType
 from statecache.registry import get_device
 
@@ -89,18 +89,8 @@ def split_small_calls() -> Iterator[None]:
 def test_chunked_forms_do_not_depend_on_the_thread_count(
     make_op: Callable[[], V.Op], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    dev = cpu_device()
     params = V.VarlenParams(make_op(), (75, 3, 0, 40, 18), 30, "sparse")
-    tensors, rows, _ = V.varlen_tensors(params, seed=3)
-    call = V.varlen_call(params, rows)
-    results = []
-    for threads in ("1", "2", "3"):
-        monkeypatch.setenv("STATECACHE_NUM_THREADS", threads)
-        got = run_on(dev, tensors, 3, call)
-        results.append({name: full for name, (_, full) in got.items() if tensors[name].output})
-    for other in results[1:]:
-        for name in results[0]:
-            assert_bitwise(f"{params.id} {name}", other[name], results[0][name])
+    assert_thread_count_free(params, 3, monkeypatch, params.id)
 
 
 # -- non-finite inputs -------------------------------------------------------------------
