@@ -22,7 +22,16 @@ from typing import Any
 import numpy as np
 
 from statecache import __version__, settings
-from statecache.backend import PRIMITIVES, PROTOCOL_VERSION, Backend, Buffer, Caps, Device, DeviceKind
+from statecache.backend import (
+    LINEAR_ATTN_PRIMITIVES,
+    PRIMITIVES,
+    PROTOCOL_VERSION,
+    Backend,
+    Buffer,
+    Caps,
+    Device,
+    DeviceKind,
+)
 from statecache.dlpack import DLDataType, DLTensor
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError
@@ -220,7 +229,7 @@ class CpuDevice(Device):
         self.name = f"{_cpu_name()} (C kernels, {self.isa})"
         self.memory_bytes = physical_memory_bytes()
         self.caps = Caps(
-            ops=frozenset(PRIMITIVES),
+            ops=frozenset(PRIMITIVES) - LINEAR_ATTN_PRIMITIVES,  # not yet implemented here
             storage_dtypes=STORAGE_DTYPES,
             max_snapshots=64,
             strided_inputs=True,

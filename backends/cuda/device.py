@@ -24,7 +24,17 @@ from typing import Any
 import numpy as np
 
 from statecache import __version__
-from statecache.backend import PRIMITIVES, PROTOCOL_VERSION, Backend, Buffer, Caps, Device, DeviceKind, Support
+from statecache.backend import (
+    LINEAR_ATTN_PRIMITIVES,
+    PRIMITIVES,
+    PROTOCOL_VERSION,
+    Backend,
+    Buffer,
+    Caps,
+    Device,
+    DeviceKind,
+    Support,
+)
 from statecache.backends.cuda import build
 from statecache.dlpack import DLDataType, DLDevice, DLTensor
 from statecache.dtypes import STORAGE_DTYPES, DType
@@ -338,7 +348,7 @@ class CudaDevice(Device):
 
     def _caps(self) -> Caps:
         return Caps(
-            ops=frozenset(PRIMITIVES),
+            ops=frozenset(PRIMITIVES) - LINEAR_ATTN_PRIMITIVES,  # not yet implemented here
             storage_dtypes=STORAGE_DTYPES,
             max_snapshots=64,
             strided_inputs=True,

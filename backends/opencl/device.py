@@ -23,6 +23,7 @@ import numpy as np
 from statecache import __version__, settings
 from statecache import primitives as P
 from statecache.backend import (
+    LINEAR_ATTN_PRIMITIVES,
     PRIMITIVES,
     PROTOCOL_VERSION,
     SUPPORTED,
@@ -109,7 +110,7 @@ class OpenCLDevice(Device):
         self.memory_bytes: int | None = int(cl_device.global_mem_size)
         self.max_work_group_size = int(cl_device.max_work_group_size)
         self.caps = Caps(
-            ops=frozenset(PRIMITIVES),
+            ops=frozenset(PRIMITIVES) - LINEAR_ATTN_PRIMITIVES,  # not yet implemented here
             # bf16 is stored as ushort with explicit round-to-nearest-even
             # conversions and f16 through vload_half/vstore_half_rte, both core
             # OpenCL C: every device can store all three.
