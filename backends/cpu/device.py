@@ -484,8 +484,16 @@ class CpuDevice(Device):
         )
         return self._lib.sc_gated_delta_net, args, (keep, dense)
 
-    def _linear_attn_call(self, kernel: Any, shp: Any, pool: Buffer, index: tuple[Buffer, ...],
-                          tokens: tuple[Buffer, ...], u: Buffer | None, o: Buffer) -> tuple[Any, tuple[Any, ...], Any]:  # fmt: skip
+    def _linear_attn_call(
+        self,
+        kernel: Any,
+        shp: Any,
+        pool: Buffer,
+        index: tuple[Buffer, ...],
+        tokens: tuple[Buffer, ...],
+        u: Buffer | None,
+        o: Buffer,
+    ) -> tuple[Any, tuple[Any, ...], Any]:
         st, keep = self._state(shp, pool, *index)
         dense = _contiguous(self, u) if u is not None else None  # u is indexed densely
         extra = () if dense is None else (self._ptr(dense, "float *"),)

@@ -21,7 +21,7 @@
  * RWKV-7 stores a head as [value i][key j] (j fastest) and row i evolves on
  * its own: sa = a . S[i], S[i][j] = S[i][j] * exp(w[j]) + sa * b[j] + v[i] * k[j],
  * o[i] = S[i] . r.  A tile is a block of rows, as in delta_net.c; the AVX2
- * path takes two rows per pass so the shared vectors load once for both.
+ * path takes four rows per pass so the shared vectors load once for all four.
  *
  * f32 pools are read in place by a unit's first token and written in place
  * by its last (no tile copy); other dtypes go through the tile.  Every slice
@@ -272,45 +272,73 @@ static void kv_call(const sc_state *st, const sc_view *q, const sc_view *k, cons
 
 /* ---- RWKV-7: value-major blocks, row tiles ----------------------------------- */
 
+#ifdef SC_HAVE_AVX2
+/* wkv7_rows on NR <= 4 rows, S % 8 == 0.  The a-dot takes two accumulators
+ * per row (even and odd chunks) so that it is not bound by FMA latency; the
+ * update and the r-dot load the shared vectors once for all NR rows. */
+static inline __attribute__((always_inline)) void wkv7_rows8_impl(const float *in, float *out, const int NR,
+                                                                  int64_t S, const float *r, const float *e,
+                                                                  const float *k, const float *v, const float *a,
+                                                                  const float *b, float *o) {
+    __m256 p[4], q[4], sa[4], vi[4], acc[4];
+    for (int m = 0; m < NR; m++) p[m] = q[m] = acc[m] = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= S; j += 16) {
+        const __m256 a0 = _mm256_loadu_ps(a + j), a1 = _mm256_loadu_ps(a + j + 8);
+        for (int m = 0; m < NR; m++) {
+            p[m] = _mm256_fmadd_ps(_mm256_loadu_ps(in + m * S + j), a0, p[m]);
+            q[m] = _mm256_fmadd_ps(_mm256_loadu_ps(in + m * S + j + 8), a1, q[m]);
+        }
+    }
+    if (j < S) {
+        const __m256 a0 = _mm256_loadu_ps(a + j);
+        for (int m = 0; m < NR; m++) p[m] = _mm256_fmadd_ps(_mm256_loadu_ps(in + m * S + j), a0, p[m]);
+    }
+    float dots[4];
+    for (int m = 0; m < NR; m++) p[m] = _mm256_add_ps(p[m], q[m]);
+    for (int m = NR; m < 4; m++) p[m] = p[0];
+    _mm_storeu_ps(dots, sc_hsum4x8(p[0], p[1], p[2], p[3]));
+    for (int m = 0; m < NR; m++) {
+        sa[m] = _mm256_set1_ps(dots[m]);
+        vi[m] = _mm256_set1_ps(v[m]);
+    }
+    for (j = 0; j < S; j += 8) {
+        const __m256 ej = _mm256_loadu_ps(e + j), bj = _mm256_loadu_ps(b + j);
+        const __m256 kj = _mm256_loadu_ps(k + j), rj = _mm256_loadu_ps(r + j);
+        for (int m = 0; m < NR; m++) {
+            const __m256 add = _mm256_fmadd_ps(sa[m], bj, _mm256_mul_ps(vi[m], kj));
+            const __m256 n = _mm256_fmadd_ps(_mm256_loadu_ps(in + m * S + j), ej, add);
+            _mm256_storeu_ps(out + m * S + j, n);
+            acc[m] = _mm256_fmadd_ps(n, rj, acc[m]);
+        }
+    }
+    for (int m = NR; m < 4; m++) acc[m] = acc[0];
+    float outs[4];
+    _mm_storeu_ps(outs, sc_hsum4x8(acc[0], acc[1], acc[2], acc[3]));
+    for (int m = 0; m < NR; m++) o[m] = outs[m];
+}
+
+static void wkv7_rows8_4(const float *in, float *out, int64_t S, const float *r, const float *e, const float *k,
+                         const float *v, const float *a, const float *b, float *o) {
+    wkv7_rows8_impl(in, out, 4, S, r, e, k, v, a, b, o);
+}
+
+static void wkv7_rows8_1(const float *in, float *out, int64_t S, const float *r, const float *e, const float *k,
+                         const float *v, const float *a, const float *b, float *o) {
+    wkv7_rows8_impl(in, out, 1, S, r, e, k, v, a, b, o);
+}
+#endif
+
 /* One token over rows [0, n) (row stride S, in and out the same memory or
- * disjoint): sa = a . S[i]; S[i][j] = S[i][j] * e[j] + sa * b[j] + v[i] * k[j];
+ * disjoint): sa = a . S[i]; S[i][j] = S[i][j] * e[j] + (sa * b[j] + v[i] * k[j]);
  * o[i] = S[i] . r (r already scaled). */
 static void wkv7_rows(const float *in, float *out, int64_t n, int64_t S, const float *r, const float *e,
                       const float *k, const float *v, const float *a, const float *b, float *o) {
     int64_t i = 0;
 #ifdef SC_HAVE_AVX2
     if (S % 8 == 0) {
-        for (; i + 2 <= n; i += 2) {
-            const float *s0 = in + i * S, *s1 = s0 + S;
-            float *d0 = out + i * S, *d1 = d0 + S;
-            __m256 p0 = _mm256_setzero_ps(), p1 = p0;
-            for (int64_t j = 0; j < S; j += 8) {
-                const __m256 aj = _mm256_loadu_ps(a + j);
-                p0 = _mm256_fmadd_ps(_mm256_loadu_ps(s0 + j), aj, p0);
-                p1 = _mm256_fmadd_ps(_mm256_loadu_ps(s1 + j), aj, p1);
-            }
-            float sa[4];
-            _mm_storeu_ps(sa, sc_hsum4x8(p0, p1, p0, p1));
-            const __m256 sa0 = _mm256_set1_ps(sa[0]), sa1 = _mm256_set1_ps(sa[1]);
-            const __m256 v0 = _mm256_set1_ps(v[i]), v1 = _mm256_set1_ps(v[i + 1]);
-            __m256 o0 = _mm256_setzero_ps(), o1 = o0;
-            for (int64_t j = 0; j < S; j += 8) {
-                const __m256 ej = _mm256_loadu_ps(e + j), bj = _mm256_loadu_ps(b + j);
-                const __m256 kj = _mm256_loadu_ps(k + j), rj = _mm256_loadu_ps(r + j);
-                const __m256 n0 = _mm256_fmadd_ps(_mm256_loadu_ps(s0 + j), ej,
-                                                  _mm256_fmadd_ps(sa0, bj, _mm256_mul_ps(v0, kj)));
-                const __m256 n1 = _mm256_fmadd_ps(_mm256_loadu_ps(s1 + j), ej,
-                                                  _mm256_fmadd_ps(sa1, bj, _mm256_mul_ps(v1, kj)));
-                _mm256_storeu_ps(d0 + j, n0);
-                _mm256_storeu_ps(d1 + j, n1);
-                o0 = _mm256_fmadd_ps(n0, rj, o0);
-                o1 = _mm256_fmadd_ps(n1, rj, o1);
-            }
-            float oo[4];
-            _mm_storeu_ps(oo, sc_hsum4x8(o0, o1, o0, o1));
-            o[i] = oo[0];
-            o[i + 1] = oo[1];
-        }
+        for (; i + 4 <= n; i += 4) wkv7_rows8_4(in + i * S, out + i * S, S, r, e, k, v + i, a, b, o + i);
+        for (; i < n; i++) wkv7_rows8_1(in + i * S, out + i * S, S, r, e, k, v + i, a, b, o + i);
     }
 #endif
     for (; i < n; i++) {
@@ -402,7 +430,7 @@ void sc_rwkv_wkv7(const sc_state *st, const sc_view *r, const sc_view *w, const 
     const sc_view *in[6] = {r, w, k, v, a, b};
     la_io io = la_widen(in, 6, o, o_dtype, st->n_tokens, H, S);
     int64_t tile_rows = SC_LA_ROW_TILE_BYTES / 4 / (S > 0 ? S : 1);
-    tile_rows = tile_rows < 2 ? 2 : tile_rows - tile_rows % 2;
+    tile_rows = tile_rows < 4 ? 4 : tile_rows - tile_rows % 4;
     const int team = la_team(st, H, S, n_threads);
 #pragma omp parallel num_threads(team) if (team > 1)
     {

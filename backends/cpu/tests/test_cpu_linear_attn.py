@@ -23,7 +23,7 @@ OPS = [*L.ops(), L.rwkv6_op(64, 3), L.rwkv7_op(64, 3), L.gla_op(128, 2), L.rwkv7
 
 @pytest.fixture(params=["split", "default"])
 def split_small_calls(request: pytest.FixtureRequest) -> Iterator[None]:
-    """"split" lifts the one-thread rule for small calls, so the split itself is tested."""
+    """With "split" the one-thread rule for small calls is lifted, so the split itself is tested."""
     lib = cpu_device()._lib
     previous = lib.sc_set_state_parallel_min_bytes(0 if request.param == "split" else 512 << 10)
     yield
