@@ -1121,7 +1121,7 @@ class Device(abc.ABC):
 
         Snapshot column j receives S after n_t(s) - j tokens.
         """
-        self._linear_attn("rwkv_wkv6", pool, start_rows, dst_rows, (r, k, v, w), u, o, n_snap, plane_stride,
+        self._linear_attn_template("rwkv_wkv6", pool, start_rows, dst_rows, (r, k, v, w), u, o, n_snap, plane_stride,
                           scale, cu_seqlens)  # fmt: skip
 
     def rwkv_wkv7(
@@ -1166,7 +1166,7 @@ class Device(abc.ABC):
 
         Snapshot column j receives S after n_t(s) - j tokens.
         """
-        self._linear_attn("rwkv_wkv7", pool, start_rows, dst_rows, (r, w, k, v, a, b), None, o, n_snap,
+        self._linear_attn_template("rwkv_wkv7", pool, start_rows, dst_rows, (r, w, k, v, a, b), None, o, n_snap,
                           plane_stride, scale, cu_seqlens)  # fmt: skip
 
     def gated_linear_attn(
@@ -1200,10 +1200,10 @@ class Device(abc.ABC):
 
         Snapshot column j receives S after n_t(s) - j tokens.
         """
-        self._linear_attn("gated_linear_attn", pool, start_rows, dst_rows, (q, k, v, g), None, o, n_snap,
+        self._linear_attn_template("gated_linear_attn", pool, start_rows, dst_rows, (q, k, v, g), None, o, n_snap,
                           plane_stride, scale, cu_seqlens)  # fmt: skip
 
-    def _linear_attn(
+    def _linear_attn_template(
         self,
         op: str,
         pool: Buffer,
