@@ -1,5 +1,6 @@
 """The conformance cases of the protocol-2 contract (packed tokens, snapshot
-tables, Mamba-1 snapshots, fused epilogues, refusals) on the CUDA kernels
+tables, Mamba-1 snapshots, fused epilogues, refusals, and the linear-attention
+primitives with their metamorphic cases) on the CUDA kernels
 through the host emulation: the same kernel bodies, indexing and argument
 structs the GPU runs (the GPU itself runs them in ``gpu_check.sh``)."""
 
@@ -8,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from statecache.conformance import epilogue_cases, varlen_cases
+from statecache.conformance import epilogue_cases, linear_attn_cases, varlen_cases
 
-CASES = varlen_cases.all_cases() + epilogue_cases.all_cases()
+CASES = varlen_cases.all_cases() + epilogue_cases.all_cases() + linear_attn_cases.all_cases()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
