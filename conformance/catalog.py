@@ -6,7 +6,7 @@ import functools
 
 from statecache.conformance.cases import Case
 
-FAMILIES = ("device", "primitive", "metamorphic", "memory", "prefix")
+FAMILIES = ("device", "primitive", "oracle", "metamorphic", "memory", "prefix")
 
 
 @functools.cache
@@ -17,6 +17,7 @@ def all_cases() -> tuple[Case, ...]:
         linear_attn_cases,
         memory_cases,
         metamorphic_cases,
+        oracle_cases,
         prefix_cases,
         primitive_cases,
         varlen_cases,
@@ -28,6 +29,7 @@ def all_cases() -> tuple[Case, ...]:
         *varlen_cases.all_cases(),
         *epilogue_cases.all_cases(),
         *linear_attn_cases.all_cases(),
+        *oracle_cases.all_cases(),
         *metamorphic_cases.all_cases(),
         *memory_cases.all_cases(),
         *prefix_cases.all_cases(),
