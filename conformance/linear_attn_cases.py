@@ -41,8 +41,10 @@ from statecache.conformance.cases import (
     Requirement,
     Tensor,
     assert_exact,
+    check_tensor,
     compare_with_reference,
     rng_for,
+    run_on,
 )
 from statecache.conformance.metamorphic_cases import Adapter, chunked, snapshot_prefix, together
 from statecache.conformance.varlen_cases import (
@@ -55,6 +57,7 @@ from statecache.conformance.varlen_cases import (
     expect_refusal,
     packed_split_case,
     rotation_case,
+    varlen_call,
     varlen_case,
     varlen_tensors,
 )
@@ -333,6 +336,46 @@ def strided_case(op: Op, n_s: int, n_t: int) -> Case:
     return case
 
 
+# -- the oracle family: the device against the formulas themselves -------------------------
+
+
+def oracle_case(op: Op, lengths: tuple[int, ...], K: int, mode: str, dtype: DType = F32) -> Case:
+    """The device's pool and outputs against the per-element formulas directly
+    (no reference in between), with the guard and untouched-row checks of
+    every primitive case."""
+    p = VarlenParams(op, lengths, K, mode, dtype)
+    lens = "_".join(map(str, lengths))
+    case_id = f"oracle.{op.op}[{op.label}-L{lens}-K{K}-{mode}-{dtype.value}]"
+
+    def run(device: Device) -> None:
+        seed = case.seed
+        tensors, rows, arrays = varlen_tensors(p, seed)
+        got = run_on(device, tensors, seed, varlen_call(p, rows))
+        pool_in = tensors["pool"].data
+        assert pool_in is not None
+        starts = pool_in.astype(dtype.numpy).astype(np.float64)[rows.start]
+        states, out = op.formula(starts, np.asarray(lengths), arrays)
+        want: dict[str, np.ndarray] = {"out": out}
+        pool_want = pool_in.astype(dtype.numpy).astype(np.float64)
+        for s, n_t in enumerate(lengths):
+            for j in range(K):
+                if rows.table[s, j] >= 0:
+                    pool_want[rows.table[s, j]] = states[s][n_t - j]
+        want["pool"] = pool_want
+        for name, t in tensors.items():
+            placed, got_full = got[name]
+            want_full = None
+            if t.output:
+                want_full = placed.initial.copy()
+                n = want[name].size
+                want_full[placed.offset : placed.offset + n] = want[name].reshape(-1).astype(want_full.dtype)
+            tol = NMSE[dtype] if name == "pool" else NMSE[F32]
+            check_tensor(name, t, placed, got_full, want_full, tol)
+
+    case = Case(case_id, "oracle", (op.op,), run, (p.requirement(),), p.caps)
+    return case
+
+
 # -- refusals --------------------------------------------------------------------------------
 
 
@@ -462,6 +505,12 @@ def all_cases() -> list[Case]:
         cases.append(reference_case(make(64, 4), (9, 1, 0, 3), 3, "planes"))
         cases.append(reference_case(make(128, 2), (1, 1, 4), 2, "rotate"))
         cases.append(reference_case(make(64, 2), (1, 2, 1), 3, "sparse", DType.F16))
+    for op in (rwkv6_op(8, 2), rwkv7_op(8, 2), gla_op(8, 2)):
+        cases += [
+            oracle_case(op, (3, 0, 1, 2), 3, "planes"),
+            oracle_case(op, (2, 4, 1), 3, "sparse", DType.F16),
+            oracle_case(op, (1, 1), 2, "rotate", DType.BF16),
+        ]
     for op_name in LINEAR_ATTN_INPUTS:
         cases += [refusal_case(op_name, r) for r in _refusals(op_name)]
     return cases
