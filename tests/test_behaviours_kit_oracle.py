@@ -74,10 +74,11 @@ def _interleaved_qk(original):
     """The reference as if value head h read q/k head h // (H_v / H_k)
     (repeat-interleave) instead of h % H_k (tiling)."""
 
-    def gated_delta_net(shp, pool, start, dst, q, k, v, g, beta, o, scale):
+    def gated_delta_net(shp, pool, start, snap, cu, q, k, v, g, beta, o, A_log, dt_bias):
+        # protocol 2: tokens are packed, so heads are axis 1 of q/k [T, H_k, S]
         heads = np.arange(shp.n_head_v) // (shp.n_head_v // shp.n_head_k)
         wide = dataclasses.replace(shp, n_head_k=shp.n_head_v)
-        return original(wide, pool, start, dst, q[:, :, heads], k[:, :, heads], v, g, beta, o, scale)
+        return original(wide, pool, start, snap, cu, q[:, heads], k[:, heads], v, g, beta, o, A_log, dt_bias)
 
     return gated_delta_net
 
@@ -96,11 +97,11 @@ def test_groups_tiled_instead_of_interleaved_fail_the_kit(monkeypatch):
     """Mamba-2's B/C groups: head h uses group h // (H / G), not h % G."""
     original = ref_scan.ssm_scan
 
-    def tiled_groups(shp, pool, start, dst, x, dt, A, B, C, y):
+    def tiled_groups(shp, pool, start, snap, cu, x, dt, A, B, C, y, D, z, dt_bias):
         H, G = shp.n_head, shp.n_group
         heads = np.arange(H) % G
         wide = dataclasses.replace(shp, n_group=H)
-        return original(wide, pool, start, dst, x, dt, A, B[:, :, heads], C[:, :, heads], y)
+        return original(wide, pool, start, snap, cu, x, dt, A, B[:, heads], C[:, heads], y, D, z, dt_bias)
 
     monkeypatch.setattr(ref_scan, "ssm_scan", tiled_groups)
     failed, _ = _verdicts(_cases("oracle", "oracle.ssm_scan[mamba2-d4-h3-n4-g2"))
@@ -110,8 +111,8 @@ def test_groups_tiled_instead_of_interleaved_fail_the_kit(monkeypatch):
 def test_conv_without_its_bias_fails_the_kit(monkeypatch):
     original = ref_conv.ssm_conv
 
-    def no_bias(shp, pool, start, dst, x, weight, bias, y, apply_silu):
-        return original(shp, pool, start, dst, x, weight, None, y, apply_silu)
+    def no_bias(shp, pool, start, snap, cu, x, weight, bias, y, apply_silu):
+        return original(shp, pool, start, snap, cu, x, weight, None, y, apply_silu)
 
     monkeypatch.setattr(ref_conv, "ssm_conv", no_bias)
     failed, passed = _verdicts(_cases("oracle", "oracle.ssm_conv["))
