@@ -30,11 +30,12 @@ back if the compute fails.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from statecache.backend import Buffer
+from statecache.backend import Buffer, Device
 from statecache.errors import ArgumentError
 
 if TYPE_CHECKING:
@@ -78,6 +79,9 @@ class RecurrentStep:
             self._fresh_local_idx = dev.indices(self._fresh_local) if self._fresh_local.size else None
             self._read_rows = dev.indices(inp.start_rows)
         self.done: set[tuple[int, str]] = set()
+        # token-shift parts stepped so far, and where each tensor's first part ran (see shift)
+        self._shift_done: set[tuple[int, str, int]] = set()
+        self._shift_targets: dict[tuple[int, str], tuple[Buffer, Buffer, Buffer, int]] = {}
 
     def _pool(self, layer: int, name: str) -> Buffer:
         try:
@@ -203,3 +207,160 @@ class RecurrentStep:
             return None
 
         self._run(layer, tensor, launch)
+
+    # -- linear attention and the token shift (RWKV-6, RWKV-7, GLA) ------------
+    def wkv6(
+        self,
+        layer: int,
+        r: Buffer,
+        k: Buffer,
+        v: Buffer,
+        w: Buffer,
+        u: Buffer,
+        o: Buffer,
+        *,
+        scale: float | None = None,
+        tensor: str = "s",
+    ) -> None:
+        """``rwkv_wkv6`` on the layer's wkv state pool (r/k/v/w/o [n_seqs, n_seq_tokens, H, S])."""
+        snap = self.inputs.n_snap
+
+        def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+            self.device.rwkv_wkv6(pool, start, dst, r, k, v, w, u, o, n_snap=snap, plane_stride=stride, scale=scale)
+
+        self._run(layer, tensor, launch)
+
+    def wkv7(
+        self,
+        layer: int,
+        r: Buffer,
+        w: Buffer,
+        k: Buffer,
+        v: Buffer,
+        a: Buffer,
+        b: Buffer,
+        o: Buffer,
+        *,
+        scale: float | None = None,
+        tensor: str = "s",
+    ) -> None:
+        """``rwkv_wkv7`` on the layer's wkv state pool (every per-token tensor [n_seqs, n_seq_tokens, H, S])."""
+        snap = self.inputs.n_snap
+
+        def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+            self.device.rwkv_wkv7(pool, start, dst, r, w, k, v, a, b, o, n_snap=snap, plane_stride=stride, scale=scale)
+
+        self._run(layer, tensor, launch)
+
+    def gla(
+        self,
+        layer: int,
+        q: Buffer,
+        k: Buffer,
+        v: Buffer,
+        g: Buffer,
+        o: Buffer,
+        *,
+        scale: float | None = None,
+        tensor: str = "s",
+    ) -> None:
+        """``gated_linear_attn`` on the layer's state pool (q/k/v/g/o [n_seqs, n_seq_tokens, H, S])."""
+        snap = self.inputs.n_snap
+
+        def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+            self.device.gated_linear_attn(pool, start, dst, q, k, v, g, o, n_snap=snap, plane_stride=stride,
+                                          scale=scale)  # fmt: skip
+
+        self._run(layer, tensor, launch)
+
+    def shift(self, layer: int, x: Buffer, x_prev: Buffer, *, part: int = 0, tensor: str = "r") -> None:
+        """RWKV's token shift: ``x_prev`` [n_seqs, n_seq_tokens, n_embd] receives each
+        token's previous hidden vector (the first token's from the state), and the
+        state keeps the last token's, with snapshot planes like every state tensor.
+
+        The layer's token-shift row holds ``token_shift_count`` vectors of n_embd
+        (llama.cpp's layout: the time mixing's input first, then the channel
+        mixing's); ``part`` says which one ``x`` is.  The parts of one ubatch come
+        at different times (the channel mixing's input exists only after the time
+        mixing), so each is its own call; the first to come zeroes and
+        materialises the tensor's rows for all of them.
+
+        No new primitive: a token shift is a depthwise causal conv of width 2
+        with taps ``[1, 0]``.  Its window is the last token, its snapshot column j
+        the token j before the end (the input state for column n_t) and its
+        output the previous token, so ``ssm_conv`` gives all of it, on a view of
+        the pool whose rows are the parts (row ``c * count + part`` is part
+        ``part`` of cell row ``c``).  The output equals the previous token's x
+        exactly for finite inputs (an infinite x turns ``0 * x`` into NaN in the
+        token before it)."""
+        dev = self.device
+        pool = self._pool(layer, tensor)
+        n_embd = x.shape[-1] if x.ndim >= 1 else 0
+        if n_embd < 1 or pool.shape[1] % n_embd:
+            raise ArgumentError(
+                "x", f"shape {x.shape}: its hidden size does not divide the token-shift row of {pool.shape[1]}"
+            )
+        count = pool.shape[1] // n_embd
+        if not isinstance(part, int | np.integer) or not 0 <= part < count:
+            raise ArgumentError("part", f"must be an integer in [0, {count}) (token_shift_count), got {part!r}")
+        done, targets = self._shift_done, self._shift_targets
+        if (layer, tensor, int(part)) in done:
+            raise ArgumentError("part", f"token-shift part {part} of layer {layer} already stepped for this ubatch")
+        weight = _shift_taps(dev, n_embd)
+        snap = self.inputs.n_snap
+
+        def launch(target: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+            rows = target.view((target.shape[0] * count, n_embd))
+            s_rows, d_rows = _part_rows(dev, start, count, int(part)), _part_rows(dev, dst, count, int(part))
+            dev.ssm_conv(rows, s_rows, d_rows, x, weight, x_prev, n_snap=snap, plane_stride=stride * count)
+
+        key = (layer, tensor)
+        if key not in targets:
+            # the first part: zero row, extras and (staged) the transient copy, as for any tensor
+
+            def first(target: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+                launch(target, start, dst, stride)
+                targets[key] = (target, start, dst, stride)
+
+            self._run(layer, tensor, first)
+        else:
+            target, start, dst, stride = targets[key]
+            launch(target, start, dst, stride)
+            if target is not pool:  # staged: the transient pool's written rows go back after every part
+                dev.copy_rows(target, self._local_written, pool, self._pool_written)
+        done.add((layer, tensor, int(part)))
+
+
+#: Per device and hidden size: the taps [1, 0] of the token shift's conv.
+_SHIFT_TAPS: weakref.WeakKeyDictionary[Device, dict[int, Buffer]] = weakref.WeakKeyDictionary()
+#: Per index buffer: its rows as part rows (``row * count + part``), with the host
+#: values they were derived from (a buffer written since gets new ones).
+_PART_ROWS: weakref.WeakKeyDictionary[Buffer, dict[tuple[int, int], tuple[Any, Buffer]]] = weakref.WeakKeyDictionary()
+
+
+def _shift_taps(dev: Device, n_embd: int) -> Buffer:
+    per_dev = _SHIFT_TAPS.setdefault(dev, {})
+    taps = per_dev.get(n_embd)
+    if taps is None:
+        host = np.zeros((n_embd, 2), dtype=np.float32)
+        host[:, 0] = 1.0  # y[t] = window[t] (the previous token), the current token weighs 0
+        taps = per_dev[n_embd] = dev.upload(host)
+    return taps
+
+
+def _part_rows(dev: Device, rows: Buffer, count: int, part: int) -> Buffer:
+    """``rows * count + part`` as an index buffer, kept while ``rows`` keeps its
+    values: decode passes the same row buffers step after step, and new index
+    buffers would defeat the launch memo."""
+    if count == 1:
+        return rows
+    values = rows.host_indices
+    cache = _PART_ROWS.setdefault(rows, {})
+    hit = cache.get((count, part))
+    if hit is not None and values is not None and hit[0] is values:
+        return hit[1]
+    host = dev.index_values(rows).astype(np.int64) * count + part
+    derived = dev.indices(host)
+    if values is not None:
+        cache[(count, part)] = (values, derived)
+    return derived

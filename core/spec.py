@@ -138,9 +138,7 @@ class RecurrentLayerSpec:
     def gla(cls, *, n_head: int, head_dim: int) -> RecurrentLayerSpec:
         """Gated linear attention (GLA, QRWKV-6): only the state ``s``, ``n_head``
         blocks of [head_dim, head_dim] (:meth:`statecache.backend.Device.gated_linear_attn`)."""
-        return cls(
-            "gla", (StateTensor("s", n_head * head_dim * head_dim),), {"n_head": n_head, "head_dim": head_dim}
-        )
+        return cls("gla", (StateTensor("s", n_head * head_dim * head_dim),), {"n_head": n_head, "head_dim": head_dim})
 
     @classmethod
     def shortconv(cls, *, n_embd: int, l_cache: int) -> RecurrentLayerSpec:
