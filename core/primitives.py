@@ -901,3 +901,34 @@ def check_linear_attn(
         n_head, size, variant, eff_scale,
     )  # fmt: skip
     return StateCall(shp, snap, cu, tok.cu is not None, copied)
+
+
+# The per-op forms (keyword buffers, as check_ssm_scan and check_gated_delta_net take them).
+
+
+def check_rwkv_wkv6(
+    dev: Device, *, pool: Buffer, start_rows: Buffer, dst_rows: Buffer, r: Buffer, k: Buffer, v: Buffer, w: Buffer,
+    u: Buffer, o: Buffer, n_snap: int, plane_stride: int, cu_seqlens: Buffer | None = None, scale: float | None = None,
+) -> StateCall:  # fmt: skip
+    return check_linear_attn(dev, "rwkv_wkv6", pool=pool, start_rows=start_rows, dst_rows=dst_rows,
+                             inputs={"r": r, "k": k, "v": v, "w": w}, o=o, u=u, n_snap=n_snap,
+                             plane_stride=plane_stride, cu_seqlens=cu_seqlens, scale=scale)  # fmt: skip
+
+
+def check_rwkv_wkv7(
+    dev: Device, *, pool: Buffer, start_rows: Buffer, dst_rows: Buffer, r: Buffer, w: Buffer, k: Buffer, v: Buffer,
+    a: Buffer, b: Buffer, o: Buffer, n_snap: int, plane_stride: int, cu_seqlens: Buffer | None = None,
+    scale: float | None = None,
+) -> StateCall:  # fmt: skip
+    return check_linear_attn(dev, "rwkv_wkv7", pool=pool, start_rows=start_rows, dst_rows=dst_rows,
+                             inputs={"r": r, "w": w, "k": k, "v": v, "a": a, "b": b}, o=o, n_snap=n_snap,
+                             plane_stride=plane_stride, cu_seqlens=cu_seqlens, scale=scale)  # fmt: skip
+
+
+def check_gated_linear_attn(
+    dev: Device, *, pool: Buffer, start_rows: Buffer, dst_rows: Buffer, q: Buffer, k: Buffer, v: Buffer, g: Buffer,
+    o: Buffer, n_snap: int, plane_stride: int, cu_seqlens: Buffer | None = None, scale: float | None = None,
+) -> StateCall:  # fmt: skip
+    return check_linear_attn(dev, "gated_linear_attn", pool=pool, start_rows=start_rows, dst_rows=dst_rows,
+                             inputs={"q": q, "k": k, "v": v, "g": g}, o=o, n_snap=n_snap, plane_stride=plane_stride,
+                             cu_seqlens=cu_seqlens, scale=scale)  # fmt: skip

@@ -223,6 +223,7 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``rwkv_wkv6`` on the layer's wkv state pool (r/k/v/w/o [n_seqs, n_seq_tokens, H, S])."""
+        self._linear_attn_shapes(layer, tensor, {"r": r, "k": k, "v": v, "w": w, "o": o}, u)
         snap = self.inputs.n_snap
 
         def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
@@ -245,6 +246,7 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``rwkv_wkv7`` on the layer's wkv state pool (every per-token tensor [n_seqs, n_seq_tokens, H, S])."""
+        self._linear_attn_shapes(layer, tensor, {"r": r, "w": w, "k": k, "v": v, "a": a, "b": b, "o": o})
         snap = self.inputs.n_snap
 
         def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
@@ -265,6 +267,7 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``gated_linear_attn`` on the layer's state pool (q/k/v/g/o [n_seqs, n_seq_tokens, H, S])."""
+        self._linear_attn_shapes(layer, tensor, {"q": q, "k": k, "v": v, "g": g, "o": o})
         snap = self.inputs.n_snap
 
         def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
@@ -272,6 +275,34 @@ class RecurrentStep:
                                           scale=scale)  # fmt: skip
 
         self._run(layer, tensor, launch)
+
+    def _linear_attn_shapes(
+        self, layer: int, tensor: str, per_token: dict[str, Buffer], u: Buffer | None = None
+    ) -> None:
+        """Refuse, before anything is written, per-token buffers that are not
+        [n_seqs, n_seq_tokens, H, S] of this ubatch and of the layer's state rows
+        (the primitive checks the rest, dtypes and storages, when it launches)."""
+        inp = self.inputs
+        pool = self._pool(layer, tensor)
+        want: tuple[int, ...] | None = None
+        for name, buf in per_token.items():
+            if not isinstance(buf, Buffer):
+                raise ArgumentError(name, f"expected a Buffer, got {type(buf).__name__}")
+            shape = tuple(buf.shape)
+            if want is None:
+                if len(shape) != 4 or shape[:2] != (inp.n_seqs, inp.n_seq_tokens):
+                    raise ArgumentError(
+                        name, f"shape {shape} must be [n_seqs={inp.n_seqs}, n_seq_tokens={inp.n_seq_tokens}, H, S]"
+                    )
+                if shape[2] * shape[3] * shape[3] != pool.shape[1]:
+                    raise ArgumentError(
+                        name, f"shape {shape}: H * S * S must be this layer's state row of {pool.shape[1]}"
+                    )
+                want = shape
+            elif shape != want:
+                raise ArgumentError(name, f"shape {shape} must be {want}, as {next(iter(per_token))}'s")
+        if u is not None and want is not None and (not isinstance(u, Buffer) or tuple(u.shape) != want[2:]):
+            raise ArgumentError("u", f"must be a Buffer of shape [H, S] = {want[2:]}")
 
     def shift(self, layer: int, x: Buffer, x_prev: Buffer, *, part: int = 0, tensor: str = "r") -> None:
         """RWKV's token shift: ``x_prev`` [n_seqs, n_seq_tokens, n_embd] receives each
@@ -293,9 +324,17 @@ class RecurrentStep:
         ``part`` of cell row ``c``).  The output equals the previous token's x
         exactly for finite inputs (an infinite x turns ``0 * x`` into NaN in the
         token before it)."""
-        dev = self.device
+        dev, inp = self.device, self.inputs
         pool = self._pool(layer, tensor)
-        n_embd = x.shape[-1] if x.ndim >= 1 else 0
+        for name, buf in (("x", x), ("x_prev", x_prev)):
+            if not isinstance(buf, Buffer) or buf.ndim != 3 or buf.shape[:2] != (inp.n_seqs, inp.n_seq_tokens):
+                raise ArgumentError(
+                    name,
+                    f"must be a Buffer [n_seqs={inp.n_seqs}, n_seq_tokens={inp.n_seq_tokens}, n_embd] (this ubatch)",
+                )
+        if x_prev.shape != x.shape:
+            raise ArgumentError("x_prev", f"shape {x_prev.shape} must be x's {x.shape}")
+        n_embd = x.shape[-1]
         if n_embd < 1 or pool.shape[1] % n_embd:
             raise ArgumentError(
                 "x", f"shape {x.shape}: its hidden size does not divide the token-shift row of {pool.shape[1]}"

@@ -345,3 +345,41 @@ def test_token_shift_parts_are_refused_twice_and_out_of_range(ref_device, name: 
     with pytest.raises(ArgumentError, match="part"):
         step.shift(0, x, prev, part=1)
     step.shift(0, x, prev, part=0)
+
+
+@pytest.mark.parametrize("name", ["rwkv6", "rwkv7", "gla"])
+def test_wrong_shapes_are_refused_before_anything_is_written(ref_device, name: str) -> None:
+    """The step checks the per-token inputs against the ubatch and the layer's rows
+    before it zeroes or materialises anything: a refused call leaves every pool as it was."""
+    from statecache.errors import ArgumentError
+
+    fam = next(f for f in FAMILIES if f.name == name)
+    m = Model(ref_device, fam, seed=5)
+    m.decode({0: [1, 2, 3]})
+    balloc = BatchAllocator(4)
+    balloc.init(Batch.for_sequences({0: [4, 5], 1: [6, 7]}, output_all=True), m.mem)
+    ctx = m.mem.init_batch(balloc, 512)
+    assert ctx.apply()
+    step = ctx.step()
+    dev = ref_device
+    before = {k: dev.download(b) for k, b in m.mem.pools[0].items()}
+    H, S = 2, 3
+    good = [dev.upload(np.full((2, 2, H, S), -0.1, np.float32)) for _ in range(6)]
+    short = dev.upload(np.zeros((2, 1, H, S), np.float32))  # one token instead of the ubatch's two
+    wide = dev.upload(np.zeros((2, 2, H + 1, S), np.float32))  # a head too many for the layer's rows
+    o = dev.alloc((2, 2, H, S))
+    u = dev.upload(np.zeros((H, S), np.float32))
+    if name == "rwkv6":
+        transposed_u = dev.upload(np.zeros((S, H), np.float32))
+        calls = [(lambda: step.wkv6(0, short, *good[:3], u, o), "r"), (lambda: step.wkv6(0, *good[:3], wide, u, o), "w"),
+                 (lambda: step.wkv6(0, *good[:4], transposed_u, o), "u")]  # fmt: skip
+    elif name == "rwkv7":
+        calls = [(lambda: step.wkv7(0, *good[:5], short, o), "b"), (lambda: step.wkv7(0, wide, *good[:5], o), "r")]
+    else:
+        calls = [(lambda: step.gla(0, *good[:3], short, o), "g"), (lambda: step.gla(0, *good[:3], good[0], short), "o")]
+    for call, argument in calls:
+        with pytest.raises(ArgumentError) as err:
+            call()
+        assert err.value.argument == argument, err.value
+    for k, b in m.mem.pools[0].items():
+        np.testing.assert_array_equal(dev.download(b), before[k], err_msg=f"pool {k} after refused calls")
