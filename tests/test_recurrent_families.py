@@ -371,8 +371,11 @@ def test_wrong_shapes_are_refused_before_anything_is_written(ref_device, name: s
     u = dev.upload(np.zeros((H, S), np.float32))
     if name == "rwkv6":
         transposed_u = dev.upload(np.zeros((S, H), np.float32))
-        calls = [(lambda: step.wkv6(0, short, *good[:3], u, o), "r"), (lambda: step.wkv6(0, *good[:3], wide, u, o), "w"),
-                 (lambda: step.wkv6(0, *good[:4], transposed_u, o), "u")]  # fmt: skip
+        calls = [
+            (lambda: step.wkv6(0, short, *good[:3], u, o), "r"),
+            (lambda: step.wkv6(0, *good[:3], wide, u, o), "w"),
+            (lambda: step.wkv6(0, *good[:4], transposed_u, o), "u"),
+        ]
     elif name == "rwkv7":
         calls = [(lambda: step.wkv7(0, *good[:5], short, o), "b"), (lambda: step.wkv7(0, wide, *good[:5], o), "r")]
     else:
