@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from statecache import primitives as P
 from statecache.backend import Buffer, Device
 from statecache.errors import ArgumentError
 
@@ -223,13 +224,7 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``rwkv_wkv6`` on the layer's wkv state pool (r/k/v/w/o [n_seqs, n_seq_tokens, H, S])."""
-        self._linear_attn_shapes(layer, tensor, {"r": r, "k": k, "v": v, "w": w, "o": o}, u)
-        snap = self.inputs.n_snap
-
-        def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            self.device.rwkv_wkv6(pool, start, dst, r, k, v, w, u, o, n_snap=snap, plane_stride=stride, scale=scale)
-
-        self._run(layer, tensor, launch)
+        self._linear_attn_step("rwkv_wkv6", layer, tensor, {"r": r, "k": k, "v": v, "w": w, "o": o}, scale, u)
 
     def wkv7(
         self,
@@ -246,13 +241,8 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``rwkv_wkv7`` on the layer's wkv state pool (every per-token tensor [n_seqs, n_seq_tokens, H, S])."""
-        self._linear_attn_shapes(layer, tensor, {"r": r, "w": w, "k": k, "v": v, "a": a, "b": b, "o": o})
-        snap = self.inputs.n_snap
-
-        def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            self.device.rwkv_wkv7(pool, start, dst, r, w, k, v, a, b, o, n_snap=snap, plane_stride=stride, scale=scale)
-
-        self._run(layer, tensor, launch)
+        per_token = {"r": r, "w": w, "k": k, "v": v, "a": a, "b": b, "o": o}
+        self._linear_attn_step("rwkv_wkv7", layer, tensor, per_token, scale)
 
     def gla(
         self,
@@ -267,12 +257,26 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``gated_linear_attn`` on the layer's state pool (q/k/v/g/o [n_seqs, n_seq_tokens, H, S])."""
-        self._linear_attn_shapes(layer, tensor, {"q": q, "k": k, "v": v, "g": g, "o": o})
+        self._linear_attn_step("gated_linear_attn", layer, tensor, {"q": q, "k": k, "v": v, "g": g, "o": o}, scale)
+
+    def _linear_attn_step(
+        self,
+        op: str,
+        layer: int,
+        tensor: str,
+        per_token: dict[str, Buffer],
+        scale: float | None,
+        u: Buffer | None = None,
+    ) -> None:
+        """Primitive ``op`` (``Device.<op>``) on the layer's pool: ``per_token`` holds its
+        inputs by name and the output ``o``; ``u`` is RWKV-6's bonus."""
+        self._linear_attn_shapes(layer, tensor, per_token, u)
         snap = self.inputs.n_snap
+        call = getattr(self.device, op)
+        args = (*(per_token[name] for name in P.LINEAR_ATTN_INPUTS[op]), *(() if u is None else (u,)), per_token["o"])
 
         def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            self.device.gated_linear_attn(pool, start, dst, q, k, v, g, o, n_snap=snap, plane_stride=stride,
-                                          scale=scale)  # fmt: skip
+            call(pool, start, dst, *args, n_snap=snap, plane_stride=stride, scale=scale)
 
         self._run(layer, tensor, launch)
 
