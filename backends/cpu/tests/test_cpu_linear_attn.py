@@ -7,44 +7,22 @@ reference."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
-from cpu_cases import assert_bitwise, cpu_device
+from cpu_cases import assert_packed_call_thread_invariant, cpu_device
 
 from statecache.conformance import linear_attn_cases as L
 from statecache.conformance import varlen_cases as V
-from statecache.conformance.cases import NMSE, compare_with_reference, run_on
+from statecache.conformance.cases import NMSE, compare_with_reference
 from statecache.dtypes import DType
 
 OPS = [*L.ops(), L.rwkv6_op(64, 3), L.rwkv7_op(64, 3), L.gla_op(128, 2), L.rwkv7_op(24, 2), L.gla_op(40, 2)]
 
 
-@pytest.fixture(params=["split", "default"])
-def split_small_calls(request: pytest.FixtureRequest) -> Iterator[None]:
-    """With "split" the one-thread rule for small calls is lifted, so the split itself is tested."""
-    lib = cpu_device()._lib
-    previous = lib.sc_set_state_parallel_min_bytes(0 if request.param == "split" else 512 << 10)
-    yield
-    lib.sc_set_state_parallel_min_bytes(previous)
-
-
 @pytest.mark.usefixtures("split_small_calls")
 @pytest.mark.parametrize("op", OPS, ids=lambda op: op.label)
 def test_packed_calls_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyPatch, op: V.Op) -> None:
-    dev = cpu_device()
-    params = V.VarlenParams(op, (7, 0, 1, 5, 3), 4, "sparse")
-    tensors, rows, _ = V.varlen_tensors(params, seed=11)
-    call = V.varlen_call(params, rows)
-    results = []
-    for threads in ("1", "2", "3"):
-        monkeypatch.setenv("STATECACHE_NUM_THREADS", threads)
-        got = run_on(dev, tensors, 11, call)
-        results.append({name: full for name, (_, full) in got.items() if tensors[name].output})
-    for other in results[1:]:
-        for name in results[0]:
-            assert_bitwise(f"{op.label} {name}", other[name], results[0][name])
+    assert_packed_call_thread_invariant(monkeypatch, op, (7, 0, 1, 5, 3))
 
 
 @pytest.mark.parametrize("op", OPS[3:], ids=lambda op: op.label)
