@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from cpu_cases import assert_thread_count_free, cpu_device
+from cpu_cases import assert_packed_call_thread_invariant, cpu_device
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,8 +89,7 @@ def split_small_calls() -> Iterator[None]:
 def test_chunked_forms_do_not_depend_on_the_thread_count(
     make_op: Callable[[], V.Op], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    params = V.VarlenParams(make_op(), (75, 3, 0, 40, 18), 30, "sparse")
-    assert_thread_count_free(params, 3, monkeypatch, params.id)
+    assert_packed_call_thread_invariant(monkeypatch, make_op(), (75, 3, 0, 40, 18), n_cols=30, seed=3)
 
 
 # -- non-finite inputs -------------------------------------------------------------------

@@ -11,7 +11,15 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from cpu_cases import Arg, against_reference, assert_bitwise, assert_thread_count_free, cpu_device, run, written_rows
+from cpu_cases import (
+    Arg,
+    against_reference,
+    assert_bitwise,
+    assert_packed_call_thread_invariant,
+    cpu_device,
+    run,
+    written_rows,
+)
 
 from statecache.conformance.primitive_cases import decay_rates, dt_values, log_decays, write_strengths
 from statecache.dtypes import DType
@@ -426,18 +434,6 @@ def _every_family(rng: np.random.Generator):  # type: ignore[no-untyped-def]
     return cases
 
 
-@pytest.fixture(params=["split", "default"])
-def split_small_calls(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Small stateful calls normally run on one thread (waking a second costs
-    more than it saves); these shapes are small, so "split" lifts that rule to
-    test the thread split itself, "default" tests the rule as shipped."""
-    lib = cpu_device()._lib
-    previous = lib.sc_set_state_parallel_min_bytes(0 if request.param == "split" else 512 << 10)
-    assert previous == 512 << 10  # the shipped default, restored below
-    yield
-    lib.sc_set_state_parallel_min_bytes(previous)
-
-
 @pytest.mark.usefixtures("split_small_calls")
 def test_results_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
     dev = cpu_device()
@@ -460,7 +456,7 @@ def test_packed_calls_do_not_depend_on_the_thread_count(monkeypatch: pytest.Monk
     from statecache.conformance import varlen_cases as V
 
     for op in V.ops():
-        assert_thread_count_free(V.VarlenParams(op, (20, 0, 1, 5, 3), 4, "sparse"), 11, monkeypatch, op.label)
+        assert_packed_call_thread_invariant(monkeypatch, op, (20, 0, 1, 5, 3))
 
 
 @pytest.fixture
