@@ -51,9 +51,9 @@ class KVRows:
         self.n_kv = int(actx.n_kv())
         dev = cache.device
         self.rows: Buffer = dev.indices(actx.k_idxs())  # one upload per ubatch, shared by every layer
-        # [n_tokens, n_kv], 0 or -inf; the memory's read-only array (it reuses it across
-        # layers), so torch gets a copy rather than a view it could write through
-        mask = actx.mask()
+        mask = actx.mask()  # [n_tokens, n_kv], 0 or -inf
+        # a copy: the memory hands every layer one read-only mask, and a model's
+        # attention code may edit its mask in place (one [n_tokens, n_kv] copy per ubatch)
         self.mask = torch.tensor(mask, dtype=dtype, device=bridge.torch_device)
         self.mask = self.mask.view(self.n_s, 1, self.n_t, self.n_kv)
         self.streams = None
