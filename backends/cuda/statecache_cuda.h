@@ -23,7 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define STATECACHE_CUDA_ABI_VERSION 2
+#define STATECACHE_CUDA_ABI_VERSION 3
 
 /* Storage dtype codes (pool, rows buffers). */
 #define STATECACHE_CUDA_F32 0
@@ -148,6 +148,10 @@ int statecache_cuda_set_device(int device);
 int statecache_cuda_stream_create(void **stream);
 int statecache_cuda_stream_destroy(void *stream);
 int statecache_cuda_stream_synchronize(void *stream);
+/* *capturing = 1 while `stream` is being captured into a CUDA graph (any
+ * capture mode), else 0: work that must not be recorded (allocation, host
+ * copies, synchronisation) is refused before it is queued. */
+int statecache_cuda_stream_is_capturing(void *stream, int *capturing);
 int statecache_cuda_malloc(void **ptr, size_t nbytes);
 int statecache_cuda_free(void *ptr);
 int statecache_cuda_memset_async(void *ptr, int value, size_t nbytes, void *stream);
