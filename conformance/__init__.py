@@ -3,7 +3,9 @@ pass, shipped as a pytest plugin (``pytest --pyargs statecache.conformance
 --backend NAME``) and run by ``statecache conformance``.
 
 Layout: ``cases.py`` (case record, guard bands, comparisons),
-``*_cases.py`` (the cases as data, by family), ``catalog.py`` (all of them),
+``*_cases.py`` (the cases as data, by family), ``oracle.py`` (float64 loops
+independent of the reference, which the ``oracle`` family compares every
+device with), ``catalog.py`` (all of them),
 ``selection.py`` (devices and expected failures), ``plugin.py`` (pytest),
 ``cli.py`` (the command), ``perf.py`` (``--perf``), ``model.py`` (the tiny
 hybrid model the memory cases run), ``test_*.py`` (the thin test functions).
@@ -11,5 +13,6 @@ hybrid model the memory cases run), ``test_*.py`` (the thin test functions).
 
 #: Bumped whenever a case is added, removed or made stricter, so reports from
 #: different suite versions are never compared as equals.
-#: 2.0: backend protocol 2 (packed tokens, snapshot tables, epilogues, activations); 2.1: prefix family.
-SUITE_VERSION = "2.1"
+#: 2.0: backend protocol 2 (packed tokens, snapshot tables, epilogues, activations); 2.1: prefix family;
+#: 2.2: oracle family, branch-reaching primitive inputs.
+SUITE_VERSION = "2.2"

@@ -58,7 +58,7 @@ class Case:
 
     ``id``: stable, device-independent (``ssm_scan[mamba2-d128-...-f32]``),
     the string expected-failure lists use.  ``family``: ``primitive``,
-    ``metamorphic``, ``device`` or ``memory``.  ``ops``: primitives the case
+    ``oracle``, ``metamorphic``, ``device`` or ``memory``.  ``ops``: primitives the case
     exercises (the meta-test checks every primitive has cases).
     ``requires``: supports() queries; ``caps``: capability name -> needed
     value (names must be :attr:`Caps.NAMES`; a set value means "contains").

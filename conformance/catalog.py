@@ -6,7 +6,7 @@ import functools
 
 from statecache.conformance.cases import Case
 
-FAMILIES = ("device", "primitive", "metamorphic", "memory", "prefix")
+FAMILIES = ("device", "primitive", "oracle", "metamorphic", "memory", "prefix")
 
 
 @functools.cache
@@ -16,6 +16,7 @@ def all_cases() -> tuple[Case, ...]:
         epilogue_cases,
         memory_cases,
         metamorphic_cases,
+        oracle_cases,
         prefix_cases,
         primitive_cases,
         varlen_cases,
@@ -26,6 +27,7 @@ def all_cases() -> tuple[Case, ...]:
         *primitive_cases.all_cases(),
         *varlen_cases.all_cases(),
         *epilogue_cases.all_cases(),
+        *oracle_cases.all_cases(),
         *metamorphic_cases.all_cases(),
         *memory_cases.all_cases(),
         *prefix_cases.all_cases(),

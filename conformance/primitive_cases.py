@@ -11,6 +11,14 @@ unaddressed pool rows stay bitwise unchanged, and that destination rows hold
 garbage beforehand (a kernel that reads its destination instead of its start
 row is caught).
 
+Inputs cross every branch of the math (see the generators below): dt below
+0, between 2 and 20 and above 20; decays near 0 and near 1; beta 0 and 1;
+the ``range`` cases store states near the f16/bf16 limits and subnormals;
+n_snap from 1 to ``MAX_PLANES`` (zero-length index
+arrays are in the oracle family); vector tails (channels, heads and d_state off a multiple of 8) and
+inputs whose last stride is not 1 (``interleaved``).  ``tools/kernel_coverage.py``
+reports which branches of the C kernels the kit reaches.
+
 Start-row modes (``starts``): ``perm`` shuffled rows of a separate region,
 ``repeat`` several sequences starting from one row, ``inplace`` each sequence
 from its own destination row (decode), ``plane`` each sequence from its own
@@ -24,15 +32,96 @@ from collections.abc import Callable
 
 import numpy as np
 
-from statecache.backend import Buffer, Device
+from statecache.backend import Buffer, Caps, Device
 from statecache.conformance.cases import NMSE, Case, Requirement, Tensor, compare_with_reference, rng_for
 from statecache.dtypes import DType
 
 F32 = DType.F32
 
+#: The most snapshot planes every device offers: ``Caps.max_snapshots`` unless
+#: a device declares more (the built-in ones offer 64; a case asking for more
+#: than a device declares is "not supported", never run).
+MAX_PLANES: int = Caps.__dataclass_fields__["max_snapshots"].default
+
 
 def _u(rng: np.random.Generator, shape: tuple[int, ...], lo: float = -1.0, hi: float = 1.0) -> np.ndarray:
     return rng.uniform(lo, hi, shape).astype(np.float32)
+
+
+# -- inputs that cross every branch ---------------------------------------------------
+#
+# Uniform draws from a narrow range reach one side of every threshold only: a
+# CPU kernel whose softplus switched to the identity above 2 instead of 20
+# passed every case while dt came from [-2, 1).  Each generator below mixes
+# regions so that every branch of the math is taken by some elements of every
+# case (the coverage command, tools/kernel_coverage, shows which are reached).
+
+
+def _regions(rng: np.random.Generator, shape: tuple[int, ...], regions: list[tuple[float, float, float]]) -> np.ndarray:
+    """Each element drawn uniformly from one of ``(lo, hi, weight)``, chosen by weight."""
+    w = np.array([r[2] for r in regions], dtype=np.float64)
+    pick = rng.choice(len(regions), size=shape, p=w / w.sum())
+    lo = np.array([r[0] for r in regions])[pick]
+    hi = np.array([r[1] for r in regions])[pick]
+    return rng.uniform(lo, hi).astype(np.float32)
+
+
+def dt_values(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """dt before softplus: below 0 (softplus near exp(dt), decay near 1),
+    between 0 and 2, between 2 and 20 (log1p(exp(dt)), not dt: where a
+    threshold too low shows, most at 2..6 where the difference is largest),
+    and above 20 (the identity; with a large |A| the decay is near 0)."""
+    return _regions(rng, shape, [(-8.0, 0.0, 3), (0.0, 2.0, 2), (2.0, 6.0, 3), (6.0, 20.0, 1), (20.0, 24.0, 1)])
+
+
+def decay_rates(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """A (negative): mostly Mamba's [-1, -0.05], some near 0 (decay near 1)
+    and some strong (decay near 0 already at moderate dt)."""
+    return -_regions(rng, shape, [(0.05, 1.0, 6), (1e-4, 1e-2, 1), (4.0, 8.0, 1)])
+
+
+def log_decays(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """g (log decay) of the delta rule: ggml's [-1, -1e-4], plus decays within
+    1e-6 of 1, exactly 1 (g = 0), and decays near 0, down past where a float32
+    exp underflows (g < -87.3)."""
+    g = _regions(rng, shape, [(-1.0, -1e-4, 6), (-1e-6, 0.0, 1), (-30.0, -8.0, 1), (-120.0, -88.0, 1)])
+    flat = g.reshape(-1)
+    flat[:: max(1, flat.size // 3)][:1] = 0.0
+    return g
+
+
+def write_strengths(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """beta in [0, 1] with the ends exactly (no write; a full overwrite)."""
+    beta = rng.uniform(0.0, 1.0, shape).astype(np.float32)
+    flat = beta.reshape(-1)
+    flat[::7] = 0.0
+    flat[3::7] = 1.0
+    return beta
+
+
+def extreme_states(rng: np.random.Generator, shape: tuple[int, ...], dtype: DType) -> np.ndarray:
+    """States in [-1, 1] with, stored as f16 or bf16, some elements near the
+    format's largest finite value and some below its smallest normal
+    (subnormals), so that loads and stores cross the conversion branches.
+    Only for the ``range`` cases: one huge element dominates an NMSE, so mixed
+    into every case it would hide the errors of all the others."""
+    data = _u(rng, shape)
+    if dtype is F32:
+        return data
+    flat = data.reshape(-1)
+    big = 6.0e4 if dtype is DType.F16 else 1.0e30  # f16's max is 65504; bf16 shares float32's range
+    tiny = 3.0e-6 if dtype is DType.F16 else 4.0e-39  # below the smallest normal of each
+    flat[5::97] = np.where(flat[5::97] < 0, -big, big)
+    flat[11::89] = tiny
+    flat[17::83] = -tiny / 3
+    return data
+    flat = data.reshape(-1)
+    big = 6.0e4 if dtype is DType.F16 else 1.0e30  # f16 max 65504; bf16 shares f32's range
+    tiny = 3.0e-6 if dtype is DType.F16 else 4.0e-39  # below f16 min normal 6.1e-5 / f32 min normal
+    flat[5::97] = big * np.sign(flat[5::97] + 0.5)
+    flat[11::89] = tiny
+    flat[17::83] = -tiny / 3
+    return data
 
 
 # -- pool geometry shared by the stateful primitives ---------------------------
@@ -97,8 +186,74 @@ class PoolLayout:
         return data
 
 
-def _state_call_kwargs(layout: PoolLayout) -> dict[str, int]:
+def _starts(
+    rng: np.random.Generator, dtype: DType, special: str, scale: float = 1.0
+) -> Callable[[tuple[int, ...]], np.ndarray]:
+    """Start states for :meth:`PoolLayout.pool`: near the storage format's
+    limits for the ``range`` cases, else plausible values in [-scale, scale]."""
+    if special == "range":
+        return lambda shp: extreme_states(rng, shp, dtype)
+    return lambda shp: _u(rng, shp, -scale, scale)
+
+
+def plane_kwargs(layout: PoolLayout) -> dict[str, int]:
+    """``n_snap`` and ``plane_stride`` of a stateful call over ``layout``."""
     return {"n_snap": layout.n_snap, "plane_stride": layout.plane_stride if layout.n_snap > 1 else 0}
+
+
+Call = Callable[[Device, dict[str, Buffer]], None]
+
+
+def scan_call(lay: PoolLayout) -> Call:
+    """``ssm_scan`` over the placed tensors named as :func:`scan_tensors` names them."""
+
+    def call(dev: Device, b: dict[str, Buffer]) -> None:
+        rows = (dev.indices(lay.start_rows()), dev.indices(lay.dst_rows()))
+        dev.ssm_scan(b["pool"], *rows, *(b[n] for n in ("x", "dt", "A", "B", "C", "y")), **plane_kwargs(lay))
+
+    return call
+
+
+def conv_call(lay: PoolLayout, bias_silu: bool) -> Call:
+    """``ssm_conv`` over ``pool``, ``x``, ``weight``, ``y`` (and ``bias`` with SiLU)."""
+
+    def call(dev: Device, b: dict[str, Buffer]) -> None:
+        rows = (dev.indices(lay.start_rows()), dev.indices(lay.dst_rows()))
+        bias = b["bias"] if bias_silu else None
+        dev.ssm_conv(
+            b["pool"], *rows, b["x"], b["weight"], b["y"], bias=bias, apply_silu=bias_silu, **plane_kwargs(lay)
+        )
+
+    return call
+
+
+def delta_call(lay: PoolLayout) -> Call:
+    """``gated_delta_net`` over ``pool``, ``q``, ``k``, ``v``, ``g``, ``beta``, ``o``."""
+
+    def call(dev: Device, b: dict[str, Buffer]) -> None:
+        rows = (dev.indices(lay.start_rows()), dev.indices(lay.dst_rows()))
+        dev.gated_delta_net(b["pool"], *rows, *(b[n] for n in ("q", "k", "v", "g", "beta", "o")), **plane_kwargs(lay))
+
+    return call
+
+
+def state_case(
+    case_id: str,
+    family: str,
+    op: str,
+    run: Callable[[Device], None],
+    dtype: DType,
+    n_snap: int,
+    strided: bool,
+    **shape: object,
+) -> Case:
+    """A case of a stateful primitive, gated on its storage dtype, snapshot
+    count, strided inputs and shape (what ``supports()`` is asked)."""
+    req = Requirement(op, {"dtype": dtype.value, "n_snap": n_snap, "strided": strided, **shape})
+    caps: dict[str, object] = {"storage_dtypes": {dtype.value}, "max_snapshots": n_snap}
+    if strided:
+        caps["strided_inputs"] = True
+    return Case(case_id, family, (op,), run, (req,), caps)
 
 
 def _suffix(*flags: tuple[str, object, object]) -> str:
@@ -120,9 +275,9 @@ class ScanParams:
     n_s: int
     n_snap: int = 1
     dtype: DType = F32
-    layout: str = "contig"  # contig | packed | overlap
+    layout: str = "contig"  # contig | packed | overlap | interleaved
     starts: str = "perm"
-    special: str = "none"  # none | nanf
+    special: str = "none"  # none | nanf | range (states near the storage format's limits)
 
     @property
     def id(self) -> str:
@@ -140,20 +295,31 @@ def scan_tensors(p: ScanParams, seed: int) -> tuple[dict[str, Tensor], PoolLayou
     H, P, N, G, T, S = p.n_head, p.head_dim, p.d_state, p.n_group, p.n_t, p.n_s
     row = H * P * N
     tensors: dict[str, Tensor] = {
-        "pool": Tensor(lay.pool(rng, row, lambda shp: _u(rng, shp)), p.dtype, output=True, written=lay.written()),
+        "pool": Tensor(
+            lay.pool(rng, row, _starts(rng, p.dtype, p.special)), p.dtype, output=True, written=lay.written()
+        ),
     }
     x = _u(rng, (S, T, H, P))
-    dt = _u(rng, (S, T, H), -2.0, 1.0)
+    dt = dt_values(rng, (S, T, H))
     B = _u(rng, (S, T, G, N))
     C = _u(rng, (S, T, G, N))
     if p.special == "nanf":
         # One NaN in x and one +Inf in B of sequence 0; other sequences stay finite.
         x[0, T // 2, 0, 0] = np.nan
         B[0, T - 1, G - 1, 0] = np.inf
-    A = -rng.uniform(0.05, 1.0, (H, N) if p.variant == "mamba1" else (H,)).astype(np.float32)
+    A = decay_rates(rng, (H, N) if p.variant == "mamba1" else (H,))
     tensors["A"] = Tensor(A)
     if p.layout == "contig":
         tensors.update(x=Tensor(x), dt=Tensor(dt), B=Tensor(B), C=Tensor(C))
+    elif p.layout == "interleaved":
+        # B and C element by element in one tensor: views whose last stride is
+        # 2, which kernels that vectorise over d_state must gather or pack.
+        bc = np.stack([B, C], axis=-1)
+        tensors["bc"] = Tensor(bc)
+        st = (T * G * N * 2, G * N * 2, N * 2, 2)
+        tensors["B"] = Tensor(None, view=("bc", (S, T, G, N), st, 0))
+        tensors["C"] = Tensor(None, view=("bc", (S, T, G, N), st, 1))
+        tensors.update(x=Tensor(x), dt=Tensor(dt))
     else:
         # Mamba-2's in_proj output keeps x, B, C and dt side by side in one row
         # per token; "overlap" additionally lets C start halfway into B (read-only).
@@ -183,38 +349,10 @@ def scan_case(p: ScanParams) -> Case:
         seed = case.seed
         tensors, lay = scan_tensors(p, seed)
 
-        def call(dev: Device, b: dict[str, Buffer]) -> None:
-            dev.ssm_scan(
-                b["pool"],
-                dev.indices(lay.start_rows()),
-                dev.indices(lay.dst_rows()),
-                b["x"],
-                b["dt"],
-                b["A"],
-                b["B"],
-                b["C"],
-                b["y"],
-                **_state_call_kwargs(lay),
-            )
+        compare_with_reference(device, tensors, seed, scan_call(lay), {"pool": NMSE[p.dtype], "y": NMSE[F32]})
 
-        compare_with_reference(device, tensors, seed, call, {"pool": NMSE[p.dtype], "y": NMSE[F32]})
-
-    strided = p.layout != "contig"
-    req = Requirement(
-        "ssm_scan",
-        {
-            "dtype": p.dtype.value,
-            "n_snap": p.n_snap,
-            "strided": strided,
-            "variant": p.variant,
-            "d_state": p.d_state,
-            "head_dim": p.head_dim,
-        },
-    )
-    caps = {"storage_dtypes": {p.dtype.value}, "max_snapshots": p.n_snap}
-    if strided:
-        caps["strided_inputs"] = True
-    case = Case(p.id, "primitive", ("ssm_scan",), run, (req,), caps)
+    shape = {"variant": p.variant, "d_state": p.d_state, "head_dim": p.head_dim}
+    case = state_case(p.id, "primitive", "ssm_scan", run, p.dtype, p.n_snap, p.layout != "contig", **shape)
     return case
 
 
@@ -244,9 +382,23 @@ def scan_grid() -> list[ScanParams]:
         ScanParams("mamba2", 32, 16, 4, 2, 6, 2, n_snap=2, special="nanf"),
         ScanParams("mamba1", 16, 1, 64, 1, 6, 2, special="nanf"),
     ]
+    g += [
+        # the most snapshot planes every device offers, with n_t below and above
+        ScanParams("mamba2", 16, 8, 2, 1, 5, 2, n_snap=MAX_PLANES),
+        ScanParams("mamba2", 16, 8, 2, 1, 2 * MAX_PLANES + 3, 2, n_snap=MAX_PLANES),
+        # groups that are neither 1 nor one per head: which heads share B and C
+        ScanParams("mamba2", 16, 8, 8, 4, 6, 2),
+        # B and C with a last stride of 2, prefill and decode, both variants
+        ScanParams("mamba2", 32, 16, 4, 2, 20, 2, n_snap=2, layout="interleaved"),
+        ScanParams("mamba2", 16, 8, 4, 2, 1, 3, layout="interleaved", starts="inplace"),
+        ScanParams("mamba1", 16, 1, 63, 1, 5, 2, layout="interleaved"),
+        ScanParams("mamba1", 12, 1, 31, 1, 3, 2),  # d_state not a multiple of 8, an odd number of heads
+    ]
     for dt in (DType.F16, DType.BF16):
         g.append(ScanParams("mamba2", 64, 32, 8, 2, 8, 3, n_snap=3, dtype=dt))
         g.append(ScanParams("mamba1", 16, 1, 256, 1, 8, 3, dtype=dt, starts="inplace"))
+        g.append(ScanParams("mamba2", 64, 32, 8, 2, 8, 3, n_snap=3, dtype=dt, special="range"))
+        g.append(ScanParams("mamba1", 16, 1, 256, 1, 8, 3, dtype=dt, special="range"))
     return g
 
 
@@ -262,7 +414,7 @@ class ConvParams:
     n_snap: int = 1
     dtype: DType = F32
     bias_silu: bool = False
-    layout: str = "contig"  # contig | packed
+    layout: str = "contig"  # contig | packed | interleaved
     starts: str = "perm"
     special: str = "none"
 
@@ -286,19 +438,35 @@ def conv_tensors(p: ConvParams, seed: int) -> tuple[dict[str, Tensor], PoolLayou
     # Windows are copies of inputs: the pool must match the reference bitwise.
     tensors: dict[str, Tensor] = {
         "pool": Tensor(
-            lay.pool(rng, ch * W, lambda shp: _u(rng, shp)), p.dtype, output=True, written=lay.written(), exact=True
+            lay.pool(rng, ch * W, _starts(rng, p.dtype, p.special)),
+            p.dtype,
+            output=True,
+            written=lay.written(),
+            exact=True,
         ),
         "weight": Tensor(_u(rng, (ch, p.d_conv))),
         "bias": Tensor(_u(rng, (ch,))),
         "y": Tensor(np.full((S, T, ch), 555.0, dtype=np.float32), output=True),
     }
     x = _u(rng, (S, T, ch))
+    if p.special == "range":
+        # Windows are copies of x: storing them crosses the format's overflow
+        # (65519 rounds to 65504, 65520 to inf in f16) and subnormal branches.
+        x = extreme_states(rng, (S, T, ch), p.dtype)
+        x[:, :, -1] = np.where(np.arange(T) % 2 == 0, 6.0e4, -6.0e4)  # SiLU's far tails, in the vector tail too
+        if p.dtype is DType.F16:
+            x[:, -1, :4] = [65519.0, 65520.0, -65520.0, 6.0e-8]
     if p.special == "nanf":
         x[0, 0, 1] = np.nan
         x[0, T - 1, 2] = np.inf
         x[0, T - 1, 3] = -np.inf
     if p.layout == "contig":
         tensors["x"] = Tensor(x)
+    elif p.layout == "interleaved":
+        # x channels two elements apart (another tensor's values in between).
+        pair = np.stack([x, _u(rng, (S, T, ch))], axis=-1)
+        tensors["pair"] = Tensor(pair)
+        tensors["x"] = Tensor(None, view=("pair", (S, T, ch), (T * ch * 2, ch * 2, 2), 0))
     else:
         # x is the middle of a wider per-token row (the xBC slice of in_proj).
         L = ch + 24
@@ -314,27 +482,9 @@ def conv_case(p: ConvParams) -> Case:
         seed = case.seed
         tensors, lay = conv_tensors(p, seed)
 
-        def call(dev: Device, b: dict[str, Buffer]) -> None:
-            dev.ssm_conv(
-                b["pool"],
-                dev.indices(lay.start_rows()),
-                dev.indices(lay.dst_rows()),
-                b["x"],
-                b["weight"],
-                b["y"],
-                bias=b["bias"] if p.bias_silu else None,
-                apply_silu=p.bias_silu,
-                **_state_call_kwargs(lay),
-            )
+        compare_with_reference(device, tensors, seed, conv_call(lay, p.bias_silu), {"y": NMSE[F32]})
 
-        compare_with_reference(device, tensors, seed, call, {"y": NMSE[F32]})
-
-    strided = p.layout != "contig"
-    req = Requirement("ssm_conv", {"dtype": p.dtype.value, "n_snap": p.n_snap, "strided": strided, "d_conv": p.d_conv})
-    caps = {"storage_dtypes": {p.dtype.value}, "max_snapshots": p.n_snap}
-    if strided:
-        caps["strided_inputs"] = True
-    case = Case(p.id, "primitive", ("ssm_conv",), run, (req,), caps)
+    case = state_case(p.id, "primitive", "ssm_conv", run, p.dtype, p.n_snap, p.layout != "contig", d_conv=p.d_conv)
     return case
 
 
@@ -353,9 +503,26 @@ def conv_grid() -> list[ConvParams]:
         ConvParams(4, 256, 5, 3, n_snap=3, bias_silu=True, layout="packed"),
         ConvParams(4, 64, 4, 2, special="nanf"),
     ]
+    g += [
+        ConvParams(2, 256, 5, 3, n_snap=3),  # a one-column window
+        ConvParams(2, 256, 1, 3, bias_silu=True, starts="inplace"),
+        ConvParams(4, 64, 5, 2, n_snap=MAX_PLANES),  # the most planes every device offers
+        ConvParams(4, 64, 2 * MAX_PLANES + 3, 2, n_snap=MAX_PLANES),
+        # channels not a multiple of 8 (vector tails), x with a channel stride of 2
+        ConvParams(4, 36, 1, 3, bias_silu=True, starts="inplace"),
+        ConvParams(4, 36, 1, 3, n_snap=2),
+        ConvParams(5, 36, 1, 3, n_snap=2, starts="plane"),
+        ConvParams(5, 36, 1, 3, bias_silu=True),
+        ConvParams(4, 36, 6, 2, n_snap=2, bias_silu=True),
+        ConvParams(4, 40, 1, 3, layout="interleaved", starts="inplace"),
+        ConvParams(3, 36, 1, 3, bias_silu=True, layout="interleaved"),
+        ConvParams(4, 40, 6, 2, n_snap=3, layout="interleaved"),
+    ]
     for dt in (DType.F16, DType.BF16):
         g.append(ConvParams(4, 256, 5, 3, n_snap=3, dtype=dt, bias_silu=True))
         g.append(ConvParams(4, 256, 1, 3, dtype=dt, starts="inplace"))
+        g.append(ConvParams(4, 36, 5, 3, n_snap=3, dtype=dt, bias_silu=True, special="range"))
+        g.append(ConvParams(4, 36, 1, 3, dtype=dt, bias_silu=True, starts="inplace", special="range"))
     return g
 
 
@@ -372,7 +539,7 @@ class DeltaParams:
     kda: bool = False
     n_snap: int = 1
     dtype: DType = F32
-    layout: str = "contig"  # contig | packed
+    layout: str = "contig"  # contig | packed | interleaved
     starts: str = "perm"
     special: str = "none"
 
@@ -397,24 +564,32 @@ def delta_tensors(p: DeltaParams, seed: int) -> tuple[dict[str, Tensor], PoolLay
     S_, Hv, Hk, T, S = p.head_size, p.n_head_v, p.n_head_k, p.n_t, p.n_s
     tensors: dict[str, Tensor] = {
         "pool": Tensor(
-            lay.pool(rng, Hv * S_ * S_, lambda shp: _u(rng, shp, -0.5, 0.5)),
+            lay.pool(rng, Hv * S_ * S_, _starts(rng, p.dtype, p.special, 0.5)),
             p.dtype,
             output=True,
             written=lay.written(),
         ),
         "o": Tensor(np.full((S, T, Hv, S_), 333.0, dtype=np.float32), output=True),
     }
-    # ggml's ranges: q/k L2-normalised, g in [-1, -1e-4] (log decay), beta in [0, 1].
+    # q/k L2-normalised as upstream; g (log decay) and beta across their ranges' ends.
     q = _l2(_u(rng, (S, T, Hk, S_)))
     k = _l2(_u(rng, (S, T, Hk, S_)))
     v = _u(rng, (S, T, Hv, S_))
-    g = _u(rng, (S, T, Hv, S_) if p.kda else (S, T, Hv), -1.0, -1e-4)
-    beta = _u(rng, (S, T, Hv), 0.0, 1.0)
+    g = log_decays(rng, (S, T, Hv, S_) if p.kda else (S, T, Hv))
+    beta = write_strengths(rng, (S, T, Hv))
     if p.special == "nanf":
         v[0, T // 2, 0, 1] = np.nan
         q[0, T - 1, 0, 0] = np.inf
     if p.layout == "contig":
         tensors.update(q=Tensor(q), k=Tensor(k), v=Tensor(v), g=Tensor(g), beta=Tensor(beta))
+    elif p.layout == "interleaved":
+        # q and k element by element in one tensor (last stride 2).
+        qk = np.stack([q, k], axis=-1)
+        tensors["qk"] = Tensor(qk)
+        st = (T * Hk * S_ * 2, Hk * S_ * 2, S_ * 2, 2)
+        tensors["q"] = Tensor(None, view=("qk", (S, T, Hk, S_), st, 0))
+        tensors["k"] = Tensor(None, view=("qk", (S, T, Hk, S_), st, 1))
+        tensors.update(v=Tensor(v), g=Tensor(g), beta=Tensor(beta))
     else:
         # One fused projection row per token: [q | k | v | beta], g separately.
         L = 2 * Hk * S_ + Hv * S_ + Hv
@@ -436,37 +611,10 @@ def delta_case(p: DeltaParams) -> Case:
         seed = case.seed
         tensors, lay = delta_tensors(p, seed)
 
-        def call(dev: Device, b: dict[str, Buffer]) -> None:
-            dev.gated_delta_net(
-                b["pool"],
-                dev.indices(lay.start_rows()),
-                dev.indices(lay.dst_rows()),
-                b["q"],
-                b["k"],
-                b["v"],
-                b["g"],
-                b["beta"],
-                b["o"],
-                **_state_call_kwargs(lay),
-            )
+        compare_with_reference(device, tensors, seed, delta_call(lay), {"pool": NMSE[p.dtype], "o": NMSE[F32]})
 
-        compare_with_reference(device, tensors, seed, call, {"pool": NMSE[p.dtype], "o": NMSE[F32]})
-
-    strided = p.layout != "contig"
-    req = Requirement(
-        "gated_delta_net",
-        {
-            "dtype": p.dtype.value,
-            "n_snap": p.n_snap,
-            "strided": strided,
-            "variant": "kda" if p.kda else "scalar",
-            "head_size": p.head_size,
-        },
-    )
-    caps = {"storage_dtypes": {p.dtype.value}, "max_snapshots": p.n_snap}
-    if strided:
-        caps["strided_inputs"] = True
-    case = Case(p.id, "primitive", ("gated_delta_net",), run, (req,), caps)
+    shape = {"variant": "kda" if p.kda else "scalar", "head_size": p.head_size}
+    case = state_case(p.id, "primitive", "gated_delta_net", run, p.dtype, p.n_snap, p.layout != "contig", **shape)
     return case
 
 
@@ -487,9 +635,17 @@ def delta_grid() -> list[DeltaParams]:
         DeltaParams(32, 4, 2, 6, 3, n_snap=2, layout="packed"),
         DeltaParams(32, 2, 2, 5, 2, special="nanf"),
     ]
+    g += [
+        DeltaParams(16, 4, 2, 5, 2, n_snap=MAX_PLANES),  # the most planes every device offers
+        DeltaParams(16, 4, 2, 2 * MAX_PLANES + 3, 2, n_snap=MAX_PLANES, kda=True),
+        DeltaParams(16, 4, 2, 5, 2, layout="interleaved"),  # q and k with a last stride of 2
+        DeltaParams(16, 4, 2, 1, 3, kda=True, layout="interleaved", starts="inplace"),
+    ]
     for dt in (DType.F16, DType.BF16):
         g.append(DeltaParams(64, 4, 2, 6, 3, n_snap=3, dtype=dt))
         g.append(DeltaParams(64, 4, 4, 1, 3, kda=True, dtype=dt, starts="inplace"))
+        g.append(DeltaParams(64, 4, 2, 6, 3, n_snap=3, dtype=dt, special="range"))
+        g.append(DeltaParams(64, 4, 2, 1, 3, kda=True, dtype=dt, starts="inplace", special="range"))
     return g
 
 
@@ -522,13 +678,16 @@ class RowsParams:
 
 #: Values whose conversion every backend must round exactly like NumPy/ml_dtypes
 #: (through float32, round to nearest even): zeros, f16 subnormals, the f16
-#: maximum and the first value that overflows it, bf16 ties, infinities, NaN,
+#: maximum and the first value that overflows it, bf16 and f16 ties, infinities, NaN,
 #: and NaNs with payloads and either sign (NumPy keeps the top payload bits in
 #: f16; ml_dtypes makes every bf16 NaN the quiet 0x7fc0 with the sign kept).
 EDGE_VALUES = np.array(
     [
         *(0.0, -0.0, 1e-8, -6e-8, 6.1e-5, 65504.0, 65520.0, -65520.0, 1e38),
         *(1.00390625, 1.01171875, 3.0e-39, np.inf, -np.inf, np.nan, 1.0, -2.5),
+        # f16 ties to even, normal and subnormal, and a subnormal just above a
+        # tie (the sticky bits a shift drops must round it up)
+        *(1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 2.0**-25, 3 * 2.0**-25, 2.0**-25 + 2.0**-45),
     ],
     dtype=np.float32,
 )

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from statecache import __version__, settings
+from statecache.backend import PROTOCOL_VERSION
 from statecache.cli import EXIT_OK, EXIT_USAGE, main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -306,6 +307,7 @@ def test_backends_prints_a_long_reason_whole_even_in_a_narrow_table(monkeypatch,
 
     class Broken(Backend):
         name = "broken"
+        protocol = PROTOCOL_VERSION  # current, so listing its devices is what fails
 
         def availability(self):
             return True, ""

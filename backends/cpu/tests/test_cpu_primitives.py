@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from cpu_cases import Arg, against_reference, assert_bitwise, cpu_device, run, written_rows
 
+from statecache.conformance.primitive_cases import decay_rates, dt_values, log_decays, write_strengths
 from statecache.dtypes import DType
 
 F32, F16, BF16 = DType.F32, DType.F16, DType.BF16
@@ -193,7 +194,9 @@ SCAN_GRID = [
 
 def scan_inputs(rng, N, P, H, G, n_t, n_s, layout):  # type: ignore[no-untyped-def]
     x, B, C = u(rng, (n_s, n_t, H, P)), u(rng, (n_s, n_t, G, N)), u(rng, (n_s, n_t, G, N))
-    args = {"dt": Arg(u(rng, (n_s, n_t, H), -4.0, 2.0))}
+    # dt across softplus's branches (below 0, 2..20, above 20): a threshold
+    # changed from 20 to 2 went unseen while dt came from [-4, 2).
+    args = {"dt": Arg(dt_values(rng, (n_s, n_t, H)))}
     if layout == "contig":
         args.update(x=Arg(x), B=Arg(B), C=Arg(C))
     elif layout == "permuted":
@@ -224,7 +227,7 @@ def test_ssm_scan(N: int, P: int, H: int, G: int, n_t: int, n_s: int, K: int, dt
         "pool": Arg(u(rng, (n_rows, H * P * N)), dtype),
         "start_rows": Arg(start, DType.I32),
         "dst_rows": Arg(dst, DType.I32),
-        "A": Arg(-u(rng, (H, N) if mamba1 else (H,), 0.2, 2.0)),
+        "A": Arg(decay_rates(rng, (H, N) if mamba1 else (H,))),
         "y": Arg(u(rng, (n_s, n_t, H, P))),
         **scan_inputs(rng, N, P, H, G, n_t, n_s, layout),
     }
@@ -263,13 +266,13 @@ def test_gated_delta_net(
         "q": l2(u(rng, (n_s, n_t, Hk, S))),
         "k": l2(u(rng, (n_s, n_t, Hk, S))),
         "v": u(rng, (n_s, n_t, Hv, S), -0.3, 5.0),
-        "g": u(rng, (n_s, n_t, Hv, S) if kda else (n_s, n_t, Hv), -20.0, -1e-4),
+        "g": log_decays(rng, (n_s, n_t, Hv, S) if kda else (n_s, n_t, Hv)),  # decays near 1 and near 0
     }
     args = {
         "pool": Arg(u(rng, (n_rows, Hv * S * S)), dtype),
         "start_rows": Arg(start, DType.I32),
         "dst_rows": Arg(dst, DType.I32),
-        "beta": Arg(u(rng, (n_s, n_t, Hv), 0.0, 1.0)),
+        "beta": Arg(write_strengths(rng, (n_s, n_t, Hv))),
         "o": Arg(u(rng, (n_s, n_t, Hv, S))),
     }
     for name, value in data.items():
