@@ -198,7 +198,9 @@ class CpuDevice(Device):
 
     @property
     def num_threads(self) -> int:
-        """Threads per kernel: ``STATECACHE_NUM_THREADS``, read at every call."""
+        """Threads per kernel (:func:`statecache.settings.num_threads`:
+        ``STATECACHE_NUM_THREADS``, else torch's count when torch is imported,
+        else the cores), read at every call."""
         return settings.num_threads()
 
     # -- zero-copy wrapping of host memory -------------------------------------
