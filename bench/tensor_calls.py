@@ -264,7 +264,8 @@ def main() -> None:
         return
     dev = statecache.get_device(args.device)
     print(
-        f"device {dev.id}; {args.seqs} sequence(s); 4 Mamba-2 layers; medians of {args.rounds} rounds x {args.steps} steps"
+        f"device {dev.id}; {args.seqs} sequence(s); 4 Mamba-2 layers; "
+        f"medians of {args.rounds} rounds x {args.steps} steps"
     )
     print("us per statecache call; ratio = fresh / wrapped (target <= 1.5), stable / wrapped")
     print(f"{'layer':<52} {'calls/step':>10} {'fresh':>9} {'stable':>9} {'wrapped':>9} {'ratio':>6} {'stable':>7}")
@@ -272,7 +273,8 @@ def main() -> None:
         calls, t = measure(dev, config, args.seqs, args.steps, args.rounds)
         fresh, stable, wrap = t["fresh"] * 1e6, t["stable"] * 1e6, t["wrapped"] * 1e6
         print(
-            f"{name:<52} {calls:>10} {fresh:>9.2f} {stable:>9.2f} {wrap:>9.2f} {fresh / wrap:>6.2f} {stable / wrap:>7.2f}"
+            f"{name:<52} {calls:>10} {fresh:>9.2f} {stable:>9.2f} {wrap:>9.2f} "
+            f"{fresh / wrap:>6.2f} {stable / wrap:>7.2f}"
         )
 
 

@@ -1341,7 +1341,7 @@ def _geometry_key(key: tuple[Any, ...], bufs: tuple[Any, ...]) -> tuple[Any, ...
     sigs = []
     loose = False
     for buf in bufs:
-        geometry = None if buf is None else buf._geometry
+        geometry = getattr(buf, "_geometry", None)  # (not a Buffer at all: validation names it)
         if geometry is None:
             sigs.append(id(buf))
         else:

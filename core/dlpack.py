@@ -31,9 +31,14 @@ KDL_INT = 0
 KDL_UINT = 1
 KDL_FLOAT = 2
 KDL_BFLOAT = 4
+KDL_COMPLEX = 5
+KDL_BOOL = 6
 
 #: DLManagedTensorVersioned.flags bit: the consumer must not write the memory.
 DLPACK_FLAG_READ_ONLY = 1
+
+#: Device types whose exports synchronise with a consumer's stream.
+STREAM_DEVICE_TYPES = frozenset({KDL_CUDA, KDL_CUDA_MANAGED, 10})  # 10: kDLROCM
 
 #: Device types whose memory the host reads and writes directly.
 HOST_DEVICE_TYPES = frozenset({KDL_CPU, KDL_CUDA_HOST})
@@ -117,7 +122,14 @@ _DTYPE_OF_DL: dict[tuple[int, int], DType] = {
     (KDL_INT, 32): DType.I32,
 }
 
-_CODE_NAMES = {KDL_INT: "int", KDL_UINT: "uint", KDL_FLOAT: "float", KDL_BFLOAT: "bfloat", 5: "complex", 6: "bool"}
+_CODE_NAMES = {
+    KDL_INT: "int",
+    KDL_UINT: "uint",
+    KDL_FLOAT: "float",
+    KDL_BFLOAT: "bfloat",
+    KDL_COMPLEX: "complex",
+    KDL_BOOL: "bool",
+}
 
 
 class TensorMemory(NamedTuple):
@@ -147,7 +159,8 @@ class TensorMemory(NamedTuple):
 
     @property
     def is_integer(self) -> bool:
-        return self.code in (KDL_INT, KDL_UINT)
+        """Integer-like elements (bool included): what only index arguments hold."""
+        return self.code in (KDL_INT, KDL_UINT, KDL_BOOL)
 
     @property
     def on_host(self) -> bool:
@@ -175,6 +188,8 @@ class TensorMemory(NamedTuple):
         return self.address, self.address + self.span() * self.itemsize
 
     def type_name(self) -> str:
+        if self.code == KDL_BOOL:
+            return "bool"
         return f"{_CODE_NAMES.get(self.code, f'code {self.code} ')}{self.bits}"
 
 
@@ -229,8 +244,14 @@ def describe(obj: Any, *, stream: int | None = None) -> TensorMemory:
     ``stream`` (CUDA): the stream the consumer will use; the producer makes
     it wait for the producer's pending work (the protocol's synchronisation).
     Raises BufferError (or the producer's own error) when the object cannot
-    be exported."""
+    be exported.  A NumPy array is read from its array interface instead: the
+    same facts without a capsule, and bf16 (ml_dtypes), which NumPy cannot
+    export through DLPack, included."""
+    if isinstance(obj, np.ndarray):
+        return _numpy_memory(obj)
     obj = exportable(obj)
+    if stream is not None and int(obj.__dlpack_device__()[0]) not in STREAM_DEVICE_TYPES:
+        stream = None  # host memory: producers refuse a stream there
     kwargs: dict[str, Any] = {} if stream is None else {"stream": stream}
     try:
         capsule = obj.__dlpack__(max_version=(1, 1), **kwargs)
@@ -242,9 +263,25 @@ def describe(obj: Any, *, stream: int | None = None) -> TensorMemory:
     return memory
 
 
-def dlpack_device(obj: Any) -> tuple[int, int]:
-    device_type, device_id = obj.__dlpack_device__()
-    return int(device_type), int(device_id)
+def _numpy_memory(arr: np.ndarray) -> TensorMemory:
+    dtype = arr.dtype
+    if dtype == DType.BF16.numpy:
+        code = KDL_BFLOAT
+    else:
+        code = {"f": KDL_FLOAT, "i": KDL_INT, "u": KDL_UINT, "b": KDL_BOOL}.get(dtype.kind, -1)
+    item = dtype.itemsize
+    if code < 0 or any(s % item for s in arr.strides):
+        raise BufferError(f"NumPy dtype {dtype} (strides {arr.strides}) has no DLPack equivalent")
+    return TensorMemory(
+        address=int(arr.__array_interface__["data"][0]),
+        shape=tuple(int(n) for n in arr.shape),
+        strides=tuple(int(s) // item for s in arr.strides),
+        code=code,
+        bits=8 * item,
+        device_type=KDL_CPU,
+        device_id=0,
+        read_only=not arr.flags.writeable,
+    )
 
 
 class _HostMemory:
@@ -321,8 +358,10 @@ def _numpy_like(obj: Any) -> Fingerprint:
     return (type(obj), iface["data"][0], obj.shape, obj.strides, obj.dtype, obj.flags.writeable)
 
 
-def _exported(obj: Any) -> Fingerprint:
-    memory = describe(obj)
+def export_fingerprint(obj: Any, stream: int | None = None) -> Fingerprint:
+    """The fingerprint of a producer read by exporting it (every call: the
+    export is also the protocol's synchronisation with ``stream``)."""
+    memory = describe(obj, stream=stream)
     return (type(obj), memory.address, memory)
 
 
@@ -330,7 +369,9 @@ def _not_a_tensor(obj: Any) -> None:
     return None
 
 
-#: type -> how its fingerprint is read (``_not_a_tensor`` for types without ``__dlpack__``).
+#: type -> how its fingerprint is read (``_not_a_tensor`` for types without ``__dlpack__``;
+#: ``export_fingerprint`` for producers read by exporting them, which a caller
+#: with a stream to synchronise with calls with that stream).
 READERS: dict[type, Callable[[Any], Fingerprint | None]] = {}
 
 
@@ -348,7 +389,7 @@ def reader_for(cls: type) -> Callable[[Any], Fingerprint | None]:
     elif isinstance(getattr(cls, "__array_interface__", None), property) or issubclass(cls, np.ndarray):
         reader = _numpy_like
     else:
-        reader = _exported
+        reader = export_fingerprint
     READERS[cls] = reader
     return reader
 
@@ -371,7 +412,7 @@ def confirm_fingerprint(obj: Any, fp: Fingerprint, memory: TensorMemory) -> bool
     """Whether a direct reading ``fp`` agrees with the export ``memory``; a type
     that disagrees is exported on every call from then on."""
     reader = READERS.get(type(obj))
-    if reader is None or reader is _exported:
+    if reader is None or reader is export_fingerprint:
         return True
     address, shape, strides = fp[1], tuple(fp[2]), tuple(fp[3])
     if reader is _numpy_like:  # NumPy strides are in bytes
@@ -381,5 +422,5 @@ def confirm_fingerprint(obj: Any, fp: Fingerprint, memory: TensorMemory) -> bool
     ok = address == memory.address and shape == memory.shape
     ok = ok and all(a == b for n, a, b in zip(shape, strides, memory.strides) if n != 1)
     if not ok:
-        READERS[type(obj)] = _exported
+        READERS[type(obj)] = export_fingerprint
     return ok

@@ -67,6 +67,7 @@ from statecache.dlpack import (
     TensorMemory,
     confirm_fingerprint,
     describe,
+    export_fingerprint,
     exported_memory,
     fingerprint,
     host_array,
@@ -146,7 +147,7 @@ class TensorWraps:
             if reader is None:
                 reader = reader_for(type(obj))
             try:
-                fp = reader(obj)
+                fp = reader(obj) if reader is not export_fingerprint else reader(obj, dev._dlpack_stream())
             except Exception as exc:  # a producer that cannot export this tensor
                 raise ArgumentError(_name(names, i), f"cannot be read through DLPack: {exc}") from None
             if fp is None:
