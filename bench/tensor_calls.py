@@ -16,8 +16,9 @@ states, torch does the projections.  Two ways to pass the activations:
   every step (the fastest way before tensors were arguments).
 
 Only the statecache calls are timed (the projections are the runtime's).
-Prints calls per step, microseconds per call for both ways (median of the
-rounds), and the ratio fresh / wrapped (target: at most 1.5), for a
+Prints calls per step, microseconds per call for each way (median over
+steps, the ways alternating step by step), and the ratio fresh / wrapped
+(target: at most 1.5), for a
 130m-sized layer (d_model 768) and for a tiny one where the per-call
 overhead is everything.
 
@@ -72,11 +73,13 @@ def fresh_step(dev: Any, torch: Any, layers: list[Layer], h: Any, rows: Any, tim
         y = torch.empty(n_s, 1, lay.H, lay.P)
         t0 = time.perf_counter()
         dev.ssm_conv(lay.conv_pool, rows, rows, xbc, lay.conv_w, conv_out, bias=lay.conv_b, apply_silu=True)
-        x = conv_out[..., :d].view(n_s, 1, lay.H, lay.P)
+        t1 = time.perf_counter()
+        x = conv_out[..., :d].view(n_s, 1, lay.H, lay.P)  # the runtime's views: not timed
         B = conv_out[..., d : d + lay.N].view(n_s, 1, 1, lay.N)
         C = conv_out[..., d + lay.N :].view(n_s, 1, 1, lay.N)
+        t2 = time.perf_counter()
         dev.ssm_scan(lay.ssm_pool, rows, rows, x, dt, lay.A, B, C, y, D=lay.D, z=z, dt_bias=lay.dt_bias)
-        timer[0] += time.perf_counter() - t0
+        timer[0] += time.perf_counter() - t2 + t1 - t0
         h = lay.out_proj(y.view(n_s, 1, d))
     return h
 
@@ -105,11 +108,13 @@ class Stable:
             dt = zx[..., d + lay.conv_dim :]
             t0 = time.perf_counter()
             dev.ssm_conv(lay.conv_pool, rows, rows, xbc, lay.conv_w, co, bias=lay.conv_b, apply_silu=True)
-            x = co[..., :d].view(n_s, 1, lay.H, lay.P)
+            t1 = time.perf_counter()
+            x = co[..., :d].view(n_s, 1, lay.H, lay.P)  # the runtime's views: not timed
             B = co[..., d : d + lay.N].view(n_s, 1, 1, lay.N)
             C = co[..., d + lay.N :].view(n_s, 1, 1, lay.N)
+            t2 = time.perf_counter()
             dev.ssm_scan(lay.ssm_pool, rows, rows, x, dt, lay.A, B, C, y, D=lay.D, z=z, dt_bias=lay.dt_bias)
-            timer[0] += time.perf_counter() - t0
+            timer[0] += time.perf_counter() - t2 + t1 - t0
             h = lay.out_proj(y.view(n_s, 1, d))
         return h
 
@@ -179,12 +184,13 @@ def measure(dev: Any, config: dict[str, int], n_seq: int, steps: int, rounds: in
         for _ in range(5):  # warm up: wraps remembered, calls validated once
             for mode in MODES:
                 steppers[mode](dev, torch, layers, h0, rows, [0.0])
-        for _ in range(rounds):  # interleaved, so machine load hits every mode alike
+        # The modes alternate step by step, so a burst of load on a shared
+        # machine hits each alike; medians over every step of every round.
+        for _ in range(rounds * steps):
             for mode in MODES:
                 timer = [0.0]
-                for _ in range(steps):
-                    steppers[mode](dev, torch, layers, h0, rows, timer)
-                per_call[mode].append(timer[0] / (steps * calls_per_step))
+                steppers[mode](dev, torch, layers, h0, rows, timer)
+                per_call[mode].append(timer[0] / calls_per_step)
     return calls_per_step, {mode: statistics.median(v) for mode, v in per_call.items()}
 
 
@@ -265,7 +271,7 @@ def main() -> None:
     dev = statecache.get_device(args.device)
     print(
         f"device {dev.id}; {args.seqs} sequence(s); 4 Mamba-2 layers; "
-        f"medians of {args.rounds} rounds x {args.steps} steps"
+        f"medians of {args.rounds * args.steps} steps per way"
     )
     print("us per statecache call; ratio = fresh / wrapped (target <= 1.5), stable / wrapped")
     print(f"{'layer':<52} {'calls/step':>10} {'fresh':>9} {'stable':>9} {'wrapped':>9} {'ratio':>6} {'stable':>7}")

@@ -19,6 +19,10 @@ transient buffers, the primitive runs on a transient pool of ``n_seqs``
 cells, and the results are copied back.  Only public Device primitives are
 used, so this is the same code on every backend.
 
+Every Buffer argument of ``conv``, ``scan`` and ``delta`` may be a torch
+tensor (any DLPack object): it is turned into a Buffer first, before anything
+is checked or written (see :mod:`statecache.tensor_args`).
+
 Undo support (see :class:`~statecache.recurrent.RecurrentContext`): a step
 built for the memory's most recently applied ubatch reports, before its
 first write to each pool, that it is writing; with ``keep_undo_rows`` it
@@ -152,6 +156,7 @@ class RecurrentStep:
         tensor: str = "r",
     ) -> None:
         """``ssm_conv`` on the layer's conv-window pool (``x`` [n_seqs, n_seq_tokens, ch])."""
+        x, weight, y, bias = self.device._tensors_in("x weight y* bias", x, weight, y, bias)
         snap = self.inputs.n_snap
 
         def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
@@ -165,6 +170,7 @@ class RecurrentStep:
         self, layer: int, x: Buffer, dt: Buffer, A: Buffer, B: Buffer, C: Buffer, y: Buffer, *, tensor: str = "s"
     ) -> None:
         """``ssm_scan`` (Mamba-1/2) on the layer's state pool."""
+        x, dt, A, B, C, y = self.device._tensors_in("x dt A B C y*", x, dt, A, B, C, y)
         snap = self.inputs.n_snap
 
         def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
@@ -186,6 +192,7 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``gated_delta_net`` (GDN / KDA) on the layer's state pool."""
+        q, k, v, g, beta, o = self.device._tensors_in("q k v g beta o*", q, k, v, g, beta, o)
         snap = self.inputs.n_snap
 
         def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
