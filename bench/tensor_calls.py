@@ -71,17 +71,25 @@ def fresh_step(dev: Any, torch: Any, layers: list[Layer], h: Any, rows: Any, tim
         dt = zxbcdt[..., d + lay.conv_dim :]
         conv_out = torch.empty(n_s, 1, lay.conv_dim)
         y = torch.empty(n_s, 1, lay.H, lay.P)
-        t0 = time.perf_counter()
-        dev.ssm_conv(lay.conv_pool, rows, rows, xbc, lay.conv_w, conv_out, bias=lay.conv_b, apply_silu=True)
-        t1 = time.perf_counter()
-        x = conv_out[..., :d].view(n_s, 1, lay.H, lay.P)  # the runtime's views: not timed
-        B = conv_out[..., d : d + lay.N].view(n_s, 1, 1, lay.N)
-        C = conv_out[..., d + lay.N :].view(n_s, 1, 1, lay.N)
-        t2 = time.perf_counter()
-        dev.ssm_scan(lay.ssm_pool, rows, rows, x, dt, lay.A, B, C, y, D=lay.D, z=z, dt_bias=lay.dt_bias)
-        timer[0] += time.perf_counter() - t2 + t1 - t0
+        conv_and_scan(dev, lay, rows, xbc, z, dt, conv_out, y, timer)
         h = lay.out_proj(y.view(n_s, 1, d))
     return h
+
+
+def conv_and_scan(
+    dev: Any, lay: Layer, rows: Any, xbc: Any, z: Any, dt: Any, conv_out: Any, y: Any, timer: list[float]
+) -> None:
+    """A layer's two statecache calls with torch tensors; adds their time (not the views') to ``timer``."""
+    n_s, d = y.shape[0], lay.d_inner
+    t0 = time.perf_counter()
+    dev.ssm_conv(lay.conv_pool, rows, rows, xbc, lay.conv_w, conv_out, bias=lay.conv_b, apply_silu=True)
+    t1 = time.perf_counter()
+    x = conv_out[..., :d].view(n_s, 1, lay.H, lay.P)  # the runtime's views: not timed
+    B = conv_out[..., d : d + lay.N].view(n_s, 1, 1, lay.N)
+    C = conv_out[..., d + lay.N :].view(n_s, 1, 1, lay.N)
+    t2 = time.perf_counter()
+    dev.ssm_scan(lay.ssm_pool, rows, rows, x, dt, lay.A, B, C, y, D=lay.D, z=z, dt_bias=lay.dt_bias)
+    timer[0] += time.perf_counter() - t2 + t1 - t0
 
 
 class Stable:
@@ -106,15 +114,7 @@ class Stable:
             z = zx[..., :d].view(n_s, 1, lay.H, lay.P)
             xbc = zx[..., d : d + lay.conv_dim]
             dt = zx[..., d + lay.conv_dim :]
-            t0 = time.perf_counter()
-            dev.ssm_conv(lay.conv_pool, rows, rows, xbc, lay.conv_w, co, bias=lay.conv_b, apply_silu=True)
-            t1 = time.perf_counter()
-            x = co[..., :d].view(n_s, 1, lay.H, lay.P)  # the runtime's views: not timed
-            B = co[..., d : d + lay.N].view(n_s, 1, 1, lay.N)
-            C = co[..., d + lay.N :].view(n_s, 1, 1, lay.N)
-            t2 = time.perf_counter()
-            dev.ssm_scan(lay.ssm_pool, rows, rows, x, dt, lay.A, B, C, y, D=lay.D, z=z, dt_bias=lay.dt_bias)
-            timer[0] += time.perf_counter() - t2 + t1 - t0
+            conv_and_scan(dev, lay, rows, xbc, z, dt, co, y, timer)
             h = lay.out_proj(y.view(n_s, 1, d))
         return h
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_launch_memo import _count_checks
 
-from statecache import primitives as P
 from statecache.conformance.tensor_cases import buffers, primitive_calls, results, run
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError
@@ -280,14 +280,7 @@ def test_parameters_that_require_grad(dev, mode) -> None:  # type: ignore[no-unt
 def test_fresh_tensors_every_call_are_validated_once(dev, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """What nn.Linear returns: new tensors every step.  Kept alive here, so
     each step's land at new addresses: remembered by geometry."""
-    calls = [0]
-    real = P.check_ssm_scan
-
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(P, "check_ssm_scan", counting)
+    calls = _count_checks(monkeypatch)
     hosts = _scan_setup(dev)
     pool, rows = dev.upload(hosts["pool"]), dev.indices(hosts["start_rows"])
     ref_pool = dev.upload(hosts["pool"])
