@@ -232,14 +232,17 @@ class Buffer:
         self.device = device
         self.storage = storage
         self.dtype = dtype
-        self.shape = tuple(int(s) for s in shape)
-        self.strides = tuple(int(s) for s in strides) if strides is not None else _c_strides(self.shape)
+        # map(int, ...): a generator costs twice as much, and tensors as arguments
+        # make a Buffer for every new address of an activation tensor.
+        self.shape = shape_t = tuple(map(int, shape))
+        dense = _c_strides(shape_t)
+        self.strides = tuple(map(int, strides)) if strides is not None else dense
         self.offset = int(offset)
-        self._size = math.prod(self.shape)
+        self._size = math.prod(shape_t)
         self.capacity = int(capacity) if capacity is not None else self._size
         # Geometry never changes after construction: decide contiguity once
         # (primitives ask on every call, and decode calls are microseconds).
-        self._contig = self.strides == _c_strides(self.shape) or self._size <= 1
+        self._contig = self.strides == dense or self._size <= 1
         self._shadow: np.ndarray | None = None  # see host_indices
         self._shadow_gen = 0
         self._index_cache: Any = None  # statecache.primitives caches index facts here
@@ -305,11 +308,14 @@ class Buffer:
         last = start + sum((n - 1) * s for n, s in zip(shape_t, strides_t, strict=True))
         if not empty and last >= self.capacity:
             raise ArgumentError("view", f"view reaches element {last} of a storage of {self.capacity}")
+        return self._new_view(shape_t, strides_t, start)
+
+    def _new_view(self, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Buffer:
+        """Construct a checked view (a subclass carries its own per-storage facts over)."""
         # type(self): a backend's Buffer subclass (DLPack / CUDA array interface) survives views.
-        out = type(self)(
-            self.device, self.storage, self.dtype, shape_t, strides=strides_t, offset=start, capacity=self.capacity
+        return type(self)(
+            self.device, self.storage, self.dtype, shape, strides=strides, offset=offset, capacity=self.capacity
         )
-        return out
 
     def byte_range(self) -> tuple[int, int] | None:
         """``[lo, hi)``: the addresses of the bytes this buffer may touch (its
@@ -318,7 +324,7 @@ class Buffer:
         cached = self._range
         if cached is not False:
             return cached  # type: ignore[return-value]
-        base = storage_address(self.storage)
+        base = self._storage_base()
         if base is None:
             self._range = None
             return None
@@ -327,6 +333,11 @@ class Buffer:
         lo = base + self.offset * item
         self._range = (lo, lo + span * item)
         return self._range
+
+    def _storage_base(self) -> int | None:
+        """The address of the storage's element 0 (:func:`storage_address`;
+        a subclass that already knows it says so)."""
+        return storage_address(self.storage)
 
     def overlaps(self, other: Buffer) -> bool:
         """Whether the two buffers' byte ranges intersect (False when either is
@@ -551,7 +562,9 @@ class Device(abc.ABC):
         self, memo: LaunchMemo, key: tuple[Any, ...], bufs: tuple[Any, ...], index_bufs: tuple[Any, ...]
     ) -> Any:
         written = _WRITTEN_AT.get(key[0])
-        loose_key = _geometry_key(key, bufs) if written is not None else None
+        if written is None:
+            return None  # a primitive matched by identity only
+        loose_key = _geometry_key(key, bufs)
         if loose_key is None:
             return None
         hit = memo.lookup(loose_key, self.caps, bufs, index_bufs)

@@ -300,6 +300,9 @@ class _HostMemory:
         }
 
 
+#: Element types the array interface names directly.
+_TYPESTR = {np.dtype(np.float32): "<f4", np.dtype(np.float16): "<f2", np.dtype(np.int32): "<i4"}
+
 #: Plain element types NumPy's array interface names by size (bf16 is read as
 #: uint16 and relabelled: the same bits).
 _TYPESTR_BY_SIZE = {1: "|u1", 2: "<u2", 4: "<u4", 8: "<u8"}
@@ -328,6 +331,9 @@ def host_flat(memory: TensorMemory, dtype: np.dtype) -> np.ndarray:
     span = memory.span()
     if span == 0 or memory.address == 0:
         return np.empty(span, dtype=dtype)
+    typestr = _TYPESTR.get(dtype)
+    if typestr is not None:  # named directly: no relabelling view (this runs per new tensor address)
+        return np.asarray(_HostMemory(memory.address, (span,), (dtype.itemsize,), typestr))
     return np.asarray(_HostMemory(memory.address, (span,), (dtype.itemsize,), _TYPESTR_BY_SIZE[dtype.itemsize])).view(
         dtype
     )

@@ -102,15 +102,25 @@ class CpuBuffer(Buffer):
 
     __slots__ = ("_cffi", "address")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, address: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.address: int = self.storage.__array_interface__["data"][0]
+        # the storage's element 0 (passed in where known: asking NumPy costs microseconds)
+        self.address: int = self.storage.__array_interface__["data"][0] if address is None else address
         self._cffi: dict[str, Any] = {}  # cffi pointers / view structs of this buffer
 
     def view(self, shape: Sequence[int], strides: Sequence[int] | None = None, offset: int = 0) -> CpuBuffer:
         out = super().view(shape, strides, offset)  # type(self): already a CpuBuffer
         assert isinstance(out, CpuBuffer)
         return out
+
+    def _new_view(self, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Buffer:
+        return CpuBuffer(
+            self.device, self.storage, self.dtype, shape, strides=strides, offset=offset, capacity=self.capacity,
+            address=self.address,
+        )  # fmt: skip
+
+    def _storage_base(self) -> int:
+        return self.address
 
     def host_view(self) -> np.ndarray:
         """A writable NumPy view of exactly this buffer (shape, strides, offset)."""
@@ -241,7 +251,9 @@ class CpuDevice(Device):
         if not memory.on_host:
             return None
         flat = host_flat(memory, dtype.numpy)
-        return CpuBuffer(self, flat, dtype, memory.shape, strides=memory.strides, capacity=flat.size)
+        return CpuBuffer(
+            self, flat, dtype, memory.shape, strides=memory.strides, capacity=flat.size, address=memory.address
+        )
 
     # -- memory -----------------------------------------------------------------
     def _alloc(self, shape: tuple[int, ...], dtype: DType) -> Buffer:
