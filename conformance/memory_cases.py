@@ -16,8 +16,17 @@ is a deferred whole-stream copy), speculative decoding (draft k, accept j:
 rollback through the snapshot planes), rollback refusals (which must change
 nothing in any part), ``seq_keep``, context shift (hybrid), save/restore of
 one sequence into a fresh memory and into a dirty one, chunked prefill across
-several ubatches.  Every buffer starts garbage-filled, so nothing may rely on
-zeroed memory.
+several ubatches, speculative decoding of several sequences in one batch split
+into ubatches (the reorder moves a cell whose planes a rollback needs), a plan
+applied after the memory moved (refused, nothing changed), and, for the
+hybrid, a removal from position 0 followed by a rollback and a partial copy
+(refused).  Every buffer starts garbage-filled, so nothing may rely on zeroed
+memory.
+
+After every operation the hybrid's parts must agree (issue 12): the recurrent
+part and the attention part hold the same sequences and end each where the
+oracle does, and the attention part starts where the oracle's visible history
+starts.
 
 What the oracle recomputes: the recurrent layers absorb every token the
 sequence's state absorbed, in order, from a zero state; each token's
@@ -219,6 +228,7 @@ class Runner:
                 break
         new = {seq: self.history.setdefault(seq, SeqHistory()).append(ts) for seq, ts in tokens_by_seq.items()}
         self.check(got, new, label)
+        self.expect_parts_agree(label)
 
     def check(self, got: dict[tuple[int, int], np.ndarray], new: dict[int, list[tuple[int, int]]], label: str) -> None:
         for seq, items in new.items():
@@ -243,20 +253,60 @@ class Runner:
         ok = self.mem.seq_rm(seq, p0, p1)
         if ok and seq in self.history:
             self.history[seq].remove(p0, p1)
+        self.expect_parts_agree(f"after seq_rm({seq}, {p0}, {p1}) returned {ok}")
         return ok
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         self.mem.seq_add(seq, p0, p1, delta)
         if seq in self.history:
             self.history[seq].add(p0, p1, delta)
+        self.expect_parts_agree(f"after seq_add({seq}, {p0}, {p1}, {delta})")
 
     def seq_cp(self, src: int, dst: int) -> None:
         self.mem.seq_cp(src, dst)
         self.history[dst] = self.history[src].copy() if src in self.history else SeqHistory()
+        self.expect_parts_agree(f"after seq_cp({src}, {dst})")
 
     def seq_keep(self, seq: int) -> None:
         self.mem.seq_keep(seq)
         self.history = {seq: self.history.get(seq, SeqHistory())}
+        self.expect_parts_agree(f"after seq_keep({seq})")
+
+    def refused(self, label: str, call: Callable[[], Any], error: type[Exception] | None = None) -> None:
+        """``call`` must be refused (return False, or raise ``error``) and change nothing:
+        the whole-memory blob (every book and every state and K/V row) is compared."""
+        self.update(label)
+        before = self.mem.state_write()
+        try:
+            result = call()
+        except Exception as exc:
+            if error is None or not isinstance(exc, error):
+                raise ConformanceFailure(f"{label}: raised {type(exc).__name__}: {exc}") from exc
+        else:
+            if error is not None or result is not False:
+                raise ConformanceFailure(f"{label}: was accepted ({result!r}); it must be refused")
+        if self.mem.state_write() != before:
+            raise ConformanceFailure(f"{label}: was refused but changed the memory")
+        self.expect_parts_agree(label)
+
+    def expect_parts_agree(self, label: str) -> None:
+        """Hybrid: every part holds the same sequences, ends each where the oracle does,
+        and the attention part starts where the oracle's visible history starts."""
+        if not self.hybrid:
+            return
+        mem = self.mem
+        for seq in range(mem.n_seq_max):
+            h = self.history.get(seq)
+            want_max = h.pos_max if h is not None else -1
+            want_min = min(h.live.values()) if h is not None and h.live else -1
+            ends = {"recurrent": mem.recr.seq_pos_max(seq), "attention": mem.attn.seq_pos_max(seq)}
+            if set(ends.values()) != {want_max}:
+                raise ConformanceFailure(f"{label}: sequence {seq} ends at {ends}, expected {want_max} in every part")
+            if mem.attn.seq_pos_min(seq) != want_min:
+                raise ConformanceFailure(
+                    f"{label}: the attention part starts sequence {seq} at {mem.attn.seq_pos_min(seq)}, "
+                    f"expected {want_min}"
+                )
 
     def context_shift(self, seq: int, n_keep: int, n_discard: int, label: str) -> None:
         if not self.seq_rm(seq, n_keep, n_keep + n_discard):
@@ -271,6 +321,7 @@ class Runner:
     def restore(self, blob: bytes, seq: int, history: SeqHistory) -> None:
         self.mem.state_read(blob, seq)
         self.history[seq] = history.copy()
+        self.expect_parts_agree(f"after restoring sequence {seq}")
 
     def expect_pos(self, seq: int, label: str) -> None:
         want = self.history[seq].pos_max if seq in self.history else -1
@@ -417,6 +468,56 @@ def context_shift(make: MakeRunner, seed: int) -> None:
     r.decode({0: list(cont)}, label="the source continues identically")
 
 
+def multi_sequence_speculative(make: MakeRunner, seed: int) -> None:
+    """Several sequences draft in one batch that the recurrent split cuts into ubatches:
+    placing a later ubatch moves an earlier sequence's cell, whose snapshot planes must
+    move with it (issue 12 item 7), so every rollback is exact."""
+    for n_ubatch in (4, 6):
+        r = make(n_seq_max=3, n_rs_seq=1, seed=seed + n_ubatch)
+        r.decode({0: r.tokens(1), 2: r.tokens(1), 1: r.tokens(2)}, label="prompts")
+        r.decode({2: r.tokens(2), 0: r.tokens(2), 1: r.tokens(2)}, n_ubatch=n_ubatch, label="drafts of 2 tokens")
+        for q in (2, 0, 1):
+            if not r.seq_rm(q, r.history[q].pos_max, -1):
+                raise ConformanceFailure(f"n_ubatch {n_ubatch}: rolling sequence {q} back by 1 was refused")
+            r.expect_pos(q, f"sequence {q} after its rollback")
+        r.decode({0: r.tokens(1), 1: r.tokens(1), 2: r.tokens(1)}, label="decode after the rollbacks")
+
+
+def stale_plan(make: MakeRunner, seed: int) -> None:
+    """Two plans made from the same state: once one is applied, the other is refused
+    (ContextError, nothing changed) instead of placing its tokens on cells that are
+    no longer free (issue 12 item 1)."""
+    from statecache.batch import Batch, BatchAllocator
+    from statecache.memory import ContextError
+
+    r = make(n_seq_max=4, n_rs_seq=0, seed=seed)
+    r.decode({0: r.tokens(3)}, label="prompt")
+    balloc = BatchAllocator(r.mem.n_seq_max)
+    balloc.init(Batch.for_sequences({3: r.tokens(2)}), r.mem)
+    stale = r.mem.init_batch(balloc, 8)
+    r.decode({2: r.tokens(3)}, label="the other plan, applied first")
+    r.refused("applying a plan made before the memory changed", stale.apply, ContextError)
+    r.decode({3: r.tokens(2), 2: r.tokens(1)}, label="the batch planned again")
+
+
+def head_removal(make: MakeRunner, seed: int) -> None:
+    """Hybrid: removing the first positions keeps the recurrent state (it cannot forget)
+    but no snapshot plane ending before them: a rollback there is refused in every part
+    (issue 12 item 3), and a partial copy, which a recurrent state cannot honour, too
+    (item 4)."""
+    from statecache.errors import ArgumentError
+
+    r = make(n_seq_max=2, n_rs_seq=2, seed=seed)
+    r.decode({0: r.tokens(3)}, label="prompt of 3")
+    if not r.seq_rm(0, 0, 2):
+        raise ConformanceFailure("removing positions 0..1 of a 3-token sequence was refused")
+    r.refused("rolling back to position 1 after removing positions 0..1", lambda: r.mem.seq_rm(0, 2, -1))
+    r.decode({0: r.tokens(2)}, label="decode after the head removal")
+    r.refused("a copy of positions [0, 2) only", lambda: r.mem.seq_cp(0, 1, 0, 2), ArgumentError)
+    r.seq_cp(0, 1)
+    r.decode({1: r.tokens(1), 0: r.tokens(1)}, label="the whole copy and the origin continue")
+
+
 def fork_streams(make: MakeRunner, seed: int) -> None:
     """Hybrid with one KV stream per sequence: a fork is a whole-stream copy
     (``copy_rows``) deferred to the memory update before the next decode."""
@@ -432,10 +533,13 @@ SCENARIOS: dict[str, tuple[Callable[[MakeRunner, int], None], int]] = {
     "seq_keep": (keep, 1),
     "save_restore": (save_restore, 3),
     "chunked_prefill": (chunked_prefill, 2),
+    "multi_sequence_speculative": (multi_sequence_speculative, 2),
+    "stale_plan": (stale_plan, 1),
 }
 HYBRID_ONLY: dict[str, tuple[Callable[[MakeRunner, int], None], int]] = {
     "context_shift": (context_shift, 3),
     "fork_streams": (fork_streams, 3),
+    "head_removal": (head_removal, 3),
 }
 
 #: memory kind -> (model layers, storage dtypes run, core modules it needs)

@@ -30,6 +30,9 @@ from statecache.errors import PosError as PosError  # re-exported: it was define
 #: Largest n_seq_max accepted (upstream's LLAMA_MAX_SEQ).
 MAX_SEQ = 256
 
+#: Positions (and token ids) are int32 everywhere downstream (cells, state blobs).
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
 #: Positions per token of an M-RoPE batch (upstream's ``n_pos_per_embd``): sections
 #: 0 temporal (the 1-D position), 1 y, 2 x, 3 unused by the memory.
 N_POS_MROPE = 4
@@ -109,12 +112,19 @@ class Batch:
 
     @classmethod
     def for_sequences(cls, tokens_by_seq: dict[int, Sequence[int]], *, output_all: bool = False) -> Batch:
-        """One batch holding, for each sequence, its tokens (positions auto-filled)."""
+        """One batch holding, for each sequence, its tokens (positions auto-filled).
+
+        Every sequence listed needs at least one token (:class:`ArgumentError`
+        naming ``tokens_by_seq`` otherwise: an empty entry would silently vanish)."""
+        if not tokens_by_seq:
+            raise ArgumentError("tokens_by_seq", "no sequence: a batch holds at least one token")
         toks: list[int] = []
         seqs: list[int] = []
         outs: list[bool] = []
         for s, ts in tokens_by_seq.items():
             ts = list(ts)
+            if not ts:
+                raise ArgumentError("tokens_by_seq", f"sequence {s} has no tokens")
             toks.extend(ts)
             seqs.extend([s] * len(ts))
             outs.extend([output_all or i == len(ts) - 1 for i in range(len(ts))])
@@ -242,14 +252,28 @@ def _mask(ids: Sequence[int]) -> int:
 
 
 class BatchAllocator:
-    """Validates a batch against a memory and splits it into ubatches."""
+    """Validates a batch against a memory and splits it into ubatches.
 
-    def __init__(self, n_seq_max: int) -> None:
-        if not 1 <= int(n_seq_max) <= MAX_SEQ:
-            raise BatchError(f"n_seq_max {n_seq_max} must be in [1, {MAX_SEQ}]", rule="n_seq_max")
-        self.n_seq_max = int(n_seq_max)
+    ``n_seq_max``: the sequence ids the batches may use.  Leave it out to take it
+    from the memory at :meth:`init`; given, it must equal the memory's (a
+    mismatch is refused there, by name).  A memory plans a batch only from an
+    allocator whose last :meth:`init` succeeded (:meth:`check_ready`)."""
+
+    def __init__(self, n_seq_max: int | None = None) -> None:
+        self.n_seq_max = 0 if n_seq_max is None else _check_n_seq_max(n_seq_max)
         self.n_tokens = 0
         self._reset_state()
+
+    def check_ready(self, n_seq_max: int) -> None:
+        """Raise :class:`ArgumentError` (naming ``balloc``) unless a batch was validated
+        by :meth:`init` for a memory of ``n_seq_max`` sequences: an allocator never
+        initialised, or whose last ``init`` failed, holds no batch to plan."""
+        if self.n_tokens == 0:
+            raise ArgumentError("balloc", "holds no batch: call balloc.init(batch, memory) before init_batch()")
+        if self.n_seq_max != n_seq_max:
+            raise ArgumentError(
+                "balloc", f"validated its batch for n_seq_max={self.n_seq_max}, this memory holds {n_seq_max}"
+            )
 
     def _reset_state(self) -> None:
         self.token: np.ndarray | None = None
@@ -269,6 +293,22 @@ class BatchAllocator:
         self._seq_to_set_arr = np.full(self.n_seq_max + 1, -1, dtype=np.int64)
         self.split_reset()
 
+    def _adopt(self, memory: PositionSource | None) -> None:
+        """Take ``n_seq_max`` from the memory, or refuse a memory of another size."""
+        mem_n = getattr(memory, "n_seq_max", None)
+        if self.n_seq_max == 0:
+            if mem_n is None:
+                raise ArgumentError(
+                    "memory", "BatchAllocator() was built without n_seq_max: init() needs the memory to take it from"
+                )
+            self.n_seq_max = _check_n_seq_max(mem_n)
+        elif mem_n is not None and int(mem_n) != self.n_seq_max:
+            raise ArgumentError(
+                "n_seq_max",
+                f"this allocator was built for {self.n_seq_max} sequences, the memory holds {int(mem_n)}: build it "
+                f"as BatchAllocator() to take n_seq_max from the memory, or as BatchAllocator({int(mem_n)})",
+            )
+
     # -- validation (docs/memory-semantics.md#batch-validation) ---------------
     def init(
         self,
@@ -282,16 +322,27 @@ class BatchAllocator:
         """Validate ``batch`` and auto-fill positions, sequence ids and outputs.
 
         Raises :class:`BatchError` naming the token, the sequence and the
-        rule; on error the allocator is left empty.
+        rule; on error the allocator is left empty.  A memory of another
+        ``n_seq_max`` than the allocator's is refused (:class:`ArgumentError`).
         """
         self.n_tokens = 0
+        self._adopt(memory)
         self._reset_state()
         if (batch.tokens is None) == (batch.embd is None):
             raise BatchError("a batch holds exactly one of tokens or embd", rule="payload")
         if batch.tokens is not None:
             token = np.asarray(batch.tokens)
-            if token.ndim != 1 or (token.size and not np.issubdtype(token.dtype, np.integer)):
+            if token.ndim != 1:
                 raise BatchError(f"tokens must be a 1-D integer array, got shape {token.shape}", rule="payload")
+            if token.size and not np.issubdtype(token.dtype, np.integer):
+                raise BatchError(f"tokens must be integer ids, got dtype {token.dtype}", rule="payload")
+            if (
+                token.size
+                and not np.can_cast(token.dtype, np.int32)
+                and (token.min() < INT32_MIN or token.max() > INT32_MAX)
+            ):
+                i = int(np.flatnonzero((token < INT32_MIN) | (token > INT32_MAX))[0])
+                raise BatchError(f"token {i}: id {int(token[i])} is outside int32", token=i, rule="token_range")
             token = token.astype(np.int32)
             n = token.size
             if n_vocab is not None and n:
@@ -305,7 +356,10 @@ class BatchAllocator:
                     )
             embd = None
         else:
-            embd = np.asarray(batch.embd, dtype=np.float32)
+            try:
+                embd = np.asarray(batch.embd, dtype=np.float32)
+            except (ValueError, TypeError) as exc:
+                raise BatchError(f"embd must be a float array [n_tokens, n_embd]: {exc}", rule="payload") from exc
             if embd.ndim != 2 or (n_embd is not None and embd.shape[1] != n_embd):
                 raise BatchError(f"embd must be [n_tokens, n_embd={n_embd}], got shape {embd.shape}", rule="payload")
             n = embd.shape[0]
@@ -355,8 +409,9 @@ class BatchAllocator:
         pos_mem = np.full(self.n_seq_max, -1, dtype=np.int64)
         if memory is not None:
             bulk = getattr(memory, "seq_pos_max_all", None)
-            if bulk is not None:
-                pos_mem[:] = np.asarray(bulk())[: self.n_seq_max]
+            held = None if bulk is None else np.asarray(bulk())
+            if held is not None and held.shape == (self.n_seq_max,):
+                pos_mem[:] = held
             else:
                 for s in all_ids if coupled else uniq_primary.tolist():
                     pos_mem[s] = memory.seq_pos_max(s)
@@ -364,6 +419,14 @@ class BatchAllocator:
         # positions
         sections: np.ndarray | None = None
         if batch.pos is None:
+            in_batch = np.fromiter(all_ids, dtype=np.int64) if coupled else uniq_primary
+            if int(pos_mem[in_batch].max()) + n > INT32_MAX:  # auto-filled positions would pass int32
+                s = int(in_batch[np.argmax(pos_mem[in_batch])])
+                raise BatchError(
+                    f"sequence {s} is at position {int(pos_mem[s])}: the next positions would pass int32",
+                    seq=s,
+                    rule="pos_range",
+                )
             if not coupled and uniq_primary.size == n:  # one token per sequence (decode)
                 pos = (pos_mem[primary] + 1).astype(np.int32)
             elif not coupled:
@@ -393,6 +456,7 @@ class BatchAllocator:
         # them by construction); M-RoPE relaxes them (see _check_positions_mrope)
         if sections is not None:
             self._check_positions_mrope(seq_id, primary, pos, pos_mem, coupled, embd is not None)
+            _check_whole_positions_unique(seq_id, primary, sections, coupled)
         elif batch.pos is not None or coupled:
             self._check_positions(seq_id, primary, pos, pos_mem, coupled)
 
@@ -754,6 +818,32 @@ def _per_sequence_order(
     return ss, ti, pos[ti].astype(np.int64), _first_of_run(ss)
 
 
+def _check_whole_positions_unique(
+    seq_id: Sequence[tuple[int, ...]], primary: np.ndarray, sections: np.ndarray, coupled: bool
+) -> None:
+    """An M-RoPE batch may repeat a temporal position (an image's patches share one),
+    never a whole ``(t, y, x)`` within a sequence: two such cells could not be told
+    apart (by the mask's tie-break, or in a state blob)."""
+    n = sections.shape[1]
+    if coupled:
+        seqs = np.fromiter((s for ids in seq_id for s in ids), dtype=np.int64)
+        tok = np.repeat(np.arange(n), [len(ids) for ids in seq_id])
+    else:
+        seqs, tok = primary, np.arange(n)
+    rows = np.stack([seqs, sections[0, tok], sections[1, tok], sections[2, tok]], axis=1)
+    _, first, counts = np.unique(rows, axis=0, return_index=True, return_counts=True)
+    if (counts > 1).any():
+        dup = rows[first[counts > 1][0]]
+        i = int(tok[np.flatnonzero((rows == dup).all(axis=1))[1]])
+        raise BatchError(
+            f"token {i}: sequence {int(dup[0])} holds position (t={int(dup[1])}, y={int(dup[2])}, x={int(dup[3])}) "
+            "twice in this batch",
+            token=i,
+            seq=int(dup[0]),
+            rule="pos_duplicate",
+        )
+
+
 def _parse_pos(value: Any, n: int) -> tuple[np.ndarray, np.ndarray | None]:
     """``(pos int32 [n], sections int32 [4, n] or None)`` from ``Batch.pos``."""
     try:
@@ -766,6 +856,10 @@ def _parse_pos(value: Any, n: int) -> tuple[np.ndarray, np.ndarray | None]:
             f"must be an integer array of shape ({n},) (one position per token) or ({N_POS_MROPE}, {n}) "
             f"(M-RoPE sections t, y, x, unused), got {kind}"
         )
+    if arr.size and not np.can_cast(arr.dtype, np.int32) and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
+        bad = np.argwhere((arr < INT32_MIN) | (arr > INT32_MAX))[0]
+        i = int(bad[-1])
+        raise PosError(f"token {i}: position {int(arr[tuple(bad)])} is outside int32 [{INT32_MIN}, {INT32_MAX}]")
     if arr.ndim == 1:
         return arr.astype(np.int32), None
     sections = arr.astype(np.int32)  # a fresh array: the caller's pos is never aliased
@@ -778,6 +872,14 @@ def _first_of_run(a: np.ndarray) -> np.ndarray:
         out[0] = True
         np.not_equal(a[1:], a[:-1], out=out[1:])
     return out
+
+
+def _check_n_seq_max(n_seq_max: Any) -> int:
+    if isinstance(n_seq_max, bool) or not isinstance(n_seq_max, int | np.integer):
+        raise BatchError(f"n_seq_max must be an integer, got {n_seq_max!r}", rule="n_seq_max")
+    if not 1 <= int(n_seq_max) <= MAX_SEQ:
+        raise BatchError(f"n_seq_max {n_seq_max} must be in [1, {MAX_SEQ}]", rule="n_seq_max")
+    return int(n_seq_max)
 
 
 def _check_n_ubatch(n_ubatch: int) -> None:

@@ -75,7 +75,8 @@ class MemoryPlanError(StatecacheError):
 
 
 class ContextError(StatecacheError):
-    """A context was used out of order (ubatch of a failed plan, apply past the end)."""
+    """A context was used out of order (ubatch of a failed plan, apply past the end),
+    or its plan is stale: the memory changed after the plan was made."""
 
 
 class InvariantError(StatecacheError, AssertionError):

@@ -13,7 +13,16 @@ Where we differ from upstream, on purpose:
   last; if the recurrent part fails the attention book is restored.
 * ``seq_rm`` is atomic: the recurrent part decides first and, when it
   refuses, nothing changes anywhere.  Arguments are validated for every part
-  before any part is touched.
+  before any part is touched.  A removal after which the parts would end
+  at different positions is refused too (a rollback whose position the
+  attention part no longer holds: a head removal before it, or a window
+  cache that gave the cell up).  So is ``seq_cp`` of a range that leaves out
+  part of the source (a recurrent state cannot be copied in part).
+* The parts never disagree: after every operation each part holds the
+  same sequences and ends them at the same position (a window cache may
+  start later).  A stale plan (:meth:`MemoryContext.check_version`: the
+  memory's version is the tuple of its parts') is refused before any part
+  applies.
 * Context shift (``seq_rm(s, n_keep, n_keep + n_discard)`` then
   ``seq_add(s, n_keep + n_discard, -1, -n_discard)``), the gap upstream leaves:
   the recurrent part accepts a removal strictly inside the history as a
@@ -25,9 +34,9 @@ Where we differ from upstream, on purpose:
   consequence: attention no longer sees the discarded tokens, the recurrent
   state still carries their influence.  A removal that reaches the tail is
   either an exact rollback in both parts or refused in both.
-* ``state_read`` validates every section of every part before writing any;
-  a bad blob raises with the destination dropped from every part (upstream
-  contract) and every other sequence untouched.
+* ``state_read`` validates every section of every part, and that the parts
+  agree (every sequence ends at the same position in each), before writing
+  any; a rejected blob changes nothing.
 * Undo after a failed compute (docs/memory-semantics.md#inv-22, :meth:`HybridContext.undo`) is
   refused, changing nothing, when the memory was edited after the first
   ubatch it would take back was applied, also by an edit only the attention
@@ -39,18 +48,22 @@ Where we differ from upstream, on purpose:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from statecache.errors import ArgumentError
+from statecache.errors import ArgumentError, StateError
 from statecache.kv_cache import (
     TAG_KV,
     CompositeContext,
+    ISWAPlan,
     KVCache,
     KVCacheContext,
     KVCacheISWA,
     KVStatePlan,
+    plan_positions,
 )
+from statecache.kv_mask import is_masked_swa
 from statecache.memory import (
     ContextError,
     Memory,
@@ -59,6 +72,9 @@ from statecache.memory import (
     StateFlags,
     StatusContext,
     UBatchContext,
+    check_divisor,
+    check_int32,
+    check_seq_id,
     normalize_range,
 )
 from statecache.state_io import Reader, Writer, find_section, pack_sections, unpack_sections
@@ -138,6 +154,7 @@ class HybridContext(CompositeContext):
         """Put back what :meth:`_undo_extra_snapshot` returned (after the books are restored)."""
 
     def apply(self) -> bool:
+        self.check_version()  # a stale plan: refused before any book is copied or changed
         snap = self.snapshot()
         extra = self._undo_extra_snapshot()
         edits = None if self.memory is None else self.memory._edits
@@ -171,8 +188,10 @@ class HybridContext(CompositeContext):
         for p, rows in damaged:
             dropped |= p.damaged_seqs(rows)
         if dropped and self.memory is not None:
-            for s in sorted(dropped):
+            for s in sorted(dropped):  # the plans no longer describe the book: stale from here on
                 self.memory.seq_rm(s, -1, -1)
+        else:
+            self.update_version()  # exactly the books the undone plans start from
         return tuple(sorted(dropped))
 
 
@@ -184,6 +203,7 @@ class HybridUpdateContext(HybridContext):
     ) -> None:
         super().__init__(attn, recr, extra)
         self.memory = memory
+        self.record_version(memory)
 
     def apply(self) -> bool:
         try:
@@ -203,11 +223,20 @@ class HybridMemory(Memory):
         self.recr = recr
         self.n_seq_max = attn.n_seq_max
         self.device = recr.device
+        # A window cache keeps what a rollback of the recurrent part can return to
+        # (size it with KVCacheISWA(rollback_depth=n_rs_seq) to keep its room).
+        for cache in self.kv_caches:
+            if cache.evicts:
+                cache.rollback_depth = max(cache.rollback_depth, recr.n_rs_seq)
         #: Edits of the books outside a batch (sequence operations, state reads and
         #: drops, applied updates): ubatches applied before one can no longer be undone.
         self._edits = 0
 
     # -- parts -------------------------------------------------------------------
+    @property
+    def version(self) -> Any:
+        return self.attn.version, self.recr.version
+
     @property
     def kv_caches(self) -> list[KVCache]:
         return list(self.attn.caches) if isinstance(self.attn, KVCacheISWA) else [self.attn]
@@ -252,6 +281,7 @@ class HybridMemory(Memory):
         return self.attn.make_context(ubs, plans[1]), RecurrentContext(self.recr, ubs, plans[0])
 
     def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
         ubs = self.split(balloc, n_ubatch, embd_all)
         if ubs is None:
             return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
@@ -267,25 +297,27 @@ class HybridMemory(Memory):
         """The context of a planned batch (hybrid-idx adds its indexer part)."""
         ctx = HybridContext(attn, recr)
         ctx.memory = self  # undo checks the edit count and drops damaged sequences through it
+        ctx.record_version(self)
         return ctx
 
     def init_full(self) -> MemoryContext:
-        return HybridContext(self.attn.init_full(), self.recr.init_full())
+        ctx = HybridContext(self.attn.init_full(), self.recr.init_full())
+        ctx.record_version(self)
+        return ctx
 
     def init_update(self, optimize: bool = False) -> MemoryContext:
         a = self.attn.init_update(optimize)
         r = self.recr.init_update(optimize)
         if a.status is MemoryStatus.NO_UPDATE and r.status is MemoryStatus.NO_UPDATE:
-            return StatusContext(MemoryStatus.NO_UPDATE)
+            return self.no_update_context()
         return HybridUpdateContext(self, a, r)
 
     def get_can_shift(self) -> bool:
         return self.attn.get_can_shift()
 
     # -- sequence operations ----------------------------------------------------------
-    def _check_seq(self, seq: int, name: str = "seq") -> None:
-        if not 0 <= seq < self.n_seq_max:
-            raise ArgumentError(name, f"sequence {seq} outside [0, n_seq_max={self.n_seq_max})")
+    def _check_seq(self, seq: int, name: str = "seq") -> int:
+        return check_seq_id(seq, self.n_seq_max, name)
 
     def clear(self, data: bool = True) -> None:
         self._edits += 1
@@ -299,8 +331,10 @@ class HybridMemory(Memory):
         return self.recr._version, removals
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
-        if seq >= self.n_seq_max:
-            return False  # the recurrent contract: refused, nothing changed
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
+        q0, q1 = normalize_range(p0, p1)
+        if seq >= 0 and not self._seq_rm_allowed(seq, q0, q1):
+            return False  # refused before any part changed
         before = self._rm_witness()
         if not self.recr.seq_rm(seq, p0, p1):
             return False
@@ -310,6 +344,35 @@ class HybridMemory(Memory):
             if self._rm_witness() != before:
                 self._edits += 1  # a removal of nothing leaves open batches undoable
 
+    def _seq_rm_allowed(self, seq: int, p0: int, p1: int) -> bool:
+        """Checks a subclass may extend: whether ``seq_rm`` may go ahead (asked before
+        any part changes; ``p0``/``p1`` normalised)."""
+        return self._parts_would_agree(seq, p0, p1)
+
+    def _parts_would_agree(self, seq: int, p0: int, p1: int) -> bool:
+        """Whether after ``seq_rm(seq, p0, p1)`` every part would end ``seq`` at the
+        same position (asked before any part changes).  The recurrent part ends
+        at ``p0 - 1`` when the range reaches its position (a rollback, or the whole
+        state when ``p0 == 0``), else where it is; each attention cache ends at
+        the last position it holds outside the range.  A window cache must also
+        still hold every position the base cache holds that the next token's
+        window reads (what a rollback returns to)."""
+        P = self.recr.seq_pos_max(seq)
+        end = p0 - 1 if p0 <= P < p1 else P
+        for cache in self.kv_caches:
+            if _last_kept(cache.cells[cache.stream_of(seq)].seq_pos[seq], p0, p1) != end:
+                return False
+        if isinstance(self.attn, KVCacheISWA) and p0 <= P < p1 and end >= 0:  # a rollback
+            base, swa = self.attn.base, self.attn.swa
+            need = _window_positions(base.cells[base.stream_of(seq)].seq_pos[seq], swa, end)
+            if need:
+                pairs = swa.cells[swa.stream_of(seq)].seq_pos[seq]
+                lo = bisect.bisect_left(pairs, (min(need), -1))
+                hi = bisect.bisect_right(pairs, (end, 2**62))
+                if not need <= {p for p, _ in pairs[lo:hi]}:
+                    return False
+        return True
+
     def _seq_rm_rest(self, seq: int, p0: int, p1: int) -> bool:
         """``seq_rm`` in the parts after the recurrent one, which accepted it."""
         return self.attn.seq_rm(seq, p0, p1)
@@ -317,13 +380,26 @@ class HybridMemory(Memory):
     def _check_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         self._check_seq(src, "src")
         self._check_seq(dst, "dst")
-        if not self.unified and src != dst and normalize_range(p0, p1) != normalize_range(-1, -1):
+        q0, q1 = normalize_range(p0, p1)
+        if not self.unified and src != dst and (q0, q1) != normalize_range(-1, -1):
             raise ArgumentError("p0/p1", f"a copy between streams ({src} -> {dst}) must cover the whole sequence")
+        # the recurrent part can only copy a whole state: the range must hold every
+        # position src holds in every part, or the parts of dst would disagree
+        held = [p for cache in self.kv_caches for p, _ in cache.cells[cache.stream_of(src)].seq_pos[src]]
+        P = self.recr.seq_pos_max(src)
+        if P >= 0:
+            held.append(P)
+        if held and not (q0 <= min(held) and max(held) < q1):
+            raise ArgumentError(
+                "p0/p1",
+                f"sequence {src} holds positions {min(held)}..{max(held)} and its recurrent state carries all "
+                f"of them; a copy of [{q0}, {q1}) cannot leave any out: copy whole sequences (p0 = p1 = -1)",
+            )
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """``dst`` becomes a copy of ``src``.  The recurrent part replaces dst's
-        state whatever the range, so the attention part first drops dst's
-        cells too (upstream leaves them, and the parts then disagree)."""
+        """``dst`` becomes a copy of ``src``, which must be copied whole (a range that
+        leaves out part of it is refused, nothing changed).  The attention part
+        first drops dst's cells (upstream leaves them, and the parts then disagree)."""
         self._check_cp(src, dst, p0, p1)
         if src == dst:
             return
@@ -340,23 +416,49 @@ class HybridMemory(Memory):
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         self._check_seq(seq)
-        if delta != 0:
-            self.recr.check_position_move(seq, p0, p1, "seq_add")  # refusals change nothing anywhere
+        delta = check_int32(delta, "delta")
+        if delta != 0:  # refusals change nothing anywhere
+            self.recr.check_position_move(seq, p0, p1, "seq_add", delta)
+            self.attn.check_position_move(seq, p0, p1, "seq_add", delta)
+            self._check_move_keeps_ends(seq, p0, p1, lambda p: p + delta, "delta")
         self._edits += 1
-        self.attn.seq_add(seq, p0, p1, delta)  # raises before any change on a shared cell
+        self.attn.seq_add(seq, p0, p1, delta)
         self.recr.seq_add(seq, p0, p1, delta)
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
         self._check_seq(seq)
-        if d <= 0:
-            raise ArgumentError("d", f"divisor must be >= 1, got {d}")
+        d = check_divisor(d)
         if d != 1:
             self.recr.check_position_move(seq, p0, p1, "seq_div")
+            self._check_move_keeps_ends(seq, p0, p1, lambda p: p // d, "d")
+            self.attn.check_position_move(seq, p0, p1, "seq_div", d=d)
         self._edits += 1
         self.attn.seq_div(seq, p0, p1, d)
         self.recr.seq_div(seq, p0, p1, d)
 
+    def _check_move_keeps_ends(self, seq: int, p0: int, p1: int, move: Any, name: str) -> None:
+        """Refuse (changing nothing) a position move after which the parts would end
+        ``seq`` at different positions: the recurrent part moves its one position
+        (the last) only when it is in [p0, p1), each attention cache moves every
+        cell in the range, so moving the last position below positions the range
+        leaves behind (or a range that stops short of the end) splits them."""
+        q0, q1 = normalize_range(p0, p1)
+        P = self.recr.seq_pos_max(seq)
+        end = move(P) if q0 <= P < q1 else P
+        end = max(end, -1)
+        for cache in self.kv_caches:
+            pairs = cache.cells[cache.stream_of(seq)].seq_pos[seq]
+            got = max((move(p) if q0 <= p < q1 else p for p, _ in pairs), default=-1)
+            if max(got, -1) != end:
+                raise ArgumentError(
+                    name,
+                    f"moving [{q0}, {q1}) of sequence {seq} would end its attention cells at {max(got, -1)} and its "
+                    f"recurrent state at {end}; the parts of a hybrid must agree (remove the positions in between "
+                    "first, as a context shift does)",
+                )
+
     def seq_pos_min(self, seq: int) -> int:
+        self._check_seq(seq)
         return max(self.attn.seq_pos_min(seq), self.recr.seq_pos_min(seq))
 
     def seq_pos_max(self, seq: int) -> int:
@@ -383,8 +485,7 @@ class HybridMemory(Memory):
         return [*self._attn_sections(seq, flags), (TAG_RECR, self.recr.write_section(seq, flags))]
 
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
-        if seq >= 0:
-            self._check_seq(seq)
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         return pack_sections(self.state_sections(seq, flags), flags)
 
     def _parse_attn(self, sections: Any, seq: int, flags: int) -> Any:
@@ -398,11 +499,39 @@ class HybridMemory(Memory):
         return plan
 
     def parse_all(self, sections: Any, seq: int, flags: int) -> dict[str, Any]:
-        """Validate every section of every part; returns the plans.  Changes nothing."""
-        return {
+        """Validate every section of every part, and that they agree; returns the
+        plans.  Changes nothing."""
+        plans = {
             "attn": self._parse_attn(sections, seq, flags),
             "recr": self.recr.parse_section(find_section(sections, TAG_RECR), seq),
         }
+        self._check_blob_parts_agree(plans, seq)
+        return plans
+
+    def _check_blob_parts_agree(self, plans: dict[str, Any], seq: int) -> None:
+        """Every sequence of the blob ends at the same position in every part (and is
+        in every part): a blob whose recurrent state is at 9 while its attention
+        cells end at 5 would restore parts that disagree."""
+        recr_end: dict[int, int] = {}
+        for p, ids in plans["recr"]["cells"]:
+            for q in ids if seq < 0 else [seq]:
+                recr_end[q] = p
+        attn = plans["attn"]
+        kv: list[tuple[str, KVStatePlan | None]] = [("kv", attn)]
+        if isinstance(attn, ISWAPlan):
+            kv = [("kv_base", attn.base), ("kv_swa", attn.swa)]
+        for name, plan in kv:
+            if plan is None:  # a partial blob holds no full-attention section
+                continue
+            held = plan_positions(plan)
+            for q in sorted(set(held) | set(recr_end)):
+                a_end, r_end = max(held.get(q, ()), default=-1), recr_end.get(q, -1)
+                if a_end != r_end:
+                    raise StateError(
+                        f"{name}.pos",
+                        f"sequence {q}: the attention cells end at position {a_end}, the recurrent state is at "
+                        f"{r_end}; the parts of a hybrid blob must agree",
+                    )
 
     def commit_all(self, plans: dict[str, Any]) -> None:
         self._edits += 1
@@ -442,15 +571,35 @@ class HybridMemory(Memory):
         (stricter than upstream, which drops the destination).  Only a
         failure while writing, after validation, drops the destination from the
         parts the read would have written: no half-restored sequence survives."""
-        if seq >= 0:
-            self._check_seq(seq)
-        _, sections = unpack_sections(data)
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
+        _, sections = unpack_sections(data, flags)
         plans = self.parse_all(sections, seq, flags)
         try:
             self.commit_all(plans)
         except BaseException:
             self._drop_read_parts(seq, flags)
             raise
+
+
+def _last_kept(pairs: Sequence[tuple[int, int]], p0: int, p1: int) -> int:
+    """The last position of a sorted ``(pos, cell)`` list outside [p0, p1) (-1: none); O(log n)."""
+    if not pairs:
+        return -1
+    if pairs[-1][0] >= p1:
+        return pairs[-1][0]
+    k = bisect.bisect_left(pairs, (p0, -1))
+    return pairs[k - 1][0] if k > 0 else -1
+
+
+def _window_positions(pairs: Sequence[tuple[int, int]], swa: KVCache, end: int) -> set[int]:
+    """Positions up to ``end`` of a sorted ``(pos, cell)`` list that the window of a token at
+    ``end + 1`` reads (every window type hides more the further back a position is)."""
+    out: set[int] = set()
+    k = bisect.bisect_right(pairs, (end, 2**62)) - 1
+    while k >= 0 and not is_masked_swa(swa.n_swa, swa.swa_type, pairs[k][0], end + 1):
+        out.add(pairs[k][0])
+        k -= 1
+    return out
 
 
 class HybridISWAMemory(HybridMemory):

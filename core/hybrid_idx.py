@@ -19,6 +19,17 @@ the same k-pool inputs.  An undo is refused, changing nothing, when the
 memory was edited since the first ubatch it would take back was applied (the
 edit count of :class:`HybridMemory`); here that also covers edits that only
 set stale marks, such as ``seq_div`` by 1.
+
+One pooled slot per rep row: when several sequences share cells (after
+``seq_cp`` in a unified cache) their pools share rep rows, which is only
+right while every sharer groups the shared cells the same way.  An edit of
+one sharer that would regroup them differently (a hole or head removal,
+or own cells moved across shared ones, in order mode above all: pools there
+go by rank) would make two different pools write the same slot, so it is
+refused: ``seq_rm`` returns False, ``seq_add``/``seq_div`` raise, nothing
+changed (docs/memory-semantics.md#hybrid-idx: a shared cell holds a single pool grouping).
+The memory's version (stale plans, :meth:`MemoryContext.check_version`)
+includes the indexer cache and the stale marks.
 """
 
 from __future__ import annotations
@@ -31,9 +42,26 @@ import numpy as np
 
 from statecache.errors import ArgumentError, StateError
 from statecache.hybrid import HybridContext, HybridMemory, HybridUpdateContext
-from statecache.kpool import KPoolInputs, KPoolLayout, KPoolState, SeqLayout, StaleMarks, Token, stale_pos
+from statecache.kpool import (
+    KPoolInputs,
+    KPoolLayout,
+    KPoolState,
+    SeqLayout,
+    StaleMarks,
+    Token,
+    rebuild,
+    stale_pos,
+)
 from statecache.kv_cache import KVCache, KVLayer
-from statecache.memory import ContextError, MemoryContext, MemoryStatus, StateFlags, StatusContext, normalize_range
+from statecache.memory import (
+    ContextError,
+    MemoryContext,
+    MemoryStatus,
+    StateFlags,
+    check_divisor,
+    check_int32,
+    normalize_range,
+)
 from statecache.state_io import Reader, Writer, find_section
 
 if TYPE_CHECKING:
@@ -86,6 +114,10 @@ class HybridIdxMemory(HybridMemory):
         self.layout = KPoolLayout(kpool, by_order, attn.n_seq_max, attn.size, attn.n_stream)
         self.marks = StaleMarks(attn.n_seq_max)
 
+    @property
+    def version(self) -> Any:
+        return (*super().version, self.idx.version, self.marks.version)
+
     def fill_garbage(self, seed: int) -> None:
         super().fill_garbage(seed)
         self.idx.fill_garbage(seed + 2000)
@@ -105,6 +137,7 @@ class HybridIdxMemory(HybridMemory):
         ctx = HybridContext(self.attn.init_full(), self.recr.init_full(), [self.idx.init_full()])
         self.layout.update(self.pairs_of, self.marks)  # marks are kept (docs/memory-semantics.md#kpool-hazards, H6)
         ctx.kpool_state = self.layout.build_state([], None, 0, reserve=True)  # type: ignore[attr-defined]
+        ctx.record_version(self)
         return ctx
 
     def init_update(self, optimize: bool = False) -> MemoryContext:
@@ -112,8 +145,56 @@ class HybridIdxMemory(HybridMemory):
         i = self.idx.init_update(optimize)
         r = self.recr.init_update(optimize)
         if all(c.status is MemoryStatus.NO_UPDATE for c in (a, i, r)):
-            return StatusContext(MemoryStatus.NO_UPDATE)
+            return self.no_update_context()
         return HybridUpdateContext(self, a, r, [i])
+
+    # -- one pooled slot per rep row ---------------------------------------------------
+    def _groupings_agree(self, seq: int, moved: dict[int, int | None]) -> bool:
+        """Whether, after ``seq``'s cells move as ``moved`` says (cell -> new position,
+        None: removed from ``seq``), every pool of ``seq`` whose rep row another
+        sequence's pool also uses has the same members there.  Fast when ``seq``
+        shares no cell."""
+        strm, pairs = self.pairs_of(seq)
+        cells = self.idx.cells[strm]
+        sharers = {q for _, c in pairs if cells.seq_count(c) > 1 for q in cells.seqs_of(c)} - {seq}
+        if not sharers:
+            return True
+        lay = self.layout
+        new_pairs = sorted((moved.get(c, p), c) for p, c in pairs if moved.get(c, p) is not None)
+
+        def reps(s: int, sp: list[tuple[int, int]]) -> dict[int, tuple[int, ...]]:
+            layout = rebuild(sp, strm, lay.kpool, lay.by_order)
+            out = {}
+            for j in layout.pools:
+                members = tuple(c for _, c in sp[j : j + lay.kpool])
+                out[strm * lay.kv_size + members[-1]] = members
+            return out
+
+        mine = reps(seq, new_pairs)  # type: ignore[arg-type]
+        for q in sharers:
+            for rep, members in reps(q, self.pairs_of(q)[1]).items():
+                if mine.get(rep, members) != members:
+                    return False
+        return True
+
+    def _seq_rm_allowed(self, seq: int, p0: int, p1: int) -> bool:
+        if not super()._seq_rm_allowed(seq, p0, p1):
+            return False
+        pairs = self.idx.cells[self.idx.stream_of(seq)].seq_pos[seq]  # not a copy: O(1) for a rollback
+        if not pairs or p1 > pairs[-1][0]:
+            return True  # a tail removal (a rollback) keeps every other cell's rank and position
+        return self._groupings_agree(seq, {c: None for p, c in pairs if p0 <= p < p1})
+
+    def _check_regroup(self, seq: int, p0: int, p1: int, new_pos: Any, op: str) -> None:
+        q0, q1 = normalize_range(p0, p1)
+        _, pairs = self.pairs_of(seq)
+        moved = {c: (new_pos(p) if new_pos(p) >= 0 else None) for p, c in pairs if q0 <= p < q1}
+        if moved and not self._groupings_agree(seq, moved):
+            raise ArgumentError(
+                "seq",
+                f"{op}: sequence {seq} shares indexer cells with other sequences, and moving its cells in "
+                f"[{q0}, {q1}) would group the shared ones into different k-pools (one pooled slot per cell)",
+            )
 
     # -- sequence operations with stale marks (docs/memory-semantics.md#kpool-stale) ------
     def clear(self, data: bool = True) -> None:
@@ -148,6 +229,10 @@ class HybridIdxMemory(HybridMemory):
         self.marks.set(-1, 0)
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        self._check_seq(seq)
+        delta = check_int32(delta, "delta")
+        if delta:
+            self._check_regroup(seq, p0, p1, lambda p: p + delta, "seq_add")
         super().seq_add(seq, p0, p1, delta)
         q0, q1 = normalize_range(p0, p1)
         if delta == 0 or q0 >= q1:
@@ -157,6 +242,10 @@ class HybridIdxMemory(HybridMemory):
         self.marks.set(seq, st)
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        self._check_seq(seq)
+        d = check_divisor(d)
+        if d != 1:
+            self._check_regroup(seq, p0, p1, lambda p: p // d, "seq_div")
         super().seq_div(seq, p0, p1, d)
         self.idx.seq_div(seq, p0, p1, d)
         self.marks.set(seq, 0)
@@ -234,6 +323,7 @@ class HybridIdxContext(HybridContext):
         super().__init__(attn, recr, [idx])
         self.mem = mem
         self.memory = mem  # undo checks its edit count, drops damaged sequences through its operations (marks)
+        self.record_version(mem)
         self.idx = idx
         self.stale_batch = mem.marks.copy()  # the marks as planned (docs/memory-semantics.md#kpool-stale)
         self.i_cur = 0
@@ -261,14 +351,18 @@ class HybridIdxContext(HybridContext):
     def _undo_extra_restore(self, extra: Any) -> None:
         mem = self.mem
         mem.layout.seqs = extra.layout
-        mem.marks.marks[:] = extra.marks
+        mem.marks.restore(extra.marks)
         self.i_cur, self._state_for, self.kpool_state = extra.i_cur, extra.state_for, extra.kpool_state
 
     def next(self) -> bool:
+        current = self.mem.version == self._planned_version  # a stale plan stays stale
         if self.i_cur == 0:
             self.mem.marks.clear()  # the first ubatch computed: every re-pool is done
         self.i_cur += 1
-        return super().next()
+        more = super().next()
+        if current:
+            self.update_version()
+        return more
 
     def tokens(self) -> list[Token]:
         ub = self.get_ubatch()

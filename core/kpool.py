@@ -80,10 +80,13 @@ class StaleMarks:
 
     def __init__(self, n_seq: int) -> None:
         self.marks = np.full(n_seq, POS_CLEAN, dtype=np.int64)
+        #: bumped by every call that may change a mark (part of the memory's version)
+        self.version = 0
 
     def set(self, s: int, p: int) -> None:
         """Lower the mark of ``s`` (all sequences when ``s < 0``) to ``p``."""
         p = max(int(p), 0)
+        self.version += 1
         if s < 0:
             np.minimum(self.marks, p, out=self.marks)
         else:
@@ -93,6 +96,12 @@ class StaleMarks:
 
     def clear(self) -> None:
         self.marks[:] = POS_CLEAN
+        self.version += 1
+
+    def restore(self, marks: np.ndarray) -> None:
+        """Put back marks taken with :meth:`copy` (undo)."""
+        self.marks[:] = marks
+        self.version += 1
 
     def is_clean(self, s: int) -> bool:
         return bool(self.marks[s] == POS_CLEAN)

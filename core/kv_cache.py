@@ -21,7 +21,7 @@ parse every part before committing any.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,6 +38,10 @@ from statecache.memory import (
     StateFlags,
     StatusContext,
     UBatchContext,
+    check_divisor,
+    check_int32,
+    check_seq_id,
+    check_shifted,
     normalize_range,
 )
 from statecache.state_io import CODE_DTYPES, DTYPE_CODES, Reader, Writer, find_section, pack_sections, unpack_sections
@@ -122,6 +126,15 @@ class KVCache(Memory):
     whether K is RoPE-rotated (False for the indexer cache, which has no
     RoPE: its shifts are cleared without a rotation).  ``k_shift``: the
     runtime's re-rotation hook, called per layer when an update is applied.
+
+    Sliding-window reuse: the slot search may take a cell its sequence's
+    window has left (``swa_evict``, the window cache of an iSWA pair), but
+    never one the window of a token up to ``rollback_depth`` positions before
+    the sequence's end still needs, so that a rollback of that depth (the
+    ``n_rs_seq`` of a hybrid's recurrent part) finds every cell its next token
+    reads.  A cache that evicts cannot promise that a context shift (which
+    moves later tokens down, widening what the next window reaches) keeps
+    every needed cell, so :meth:`get_can_shift` is False for it.
     """
 
     def __init__(
@@ -139,6 +152,8 @@ class KVCache(Memory):
         can_shift: bool = True,
         k_shift: KShiftFn | None = None,
         name: str = "kv",
+        swa_evict: bool = True,
+        rollback_depth: int = 0,
     ) -> None:
         if size <= 0:
             raise ArgumentError("size", f"must be > 0, got {size}")
@@ -162,6 +177,11 @@ class KVCache(Memory):
         self.can_shift = bool(can_shift)
         self.k_shift = k_shift
         self.name = name
+        self.swa_evict = bool(swa_evict)
+        if rollback_depth < 0:
+            raise ArgumentError("rollback_depth", f"must be >= 0, got {rollback_depth}")
+        self.rollback_depth = int(rollback_depth)
+        self._version = 0
         self.book = _Book([KVCells(self.size, self.n_seq_max) for _ in range(self.n_stream)], [0] * self.n_stream)
         self.pending_copies: list[tuple[int, int]] = []
         rows = self.n_stream * self.size
@@ -181,13 +201,17 @@ class KVCache(Memory):
     def is_swa(self) -> bool:
         return self.swa_type is not SWAType.NONE
 
-    def stream_of(self, seq: int) -> int:
-        self._check_seq(seq)
+    def stream_of(self, seq: int, name: str = "seq") -> int:
+        seq = check_seq_id(seq, self.n_seq_max, name)
         return 0 if self.unified else seq
 
-    def _check_seq(self, seq: int) -> None:
-        if not 0 <= seq < self.n_seq_max:
-            raise ArgumentError("seq", f"sequence {seq} outside [0, n_seq_max={self.n_seq_max})")
+    def _check_seq(self, seq: int, name: str = "seq") -> int:
+        return check_seq_id(seq, self.n_seq_max, name)
+
+    @property
+    def evicts(self) -> bool:
+        """Whether the slot search may reuse cells a sliding window has left."""
+        return self.is_swa and self.swa_evict
 
     def buffers(self) -> list[Buffer]:
         return list(self.k.values()) + list(self.v.values())
@@ -231,11 +255,12 @@ class KVCache(Memory):
             for step in range(self.size):
                 idx = (head + step) % self.size
                 usable = cells.is_empty(idx)
-                if not usable and self.is_swa and cells.seq_count(idx) == 1:
+                if not usable and self.evicts and cells.seq_count(idx) == 1:
+                    # reusable only when masked for the earliest token the sequence can
+                    # continue with: after a rollback of rollback_depth positions
                     s_cell = cells.seqs_of(idx)[0]
-                    usable = bool(
-                        is_masked_swa(self.n_swa, self.swa_type, cells.pos_get(idx), cells.seq_pos_max(s_cell) + 1)
-                    )
+                    p_next = cells.seq_pos_max(s_cell) + 1 - self.rollback_depth
+                    usable = bool(is_masked_swa(self.n_swa, self.swa_type, cells.pos_get(idx), p_next))
                 if usable:
                     found.append(idx)
                     if len(found) == n:
@@ -297,6 +322,7 @@ class KVCache(Memory):
         return KVCacheContext(self, ubatches, sinfos)
 
     def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
         ubs = self.split(balloc, n_ubatch)
         if ubs is None:
             return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
@@ -313,20 +339,26 @@ class KVCache(Memory):
 
     def init_update(self, optimize: bool = False) -> MemoryContext:
         if not self.has_pending_update():
-            return StatusContext(MemoryStatus.NO_UPDATE)
+            return self.no_update_context()
         return KVUpdateContext(self)
 
     def get_can_shift(self) -> bool:
-        return True
+        """False when the slot search evicts cells a window has left: a context shift
+        would move later tokens down, and their window would reach cells already gone."""
+        return not self.evicts
 
     # -- sequence operations (docs/memory-semantics.md#kv-sequence-ops) -------------
-    def _seq_rm_cells(self, book: _Book, strm: int, seq: int, p0: int, p1: int) -> None:
+    def _seq_rm_cells(self, book: _Book, strm: int, seq: int, p0: int, p1: int) -> bool:
+        """Drop ``seq`` from its cells in [p0, p1); True when it held any."""
         cells = book.cells[strm]
-        for _, idx in [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]:
+        hit = [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]
+        for _, idx in hit:
             if cells.seq_rm(idx, seq) and idx < book.heads[strm]:
                 book.heads[strm] = idx
+        return bool(hit)
 
     def clear(self, data: bool = True) -> None:
+        self._version += 1
         for c in self.cells:
             c.reset()
         self.book.heads = [0] * self.n_stream
@@ -336,32 +368,38 @@ class KVCache(Memory):
                 self.device.write(buf, np.zeros(buf.shape, dtype=np.float32))
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         p0, p1 = normalize_range(p0, p1)
         if seq >= 0:
             strm = self.stream_of(seq)
-            self._seq_rm_cells(self.book, strm, seq, p0, p1)
+            if self._seq_rm_cells(self.book, strm, seq, p0, p1):
+                self._version += 1
             return True
         for strm, cells in enumerate(self.cells):
-            for idx in np.flatnonzero((cells.pos >= p0) & (cells.pos < p1)):
+            hit = np.flatnonzero((cells.pos >= p0) & (cells.pos < p1))
+            if hit.size:
+                self._version += 1
+            for idx in hit:
                 cells.rm(int(idx))
                 self.book.heads[strm] = min(self.book.heads[strm], int(idx))
         return True
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        ss, sd = self.stream_of(src), self.stream_of(dst)
+        ss, sd = self.stream_of(src, "src"), self.stream_of(dst, "dst")
+        p0, p1 = normalize_range(p0, p1)
         if src == dst:
             return
-        p0, p1 = normalize_range(p0, p1)
+        if ss != sd and (p0 != 0 or p1 != normalize_range(-1, -1)[1]):
+            raise ArgumentError(
+                "p0/p1", f"a copy between streams ({src} -> {dst}) must cover the whole sequence, got [{p0}, {p1})"
+            )
+        self._version += 1
         if ss == sd:
             cells = self.cells[ss]
             for pos, idx in list(cells.seq_pos[src]):
                 if p0 <= pos < p1:
                     cells.seq_add(idx, dst)
             return
-        if p0 != 0 or p1 != normalize_range(-1, -1)[1]:
-            raise ArgumentError(
-                "p0/p1", f"a copy between streams ({src} -> {dst}) must cover the whole sequence, got [{p0}, {p1})"
-            )
         src_cells, dst_cells = self.cells[ss], self.cells[sd]
         dst_cells.reset()
         for pos, idx in src_cells.seq_pos[src]:
@@ -378,6 +416,7 @@ class KVCache(Memory):
 
     def seq_keep(self, seq: int) -> None:
         self._check_seq(seq)
+        self._version += 1
         for strm, cells in enumerate(self.cells):
             for idx in (int(i) for i in np.flatnonzero(cells.pos != EMPTY)):
                 if not cells.seq_has(idx, seq):
@@ -391,25 +430,61 @@ class KVCache(Memory):
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         strm = self.stream_of(seq)
         p0, p1 = normalize_range(p0, p1)
+        delta = check_int32(delta, "delta")
         if delta == 0 or p0 >= p1:
             return
         cells = self.cells[strm]
-        self._check_unshared(cells, seq, p0, p1, "seq_add")
-        for _, idx in [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]:
+        self.check_position_move(seq, p0, p1, "seq_add", delta)
+        moved = [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]
+        if moved:
+            self._version += 1
+        for _, idx in moved:
             if cells.pos_add(idx, delta):
                 self.book.heads[strm] = 0 if self.book.heads[strm] == 0 else min(self.book.heads[strm], idx)
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
         strm = self.stream_of(seq)
-        if d <= 0:
-            raise ArgumentError("d", f"divisor must be >= 1, got {d}")
+        d = check_divisor(d)
         p0, p1 = normalize_range(p0, p1)
         if d == 1 or p0 >= p1:
             return
         cells = self.cells[strm]
-        self._check_unshared(cells, seq, p0, p1, "seq_div")
-        for _, idx in [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]:
+        self.check_position_move(seq, p0, p1, "seq_div", d=d)
+        moved = [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]
+        if moved:
+            self._version += 1
+        for _, idx in moved:
             cells.pos_div(idx, d)
+
+    def check_position_move(self, seq: int, p0: int, p1: int, op: str = "seq_add", delta: int = 0, d: int = 1) -> None:
+        """Raise (changing nothing) if ``seq_add`` (by ``delta``) / ``seq_div`` (by ``d``)
+        over [p0, p1) would be refused: a cell shared with another sequence, a
+        position moved past int32, or two cells of ``seq`` left at one whole
+        position (with their 2-D extension): a sequence never holds that (a state
+        blob could not tell them apart, docs/state-format.md).  Composites call it
+        for every part before touching any."""
+        cells = self.cells[self.stream_of(seq)]
+        q0, q1 = normalize_range(p0, p1)
+        if q0 >= q1:
+            return
+        self._check_unshared(cells, seq, q0, q1, op)
+        pairs = cells.seq_pos[seq]
+        if delta > 0:
+            inside = [p for p, _ in pairs if q0 <= p < q1]
+            if inside:
+                check_shifted(max(inside), delta)
+        if (delta or d != 1) and pairs:
+            seen: set[tuple[int, int, int]] = set()
+            for p, c in pairs:
+                q = (p + delta if delta else p // d) if q0 <= p < q1 else p
+                key = (q, int(cells.ext[c, 0]), int(cells.ext[c, 1]))
+                if q >= 0 and key in seen:
+                    raise ArgumentError(
+                        "delta" if delta else "d",
+                        f"{op} would leave two cells of sequence {seq} at position {q} (same 2-D extension); "
+                        "remove the positions it would land on first, as a context shift does",
+                    )
+                seen.add(key)
 
     @staticmethod
     def _check_unshared(cells: KVCells, seq: int, p0: int, p1: int, op: str) -> None:
@@ -467,10 +542,9 @@ class KVCache(Memory):
         return pack_sections([(TAG_KV, w.getvalue())], flags)
 
     def state_write_into(self, w: Writer, seq: int = -1, flags: int = StateFlags.NONE) -> None:
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         if self.has_pending_update():
             raise StateError(self.name, "pending stream copies or position shifts; apply init_update() first")
-        if seq >= 0:
-            self._check_seq(seq)
         # a per-sequence blob holds only that sequence's stream (so it can be
         # restored into another sequence, hence another stream)
         streams = [self.stream_of(seq)] if seq >= 0 else list(range(self.n_stream))
@@ -509,9 +583,12 @@ class KVCache(Memory):
                     w.raw(np.ascontiguousarray(data).tobytes())
 
     def state_parse(self, r: Reader, seq: int = -1, flags: int = StateFlags.NONE) -> KVStatePlan:
-        """Validate a KV section and choose destination cells; changes nothing."""
-        if seq >= 0:
-            self._check_seq(seq)
+        """Validate a KV section and choose destination cells; changes nothing.
+
+        Besides the fields, the cells must describe a possible book: within a
+        stream no sequence holds one position twice (with its 2-D extension:
+        M-RoPE image tokens share a temporal position, never the whole of it)."""
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         streams = [self.stream_of(seq)] if seq >= 0 else list(range(self.n_stream))
         n_stream = r.u32(f"{self.name}.n_stream")
         if n_stream != len(streams):
@@ -553,8 +630,16 @@ class KVCache(Memory):
                 else:
                     ext[c] = (p, p)
             # M-RoPE: an image's cells share a temporal position, never a whole (pos, x, y)
-            if seq >= 0 and len(set(zip(pos.tolist(), ext[:, 0].tolist(), ext[:, 1].tolist()))) != count:
+            keys = list(zip(pos.tolist(), ext[:, 0].tolist(), ext[:, 1].tolist()))
+            if seq >= 0 and len(set(keys)) != count:
                 raise StateError(f"{self.name}.pos", "duplicate positions in a per-sequence blob")
+            if seq < 0:
+                held = [(q, *key) for key, ids in zip(keys, sets) for q in ids]
+                if len(set(held)) != len(held):
+                    dup = next(h for k, h in enumerate(held) if h in held[:k])
+                    raise StateError(
+                        f"{self.name}.pos", f"sequence {dup[0]} holds position {dup[1]} twice in stream {strm}"
+                    )
             if count:
                 n_layer = r.u32(f"{self.name}.n_layer")
                 if n_layer != len(self.layers):
@@ -602,6 +687,7 @@ class KVCache(Memory):
         return KVStatePlan(seq, placements, k_rows, v_rows, exts)
 
     def state_commit(self, plan: KVStatePlan) -> None:
+        self._version += 1
         if plan.seq >= 0:
             self.seq_rm(plan.seq)
         else:
@@ -629,7 +715,8 @@ class KVCache(Memory):
         anything is written, so a rejected blob (``StateError``) leaves the cache
         exactly as it was; only a failure while writing (after validation)
         drops the destination, so no half-restored sequence survives."""
-        _, sections = unpack_sections(data)
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
+        _, sections = unpack_sections(data)  # PARTIAL_ONLY changes nothing a single cache writes
         r = Reader(find_section(sections, TAG_KV))
         plan = self.state_parse(r, seq)
         r.at_end()
@@ -675,7 +762,7 @@ class KVCacheContext(UBatchContext):
     """
 
     def __init__(self, cache: KVCache, ubatches: Sequence[UBatch], sinfos: Sequence[SlotInfo]) -> None:
-        super().__init__(ubatches)
+        super().__init__(ubatches, cache)
         self.cache = cache
         self.sinfos = list(sinfos)
         self.keep_undo_rows = False
@@ -700,6 +787,7 @@ class KVCacheContext(UBatchContext):
                     saved.append((buf, tmp))
         self._records.append(_KVApplyRecord(i, rows, saved))
         cache._apply_ubatch(cache.book, sinfo, self.ubatches[i])
+        cache._version += 1
         return True
 
     @property
@@ -753,6 +841,7 @@ class KVCacheContext(UBatchContext):
         _restore_cache(self.cache, snap[0])
         self._applied = snap[1]  # the ubatch may be applied again
         del self._records[snap[2] :]
+        self.update_version()  # the book this plan continues from, under a new version
 
     def k_idxs(self) -> np.ndarray:
         return self.sinfo.rows
@@ -786,13 +875,14 @@ class KVFullContext(StatusContext):
     """Worst case for graph reservation: every cell may be read."""
 
     def __init__(self, cache: KVCache) -> None:
-        super().__init__(MemoryStatus.SUCCESS)
+        super().__init__(MemoryStatus.SUCCESS, memory=cache)
         self.cache = cache
 
     def n_kv(self) -> int:
         return self.cache.size
 
     def apply(self) -> bool:
+        self.check_version()
         return True
 
 
@@ -817,6 +907,8 @@ class KVUpdateContext(MemoryContext):
         self.shift_rows = np.concatenate(rows).astype(np.int64)
         self.shift_amounts = np.concatenate(amounts).astype(np.int64)
         self._done = False
+        # a shift or copy queued after this point would be cleared without being done
+        self.record_version(cache)
 
     @property
     def status(self) -> MemoryStatus:
@@ -831,6 +923,7 @@ class KVUpdateContext(MemoryContext):
     def apply(self) -> bool:
         if self._done:
             return True
+        self.check_version()
         cache, dev = self.cache, self.cache.device
         for ss, sd in self.stream_copies:
             src_rows = dev.indices(np.arange(cache.size) + ss * cache.size)
@@ -847,15 +940,27 @@ class KVUpdateContext(MemoryContext):
         done = len(self.stream_copies)
         if cache.pending_copies[:done] == self.stream_copies:
             cache.pending_copies = cache.pending_copies[done:]
+        cache._version += 1
+        self.update_version()
         self._done = True
         return True
 
 
-def iswa_sizes(size: int, n_swa: int, n_seq_max: int, n_ubatch: int, unified: bool, n_pad: int, swa_full: bool) -> int:
-    """Size of the window cache of an iSWA pair (docs/memory-semantics.md#iswa)."""
+def iswa_sizes(
+    size: int,
+    n_swa: int,
+    n_seq_max: int,
+    n_ubatch: int,
+    unified: bool,
+    n_pad: int,
+    swa_full: bool,
+    rollback_depth: int = 0,
+) -> int:
+    """Size of the window cache of an iSWA pair (docs/memory-semantics.md#iswa); ``rollback_depth`` more
+    positions per sequence stay in it so that a rollback finds its window."""
     if swa_full:
         return size
-    return min(size, round_up(n_swa * (n_seq_max if unified else 1) + n_ubatch, n_pad))
+    return min(size, round_up((n_swa + rollback_depth) * (n_seq_max if unified else 1) + n_ubatch, n_pad))
 
 
 class CompositeContext(MemoryContext):
@@ -872,8 +977,9 @@ class CompositeContext(MemoryContext):
     snapshot for undo.
     """
 
-    def __init__(self, parts: Sequence[MemoryContext]) -> None:
+    def __init__(self, parts: Sequence[MemoryContext], memory: Memory | None = None) -> None:
         self.parts = list(parts)
+        self.record_version(memory)
 
     @property
     def status(self) -> MemoryStatus:
@@ -893,14 +999,18 @@ class CompositeContext(MemoryContext):
         for p, s in zip(self.parts, snap, strict=True):
             if s is not None:
                 p.restore(s)  # type: ignore[attr-defined]
+        self.update_version()  # the restored books, under their new versions
 
     def apply(self) -> bool:
+        self.check_version()  # before the snapshot: a stale plan costs nothing
         return self.apply_from(self.snapshot())
 
     def apply_from(self, snap: tuple[Any, ...]) -> bool:
         """``apply()`` with the snapshots (:meth:`snapshot`) already taken, so a
         composite inside a composite, or one that keeps them for undo, copies
-        each book once per ubatch."""
+        each book once per ubatch.  A stale plan raises :class:`ContextError`
+        before any part applies."""
+        self.check_version()
         for k, p in enumerate(self.parts):
             try:
                 if snap[k] is not None and isinstance(p, CompositeContext) and _plain_composite(p):
@@ -909,10 +1019,13 @@ class CompositeContext(MemoryContext):
                     ok = p.apply()
             except Exception:
                 self.restore(snap[: k + 1] + (None,) * (len(snap) - k - 1))
+                self.update_version()
                 raise
             if not ok:
                 self.restore(snap[: k + 1] + (None,) * (len(snap) - k - 1))
+                self.update_version()
                 return False
+        self.update_version()
         return True
 
     def next(self) -> bool:
@@ -924,6 +1037,16 @@ def _plain_composite(p: MemoryContext) -> bool:
     """A composite whose ``apply()`` is exactly ``apply_from(snapshot())`` (an
     override, or a patched instance, must be called through ``apply()``)."""
     return isinstance(p, CompositeContext) and type(p).apply is CompositeContext.apply and "apply" not in vars(p)
+
+
+def plan_positions(plan: KVStatePlan) -> dict[int, set[int]]:
+    """Per sequence, the positions a validated KV section restores (cross-part checks)."""
+    out: dict[int, set[int]] = {}
+    for _, _, pos, sets in plan.placements:
+        for p, ids in zip(pos.tolist(), sets):
+            for s in ids:
+                out.setdefault(s, set()).add(p)
+    return out
 
 
 def _combine(a: MemoryStatus, b: MemoryStatus) -> MemoryStatus:
@@ -938,6 +1061,7 @@ def _snapshot_cache(cache: KVCache) -> tuple[_Book, list[tuple[int, int]]]:
 
 def _restore_cache(cache: KVCache, snap: tuple[_Book, list[tuple[int, int]]]) -> None:
     cache.book, cache.pending_copies = snap[0].clone(), list(snap[1])
+    cache._version += 1
 
 
 @dataclasses.dataclass
@@ -950,7 +1074,14 @@ class KVCacheISWA(Memory):
     """iSWA pair (docs/memory-semantics.md#iswa): a base cache for the full-attention layers and a
     window cache, ``iswa_sizes`` big, for the sliding-window layers.  Both are
     planned for the same ubatches; positions are answered by the window
-    cache (the base is a superset)."""
+    cache (the base is a superset).
+
+    The window cache reuses cells its windows have left, except with
+    ``swa_full`` (it is then as big as the base and keeps every cell), and
+    always keeps the ``rollback_depth`` positions behind each sequence's end
+    (a hybrid sets it to its recurrent part's ``n_rs_seq``).  Because a
+    context shift widens what the next window reaches, :meth:`get_can_shift`
+    is true only with ``swa_full`` (upstream: "both sizes equal")."""
 
     def __init__(
         self,
@@ -968,6 +1099,7 @@ class KVCacheISWA(Memory):
         dtype: DType | str = DType.F16,
         n_pad: int = 256,
         k_shift: KShiftFn | None = None,
+        rollback_depth: int = 0,
     ) -> None:
         swa_set = set(swa_layers)
         unknown = swa_set - {layer.il for layer in layers}
@@ -977,7 +1109,7 @@ class KVCacheISWA(Memory):
             raise ArgumentError("swa_type", "an iSWA pair needs a sliding-window type")
         common: dict[str, Any] = dict(n_seq_max=n_seq_max, unified=unified, dtype=dtype, n_pad=n_pad, k_shift=k_shift)
         self.base = KVCache(device, [la for la in layers if la.il not in swa_set], size=size, name="kv_base", **common)
-        swa_size = iswa_sizes(size, n_swa, n_seq_max, n_ubatch, unified, n_pad, swa_full)
+        swa_size = iswa_sizes(size, n_swa, n_seq_max, n_ubatch, unified, n_pad, swa_full, rollback_depth)
         self.swa = KVCache(
             device,
             [la for la in layers if la.il in swa_set],
@@ -985,6 +1117,8 @@ class KVCacheISWA(Memory):
             swa_type=swa_type,
             n_swa=n_swa,
             name="kv_swa",
+            swa_evict=not swa_full,
+            rollback_depth=rollback_depth,
             **common,
         )
         self.device = device
@@ -993,6 +1127,10 @@ class KVCacheISWA(Memory):
     @property
     def caches(self) -> tuple[KVCache, KVCache]:
         return self.base, self.swa
+
+    @property
+    def version(self) -> Hashable:
+        return self.base.version, self.swa.version
 
     def fill_garbage(self, seed: int) -> None:
         self.base.fill_garbage(seed)
@@ -1011,9 +1149,11 @@ class KVCacheISWA(Memory):
         return b, s
 
     def make_context(self, ubatches: Sequence[UBatch], plan: tuple[list[SlotInfo], list[SlotInfo]]) -> ISWAContext:
+        """The context of a planned batch (bound to this pair's version)."""
         return ISWAContext(self, ubatches, plan)
 
     def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
         ubs = self.split(balloc, n_ubatch)
         if ubs is None:
             return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
@@ -1023,14 +1163,14 @@ class KVCacheISWA(Memory):
         return self.make_context(ubs, plan)
 
     def init_full(self) -> MemoryContext:
-        return CompositeContext([self.base.init_full(), self.swa.init_full()])
+        return CompositeContext([self.base.init_full(), self.swa.init_full()], self)
 
     def has_pending_update(self) -> bool:
         return self.base.has_pending_update() or self.swa.has_pending_update()
 
     def init_update(self, optimize: bool = False) -> MemoryContext:
-        ctx = CompositeContext([self.base.init_update(optimize), self.swa.init_update(optimize)])
-        return ctx if ctx.status is not MemoryStatus.NO_UPDATE else StatusContext(MemoryStatus.NO_UPDATE)
+        ctx = CompositeContext([self.base.init_update(optimize), self.swa.init_update(optimize)], self)
+        return ctx if ctx.status is not MemoryStatus.NO_UPDATE else self.no_update_context()
 
     def get_can_shift(self) -> bool:
         return self.base.get_can_shift() and self.swa.get_can_shift()
@@ -1040,30 +1180,41 @@ class KVCacheISWA(Memory):
         self.swa.clear(data)
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        check_seq_id(seq, self.n_seq_max, allow_all=True)
+        normalize_range(p0, p1)  # validated before either cache changes
         self.base.seq_rm(seq, p0, p1)
         self.swa.seq_rm(seq, p0, p1)
         return True
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         # validate on both before touching either (a cross-stream partial copy raises)
+        q0, q1 = normalize_range(p0, p1)
         for c in self.caches:
-            if not c.unified and src != dst:
-                c.stream_of(src), c.stream_of(dst)
-                q0, q1 = normalize_range(p0, p1)
-                if (q0, q1) != normalize_range(-1, -1):
-                    raise ArgumentError("p0/p1", "a copy between streams must cover the whole sequence")
+            ss, sd = c.stream_of(src, "src"), c.stream_of(dst, "dst")
+            if ss != sd and (q0, q1) != normalize_range(-1, -1):
+                raise ArgumentError("p0/p1", "a copy between streams must cover the whole sequence")
         self.base.seq_cp(src, dst, p0, p1)
         self.swa.seq_cp(src, dst, p0, p1)
 
     def seq_keep(self, seq: int) -> None:
+        check_seq_id(seq, self.n_seq_max)
         self.base.seq_keep(seq)
         self.swa.seq_keep(seq)
 
+    def check_position_move(self, seq: int, p0: int, p1: int, op: str = "seq_add", delta: int = 0, d: int = 1) -> None:
+        """Raise (changing nothing) if the move would be refused by either cache."""
+        for c in self.caches:
+            c.check_position_move(seq, p0, p1, op, delta, d)
+
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        delta = check_int32(delta, "delta")
+        self.check_position_move(seq, p0, p1, "seq_add", delta)
         self.base.seq_add(seq, p0, p1, delta)
         self.swa.seq_add(seq, p0, p1, delta)
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        d = check_divisor(d)
+        self.check_position_move(seq, p0, p1, "seq_div", d=d)
         self.base.seq_div(seq, p0, p1, d)
         self.swa.seq_div(seq, p0, p1, d)
 
@@ -1108,6 +1259,17 @@ class KVCacheISWA(Memory):
         r = Reader(find_section(sections, TAG_KV_SWA))
         swa = self.swa.state_parse(r, seq)
         r.at_end()
+        if base is not None:
+            # the window cache holds a subset of the base cache's cells, ending where they end
+            held_b, held_w = plan_positions(base), plan_positions(swa)
+            for s in sorted(set(held_b) | set(held_w)):
+                b, w = held_b.get(s, set()), held_w.get(s, set())
+                if not w <= b or max(b, default=-1) != max(w, default=-1):
+                    raise StateError(
+                        "kv_swa.pos",
+                        f"sequence {s}: the window cache holds positions {sorted(w - b)[:4] or sorted(w)[-4:]} "
+                        f"that disagree with the base cache (up to {max(b, default=-1)})",
+                    )
         return ISWAPlan(base, swa)
 
     def state_commit(self, plan: ISWAPlan) -> None:
@@ -1121,7 +1283,8 @@ class KVCacheISWA(Memory):
 
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         """As :meth:`KVCache.state_read`: rejected blobs change nothing."""
-        _, sections = unpack_sections(data)
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
+        _, sections = unpack_sections(data, flags)
         plan = self.parse_sections(sections, seq, flags)
         try:
             self.state_commit(plan)
@@ -1136,4 +1299,4 @@ class ISWAContext(CompositeContext):
     ) -> None:
         self.base = mem.base.make_context(ubatches, plan[0])
         self.swa = mem.swa.make_context(ubatches, plan[1])
-        super().__init__([self.base, self.swa])
+        super().__init__([self.base, self.swa], mem)

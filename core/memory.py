@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from statecache.errors import ArgumentError
 
 # Re-exported: ContextError was defined here before the errors moved to one module.
 from statecache.errors import ContextError as ContextError
@@ -36,11 +40,62 @@ if TYPE_CHECKING:
 POS_MAX = 2**31 - 1
 
 
+#: Smallest signed 32-bit value (positions and sequence ids are int32 in a blob).
+POS_MIN = -(2**31)
+
+
 def normalize_range(p0: int, p1: int) -> tuple[int, int]:
-    """Spec convention: ``p0 < 0 -> 0`` and ``p1 < 0 -> +inf`` (POS_MAX)."""
-    p0 = 0 if p0 < 0 else int(p0)
-    p1 = POS_MAX if p1 < 0 else int(p1)
-    return p0, p1
+    """Spec convention: ``p0 < 0 -> 0`` and ``p1 < 0 -> +inf`` (POS_MAX).
+
+    Both ends must be integers inside int32 (:class:`ArgumentError` naming
+    ``p0`` or ``p1`` otherwise): a position is an int32 everywhere else."""
+    p0 = check_int32(p0, "p0")
+    p1 = check_int32(p1, "p1")
+    return max(p0, 0), POS_MAX if p1 < 0 else p1
+
+
+def check_int32(value: Any, name: str) -> int:
+    """``value`` as an int, or :class:`ArgumentError` naming ``name`` when it is not an
+    integer or lies outside int32 (what a position, a shift or a divisor must be)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ArgumentError(name, f"must be an integer, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if not POS_MIN <= v <= POS_MAX:
+        raise ArgumentError(name, f"{v} is outside the int32 range [{POS_MIN}, {POS_MAX}]")
+    return v
+
+
+def check_divisor(d: Any) -> int:
+    """The divisor of ``seq_div``: an int32 integer >= 1 (:class:`ArgumentError` naming ``d``)."""
+    divisor = check_int32(d, "d")
+    if divisor < 1:
+        raise ArgumentError("d", f"divisor must be >= 1, got {divisor}")
+    return divisor
+
+
+def check_shifted(pos: int, delta: int) -> None:
+    """Refuse a ``seq_add`` that would move position ``pos`` past int32 (a shift below 0
+    is allowed: it removes the cell); every later write of the position would fail."""
+    if pos + delta > POS_MAX:
+        raise ArgumentError(
+            "delta", f"moves position {pos} to {pos + delta}, past the largest position {POS_MAX} (int32)"
+        )
+
+
+def check_seq_id(seq: Any, n_seq_max: int, name: str = "seq", *, allow_all: bool = False) -> int:
+    """``seq`` as an int when it is a sequence id of a memory of ``n_seq_max``
+    sequences; with ``allow_all`` a negative value (every sequence) passes too.
+    Anything else raises :class:`ArgumentError` naming ``name``, so every memory
+    refuses a bad id the same way, before it changes anything."""
+    if isinstance(seq, bool) or not isinstance(seq, int | np.integer):
+        raise ArgumentError(name, f"must be an integer sequence id, got {type(seq).__name__} {seq!r}")
+    s = int(seq)
+    if s < 0 and allow_all:
+        return -1
+    if not 0 <= s < n_seq_max:
+        every = " (or negative: every sequence)" if allow_all else ""
+        raise ArgumentError(name, f"sequence {s} outside [0, n_seq_max={n_seq_max}){every}")
+    return s
 
 
 class MemoryStatus(enum.Enum):
@@ -76,7 +131,40 @@ class StateFlags(enum.IntFlag):
 
 
 class MemoryContext(abc.ABC):
-    """A plan produced by ``init_*`` (docs/memory-semantics.md#contexts)."""
+    """A plan produced by ``init_*`` (docs/memory-semantics.md#contexts).
+
+    **Stale plans are refused.**  A plan is only valid for the book it was
+    computed on: two plans made from the same state would otherwise both
+    place their tokens in the same free cells.  So every context records the
+    :attr:`Memory.version` of the memory it was planned against
+    (:meth:`record_version`), ``apply()`` raises :class:`ContextError`,
+    changing nothing, once the memory moved (:meth:`check_version`), and
+    the context takes the memory's new version after each change it makes
+    itself (:meth:`update_version`: its own ``apply()``, ``next()``, undo).
+    """
+
+    _planned_on: Memory | None = None
+    _planned_version: Hashable = None
+
+    def record_version(self, memory: Memory | None) -> None:
+        """This plan was made against ``memory`` as it is now (None: bound to nothing)."""
+        self._planned_on = memory
+        self._planned_version = None if memory is None else memory.version
+
+    def check_version(self) -> None:
+        """Raise :class:`ContextError` if the memory changed since the plan (or the last
+        change this context made); called by ``apply()`` before anything changes."""
+        mem = self._planned_on
+        if mem is not None and mem.version != self._planned_version:
+            raise ContextError(
+                f"{type(self).__name__}: the {type(mem).__name__} changed after this plan was made "
+                f"(version {self._planned_version} -> {mem.version}); nothing was applied, plan the batch again"
+            )
+
+    def update_version(self) -> None:
+        """The context itself changed the memory: its plan continues from the new version."""
+        if self._planned_on is not None:
+            self._planned_version = self._planned_on.version
 
     @property
     @abc.abstractmethod
@@ -100,7 +188,8 @@ class MemoryContext(abc.ABC):
 
         :return: True when the ubatch was committed.
         :raises ContextError: past the last ubatch, or this ubatch was already
-            applied; nothing changes."""
+            applied, or the plan is stale (the memory changed since it was
+            made, docs/memory-semantics.md#stale-plans); nothing changes."""
 
     @abc.abstractmethod
     def next(self) -> bool:
@@ -121,9 +210,10 @@ class MemoryContext(abc.ABC):
 class StatusContext(MemoryContext):
     """A context with nothing to do: NO_UPDATE, or a failed plan (``reason`` says why)."""
 
-    def __init__(self, status: MemoryStatus, reason: str = "") -> None:
+    def __init__(self, status: MemoryStatus, reason: str = "", memory: Memory | None = None) -> None:
         self._status = status
         self.reason = reason
+        self.record_version(memory)  # NO_UPDATE from init_update: refused once the memory moved
 
     @property
     def status(self) -> MemoryStatus:
@@ -133,7 +223,10 @@ class StatusContext(MemoryContext):
         raise ContextError(f"no ubatch in a {self._status.value} context {self.reason}".rstrip())
 
     def apply(self) -> bool:
-        return self._status is MemoryStatus.NO_UPDATE
+        if self._status is not MemoryStatus.NO_UPDATE:
+            return False
+        self.check_version()
+        return True
 
     def next(self) -> bool:
         return False
@@ -145,10 +238,11 @@ class StatusContext(MemoryContext):
 class UBatchContext(MemoryContext):
     """Iterates a ubatch list; subclasses implement :meth:`_apply_ubatch`."""
 
-    def __init__(self, ubatches: Sequence[UBatch]) -> None:
+    def __init__(self, ubatches: Sequence[UBatch], memory: Memory | None = None) -> None:
         self.ubatches = list(ubatches)
         self.i_next = 0
         self._applied = -1
+        self.record_version(memory)
 
     @property
     def status(self) -> MemoryStatus:
@@ -164,8 +258,10 @@ class UBatchContext(MemoryContext):
             raise ContextError("apply() past the last ubatch")
         if self._applied == self.i_next:
             raise ContextError(f"ubatch {self.i_next} already applied")
+        self.check_version()
         ok = self._apply_ubatch(self.i_next)
         self._applied = self.i_next
+        self.update_version()
         return ok
 
     def next(self) -> bool:
@@ -194,6 +290,20 @@ class Memory(abc.ABC):
     ``p1 < 0`` means "to the end" (docs/memory-semantics.md#ranges).
     """
 
+    #: Bumped by every change of the book (sequence operations, applied ubatches and
+    #: updates, state reads, clears); never goes back.  See :attr:`version`.
+    _version: int = 0
+
+    @property
+    def version(self) -> Hashable:
+        """A value that changes whenever the memory's book changes; contexts compare it
+        to refuse a stale plan.  Composite memories answer with their parts' versions."""
+        return self._version
+
+    def no_update_context(self) -> StatusContext:
+        """The NO_UPDATE context of :meth:`init_update`, bound to this memory's version."""
+        return StatusContext(MemoryStatus.NO_UPDATE, memory=self)
+
     @abc.abstractmethod
     def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
         """Plan a validated batch: split it into ubatches of at most ``n_ubatch``
@@ -206,6 +316,10 @@ class Memory(abc.ABC):
         :param embd_all: every token is an output (splits one sequence set per ubatch).
         :return: the plan; its status is ``FAILED_PREPARE`` (nothing changed)
             when the splitter cannot place every token or the slots do not fit.
+            The plan is refused (``ContextError`` at ``apply()``) once the
+            memory changed (docs/memory-semantics.md#stale-plans).
+        :raises ArgumentError: ``balloc`` holds no validated batch, or was
+            validated for another ``n_seq_max``; nothing changed.
         """
 
     @abc.abstractmethod
@@ -222,13 +336,14 @@ class Memory(abc.ABC):
         :param optimize: also defragment where a memory can (none does yet).
         :return: ``NO_UPDATE`` when there is nothing to do (always, for a
             recurrent memory); else a context whose ``apply()`` performs it."""
-        return StatusContext(MemoryStatus.NO_UPDATE)
+        return self.no_update_context()
 
     def get_can_shift(self) -> bool:
         """Whether ``seq_add`` / ``seq_div`` can move positions (RoPE re-rotation).
 
-        :return: True for a recurrent memory; an attention cache's (and so a
-            hybrid's) answer from its K-shift support."""
+        :return: True for a recurrent memory; False for an attention cache
+            that reuses cells a sliding window left (a shift would widen what
+            the next windows reach), and so for a hybrid holding one."""
         return True
 
     @abc.abstractmethod
@@ -253,7 +368,9 @@ class Memory(abc.ABC):
             no plane that deep, a rollback already pending, a shared cell), and
             ``seq=-1`` is refused for a range that is neither empty nor
             complete.  A KV cache never refuses.  A hybrid asks its recurrent
-            part first and, when it refuses, changes nothing in any part.
+            part first and, when it refuses, changes nothing in any part; it
+            also refuses a removal after which its parts would end ``seq`` at
+            different positions (docs/memory-semantics.md#hybrid).
         :raises ArgumentError: ``seq`` outside ``[0, n_seq_max)`` and not -1;
             nothing changed.
         """
@@ -269,10 +386,12 @@ class Memory(abc.ABC):
         :raises ArgumentError: ``src`` or ``dst`` outside ``[0, n_seq_max)``; a
             partial range between two streams of a multi-stream cache, or any
             partial range on hybrid-idx (whole sequences only).  Nothing changed.
+            A recurrent state can only be copied whole, so a range that leaves
+            out a position ``src`` holds is refused by every memory with one
+            (argument ``p0/p1``).
 
-        A recurrent state is copied whole whatever the range, and replaces
-        ``dst``'s own; a hybrid therefore drops ``dst`` from its attention
-        part first (docs/memory-semantics.md#hybrid).
+        The copied state replaces ``dst``'s own; a hybrid therefore drops
+        ``dst`` from its attention part first (docs/memory-semantics.md#hybrid).
         """
 
     @abc.abstractmethod
@@ -294,7 +413,9 @@ class Memory(abc.ABC):
 
         :raises ArgumentError: ``seq`` outside ``[0, n_seq_max)``, or a moved
             position belongs to a cell another sequence shares (moving it would
-            move theirs); nothing changed.
+            move theirs), or ``delta`` or a moved position leaves int32, or a
+            hybrid's parts would end ``seq`` at different positions; nothing
+            changed.
         """
 
     @abc.abstractmethod
@@ -304,7 +425,8 @@ class Memory(abc.ABC):
         state's snapshot planes no longer match its positions and are dropped.
 
         :raises ArgumentError: ``d < 1``; ``seq`` outside ``[0, n_seq_max)``; a
-            divided position belongs to a shared cell.  Nothing changed.
+            divided position belongs to a shared cell; a hybrid's parts would
+            end ``seq`` at different positions.  Nothing changed.
         """
 
     @abc.abstractmethod
@@ -347,7 +469,10 @@ class Memory(abc.ABC):
 
         :param data: a blob (bytes-like) written with the same ``flags``.
         :raises StateError: naming the field, when the blob is truncated,
-            corrupt, written for another layout, or does not fit; every section
+            corrupt (a section's checksum), has unknown header flags, was
+            written for another layout, describes an impossible book (a
+            sequence holding one position twice, parts ending a sequence at
+            different positions), or does not fit; every section
             of every part is checked before anything is written, so the memory
             is left exactly as it was (docs/memory-semantics.md#state-failures).
         :raises ArgumentError: ``seq`` outside ``[0, n_seq_max)`` and not -1.

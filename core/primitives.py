@@ -625,6 +625,9 @@ def check_ssm_conv(
     ch = x.shape[-1]
     weight = _own(dev, weight, "weight")
     if weight.ndim != 2 or weight.shape[0] != ch:
+        y_ch = _own(dev, y, "y").shape[-1:]
+        if weight.ndim == 2 and y_ch == (weight.shape[0],):  # weight and y agree: x is the odd one out
+            raise ArgumentError("x", f"shape {x.shape} has {ch} channels, weight and y have {weight.shape[0]}")
         raise ArgumentError("weight", f"shape {weight.shape} must be [channels={ch}, d_conv]")
     d_conv = weight.shape[1]
     if d_conv < 2:
@@ -634,6 +637,12 @@ def check_ssm_conv(
     if bias is not None:
         _param(dev, bias, "bias", (ch,))
     if pool.shape[1] != ch * (d_conv - 1):
+        if pool.shape[1] % ch == 0:  # a window of whole columns: the kernel width is what disagrees
+            raise ArgumentError(
+                "weight",
+                f"d_conv {d_conv} needs pool rows of channels * (d_conv - 1) = {ch * (d_conv - 1)}, the pool's rows "
+                f"hold {pool.shape[1]} (d_conv {pool.shape[1] // ch + 1})",
+            )
         raise ArgumentError("pool", f"row size {pool.shape[1]} must be channels * (d_conv - 1) = {ch * (d_conv - 1)}")
     y = _output(dev, y, "y", (*tok.lead, ch))
     _distinct_storage(y, "y", (pool, "pool"), (x, "x"), (weight, "weight"), (bias, "bias"))
@@ -697,6 +706,9 @@ def check_ssm_scan(
     elif A.shape == (n_head, d_state):
         variant = "mamba1"
     else:
+        dt_shape = _own(dev, dt, "dt").shape
+        if A.ndim >= 1 and A.shape[0] != n_head and dt_shape == (*lead, A.shape[0]):  # x is the odd one out
+            raise ArgumentError("x", f"shape {x.shape} has {n_head} heads, A and dt have {A.shape[0]}")
         raise ArgumentError("A", f"shape {A.shape} must be [n_head={n_head}] or [n_head={n_head}, d_state={d_state}]")
     if variant == "mamba1" and (head_dim != 1 or n_group != 1):
         raise ArgumentError("A", "Mamba-1 (A of [n_head, d_state]) needs head_dim == 1 and n_group == 1")
@@ -704,6 +716,11 @@ def check_ssm_scan(
     _activation(dev, dt, "dt", (*lead, n_head))
     _f32(A, "A")
     _activation(dev, B, "B", B.shape)
+    C_shape = _own(dev, C, "C").shape
+    row = pool.shape[1]
+    if C_shape != B.shape and row % (n_head * head_dim) == 0 and C_shape[-1:] == (row // (n_head * head_dim),):
+        # C agrees with the pool's d_state: B is the odd one out
+        raise ArgumentError("B", f"shape {B.shape} disagrees with C {C_shape} and the pool's d_state")
     _activation(dev, C, "C", (*lead, n_group, d_state))
     if D is not None:
         D = _own(dev, D, "D")

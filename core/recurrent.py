@@ -40,6 +40,7 @@ from statecache.backend import Buffer, Device
 from statecache.batch import BatchAllocator, SeqIds, UBatch
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, BatchError, InvariantError, StatecacheWarning, StateError
+from statecache.launch_memo import LaunchMemo
 from statecache.memory import (
     POS_MAX,
     ContextError,
@@ -49,6 +50,10 @@ from statecache.memory import (
     StateFlags,
     StatusContext,
     UBatchContext,
+    check_divisor,
+    check_int32,
+    check_seq_id,
+    check_shifted,
     normalize_range,
 )
 from statecache.spec import MemorySpec, RecurrentLayerSpec
@@ -137,8 +142,10 @@ class RecurrentInputs:
     row for a new sequence); its results go to cell ``head + i``.
     ``extra_src``/``extra_dst`` materialise cells of the slot's extra range
     (moved by the reorder, or with a pending rollback): copy row ``extra_src[k]``
-    to plane-0 row ``extra_dst[k]``.  ``staged``: some read row is also written in
-    this step, so the step first copies every read aside.
+    to plane-0 row ``extra_dst[k]``.  ``plane_src``/``plane_dst``: the snapshot
+    planes (``j >= 1``) of the extra cells the reorder moved, copied along so
+    that a rollback stays possible wherever the cell goes.  ``staged``: some read
+    row is also written in this step, so the step first copies every read aside.
     """
 
     size: int
@@ -152,6 +159,18 @@ class RecurrentInputs:
     extra_src: np.ndarray
     extra_dst: np.ndarray
     staged: bool
+    plane_src: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_ROWS)
+    plane_dst: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_ROWS)
+
+    @property
+    def copy_src(self) -> np.ndarray:
+        """Every row the step copies before the primitive runs (extras, then planes)."""
+        return np.concatenate([self.extra_src, self.plane_src]) if self.plane_src.size else self.extra_src
+
+    @property
+    def copy_dst(self) -> np.ndarray:
+        """Where the rows of :attr:`copy_src` go."""
+        return np.concatenate([self.extra_dst, self.plane_dst]) if self.plane_dst.size else self.extra_dst
 
     @property
     def dst_rows(self) -> np.ndarray:
@@ -227,6 +246,18 @@ class RecurrentContext(UBatchContext):
     points at the first undone ubatch again and may ``apply()`` it anew.
     :meth:`confirm` forgets the records (and frees kept rows) of the ubatches
     applied so far, when the runtime knows their compute succeeded.
+
+    **Stale plans** (every context, :meth:`MemoryContext.check_version`): the
+    plan of every ubatch is computed at ``init_batch`` on a copy of the book.
+    Once the memory changed by anything but this context's own ``apply()``
+    (another context's apply, a sequence operation, a state read), ``apply()``
+    raises :class:`ContextError` and changes nothing; the runtime plans the
+    batch again.  (Earlier versions re-placed the ubatch on the new book, which
+    let two plans made from one state both claim the same cells and silently
+    continued sequences whose state had meanwhile been dropped.)  After an
+    exact undo the context may apply the undone ubatches again; after a lossy
+    one (sequences dropped) its plans no longer describe the book and it
+    refuses them.
     """
 
     def __init__(
@@ -237,29 +268,23 @@ class RecurrentContext(UBatchContext):
         *,
         keep_undo_rows: bool | None = None,
     ) -> None:
-        super().__init__(ubatches)
+        super().__init__(ubatches, memory)
         self.memory = memory
         self._plans = plans
-        self._base_version = memory._version
         self.inputs: RecurrentInputs | None = None
         self.keep_undo_rows = memory.keep_undo_rows if keep_undo_rows is None else bool(keep_undo_rows)
         self._records: list[_ApplyRecord] = []
 
     def _apply_ubatch(self, i: int) -> bool:
+        # apply() refused a stale plan before this point (check_version): the book is
+        # exactly the one the plan of ubatch i was computed on.  Placing the ubatch
+        # again on a memory that moved would silently give it other cells (and re-read
+        # states another plan may already have advanced), so it is never done here.
         mem = self.memory
         before = mem._book
-        expected = self._base_version + i
-        if mem._version == expected and i < len(self._plans):
-            book, inputs = self._plans[i]
-            mem._book = book  # a plan book is never edited while it is not installed
-        else:  # the memory changed since the plan: place the ubatch again
-            book = mem._book.copy()
-            inputs = mem._find_slot(book, self.ubatches[i])
-            if inputs is None:
-                return False
-            mem._book = book
+        book, inputs = self._plans[i]
+        mem._book = book  # a plan book is never edited while it is not installed
         mem._version += 1
-        self._base_version = mem._version - i - 1
         self.inputs = inputs
         rec = _ApplyRecord(i, before, mem._version, inputs, self.keep_undo_rows)
         self._records.append(rec)
@@ -325,10 +350,10 @@ class RecurrentContext(UBatchContext):
             bad |= mask
         dropped: tuple[int, ...] = ()
         if bad.any():
+            # the book differs from the plans': the context stays stale, apply() refuses
             dropped = mem._forget_damaged(bad)
-            self._plans = []  # the book differs from the plans': place again on re-apply
         else:
-            self._base_version = mem._version - recs[0].index
+            self.update_version()  # exactly the book the undone plans start from
         self.i_next = recs[0].index
         self._applied = -1
         self.inputs = None
@@ -342,6 +367,7 @@ class FullContext(MemoryContext):
         size = memory.size
         z = np.zeros(0, dtype=np.int64)
         self.inputs = RecurrentInputs(size, memory.n_snap, 0, size, size, 1, 0, np.arange(size), z, z, False)
+        self.record_version(memory)
 
     @property
     def status(self) -> MemoryStatus:
@@ -351,6 +377,7 @@ class FullContext(MemoryContext):
         return UBatch.empty()
 
     def apply(self) -> bool:
+        self.check_version()
         return True
 
     def next(self) -> bool:
@@ -401,6 +428,8 @@ class RecurrentMemory(Memory):
         self.keep_undo_rows = bool(keep_undo_rows)
         self._last_apply: _ApplyRecord | None = None
         self._row_idx_cache: dict[tuple[int, int], Buffer] = {}
+        #: calls the recurrent step validated before its first write (see RecurrentStep._validate)
+        self._step_checks = LaunchMemo()
 
     # -- introspection ----------------------------------------------------------
     @property
@@ -455,7 +484,7 @@ class RecurrentMemory(Memory):
 
     # -- queries ----------------------------------------------------------------
     def seq_pos_min(self, seq: int) -> int:
-        c = self.cell_of(seq)
+        c = int(self._book.tail[check_seq_id(seq, self.n_seq_max)])
         return int(self._book.pos[c]) if c >= 0 else -1
 
     seq_pos_max = seq_pos_min
@@ -472,6 +501,7 @@ class RecurrentMemory(Memory):
 
     # -- plans ------------------------------------------------------------------
     def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+        balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
         balloc.split_reset()
         ubatches: list[UBatch] = []
         keep = self.n_rs_seq + 1 if self.n_rs_seq > 0 else 0
@@ -643,8 +673,18 @@ class RecurrentMemory(Memory):
         ex_src = src[extra]
         need_copy = (ex_src >= 0) & (ex_src != extra)
         extra_dst, extra_src = extra[need_copy], ex_src[need_copy]
-        # provenance: a moved cell lost its planes; an in-place rollback keeps the older ones
-        lost = (extra_src % size != extra_dst) | moved[extra_dst]
+        # Provenance.  An extra cell's rows are those of the cell its src names (an
+        # extra cell is never a copy-on-write cell of this ubatch), so a cell the
+        # reorder moved takes its snapshot planes along: plane j of its old cell is
+        # copied to plane j of its new one, and a rollback of it stays exact (several
+        # sequences of one batch can be rolled back after a split into ubatches).
+        # A cell whose state comes from another cell's rows without a move (cannot
+        # happen today) would lose its planes; an in-place rollback keeps the older ones.
+        old_cell = extra_src % size
+        follows = moved[extra_dst] & (b.snap_valid[extra_dst] > 1)
+        moved_to = extra_dst[follows]
+        plane_src, plane_dst = _plane_rows(old_cell[follows], moved_to, b.snap_valid[moved_to], size)
+        lost = (old_cell != extra_dst) & ~follows
         b.snap_end[extra_dst[lost]] = b.pos[extra_dst[lost]]
         b.snap_valid[extra_dst[lost]] = 1
         # every cell of the slot now holds its state in its own plane-0 row
@@ -665,6 +705,8 @@ class RecurrentMemory(Memory):
             extra_src=extra_src,
             extra_dst=extra_dst,
             staged=False,
+            plane_src=plane_src,
+            plane_dst=plane_dst,
         )
         return dataclasses.replace(inputs, staged=_needs_staging(inputs))
 
@@ -746,10 +788,9 @@ class RecurrentMemory(Memory):
                     self.device.zero_rows(buf, self.device.indices(np.arange(buf.shape[0])))
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         p0, p1 = normalize_range(p0, p1)
         b = self._book
-        if seq >= self.n_seq_max:
-            return False
         if seq >= 0:
             c = int(b.tail[seq])
             if c >= 0:
@@ -761,14 +802,16 @@ class RecurrentMemory(Memory):
                     if b.n_own[c] == 0:
                         b.head = min(b.head, c)
                     self._version += 1
-                elif 0 < p0 < p1 <= P and b.src[c] == c:
-                    # A hole inside the history (context shift): the state cannot
-                    # forget those tokens, so the removal is accepted as upstream
-                    # does, but a plane ending inside or before the hole describes
-                    # a position that no longer exists (or, once seq_add shifts the
-                    # later positions, is labelled wrongly).  Keep only planes that
-                    # end at p1 or later, so a rollback into or across the hole is
-                    # refused instead of restoring a history that is gone.
+                elif p0 < p1 <= P:
+                    # A hole inside the history (context shift), or the head of it
+                    # (p0 == 0): the state cannot forget those tokens, so the removal
+                    # is accepted as upstream does, but a plane ending inside or
+                    # before the removed range describes a position that no longer
+                    # exists (or, once seq_add shifts the later positions, is
+                    # labelled wrongly).  Keep only planes that end at p1 or later,
+                    # so a rollback into or across the range is refused instead of
+                    # restoring a history that is gone.  A pending rollback (its
+                    # plane ends at P >= p1) stays reachable.
                     keep = max(1, int(b.snap_end[c]) - p1 + 1)
                     if keep < int(b.snap_valid[c]):
                         b.snap_valid[c] = keep
@@ -802,7 +845,17 @@ class RecurrentMemory(Memory):
         return True
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        if src == dst or not (0 <= src < self.n_seq_max and 0 <= dst < self.n_seq_max):
+        """``dst`` shares ``src``'s state (copy-on-write at its next step).
+
+        A recurrent state holds its whole history, so the range must contain the
+        position of ``src``'s state (``seq_pos_min == seq_pos_max`` here): a
+        narrower range is refused (:class:`ArgumentError`, nothing changed)
+        instead of copying more than was asked (upstream ignores the range)."""
+        src = check_seq_id(src, self.n_seq_max, "src")
+        dst = check_seq_id(dst, self.n_seq_max, "dst")
+        q0, q1 = normalize_range(p0, p1)
+        self.check_copy_range(src, q0, q1)
+        if src == dst:
             return
         b = self._book
         b.detach(dst)
@@ -812,16 +865,27 @@ class RecurrentMemory(Memory):
             b.tail[dst] = c
         self._version += 1
 
+    def check_copy_range(self, src: int, p0: int, p1: int) -> None:
+        """Raise (changing nothing) unless the normalised range [p0, p1) holds the
+        position of ``src``'s state (any range does for a sequence without state)."""
+        P = self.seq_pos_max(src)
+        if P >= 0 and not p0 <= P < p1:
+            raise ArgumentError(
+                "p0/p1",
+                f"sequence {src}'s recurrent state is at position {P} and holds every token up to it; "
+                f"a copy of [{p0}, {p1}) cannot leave any out: copy whole sequences (p0 = p1 = -1)",
+            )
+
     def seq_keep(self, seq: int) -> None:
+        seq = check_seq_id(seq, self.n_seq_max)
         b = self._book
-        keep = int(b.tail[seq]) if 0 <= seq < self.size else -1
+        keep = int(b.tail[seq])
         drop = b.n_own > 0
         if keep >= 0:
             drop[keep] = False
         freed = np.flatnonzero(drop)
         others = np.ones(self.size, dtype=bool)
-        if 0 <= seq < self.size:
-            others[seq] = False
+        others[seq] = False
         b.tail[others] = -1  # every other sequence loses its state (stale rollbacks go with the cell)
         if keep >= 0:
             b.n_own[keep] = 1
@@ -833,30 +897,42 @@ class RecurrentMemory(Memory):
         self._version += 1
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        seq = check_seq_id(seq, self.n_seq_max)
         p0, p1 = normalize_range(p0, p1)
-        if delta == 0 or p0 >= p1 or not 0 <= seq < self.n_seq_max:
+        delta = check_int32(delta, "delta")
+        if delta == 0 or p0 >= p1:
             return
         b = self._book
         c = int(b.tail[seq])
         if c < 0 or not p0 <= b.pos[c] < p1:
             return
         self._refuse_shared_move(seq, c, "seq_add")
+        check_shifted(int(b.pos[c]), delta)
         if b.pos[c] + delta < 0:  # shifted before the start: the state is gone
             self.seq_rm(seq, 0, -1)
             return
+        # Positions are labels: a snapshot plane moves with the position it holds, but
+        # only the positions inside [p0, p1) move.  A plane of an earlier position
+        # would take a label that now belongs to a later token (the attention part
+        # keeps that earlier position where it was), so it is no longer offered.
+        b.snap_valid[c] = max(1, min(int(b.snap_valid[c]), int(b.snap_end[c]) - p0 + 1))
         b.pos[c] += delta
-        b.snap_end[c] += delta  # positions are labels: snapshots shift with them
+        b.snap_end[c] += delta
         self._version += 1
 
-    def check_position_move(self, seq: int, p0: int, p1: int, op: str = "seq_add") -> None:
+    def check_position_move(self, seq: int, p0: int, p1: int, op: str = "seq_add", delta: int = 0) -> None:
         """Raise (changing nothing) if ``seq_add``/``seq_div`` over [p0, p1) would be
-        refused; composites call it before touching any other part."""
+        refused; composites call it before touching any other part.  ``delta``: the
+        shift of a ``seq_add`` (its result must stay inside int32)."""
+        seq = check_seq_id(seq, self.n_seq_max)
         p0, p1 = normalize_range(p0, p1)
-        if p0 >= p1 or not 0 <= seq < self.n_seq_max:
+        if p0 >= p1:
             return
         c = int(self._book.tail[seq])
         if c >= 0 and p0 <= self._book.pos[c] < p1:
             self._refuse_shared_move(seq, c, op)
+            if delta:
+                check_shifted(int(self._book.pos[c]), delta)
 
     def _refuse_shared_move(self, seq: int, c: int, op: str) -> None:
         """Moving the position of a cell other sequences share would silently
@@ -872,11 +948,11 @@ class RecurrentMemory(Memory):
             )
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        seq = check_seq_id(seq, self.n_seq_max)
         p0, p1 = normalize_range(p0, p1)
-        if d == 1 or p0 >= p1 or not 0 <= seq < self.n_seq_max:
+        d = check_divisor(d)
+        if d == 1 or p0 >= p1:
             return
-        if d < 1:
-            raise ArgumentError("d", f"divisor must be >= 1, got {d}")
         b = self._book
         c = int(b.tail[seq])
         if c < 0 or not p0 <= b.pos[c] < p1:
@@ -898,8 +974,7 @@ class RecurrentMemory(Memory):
     def write_section(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
         """The recurrent section payload (the logical state: a pending rollback is
         written from its plane)."""
-        if seq >= self.n_seq_max:
-            raise ArgumentError("seq", f"{seq} outside [0, n_seq_max={self.n_seq_max})")
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         b = self._book
         cells = self._cells_for(seq)
         owners: dict[int, list[int]] = {}
@@ -939,8 +1014,7 @@ class RecurrentMemory(Memory):
 
     def parse_section(self, payload: Any, seq: int = -1) -> dict[str, Any]:
         """Validate a recurrent section completely; returns a restore plan.  Mutates nothing."""
-        if seq >= self.n_seq_max:
-            raise ArgumentError("seq", f"{seq} outside [0, n_seq_max={self.n_seq_max})")
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         r = Reader(payload, "recurrent")
         n_cells = r.u32("cell_count")
         if n_cells > self.size:
@@ -1023,9 +1097,20 @@ class RecurrentMemory(Memory):
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         if hasattr(data, "read") and not isinstance(data, bytes | bytearray | memoryview):
             data = data.read()
+        # PARTIAL_ONLY does not change what a recurrent memory writes: only unknown flag bits are refused
         _, sections = unpack_sections(data)
         plan = self.parse_section(find_section(sections, SECTION_TAG), seq)
         self.apply_section(plan)
+
+
+def _plane_rows(old: np.ndarray, new: np.ndarray, n_valid: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of planes ``1 .. n_valid[k] - 1`` of cell ``old[k]`` and of cell ``new[k]``."""
+    if not old.size:
+        return _EMPTY_ROWS, _EMPTY_ROWS
+    reps = n_valid - 1
+    k = np.repeat(np.arange(old.size), reps)
+    j = np.arange(int(reps.sum()), dtype=np.int64) - np.repeat(np.cumsum(reps) - reps, reps) + 1
+    return j * size + old[k], j * size + new[k]
 
 
 def _needs_staging(inp: RecurrentInputs) -> bool:
@@ -1035,9 +1120,10 @@ def _needs_staging(inp: RecurrentInputs) -> bool:
     o = owner[inp.start_rows]
     if ((o >= 0) & (o != np.arange(inp.n_seqs))).any():
         return True
-    if inp.extra_dst.size:
-        owner[inp.extra_dst] = inp.n_seqs  # written by the extra copy
-        if (owner[inp.extra_src] >= 0).any() or np.isin(inp.extra_dst, inp.start_rows).any():
+    copy_dst = inp.copy_dst
+    if copy_dst.size:
+        owner[copy_dst] = inp.n_seqs  # written by the copies that run before the primitive
+        if (owner[inp.copy_src] >= 0).any() or np.isin(copy_dst, inp.start_rows).any():
             return True
     return False
 

@@ -3,13 +3,19 @@
 Layout (little-endian; docs/state-format.md has the full table)::
 
     magic   4 bytes  b"SCST"
-    version u16      FORMAT_VERSION
+    version u16      FORMAT_VERSION (2; version 1 blobs still read)
     flags   u16      StateFlags used when writing
     count   u32      number of sections
     count x section:
         tag     4 bytes (b"RECR" recurrent, b"KVAT" attention, ...)
         length  u64     bytes of the payload that follows
+        crc32   u32     zlib CRC-32 of the payload (version 2 only)
         payload
+
+The checksum turns a flipped bit anywhere in a payload (a position, a
+sequence id, a state value) into a refused blob naming its section, instead
+of a silently different state; the structural checks of every memory still
+run on top (a well-formed but inconsistent blob is refused by them).
 
 Memories write their payload with :class:`Writer` and read it with
 :class:`Reader`, whose every read names the field, so a truncated or corrupt
@@ -22,6 +28,7 @@ every part, and only then applies any.
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,9 +36,16 @@ from statecache.dtypes import DType
 from statecache.errors import StateError
 
 MAGIC = b"SCST"
-FORMAT_VERSION = 1
+#: Written by this library.  Version 1 (no checksums) is still read.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 _HEADER = struct.Struct("<4sHHI")
-_SECTION = struct.Struct("<4sQ")
+_SECTION_V1 = struct.Struct("<4sQ")
+_SECTION = struct.Struct("<4sQI")  # version 2: tag, length, crc32 of the payload
+#: Header flag bits a reader understands (``StateFlags``: PARTIAL_ONLY, ON_DEVICE).
+KNOWN_FLAGS = 0b11
+#: The flag that changes which sections a blob holds: reader and writer must agree on it.
+PARTIAL_ONLY = 1
 
 #: dtype codes stored in blobs (never renumber).
 DTYPE_CODES: dict[DType, int] = {DType.F32: 0, DType.F16: 1, DType.BF16: 30, DType.I32: 26}
@@ -123,18 +137,26 @@ class Reader:
 
 
 def pack_sections(sections: Sequence[tuple[bytes, bytes]], flags: int = 0) -> bytes:
-    """A whole blob from ``(tag, payload)`` pairs."""
-    parts = [_HEADER.pack(MAGIC, FORMAT_VERSION, int(flags) & 0xFFFF, len(sections))]
+    """A whole blob from ``(tag, payload)`` pairs (the current format version, with checksums)."""
+    flags = int(flags)
+    if flags & ~KNOWN_FLAGS:
+        raise ValueError(f"unknown state flags {flags:#x} (known: {KNOWN_FLAGS:#x})")
+    parts = [_HEADER.pack(MAGIC, FORMAT_VERSION, flags, len(sections))]
     for tag, payload in sections:
         if len(tag) != 4:
             raise ValueError(f"section tag {tag!r} must be 4 bytes")
-        parts.append(_SECTION.pack(tag, len(payload)))
+        parts.append(_SECTION.pack(tag, len(payload), zlib.crc32(payload)))
         parts.append(bytes(payload))
     return b"".join(parts)
 
 
-def unpack_sections(data: Any) -> tuple[int, list[tuple[bytes, memoryview]]]:
-    """Validate the header and section lengths; returns ``(flags, [(tag, payload)])``."""
+def unpack_sections(data: Any, flags: int | None = None) -> tuple[int, list[tuple[bytes, memoryview]]]:
+    """Validate the header, section lengths and checksums; returns ``(flags, [(tag, payload)])``.
+
+    The blob's flags must not carry unknown bits.  ``flags``: the flags a
+    memory whose sections depend on ``PARTIAL_ONLY`` (an iSWA pair, a hybrid)
+    reads with; the blob's ``PARTIAL_ONLY`` bit must then equal the caller's
+    (a partial blob holds other sections than a full one)."""
     try:
         raw = bytes(data) if not isinstance(data, bytes | bytearray | memoryview) else data
     except TypeError as exc:
@@ -142,25 +164,36 @@ def unpack_sections(data: Any) -> tuple[int, list[tuple[bytes, memoryview]]]:
     mv = memoryview(raw)
     if len(mv) < _HEADER.size:
         raise StateError("magic", f"truncated: blob has {len(mv)} bytes, the header needs {_HEADER.size}")
-    magic, version, flags, count = _HEADER.unpack_from(mv, 0)
+    magic, version, blob_flags, count = _HEADER.unpack_from(mv, 0)
     if magic != MAGIC:
         raise StateError("magic", f"is {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise StateError("version", f"is {version}, this library reads version {FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        raise StateError("version", f"is {version}, this library reads versions {', '.join(map(str, READ_VERSIONS))}")
+    if blob_flags & ~KNOWN_FLAGS:
+        raise StateError("flags", f"is {blob_flags:#x}: bits {blob_flags & ~KNOWN_FLAGS:#x} are not StateFlags")
+    if flags is not None and (blob_flags ^ int(flags)) & PARTIAL_ONLY:
+        written = "with" if blob_flags & PARTIAL_ONLY else "without"
+        asked = "with" if int(flags) & PARTIAL_ONLY else "without"
+        raise StateError("flags", f"the blob was written {written} PARTIAL_ONLY, read {asked} it")
+    section = _SECTION if version >= 2 else _SECTION_V1
     off = _HEADER.size
     out = []
     for i in range(count):
-        if off + _SECTION.size > len(mv):
+        if off + section.size > len(mv):
             raise StateError(f"section[{i}].tag", "truncated: section header missing")
-        tag, length = _SECTION.unpack_from(mv, off)
-        off += _SECTION.size
+        tag, length, *crc = section.unpack_from(mv, off)
+        off += section.size
         if off + length > len(mv):
             raise StateError(f"section[{i}].length", f"is {length}, only {len(mv) - off} bytes left (truncated)")
-        out.append((bytes(tag), mv[off : off + length]))
+        payload = mv[off : off + length]
+        if crc and zlib.crc32(payload) != crc[0]:
+            name = bytes(tag).decode(errors="replace")
+            raise StateError(f"section[{i}].crc32", f"section {name!r}: checksum mismatch (the blob is corrupt)")
+        out.append((bytes(tag), payload))
         off += length
     if off != len(mv):
         raise StateError("length", f"{len(mv) - off} trailing bytes after the last section")
-    return flags, out
+    return blob_flags, out
 
 
 def find_section(sections: Sequence[tuple[bytes, memoryview]], tag: bytes) -> memoryview:

@@ -38,16 +38,34 @@ def attention(q, k, v, bias):  # type: ignore[no-untyped-def]
 
 
 def make_hybrid(
-    dev, kind="hybrid", *, n_seq_max=3, size=24, unified=True, n_rs_seq=0, n_swa=4, seed=0, kpool=4, n_pad=8
+    dev,
+    kind="hybrid",
+    *,
+    n_seq_max=3,
+    size=24,
+    unified=True,
+    n_rs_seq=0,
+    n_swa=4,
+    seed=0,
+    kpool=4,
+    n_pad=8,
+    by_order=False,
+    swa_full=False,
 ):  # type: ignore[no-untyped-def]
+    """A garbage-filled hybrid ("hybrid"), hybrid-iSWA ("iswa": its window cache keeps the
+    rollback depth, ``swa_full`` makes it as big as the base) or hybrid-idx ("idx":
+    ``by_order`` for order-mode k-pools)."""
     recr = RecurrentMemory(toy_spec(), dev, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq)
     common = dict(n_seq_max=n_seq_max, unified=unified, dtype="f32", n_pad=n_pad)
     if kind == "iswa":
-        attn = KVCacheISWA(dev, [KVLayer(ATTN, E, E)], [ATTN], size=size, n_ubatch=8, n_swa=n_swa, **common)
+        attn = KVCacheISWA(
+            dev, [KVLayer(ATTN, E, E)], [ATTN], size=size, n_ubatch=8, n_swa=n_swa, swa_full=swa_full,
+            rollback_depth=n_rs_seq, **common,
+        )  # fmt: skip
         mem = HybridISWAMemory(attn, recr)
     elif kind == "idx":
         attn = KVCache(dev, [KVLayer(ATTN, E, E)], size=size, **common)
-        mem = HybridIdxMemory(attn, recr, [ATTN], head_size=2, row_factor=2, kpool=kpool)
+        mem = HybridIdxMemory(attn, recr, [ATTN], head_size=2, row_factor=2, kpool=kpool, by_order=by_order)
     else:
         attn = KVCache(dev, [KVLayer(ATTN, E, E)], size=size, **common)
         mem = HybridMemory(attn, recr)

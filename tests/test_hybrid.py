@@ -62,7 +62,8 @@ def test_item43_seq_rm_atomic_when_recurrent_refuses(dev, kind):
     before = books(toy.mem)
     assert toy.mem.seq_rm(0, 2, -1) is False  # partial tail removal, no rollback budget
     assert same_books(before, books(toy.mem))
-    assert toy.mem.seq_rm(7, 0, -1) is False
+    with pytest.raises(ArgumentError, match="outside"):  # out-of-range id: refused loudly (issue 14)
+        toy.mem.seq_rm(7, 0, -1)
     assert toy.mem.seq_rm(-1, 1, 3) is False
     assert same_books(before, books(toy.mem))
 

@@ -157,11 +157,12 @@ def test_item22_undo_refused_after_an_attention_only_edit(dev, kind: str, edit: 
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "iswa", "idx"])
-def test_item22_edit_between_two_applies_blocks_undo_of_both(dev, kind: str) -> None:
+def test_item22_edit_between_two_applies_makes_the_rest_of_the_plan_stale(dev, kind: str) -> None:
     """An attention-only edit after the first ubatch was applied and before the second:
-    undoing both would take it back (refused, nothing changed); the second ubatch's
-    snapshot was taken after it, so undoing that one alone is exact, and the batch then
-    completes as one that never failed."""
+    the second ubatch was planned on the books before the edit, so applying it is refused
+    (issue 12 item 1: ContextError, nothing changed), and undoing the first would take the
+    edit back (refused, nothing changed).  The runtime plans the rest again, and the batch
+    then completes as one that never failed."""
     toy = HybridToy(dev, make_hybrid(dev, kind))
     history(toy)
     mem = toy.mem
@@ -174,22 +175,15 @@ def test_item22_edit_between_two_applies_blocks_undo_of_both(dev, kind: str) -> 
     assert ctx.next()
     hole(toy, 1, 1, 2)
     mid = state_of(mem)
-    assert ctx.apply()
-    compute(toy, ctx, keep=True)  # ... and fails after the graph, rows kept
-    after = state_of(mem)
-    for n in (None, 2):
-        with pytest.raises(ContextError, match="changed"):
-            ctx.undo(n)
-        assert_same_state(state_of(mem), after)
-    assert ctx.undo(1) == ()
-    assert_same_state(state_of(mem), mid)
     with pytest.raises(ContextError, match="changed"):
-        ctx.undo(1)  # the first ubatch was applied before the edit
+        ctx.apply()
     assert_same_state(state_of(mem), mid)
-    assert ctx.apply()  # the second ubatch again, and now it computes
-    compute(toy, ctx, keep=True)
-    assert not ctx.next()
-    decoded(toy, batch)
+    for n in (None, 1):
+        with pytest.raises(ContextError, match="changed"):
+            ctx.undo(n)  # the first ubatch was applied before the edit
+        assert_same_state(state_of(mem), mid)
+    decoded(toy, {0: batch[0][:4]})  # the first ubatch computed
+    check(toy, toy.decode({0: batch[0][4:]}), (0,))  # the rest, planned again
     check(toy, toy.decode({0: [30], 1: [31]}), (0, 1))
 
 
@@ -212,14 +206,15 @@ def test_item22_seq_rm_of_nothing_keeps_undo(dev, kind: str) -> None:
 
 
 def small_window_toy(dev) -> HybridToy:
-    """One sequence, window 4, a window cache of exactly n_swa + n_ubatch = 8
-    cells (n_pad 1): once it is full, every new token reuses the oldest cell."""
+    """One sequence, window 4, rollback depth 2, a window cache of exactly
+    n_swa + n_rs_seq + n_ubatch = 10 cells (n_pad 1): once it is full, every new
+    token reuses the oldest cell no token after a rollback can see."""
     recr = RecurrentMemory(toy_spec(), dev, n_seq_max=1, n_rs_seq=2)
     common = dict(n_seq_max=1, unified=True, dtype="f32", n_pad=1)
-    attn = KVCacheISWA(dev, [KVLayer(ATTN, E, E)], [ATTN], size=32, n_ubatch=4, n_swa=4, **common)
+    attn = KVCacheISWA(dev, [KVLayer(ATTN, E, E)], [ATTN], size=32, n_ubatch=4, n_swa=4, rollback_depth=2, **common)
     mem = HybridISWAMemory(attn, recr)
     mem.fill_garbage(5)
-    assert attn.swa.size == 8
+    assert attn.swa.size == 10
     return HybridToy(dev, mem)
 
 
@@ -232,17 +227,18 @@ def window_rows(toy: HybridToy) -> dict[int, tuple[np.ndarray, np.ndarray]]:
 
 @pytest.mark.parametrize("mode", ["kept", "ran"])
 def test_item22_iswa_undo_puts_back_reused_window_rows(dev, mode: str) -> None:
-    """The failed batch is placed into cells holding positions P-7..P-4 (masked for it,
-    still in the old book).  After undo a rollback by 2 brings P-4 back into the window
-    of the next token, so a K/V row left overwritten would change its output: exact undo
-    must match a from-zero recompute; without kept rows the sequence is dropped instead."""
+    """The failed batch is placed into one empty cell and three cells holding positions
+    0..2 (still in the old book; masked for every token the sequence can continue with,
+    after a rollback by n_rs_seq = 2 too).  Exact undo puts their rows back byte for
+    byte, and the memory then decodes (after a rollback by 2) as a from-zero recompute;
+    without kept rows the sequence is dropped instead."""
     toy = small_window_toy(dev)
     toy.decode({0: [1, 2, 3, 4, 5]}, n_ubatch=5)
     toy.decode({0: [6, 7, 8, 9]}, n_ubatch=4)  # P = 8; the cache is full, one ubatch of 4 (rollback depth 2)
     before_books, before_rows = books(toy.mem), window_rows(toy)
     ctx, dropped = failing_decode(toy, {0: [20, 21, 22, 23]}, mode)
     reused = set(ctx.attn.swa.sinfos[0].cells.tolist()) & set(before_rows)
-    assert len(reused) == 4  # the failed ubatch did overwrite rows the old book still uses
+    assert len(reused) == 3  # the failed ubatch did overwrite rows the old book still uses
     if mode == "ran":
         assert dropped == (0,)
         assert toy.mem.seq_pos_max(0) == -1 and toy.mem.attn.swa.seq_pos_max(0) == -1
@@ -265,7 +261,7 @@ def test_item22_iswa_undo_puts_back_reused_window_rows(dev, mode: str) -> None:
 def test_item22_iswa_undo_rows_kept_only_when_asked(dev) -> None:
     """Keeping rows costs copies only for reused cells, and only when asked."""
     toy = small_window_toy(dev)
-    toy.decode({0: list(range(9))}, n_ubatch=5)
+    toy.decode({0: list(range(10))}, n_ubatch=5)
     balloc = BatchAllocator(1)
     balloc.init(Batch.for_sequences({0: [1, 2]}), toy.mem)
     ctx = toy.mem.init_batch(balloc, 4)

@@ -121,8 +121,15 @@ REFUSALS: list[tuple[str, str, Attempt, set[str], Any]] = [
     ),
     (
         "seq_cp",
+        "a range that leaves out a position ``src`` holds is refused by every memory with one",
+        lambda m: m.seq_cp(1, 0, 0, 2),  # sequence 1 holds positions 0..2
+        HAS_RECURRENT,
+        (ArgumentError, "p0/p1"),
+    ),
+    (
+        "seq_cp",
         "any partial range on hybrid-idx (whole sequences only)",
-        lambda m: m.seq_cp(1, 0, 0, 2),
+        lambda m: m.seq_cp(1, 0, 0, 10),  # every position of sequence 1, yet a range
         {"hybrid_idx"},
         (ArgumentError, "p0/p1"),
     ),

@@ -419,7 +419,7 @@ def test_state_round_trip_keeps_ext(dev, unified):
 def test_state_layout_of_one_d_cells_unchanged_and_ext_flagged(dev):
     """A cache without 2-D positions writes the version-1 layout (no flag, no
     extension); an M-RoPE cache flags the stream and appends (x, y) per cell."""
-    h = 24  # blob and section headers
+    h = 28  # blob header (12 bytes) and section header (tag, length, crc32: 16 bytes, format version 2)
     plain = make_cache(dev)
     run(plain, Batch(tokens=[1, 2, 3], pos=[0, 1, 2]), 8)
     blob = plain.state_write(0)

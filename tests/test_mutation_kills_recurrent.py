@@ -76,7 +76,8 @@ def test_mrope_text_ubatch_keeps_its_planes_an_image_ubatch_does_not(dev):
     keeps only the final state."""
     for t_pos, rollback_ok in (([0, 1, 2, 3], True), ([0, 1, 1, 2], False)):
         t = Toy(dev, 1, n_rs_seq=2)
-        pos = np.array([t_pos, t_pos, t_pos, [0] * 4])
+        x_pos = [0, 0, 1, 0]  # the two tokens at t = 1 are two patches of one image row (a whole position once)
+        pos = np.array([t_pos, t_pos, x_pos, [0] * 4])
         balloc = BatchAllocator(1)
         balloc.init(Batch(tokens=[1, 2, 3, 4], pos=pos, seq_ids=[0] * 4), t.mem)
         ctx = t.mem.init_batch(balloc, 8)

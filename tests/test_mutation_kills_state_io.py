@@ -10,6 +10,7 @@ so that a caller can act without reading our source.
 from __future__ import annotations
 
 import struct
+import zlib
 
 import pytest
 
@@ -17,11 +18,17 @@ from statecache.errors import StateError
 from statecache.state_io import FORMAT_VERSION, MAGIC, Reader, Writer, find_section, pack_sections, unpack_sections
 
 HEADER = 12  # magic, u16 version, u16 flags, u32 count
-SECTION = 12  # tag, u64 length
+SECTION = 16  # tag, u64 length, u32 crc32 of the payload (format version 2)
 
 
 def header(count: int, version: int = FORMAT_VERSION, magic: bytes = MAGIC, flags: int = 0) -> bytes:
     return struct.pack("<4sHHI", magic, version, flags, count)
+
+
+def section(tag: bytes, payload: bytes, length: int | None = None) -> bytes:
+    """A version-2 section header and its payload (``length`` overrides the stored length)."""
+    n = len(payload) if length is None else length
+    return struct.pack("<4sQI", tag, n, zlib.crc32(payload)) + payload
 
 
 def refused(data, field: str, message: str) -> None:  # type: ignore[no-untyped-def]
@@ -35,26 +42,40 @@ def test_unpack_sections_names_every_fault():
     refused(object(), "blob", "expected bytes, got object")
     refused(b"SCST\x01\x00", "magic", "truncated: blob has 6 bytes, the header needs 12")
     refused(header(0, magic=b"ABCD"), "magic", "is b'ABCD', expected b'SCST'")
-    refused(header(0, version=FORMAT_VERSION + 1), "version", f"is {FORMAT_VERSION + 1}, this library reads version 1")
+    newer = FORMAT_VERSION + 1
+    refused(header(0, version=newer), "version", f"is {newer}, this library reads versions 1, 2")
+    refused(header(0, version=0), "version", "is 0, this library reads versions 1, 2")
+    refused(header(0, flags=4), "flags", "is 0x4: bits 0x4 are not StateFlags")
     refused(header(1) + b"KVA", "section[0].tag", "truncated: section header missing")
-    refused(header(2) + b"KVAT" + struct.pack("<Q", 0), "section[1].tag", "truncated: section header missing")
-    refused(header(1) + b"KVAT" + struct.pack("<Q", 9) + b"12345", "section[0].length", "is 9, only 5 bytes left")
-    refused(header(1) + b"KVAT" + struct.pack("<Q", 2) + b"12345", "length", "3 trailing bytes after the last section")
+    refused(header(1) + b"KVAT" + struct.pack("<Q", 0), "section[0].tag", "truncated: section header missing")  # no crc
+    refused(header(2) + section(b"KVAT", b""), "section[1].tag", "truncated: section header missing")
+    refused(header(1) + section(b"KVAT", b"12345", 9), "section[0].length", "is 9, only 5 bytes left")
+    refused(header(1) + section(b"KVAT", b"12", None) + b"345", "length", "3 trailing bytes after the last section")
+    bad = bytearray(header(1) + section(b"KVAT", b"12345"))
+    bad[-1] ^= 1
+    refused(bytes(bad), "section[0].crc32", "section 'KVAT': checksum mismatch")
+    # version 1: no checksum word
+    refused(header(1, version=1) + b"KVAT" + struct.pack("<Q", 9) + b"12345", "section[0].length", "is 9, only 5")
 
 
 def test_unpack_sections_accepts_exact_fits():
     assert unpack_sections(header(0)) == (0, [])  # exactly a header
-    flags, sections = unpack_sections(header(1, flags=3) + b"KVAT" + struct.pack("<Q", 0))  # an empty last section
+    flags, sections = unpack_sections(header(1, flags=3) + section(b"KVAT", b""))  # an empty last section
     assert flags == 3 and [(t, bytes(p)) for t, p in sections] == [(b"KVAT", b"")]
-    blob = header(2) + b"AAAA" + struct.pack("<Q", 1) + b"x" + b"BBBB" + struct.pack("<Q", 2) + b"yz"
+    blob = header(2) + section(b"AAAA", b"x") + section(b"BBBB", b"yz")
     assert [(t, bytes(p)) for t, p in unpack_sections(bytearray(blob))[1]] == [(b"AAAA", b"x"), (b"BBBB", b"yz")]
     assert [(t, bytes(p)) for t, p in unpack_sections(memoryview(blob))[1]] == [(b"AAAA", b"x"), (b"BBBB", b"yz")]
+    v1 = header(2, version=1) + b"AAAA" + struct.pack("<Q", 1) + b"x" + b"BBBB" + struct.pack("<Q", 2) + b"yz"
+    assert [(t, bytes(p)) for t, p in unpack_sections(v1)[1]] == [(b"AAAA", b"x"), (b"BBBB", b"yz")]
 
 
 def test_pack_sections_header_and_tags():
     blob = pack_sections([(b"RECR", b"abc")])
-    assert blob == header(1) + b"RECR" + struct.pack("<Q", 3) + b"abc"  # flags 0 unless given
-    assert pack_sections([], 5)[:HEADER] == header(0, flags=5)
+    assert blob == header(1) + section(b"RECR", b"abc")  # flags 0 unless given
+    assert len(blob) == HEADER + SECTION + 3
+    assert pack_sections([], 3)[:HEADER] == header(0, flags=3)
+    with pytest.raises(ValueError, match=r"unknown state flags 0x5 \(known: 0x3\)"):
+        pack_sections([], 5)
     with pytest.raises(ValueError, match="section tag b'REC' must be 4 bytes"):
         pack_sections([(b"REC", b"")])
 

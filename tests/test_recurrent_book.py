@@ -8,7 +8,7 @@ from recurrent_toy import Toy, oracle
 
 import statecache
 from statecache.batch import Batch, BatchAllocator, UBatch
-from statecache.errors import BatchError
+from statecache.errors import ArgumentError, BatchError
 from statecache.memory import MemoryStatus
 from statecache.recurrent import NonConsecutivePositionWarning
 
@@ -106,15 +106,20 @@ def test_item04_seq_cp_copy_on_write(dev) -> None:  # type: ignore[no-untyped-de
         t.check_state(s)
 
 
-def test_item05_seq_cp_ignores_range_and_noops(dev) -> None:  # type: ignore[no-untyped-def]
+def test_item05_seq_cp_src_dst_and_range(dev) -> None:  # type: ignore[no-untyped-def]
+    """[REC] of spec item 5: src == dst is a no-op, but an out-of-range id and a range that
+    leaves out part of the state are refused (ArgumentError, nothing changed) instead of
+    being ignored (issue 12 item 4, issue 14)."""
     t = Checked(dev, 3)
     t.feed({0: [1, 2], 1: [3]})
     book = t.mem.book_snapshot()
     t.mem.seq_cp(0, 0)
-    t.mem.seq_cp(0, 7)
-    t.mem.seq_cp(-1, 1)
+    for args, name in (((0, 7), "dst"), ((-1, 1), "src"), ((0, 1, 5, 6), "p0/p1"), ((0, 1, 0, 1), "p0/p1")):
+        with pytest.raises(ArgumentError) as info:
+            t.mem.seq_cp(*args)
+        assert info.value.argument == name
     assert t.mem.book_snapshot().same(book)
-    t.mem.seq_cp(0, 1, 5, 6)  # range ignored: the whole state is shared; 1's old cell released
+    t.mem.seq_cp(0, 1, 1, 6)  # holds the state's position 1: the whole state is shared; 1's old cell released
     t.hist[1] = list(t.hist[0])
     assert t.mem.used == 1 and t.mem.seq_pos_max(1) == 1
     t.feed({1: [4]})
@@ -166,7 +171,8 @@ def test_item10_seq_out_of_range(dev) -> None:  # type: ignore[no-untyped-def]
     t = Checked(dev, 2, size=3)
     t.feed({0: [1]})
     book, data = t.mem.book_snapshot(), data_snapshot(t)
-    assert not t.mem.seq_rm(2, 0, -1)
+    with pytest.raises(ArgumentError, match="outside"):  # [REC] refused loudly (issue 14), not False
+        t.mem.seq_rm(2, 0, -1)
     ub = UBatch.reserve(1, [(2, 0)])
     assert t.mem.init_ubatches([ub]).status is MemoryStatus.FAILED_PREPARE
     with pytest.raises(BatchError):

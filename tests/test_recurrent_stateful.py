@@ -3,7 +3,10 @@ against a model that keeps each sequence as a plain token list and recomputes it
 state from zero with the reference primitives.
 
 Outputs and states must match the recompute; refused operations (seq_rm returning
-False) must leave the book and every pool byte unchanged.
+False) must leave the book and every pool byte unchanged.  A rollback within the
+planes of an unshared sequence's last write must be accepted (issue 12 item 7:
+also after a batch of several sequences split into ubatches, whose reorder moves
+cells), and a plan made before another batch was applied is refused (item 1).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from recurrent_toy import VOCAB, Tables, Toy, oracle
 
 import statecache
+from statecache.batch import Batch, BatchAllocator
 from statecache.errors import ArgumentError
-from statecache.memory import StateFlags
+from statecache.memory import ContextError, MemoryStatus, StateFlags
 
 N_SEQ = 3
 ATOL = 3e-5
@@ -41,6 +45,7 @@ class RecurrentMachine(RuleBasedStateMachine):
         self.offset: dict[int, int] = {}  # position of the first token (seq_add shifts it)
         self.group: dict[int, int] = {}  # sequences sharing one state (seq_cp) share a group
         self.next_group = 0
+        self.budget: dict[int, int] = {}  # how deep a rollback of each sequence must be accepted
 
     def _fresh_group(self, s: int) -> None:
         self.group[s] = self.next_group
@@ -73,6 +78,7 @@ class RecurrentMachine(RuleBasedStateMachine):
             if s not in self.hist:
                 self.hist[s], self.offset[s] = [], 0
             self._fresh_group(s)  # copy-on-write: the decoded sequence owns its state now
+            self.budget[s] = min(len(toks), self.mem.n_rs_seq)
             n0 = len(self.hist[s])
             self.hist[s] += toks
             ref, _ = recompute(tuple(self.hist[s]))
@@ -87,6 +93,7 @@ class RecurrentMachine(RuleBasedStateMachine):
         if src in self.hist:
             self.hist[dst], self.offset[dst] = list(self.hist[src]), self.offset[src]
             self.group[dst] = self.group[src]
+            self.budget[dst] = self.budget.get(src, 0)
         else:
             self.hist.pop(dst, None)
             self.offset.pop(dst, None)
@@ -103,12 +110,34 @@ class RecurrentMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(sorted(s for s, h in self.hist.items() if len(h) > 1)))
         keep = data.draw(st.integers(1, len(self.hist[s]) - 1))
         snap = self._snapshot()
+        depth = len(self.hist[s]) - keep
+        must = depth <= self.budget.get(s, 0) and len(self._sharers(s)) == 1
         if self.mem.seq_rm(s, self.offset[s] + keep, -1):
             assert len(self._sharers(s)) == 1, "a shared state was rolled back"
             assert self.mem.n_rs_seq > 0, "a rollback was accepted without rollback planes"
             self.hist[s] = self.hist[s][:keep]
+            self.budget[s] = 0  # pending: a second rollback is refused
         else:
+            assert not must, f"a rollback of {depth} within a budget of {self.budget[s]} was refused"
             self._assert_same(snap)
+
+    @precondition(lambda self: sum(len(h) for h in self.hist.values()) < 60)
+    @rule(data=st.data(), n_ubatch=st.integers(1, 6))
+    def stale_plan(self, data, n_ubatch: int) -> None:  # type: ignore[no-untyped-def]
+        """Two plans from the same state: once one is applied, the other is refused
+        (it used to be placed again on the new book)."""
+        if self.mem.n_rs_seq:
+            n_ubatch = max(n_ubatch, self.mem.n_rs_seq + 2)
+        a, b = data.draw(st.permutations(range(N_SEQ)))[:2]
+        balloc = BatchAllocator()
+        balloc.init(Batch.for_sequences({b: [1, 2]}), self.mem)
+        stale = self.mem.init_batch(balloc, n_ubatch)
+        assert stale.status is MemoryStatus.SUCCESS
+        self.decode(data, {a}, n_ubatch)
+        snap = self._snapshot()
+        with pytest.raises(ContextError, match="changed"):
+            stale.apply()
+        self._assert_same(snap)
 
     @precondition(lambda self: bool(self.hist))
     @rule(data=st.data())
@@ -118,6 +147,7 @@ class RecurrentMachine(RuleBasedStateMachine):
         end = self.offset[s] + len(self.hist[s]) - 1
         p0 = max(1, end - 3)
         assert self.mem.seq_rm(s, p0, end)  # strictly inside: accepted, the state is kept
+        self.budget[s] = 0  # every plane ends before the hole's end
         assert self.mem.seq_rm(s, end + 1, -1)  # after the tail: no-op
         # Only the reachable snapshot planes may shrink (a rollback across the hole
         # would restore a history that no longer exists); nothing else changes.
@@ -136,6 +166,8 @@ class RecurrentMachine(RuleBasedStateMachine):
     @rule(s=st.integers(0, N_SEQ - 1))
     def seq_keep(self, s: int) -> None:
         self.mem.seq_keep(s)
+        if s in self.hist:
+            self._fresh_group(s)  # the only owner now
         for q in list(self.hist):
             if q != s:
                 del self.hist[q]
@@ -160,7 +192,8 @@ class RecurrentMachine(RuleBasedStateMachine):
         if whole:
             blob = self.mem.state_write(-1, StateFlags.PARTIAL_ONLY)
             self.mem.clear(data=False)
-            self.mem.state_read(blob)
+            self.mem.state_read(blob, flags=StateFlags.PARTIAL_ONLY)
+            self.budget.clear()  # planes are not part of a blob
             return
         s = data.draw(st.sampled_from(sorted(self.hist)))
         blob = self.mem.state_write(s)
@@ -169,6 +202,7 @@ class RecurrentMachine(RuleBasedStateMachine):
         self.mem.seq_rm(s, 0, -1)
         self.mem.state_read(other.mem.state_write(s), s)
         self._fresh_group(s)
+        self.budget[s] = 0
 
     @invariant()
     def states_match_recompute(self) -> None:
@@ -187,7 +221,9 @@ class RecurrentMachine(RuleBasedStateMachine):
                     np.testing.assert_allclose(got[L][n], ref[L][n], atol=ATOL, err_msg=f"seq {s} L{L} {n}")
 
 
+_PROFILE = settings._current_profile or "ci"
 RecurrentMachine.TestCase.settings = settings(
-    settings.get_profile(settings._current_profile or "ci"), stateful_step_count=30
+    settings.get_profile(_PROFILE),
+    stateful_step_count=settings.get_profile(_PROFILE).stateful_step_count if _PROFILE == "stress" else 30,
 )
 TestRecurrentStateful = RecurrentMachine.TestCase

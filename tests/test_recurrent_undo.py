@@ -43,11 +43,11 @@ def run_step(t: Toy, ctx, ub, *, keep: bool | None, stop_after: int | None = Non
         real = step._run
         count = {"n": 0}
 
-        def limited(layer, name, launch):  # type: ignore[no-untyped-def]
+        def limited(layer, name, launch, *rest):  # type: ignore[no-untyped-def]
             if count["n"] >= stop_after:
                 raise RuntimeError("injected compute failure")
             count["n"] += 1
-            real(layer, name, launch)
+            real(layer, name, launch, *rest)
 
         step._run = limited
         with pytest.raises(RuntimeError, match="injected"):
