@@ -499,7 +499,15 @@ class Device(abc.ABC):
         The first statement of every primitive, so that everything after it
         (the launch memo, validation, the backend) sees only Buffers::
 
-            pool, rows, x, y = self._tensors_in("pool* rows x y*", pool, rows, x, y)
+            given = (pool, rows, x, y)
+            pool, rows, x, y = self._tensors_in("pool* rows x y*", *given)
+
+        ``given`` must stay referenced until the primitive returns: the Buffers
+        returned do not keep a tensor's memory alive, and rebinding the
+        argument names drops what may be the last reference to a temporary
+        argument (``f(torch.empty(...))``: CPython moves the caller's
+        references into the callee's locals), whose memory the allocator
+        would then hand out while the kernel still writes it.
 
         ``names`` lists the arguments in order (error messages name them);
         ``*`` marks one the primitive writes (a read-only tensor, or a host
@@ -719,7 +727,8 @@ class Device(abc.ABC):
         Rows may come from any plane of a state pool.  ``src`` and ``dst``
         must be different storages.
         """
-        src, rows, dst = self._tensors_in("src rows dst*", src, rows, dst)
+        given = (src, rows, dst)  # held until return: see _tensors_in
+        src, rows, dst = self._tensors_in("src rows dst*", *given)
         bufs = (src, rows, dst)
         key = ("get_rows", id(src), id(rows), id(dst))
         hit = self._remembered(key, bufs, (rows,))
@@ -746,7 +755,8 @@ class Device(abc.ABC):
         its result would depend on the launch order).  Other rows of ``dst``
         are untouched.  ``src`` and ``dst`` must be different storages.
         """
-        dst, rows, src = self._tensors_in("dst* rows src", dst, rows, src)
+        given = (dst, rows, src)  # held until return: see _tensors_in
+        dst, rows, src = self._tensors_in("dst* rows src", *given)
         bufs = (dst, rows, src)
         key = ("set_rows", id(dst), id(rows), id(src))
         hit = self._remembered(key, bufs, (rows,))
@@ -768,7 +778,8 @@ class Device(abc.ABC):
     def zero_rows(self, dst: Buffer, rows: Buffer) -> None:
         """``dst[rows[i], :] = 0`` for contiguous 2-D ``dst``; ``rows`` int32 [N]
         in range (duplicates allowed: zeroing twice is harmless)."""
-        dst, rows = self._tensors_in("dst* rows", dst, rows)
+        given = (dst, rows)  # held until return: see _tensors_in
+        dst, rows = self._tensors_in("dst* rows", *given)
         bufs = (dst, rows)
         key = ("zero_rows", id(dst), id(rows))
         hit = self._remembered(key, bufs, (rows,))
@@ -795,7 +806,8 @@ class Device(abc.ABC):
         destination row is also a source row: every read must be independent
         of every write, whatever the launch order.
         """
-        src, src_rows, dst, dst_rows = self._tensors_in("src src_rows dst* dst_rows", src, src_rows, dst, dst_rows)
+        given = (src, src_rows, dst, dst_rows)  # held until return: see _tensors_in
+        src, src_rows, dst, dst_rows = self._tensors_in("src src_rows dst* dst_rows", *given)
         bufs = (src, src_rows, dst, dst_rows)
         key = ("copy_rows", id(src), id(src_rows), id(dst), id(dst_rows))
         hit = self._remembered(key, bufs, (src_rows, dst_rows))
@@ -889,10 +901,10 @@ class Device(abc.ABC):
         Snapshot column j is the window ending j tokens before the end,
         ``ext[s, :, n_t - j : n_t - j + W]`` (column n_t(s) is the input window).
         """
+        given = (pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens)  # held until return: see _tensors_in
         pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens = self._tensors_in(
-            "pool* start_rows dst_rows x weight y* bias cu_seqlens", pool, start_rows, dst_rows, x, weight, y, bias,
-            cu_seqlens,
-        )  # fmt: skip
+            "pool* start_rows dst_rows x weight y* bias cu_seqlens", *given
+        )
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
         silu = bool(apply_silu)
@@ -1003,10 +1015,10 @@ class Device(abc.ABC):
 
         Snapshot column j receives S after n_t(s) - j tokens.
         """
+        given = (pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias)  # held: see _tensors_in
         pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias = self._tensors_in(
-            "pool* start_rows dst_rows x dt A B C y* cu_seqlens D z dt_bias", pool, start_rows, dst_rows, x, dt, A, B,
-            C, y, cu_seqlens, D, z, dt_bias,
-        )  # fmt: skip
+            "pool* start_rows dst_rows x dt A B C y* cu_seqlens D z dt_bias", *given
+        )
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
         if cu_seqlens is None and D is None and z is None and dt_bias is None and dt_limit is None:
@@ -1138,10 +1150,10 @@ class Device(abc.ABC):
 
         Snapshot column j receives M after n_t(s) - j tokens.
         """
+        given = (pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias)  # held: see _tensors_in
         pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias = self._tensors_in(
-            "pool* start_rows dst_rows q k v g beta o* cu_seqlens A_log dt_bias", pool, start_rows, dst_rows, q, k, v,
-            g, beta, o, cu_seqlens, A_log, dt_bias,
-        )  # fmt: skip
+            "pool* start_rows dst_rows q k v g beta o* cu_seqlens A_log dt_bias", *given
+        )
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
         if cu_seqlens is None and A_log is None and dt_bias is None:

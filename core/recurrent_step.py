@@ -226,7 +226,8 @@ class RecurrentStep:
         tensor: str = "r",
     ) -> None:
         """``ssm_conv`` on the layer's conv-window pool (``x`` [n_seqs, n_seq_tokens, ch])."""
-        x, weight, y, bias = self.device._tensors_in("x weight y* bias", x, weight, y, bias)
+        given = (x, weight, y, bias)  # held until return (Device._tensors_in says why)
+        x, weight, y, bias = self.device._tensors_in("x weight y* bias", *given)
         self._primitive(
             "ssm_conv", layer, tensor, {"x": x, "weight": weight, "y": y}, {"bias": bias},
             {"apply_silu": bool(apply_silu)}, lambda row: self._conv_shapes(layer, row, x, weight, y, bias),
@@ -236,7 +237,8 @@ class RecurrentStep:
         self, layer: int, x: Buffer, dt: Buffer, A: Buffer, B: Buffer, C: Buffer, y: Buffer, *, tensor: str = "s"
     ) -> None:
         """``ssm_scan`` (Mamba-1/2) on the layer's state pool."""
-        x, dt, A, B, C, y = self.device._tensors_in("x dt A B C y*", x, dt, A, B, C, y)
+        given = (x, dt, A, B, C, y)  # held until return (Device._tensors_in says why)
+        x, dt, A, B, C, y = self.device._tensors_in("x dt A B C y*", *given)
         self._primitive(
             "ssm_scan", layer, tensor, {"x": x, "dt": dt, "A": A, "B": B, "C": C, "y": y}, {}, {},
             lambda row: self._scan_shapes(layer, row, x, dt, A, B, C, y),
@@ -256,7 +258,8 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``gated_delta_net`` (GDN / KDA) on the layer's state pool."""
-        q, k, v, g, beta, o = self.device._tensors_in("q k v g beta o*", q, k, v, g, beta, o)
+        given = (q, k, v, g, beta, o)  # held until return (Device._tensors_in says why)
+        q, k, v, g, beta, o = self.device._tensors_in("q k v g beta o*", *given)
         self._primitive(
             "gated_delta_net", layer, tensor, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "o": o}, {},
             {"scale": scale}, lambda row: self._delta_shapes(layer, row, q, k, v, g, beta, o),

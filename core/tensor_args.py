@@ -30,7 +30,9 @@ the call.
 * A float wrap never keeps the tensor's memory alive (so the allocator can
   hand the same block out again) and is used only while a tensor with that
   fingerprint is an argument of the current call, so its memory is alive and
-  is exactly that tensor's.  If the memory was freed and reused at the same
+  is exactly that tensor's (every caller of ``_tensors_in`` keeps the objects
+  it was given referenced until it returns: the last reference to a
+  temporary argument may be the callee's own parameter).  If the memory was freed and reused at the same
   address with the same geometry, the new tensor *is* that memory: kernels
   read a float input's contents at launch time, and nothing about a float
   input's contents was validated.

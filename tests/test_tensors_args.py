@@ -299,6 +299,43 @@ def test_fresh_tensors_every_call_are_validated_once(dev, monkeypatch) -> None: 
     np.testing.assert_array_equal(dev.download(pool), dev.download(ref_pool))
 
 
+def _temporary(host: np.ndarray, freed: list[str], name: str):  # type: ignore[no-untyped-def]
+    """A tensor holding ``host`` that says in ``freed`` when it is collected."""
+    t = torch.from_numpy(host.copy())
+    weakref.finalize(t, freed.append, name)
+    return t
+
+
+def test_temporary_tensors_stay_allocated_until_the_kernel_ran(dev, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``dev.ssm_scan(..., torch.empty(...))``: the caller keeps no reference,
+    so the primitive's own parameters are the last ones; none may be dropped
+    before the kernel ran (regression: rebinding them to Buffers freed the
+    tensors mid-call, the kernel wrote into memory the allocator had handed
+    out again, and the process crashed later)."""
+    hosts = _scan_setup(dev)
+    pool, rows = dev.upload(hosts["pool"]), dev.indices(hosts["start_rows"])
+    freed: list[str] = []
+    at_launch: list[list[str]] = []
+    impl = dev._ssm_scan
+
+    def launch(*args):  # type: ignore[no-untyped-def]
+        at_launch.append(list(freed))
+        impl(*args)
+
+    monkeypatch.setattr(dev, "_ssm_scan", launch)
+    monkeypatch.setattr(dev, "_prepare_launch", lambda op, args: None)  # every launch through _ssm_scan
+    h = hosts
+    # Written out, not unpacked from a sequence: a caller's tuple would keep them alive.
+    dev.ssm_scan(
+        pool, rows, rows, _temporary(h["x"], freed, "x"), _temporary(h["dt"], freed, "dt"),
+        _temporary(h["A"], freed, "A"), _temporary(h["B"], freed, "B"), _temporary(h["C"], freed, "C"),
+        _temporary(np.zeros_like(h["y"]), freed, "y"),
+    )  # fmt: skip
+    gc.collect()
+    assert at_launch == [[]]
+    assert sorted(freed) == ["A", "B", "C", "dt", "x", "y"]
+
+
 def test_wraps_do_not_keep_tensors_alive(dev) -> None:  # type: ignore[no-untyped-def]
     src = torch.arange(12.0).reshape(4, 3)
     dst = torch.zeros(2, 3)

@@ -5,6 +5,9 @@ prefill, decode, new sequences, reordered cells and rollback."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import recurrent_toy as toy
@@ -90,3 +93,38 @@ def test_a_bad_tensor_is_refused_before_anything_is_written() -> None:
         for n, b in p.items():
             np.testing.assert_array_equal(b.numpy(), pools[L][n])
     step.conv(0, x.float(), torch.zeros(toy.CH, toy.D_CONV), torch.empty(2, 1, toy.CH))  # corrected: runs
+
+
+def test_temporary_tensors_given_to_a_step_stay_allocated_until_the_kernel_ran(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``step.conv(L, x, torch.zeros(...), torch.empty(...))``: no reference but
+    the step's own parameters; they must outlive the launch (regression: a
+    use-after-free that crashed the process in a later garbage collection)."""
+    dev = get_device("cpu")
+    t = Toy(dev, n_seq_max=2)
+    t.decode({0: [1, 2]})
+    from statecache.batch import Batch, BatchAllocator
+
+    balloc = BatchAllocator(t.mem.n_seq_max)
+    balloc.init(Batch.for_sequences({0: [3], 1: [4]}, output_all=True), t.mem)
+    ctx = t.mem.init_batch(balloc, 512)
+    assert ctx.apply()
+    step = ctx.step()
+    freed: list[str] = []
+    at_launch: list[list[str]] = []
+    impl = dev._ssm_conv
+
+    def launch(*args):  # type: ignore[no-untyped-def]
+        at_launch.append(list(freed))
+        impl(*args)
+
+    def temporary(name, *shape):  # type: ignore[no-untyped-def]
+        out = torch.ones(*shape)
+        weakref.finalize(out, freed.append, name)
+        return out
+
+    monkeypatch.setattr(dev, "_ssm_conv", launch)
+    monkeypatch.setattr(dev, "_prepare_launch", lambda op, args: None)
+    step.conv(0, temporary("x", 2, 1, toy.CH), temporary("weight", toy.CH, toy.D_CONV), temporary("y", 2, 1, toy.CH))
+    gc.collect()
+    assert at_launch == [[]]
+    assert sorted(freed) == ["weight", "x", "y"]
