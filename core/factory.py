@@ -61,7 +61,10 @@ def make_model_memory(
         swa_layers = [il for il, a in spec.attention.items() if a.swa]
         attn: Any = KVCacheISWA(
             device, layers, swa_layers, size=size, n_ubatch=n_ubatch, n_swa=spec.n_swa,
-            swa_type=spec.swa_type, swa_full=swa_full, k_shift=k_shift, **common,
+            swa_type=spec.swa_type, swa_full=swa_full, k_shift=k_shift,
+            # a hybrid's window keeps what its recurrent part can roll back to; sized
+            # here, or the hybrid raises the depth later without the room for it
+            rollback_depth=n_rs_seq if kind == "hybrid_iswa" else 0, **common,
         )  # fmt: skip
     else:
         attn = KVCache(device, layers, size=size, k_shift=k_shift, **common)

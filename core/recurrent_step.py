@@ -381,9 +381,13 @@ class RecurrentStep:
         if ("n_head" in par and (par["n_head"], par["head_dim"]) != (h_v, size)) or h_v * size * size != row:
             raise ArgumentError("v", f"shape {vs}: [H_v, S] = {vs[2:]} does not fit this layer's state rows of {row}")
         qs = self._tokens_dims("q", q, 4, "n_seqs, n_seq_tokens, H_k, S")
-        h_k = par.get("n_head_k", qs[2])
-        if qs != (n_s, n_t, h_k, size) or h_k < 1 or h_v % h_k:
-            raise ArgumentError("q", f"shape {qs} must be [{n_s}, {n_t}, H_k (dividing H_v={h_v}), S={size}]")
+        # q/k carry the layer's key heads, or H_v heads when the runtime repeated them
+        # itself (the head map is then the identity, which is what it computed)
+        h_k = qs[2]
+        allowed = {par["n_head_k"], h_v} if "n_head_k" in par else {h_k}
+        if qs != (n_s, n_t, h_k, size) or h_k < 1 or h_v % h_k or h_k not in allowed:
+            want = " or ".join(str(a) for a in sorted(allowed)) if "n_head_k" in par else f"H_k dividing H_v={h_v}"
+            raise ArgumentError("q", f"shape {qs} must be [{n_s}, {n_t}, {want}, S={size}]")
         ks = _shape_of(k, "k")
         if ks != qs:
             raise ArgumentError("k", f"shape {ks} must equal q's {qs}")

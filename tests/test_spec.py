@@ -87,3 +87,25 @@ def test_make_memory_allocates_what_the_spec_says() -> None:
     mem = make_memory(spec, dev, n_seq_max=3, n_rs_seq=2)
     assert mem.memory_breakdown() == {dev.id: spec.memory_breakdown(3, 2)["device"]}
     assert spec.state_bytes(3, 2) == spec.memory_breakdown(3, 2)["device"]
+
+
+def test_make_memory_sizes_a_hybrid_iswa_window_for_its_rollback_depth() -> None:
+    """make_memory gives a hybrid-iSWA window cache room for the positions its
+    recurrent part can roll back to (n_rs_seq), not only the window; a pure
+    attention iSWA memory has no recurrent rollback and keeps the plain size."""
+    from statecache.kv_cache import iswa_sizes
+    from statecache.spec import AttentionLayerSpec, ModelSpec, RecurrentLayerSpec, make_memory
+
+    dev = statecache.get_device("reference")
+    attention = {1: AttentionLayerSpec(1, 4, swa=True), 2: AttentionLayerSpec(1, 4)}
+    hybrid = ModelSpec.build(
+        3, recurrent={0: RecurrentLayerSpec.shortconv(n_embd=4, l_cache=3)}, attention=attention,
+        n_swa=4, kv_dtype="f32",
+    )  # fmt: skip
+    pure = ModelSpec.build(3, attention=attention, n_swa=4, kv_dtype="f32")
+    for spec, depth in ((hybrid, 3), (pure, 0)):
+        mem = make_memory(spec, dev, 2, 3, n_ctx=256, n_pad=1, n_ubatch=8)
+        swa = mem.attn.swa if hasattr(mem, "attn") else mem.swa
+        assert swa.rollback_depth == depth
+        assert swa.size == iswa_sizes(512, 4, 2, 8, True, 1, False, depth)
+    assert iswa_sizes(512, 4, 2, 8, True, 1, False, 3) > iswa_sizes(512, 4, 2, 8, True, 1, False, 0)
