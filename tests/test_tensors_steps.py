@@ -13,6 +13,7 @@ import pytest
 import recurrent_toy as toy
 from recurrent_toy import Toy
 
+from statecache.batch import Batch, BatchAllocator
 from statecache.errors import ArgumentError
 from statecache.registry import get_device
 
@@ -74,17 +75,20 @@ def test_steps_with_tensors_equal_steps_with_buffers(device, monkeypatch) -> Non
                 np.testing.assert_array_equal(with_tensors.state(seq)[L][name], row)
 
 
-def test_a_bad_tensor_is_refused_before_anything_is_written() -> None:
+def _decode_step():  # type: ignore[no-untyped-def]
+    """A cpu Toy after a prefill of sequence 0, and the step of a decode of sequences 0 and 1."""
     dev = get_device("cpu")
     t = Toy(dev, n_seq_max=2)
     t.decode({0: [1, 2]})
-    from statecache.batch import Batch, BatchAllocator
-
     balloc = BatchAllocator(t.mem.n_seq_max)
     balloc.init(Batch.for_sequences({0: [3], 1: [4]}, output_all=True), t.mem)
     ctx = t.mem.init_batch(balloc, 512)
     assert ctx.apply()
-    step = ctx.step()
+    return dev, t, ctx.step()
+
+
+def test_a_bad_tensor_is_refused_before_anything_is_written() -> None:
+    _, t, step = _decode_step()
     pools = {L: {n: b.numpy() for n, b in p.items()} for L, p in t.mem.pools.items()}
     x = torch.zeros(2, 1, toy.CH, dtype=torch.float64)  # not an activation dtype
     with pytest.raises(ArgumentError, match="x: dtype float64"):
@@ -99,16 +103,7 @@ def test_temporary_tensors_given_to_a_step_stay_allocated_until_the_kernel_ran(m
     """``step.conv(L, x, torch.zeros(...), torch.empty(...))``: no reference but
     the step's own parameters; they must outlive the launch (regression: a
     use-after-free that crashed the process in a later garbage collection)."""
-    dev = get_device("cpu")
-    t = Toy(dev, n_seq_max=2)
-    t.decode({0: [1, 2]})
-    from statecache.batch import Batch, BatchAllocator
-
-    balloc = BatchAllocator(t.mem.n_seq_max)
-    balloc.init(Batch.for_sequences({0: [3], 1: [4]}, output_all=True), t.mem)
-    ctx = t.mem.init_batch(balloc, 512)
-    assert ctx.apply()
-    step = ctx.step()
+    dev, _, step = _decode_step()
     freed: list[str] = []
     at_launch: list[list[str]] = []
     impl = dev._ssm_conv
