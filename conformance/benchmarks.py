@@ -64,6 +64,15 @@ class Shape:
     scalar_baseline: bool = False
 
 
+#: (variant, heads, head size) of the linear-attention shapes.
+LINEAR_ATTN_SIZES = (("rwkv6", 32, 64), ("rwkv7", 32, 64), ("gla", 16, 128))
+
+#: Per variant: the primitive, its per-token inputs besides the output, and the
+#: lane-FMA operations per state element and token (RWKV-6 and GLA: decay
+#: multiply-add, k * v, output FMA; RWKV-7: the a-dot, decay, b and k terms,
+#: output FMA).
+_LINEAR_ATTN = {"rwkv6": ("rwkv_wkv6", 4, 3), "rwkv7": ("rwkv_wkv7", 6, 5), "gla": ("gated_linear_attn", 4, 3)}
+
 SHAPES: tuple[Shape, ...] = (
     Shape("gather 8 x 1 MiB", "get_rows", {"n": 8}),
     Shape("gather 32 x 1 MiB", "get_rows", {"n": 32}),
@@ -128,6 +137,18 @@ SHAPES: tuple[Shape, ...] = (
         for how in ("x layers", "K=4 planes", "K=4 rotate")
     ),
     Shape("kda prefill", "gdn", {"H": 16, "S": 128, "n_t": 512, "n_s": 1, "kda": True}, "fma"),
+    # Linear attention at model sizes: RWKV-6 / RWKV-7 1.5B (n_embd 2048, heads of 64), GLA with
+    # heads of 128.  A decode token streams the state once each way (the memcpy bound); a prefill
+    # token does 3 (RWKV-6, GLA) or 5 (RWKV-7) lane-FMA operations per state element (the FMA bound).
+    *(
+        Shape(f"{name} decode n_s={n}", "linear_attn", {"variant": name, "H": H, "S": S, "n_t": 1, "n_s": n})
+        for name, H, S in LINEAR_ATTN_SIZES
+        for n in (1, 8, 32)
+    ),
+    *(
+        Shape(f"{name} prefill", "linear_attn", {"variant": name, "H": H, "S": S, "n_t": 512, "n_s": 1}, "fma")
+        for name, H, S in LINEAR_ATTN_SIZES
+    ),
 )
 
 
@@ -437,6 +458,39 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
         state = H * S * S * 4 * n_s
         states = 1 + (1 if rotate else min(n_t + 1, K))
         return Case(fn, states * state + 4 * n_s * n_t * H * S * 5, 4 * H * S * S * n_t * n_s)
+    if shape.op == "linear_attn":
+        H, S, variant = p["H"], p["S"], p["variant"]
+        op, n_in, fma_per = _LINEAR_ATTN[variant]
+        pool = pools((n_s * K, H * S * S))
+        shape_t = (n_s, n_t, H, S)
+        if variant == "rwkv7":
+            kk = rng.uniform(-1, 1, shape_t)
+            kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+            decay = -0.6 * rng.uniform(0, 1, shape_t)
+            ins = [_u(rng, shape_t), decay, _u(rng, shape_t), _u(rng, shape_t), -kk, kk * rng.uniform(0, 1, shape_t)]
+        else:
+            ins = [_u(rng, shape_t), _u(rng, shape_t), _u(rng, shape_t), -rng.uniform(0.001, 1.0, shape_t)]
+        bufs = [up(np.asarray(a, np.float32)) for a in ins]
+        if variant == "rwkv6":
+            bufs.append(up(_u(rng, (H, S))))
+        o = device.alloc(shape_t)
+        kernel = getattr(device, op)
+
+        def fn() -> None:
+            p_now = pool()
+            s_rows, d_rows, planes = rows()
+            kernel(p_now, s_rows, d_rows, *bufs, o, **planes)
+
+        if layers == 1 and not rotate:  # the plain decode loop: nothing but the call
+
+            def fn() -> None:
+                kernel(first, start, dst, *bufs, o, n_snap=K, plane_stride=n_s)
+
+        first = pool()
+
+        state = H * S * S * 4 * n_s
+        states = 1 + (1 if rotate else min(n_t + 1, K))
+        return Case(fn, states * state + 4 * n_s * n_t * H * S * (n_in + 1), fma_per * H * S * S * n_t * n_s)
     raise ValueError(f"unknown benchmark op {shape.op!r}")
 
 
@@ -601,6 +655,7 @@ _TINY = {
     "ssm_scan": Shape("tiny scan", "ssm_scan", {"N": 8, "P": 8, "H": 1, "G": 1, "n_t": 1, "n_s": 1, "K": 1}),
     "ssm_conv": Shape("tiny conv", "ssm_conv", {"ch": 8, "d_conv": 4, "n_t": 1, "n_s": 1}),
     "gated_delta_net": Shape("tiny gdn", "gdn", {"H": 1, "S": 8, "n_t": 1, "n_s": 1, "kda": False}),
+    "rwkv_wkv7": Shape("tiny rwkv7", "linear_attn", {"variant": "rwkv7", "H": 1, "S": 8, "n_t": 1, "n_s": 1}),
 }
 
 

@@ -113,6 +113,20 @@ def primitive_calls(seed: int) -> dict[str, Call]:
         ("pool", "o"),
         ("start_rows", "dst_rows"),
     )
+    # the linear-attention primitives: per-token inputs [n_s, n_t, H, S], w / g log-decays
+    decay = -rng.uniform(0.1, 0.5, (2, 1, Hv, S)).astype(np.float32)
+    linear = {
+        "rwkv_wkv6": {"r": _u(rng, 2, 1, Hv, S), "k": _u(rng, 2, 1, Hv, S), "v": _u(rng, 2, 1, Hv, S), "w": decay,
+                      "u": _u(rng, Hv, S)},
+        "rwkv_wkv7": {"r": _u(rng, 2, 1, Hv, S), "w": decay, "k": _u(rng, 2, 1, Hv, S), "v": _u(rng, 2, 1, Hv, S),
+                      "a": _u(rng, 2, 1, Hv, S) / 4, "b": _u(rng, 2, 1, Hv, S) / 4},
+        "gated_linear_attn": {"q": _u(rng, 2, 1, Hv, S), "k": _u(rng, 2, 1, Hv, S), "v": _u(rng, 2, 1, Hv, S),
+                              "g": decay},
+    }  # fmt: skip
+    for op, inputs in linear.items():
+        args = {"pool": _u(rng, 4, Hv * S * S), "start_rows": seq_rows, "dst_rows": seq_rows, **inputs}
+        args["o"] = _u(rng, 2, 1, Hv, S)
+        calls[op] = Call(op, args, ("pool", "o"), ("start_rows", "dst_rows"))
     return calls
 
 
@@ -285,7 +299,7 @@ def all_cases() -> list[Case]:
         holder[case_id] = case
         cases.append(case)
 
-    for op in ("get_rows", "set_rows", "zero_rows", "copy_rows", "ssm_conv", "ssm_scan", "gated_delta_net"):
+    for op in primitive_calls(0):  # every primitive of the contract
         add(
             f"device.tensors.host_inputs[{op}]",
             lambda dev, seed, op=op: _host_inputs(dev, op, seed),

@@ -24,7 +24,7 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEADER = "statecache_cpu.h"
-SOURCES = ("rows.c", "ssm_conv.c", "ssm_scan.c", "delta_net.c")
+SOURCES = ("rows.c", "ssm_conv.c", "ssm_scan.c", "delta_net.c", "linear_attn.c")
 MODULE = "statecache.backends.cpu._kernels"
 
 _V3_FLAGS = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}
