@@ -83,7 +83,7 @@ ffibuilder.set_source(
     f'#include "{HEADER}"',
     sources=[_rel(name) for name in SOURCES],
     include_dirs=[_rel(".")],
-    depends=[_rel(HEADER), _rel("sc_internal.h")],
+    depends=[_rel(HEADER), _rel("sc_internal.h"), _rel("sc_gemm.h")],
     extra_compile_args=compile_args(ISA),
     extra_link_args=["-fopenmp"],
     libraries=["m"],
