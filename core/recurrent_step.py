@@ -28,6 +28,11 @@ transient buffers, the primitive runs on a transient pool of ``n_seqs``
 cells, and the results are copied back.  Only public Device primitives are
 used, so this is the same code on every backend.
 
+Every Buffer argument of the per-layer calls (``conv``, ``scan``, ``delta``,
+``wkv6``, ``wkv7``, ``gla``, ``shift``) may be a torch
+tensor (any DLPack object): it is turned into a Buffer first, before anything
+is checked or written (see :mod:`statecache.tensor_args`).
+
 Undo support (see :class:`~statecache.recurrent.RecurrentContext`): a step
 built for the memory's most recently applied ubatch reports, before its
 first write to each pool, that it is writing; with ``keep_undo_rows`` it
@@ -234,6 +239,8 @@ class RecurrentStep:
         tensor: str = "r",
     ) -> None:
         """``ssm_conv`` on the layer's conv-window pool (``x`` [n_seqs, n_seq_tokens, ch])."""
+        given = (x, weight, y, bias)  # held until return (Device._tensors_in says why)
+        x, weight, y, bias = self.device._tensors_in("x weight y* bias", *given)
         self._primitive(
             "ssm_conv", layer, tensor, {"x": x, "weight": weight, "y": y}, {"bias": bias},
             {"apply_silu": bool(apply_silu)}, lambda row: self._conv_shapes(layer, row, x, weight, y, bias),
@@ -260,6 +267,8 @@ class RecurrentStep:
         ``dt_bias`` [n_head] added before softplus, ``dt_limit=(lo, hi)`` clamping its result,
         the skip ``y += D * x`` (``D`` [n_head] or [n_head, head_dim]) and the gate
         ``y *= silu(z)`` (``z`` shaped like ``x``), applied last."""
+        given = (x, dt, A, B, C, y, D, z, dt_bias)  # held until return (Device._tensors_in says why)
+        x, dt, A, B, C, y, D, z, dt_bias = self.device._tensors_in("x dt A B C y* D z dt_bias", *given)
         self._primitive(
             "ssm_scan", layer, tensor, {"x": x, "dt": dt, "A": A, "B": B, "C": C, "y": y},
             {"D": D, "z": z, "dt_bias": dt_bias}, {},
@@ -292,6 +301,8 @@ class RecurrentStep:
         the kernel), ``A_log`` [H_v] with optional ``dt_bias`` (``g`` is then the raw
         projection ``a``: log-decay ``-exp(A_log) * softplus(a + dt_bias)``) and
         ``beta_sigmoid`` (``beta`` is the raw ``b``: ``sigmoid(b)`` is used)."""
+        given = (q, k, v, g, beta, o, A_log, dt_bias)  # held until return (Device._tensors_in says why)
+        q, k, v, g, beta, o, A_log, dt_bias = self.device._tensors_in("q k v g beta o* A_log dt_bias", *given)
         self._primitive(
             "gated_delta_net", layer, tensor, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "o": o},
             {"A_log": A_log, "dt_bias": dt_bias}, {},
@@ -356,6 +367,8 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``rwkv_wkv6`` on the layer's wkv state pool (r/k/v/w/o [n_seqs, n_seq_tokens, H, S])."""
+        given = (r, k, v, w, u, o)  # held until return (Device._tensors_in says why)
+        r, k, v, w, u, o = self.device._tensors_in("r k v w u o*", *given)
         self._linear_attn_step("rwkv_wkv6", layer, tensor, {"r": r, "k": k, "v": v, "w": w, "o": o}, scale, u)
 
     def wkv7(
@@ -373,6 +386,8 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``rwkv_wkv7`` on the layer's wkv state pool (every per-token tensor [n_seqs, n_seq_tokens, H, S])."""
+        given = (r, w, k, v, a, b, o)  # held until return (Device._tensors_in says why)
+        r, w, k, v, a, b, o = self.device._tensors_in("r w k v a b o*", *given)
         per_token = {"r": r, "w": w, "k": k, "v": v, "a": a, "b": b, "o": o}
         self._linear_attn_step("rwkv_wkv7", layer, tensor, per_token, scale)
 
@@ -389,6 +404,8 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``gated_linear_attn`` on the layer's state pool (q/k/v/g/o [n_seqs, n_seq_tokens, H, S])."""
+        given = (q, k, v, g, o)  # held until return (Device._tensors_in says why)
+        q, k, v, g, o = self.device._tensors_in("q k v g o*", *given)
         self._linear_attn_step("gated_linear_attn", layer, tensor, {"q": q, "k": k, "v": v, "g": g, "o": o}, scale)
 
     def _linear_attn_step(
@@ -451,6 +468,8 @@ class RecurrentStep:
         ``part`` of cell row ``c``).  The output equals the previous token's x
         exactly for finite inputs (an infinite x turns ``0 * x`` into NaN in the
         token before it)."""
+        given = (x, x_prev)  # held until return (Device._tensors_in says why)
+        x, x_prev = self.device._tensors_in("x x_prev*", *given)
         dev, inp = self.device, self.inputs
         pool = self._pool(layer, tensor)
         for name, buf in (("x", x), ("x_prev", x_prev)):
