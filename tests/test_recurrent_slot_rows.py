@@ -72,6 +72,29 @@ def outside_scan(rows: SlotRows, x, dt, A, B, C) -> np.ndarray:  # type: ignore[
     return y.float().numpy()
 
 
+def run_through_slot_rows(dev, step, tb, toks: np.ndarray, check=None):  # type: ignore[no-untyped-def]
+    """``recurrent_toy.run_layers`` with layer 0 and layer 2's conv run by the outside kernels."""
+    n_s, n_t = toks.shape
+    outs = []
+    for L in (0, 2):
+        rows = step.slot_rows(L, "r")
+        if check is not None:
+            check(step, rows, n_t)
+        outs.append(outside_conv(rows, tb.conv_x[L][toks], tb.conv_w[L]))
+        if L == 0:
+            rows = step.slot_rows(0, "s")
+            if check is not None:
+                check(step, rows, n_t)
+            ys = outside_scan(rows, tb.x[toks], tb.dt[toks], tb.A, tb.B[toks], tb.C[toks])
+        else:
+            args = [dev.upload(a) for a in (tb.q[toks], tb.k[toks], tb.v[toks], tb.g[toks], tb.beta[toks])]
+            y = dev.alloc((n_s, n_t, 2, 3))
+            step.delta(2, *args, y)
+            ys = y.numpy()
+        outs.append(ys.reshape(n_s, n_t, -1))
+    return np.concatenate(outs, axis=-1)
+
+
 class SlotToy(Toy):
     """The toy model with layer 0 and layer 2's conv run by the outside kernels."""
 
@@ -80,26 +103,9 @@ class SlotToy(Toy):
         self.seen_staged = self.seen_moves = 0
 
     def run_step(self, step, toks: np.ndarray):  # type: ignore[no-untyped-def]
-        dev, tb = self.dev, self.tables
         self.seen_staged += int(step.inputs.staged)
         self.seen_moves += int(step.inputs.copy_src.size > 0)
-        n_s, n_t = toks.shape
-        outs = []
-        for L in (0, 2):
-            rows = step.slot_rows(L, "r")
-            self.check_rows(step, rows, n_t)
-            outs.append(outside_conv(rows, tb.conv_x[L][toks], tb.conv_w[L]))
-            if L == 0:
-                rows = step.slot_rows(0, "s")
-                self.check_rows(step, rows, n_t)
-                ys = outside_scan(rows, tb.x[toks], tb.dt[toks], tb.A, tb.B[toks], tb.C[toks])
-            else:
-                args = [dev.upload(a) for a in (tb.q[toks], tb.k[toks], tb.v[toks], tb.g[toks], tb.beta[toks])]
-                y = dev.alloc((n_s, n_t, 2, 3))
-                step.delta(2, *args, y)
-                ys = y.numpy()
-            outs.append(ys.reshape(n_s, n_t, -1))
-        return np.concatenate(outs, axis=-1)
+        return run_through_slot_rows(self.dev, step, self.tables, toks, check=self.check_rows)
 
     def check_rows(self, step, rows: SlotRows, n_t: int) -> None:  # type: ignore[no-untyped-def]
         """The host arrays and the device buffers agree; rows are in range; no state j > n_t is asked for."""
@@ -216,3 +222,31 @@ def test_any_walk_through_slot_rows_matches_the_primitives(ops, device: str) -> 
         else:
             assert a.mem.seq_cp(op[1], op[2]) == b.mem.seq_cp(op[1], op[2])
         _same(a, b, None, None, dev)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_recurrent_part_of_a_hybrid_through_slot_rows_matches_recompute(device: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A hybrid's ``ctx.recr.step()`` hands out the same slot rows: prefill, decode, fork and
+    rollback checked against the oracle's recompute of every sequence's last output."""
+    import hybrid_toy
+
+    dev = statecache.get_device(device)
+    monkeypatch.setattr(hybrid_toy, "run_layers", run_through_slot_rows)
+    toy = hybrid_toy.HybridToy(dev, hybrid_toy.make_hybrid(dev, n_rs_seq=3))
+    atol = 1e-5 if device == "reference" else 5e-5
+
+    def feed(batch: dict[int, list[int]]) -> None:
+        out = toy.decode(batch)
+        assert out is not None
+        for s in batch:
+            last = max(p for q, p in out if q == s)
+            np.testing.assert_allclose(out[(s, last)], toy.expected(s), atol=atol, err_msg=f"seq {s}")
+
+    feed({0: [1, 2, 3, 4], 1: [5, 6]})
+    feed({0: [7], 1: [8]})
+    toy.mem.seq_cp(0, 2)
+    toy.recr_tokens[2], toy.attn_hist[2] = list(toy.recr_tokens[0]), list(toy.attn_hist[0])
+    feed({0: [9], 2: [10, 11, 12]})
+    assert toy.mem.seq_rm(2, 7, -1)  # back 2 of the 3 draft tokens
+    toy.recr_tokens[2], toy.attn_hist[2] = toy.recr_tokens[2][:7], toy.attn_hist[2][:7]
+    feed({2: [13], 1: [14]})
