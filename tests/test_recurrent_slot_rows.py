@@ -5,7 +5,8 @@ The outside kernels (the causal conv and the Mamba-2 scan) are written in torch
 from the formulas, reading and writing the pools through NumPy views; they
 call no statecache primitive.  Layer 0 (conv + scan) and the conv of layer 2
 run outside; the gated delta net of layer 2 stays on the primitive, so a
-ubatch mixes both kinds of pool."""
+ubatch mixes both kinds of pool.  ``STATECACHE_SLOT_ROWS_EXAMPLES=N`` runs the
+property test with N examples (default 15)."""
 
 from __future__ import annotations
 
