@@ -251,3 +251,33 @@ def test_the_recurrent_part_of_a_hybrid_through_slot_rows_matches_recompute(devi
     assert toy.mem.seq_rm(2, 7, -1)  # back 2 of the 3 draft tokens
     toy.recr_tokens[2], toy.attn_hist[2] = toy.recr_tokens[2][:7], toy.attn_hist[2][:7]
     feed({2: [13], 1: [14]})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_undo_after_an_outside_kernel_puts_every_row_back(device: str) -> None:
+    """The rows the slot rows name (and the copies slot_rows made) are all the undo record
+    keeps: after a staged ubatch with moved rows written by the outside kernels, undo
+    restores every pool bit for bit and the book."""
+    from statecache.batch import Batch, BatchAllocator
+
+    dev = statecache.get_device(device)
+    toy = SlotToy(dev, 3, n_rs_seq=3, size=5)
+    toy.mem.keep_undo_rows = True
+    for batch in ({0: [1, 2, 3, 4]}, {2: [5, 6]}, {1: [7]}):
+        toy.decode(batch)
+    before = {(L, n): b.numpy() for L, p in toy.mem.pools.items() for n, b in p.items()}
+    book = toy.mem.book_snapshot()
+    balloc = BatchAllocator(3)
+    balloc.init(Batch.for_sequences({0: [8], 1: [9]}, output_all=True), toy.mem)
+    ctx = toy.mem.init_batch(balloc, 8)
+    ub = ctx.get_ubatch()
+    assert ctx.apply()
+    step = ctx.step()
+    assert step.inputs.staged and step.inputs.copy_src.size  # the case with every kind of copy
+    toy.run_step(step, ub.token.reshape(ub.n_seqs, ub.n_seq_tokens))
+    changed = any(not np.array_equal(b.numpy(), before[(L, n)]) for L, p in toy.mem.pools.items() for n, b in p.items())
+    assert changed
+    assert ctx.undo() == ()
+    assert toy.mem.book_snapshot().same(book)
+    for (L, n), data in before.items():
+        np.testing.assert_array_equal(toy.mem.pools[L][n].numpy(), data, err_msg=f"layer {L} {n}")
