@@ -213,14 +213,16 @@ class Reader:
     def rows(self, n_rows: int, row_bytes: int, dtype: DType, field: str) -> np.ndarray:
         """``n_rows`` rows of ``row_bytes`` as a read-only ``dtype`` array ``[n_rows, width]``
         (a view, no copy); taken from the :class:`RowSource` inside :func:`rows_apart`."""
-        n = n_rows * row_bytes
+        raw = self.row_bytes(n_rows * row_bytes, field)
+        return raw.view(dtype.numpy).reshape(n_rows, row_bytes // dtype.itemsize)
+
+    def row_bytes(self, n: int, field: str) -> np.ndarray:
+        """``n`` bytes of row data as a ``uint8`` view (from the :class:`RowSource`
+        inside :func:`rows_apart`)."""
         where = _ROWS.get()
         if isinstance(where, RowSource):
-            raw: Any = where.take(n, self._f(field))
-        else:
-            raw = np.frombuffer(self._take(n, field), dtype=np.uint8)
-        width = row_bytes // dtype.itemsize if dtype.itemsize else 0
-        return raw.view(dtype.numpy).reshape(n_rows, width)
+            return where.take(n, self._f(field))
+        return np.frombuffer(self._take(n, field), dtype=np.uint8)
 
     def name(self, field: str) -> str:
         n = self.u8(field)

@@ -43,6 +43,7 @@ message stream is out of step (a send may still be pending): use a fresh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import threading
@@ -56,13 +57,14 @@ from statecache.distributed.errors import TransferError
 from statecache.distributed.wire import as_tensor, group_device, host_view, post, torch_dist, wait
 from statecache.errors import StateError
 from statecache.memory import StateFlags
-from statecache.state_io import unpack_sections
+from statecache.state_io import RowSink, RowSource, rows_apart, unpack_sections
 
 MAGIC = 0x5343_5351  # "SCSQ"
-PROTOCOL = 1
+PROTOCOL = 2
 ANSWER = 0x5343_4F4B  # "SCOK": the magic of every answer
-_HEADER_WORDS = 8
+_HEADER_WORDS = 10
 _CRC_PRESENT = 1 << 16  # in the header's flags word, above the state flags
+_ROWS_APART = 1 << 17  # the payload is metadata, then the rows (see statecache.state_io.rows_apart)
 
 OK = 0
 BAD_HEADER = 1
@@ -98,8 +100,12 @@ def _header_hash(words: list[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
 
 
-def _header(nbytes: int, pos_min: int, pos_max: int, flags: int, crc: int | None) -> list[int]:
-    words = [MAGIC, PROTOCOL, nbytes, pos_min, pos_max, flags | (_CRC_PRESENT if crc is not None else 0), crc or 0]
+def _header(
+    nbytes: int, pos_min: int, pos_max: int, flags: int, crc: int | None, meta_bytes: int | None = None
+) -> list[int]:
+    """The header words; ``meta_bytes``: the payload is that much metadata, then rows."""
+    word = flags | (_CRC_PRESENT if crc is not None else 0) | (_ROWS_APART if meta_bytes is not None else 0)
+    words = [MAGIC, PROTOCOL, nbytes, pos_min, pos_max, word, crc or 0, meta_bytes or 0, 0]
     return [*words, _header_hash(words)]
 
 
@@ -107,12 +113,14 @@ def _check_header(words: list[int]) -> str | None:
     """Why the header is corrupt, or None."""
     if words[0] != MAGIC:
         return f"magic is {words[0]:#x}, expected {MAGIC:#x}"
-    if words[7] != _header_hash(words):
+    if words[_HEADER_WORDS - 1] != _header_hash(words):
         return "the header hash does not match its fields"
     if words[1] != PROTOCOL:
         return f"protocol version {words[1]}, this library speaks {PROTOCOL}"
     if words[2] < -1:
         return f"payload size {words[2]}"
+    if words[5] & _ROWS_APART and not 0 < words[7] <= words[2]:
+        return f"metadata of {words[7]} bytes in a payload of {words[2]}"
     return None
 
 
@@ -159,6 +167,7 @@ def send_sequence(
     timeout: float = 60.0,
     checksum: bool = False,
     tag: int = 0,
+    rows: bool = True,
 ) -> Transfer:
     """Send sequence ``seq_id`` of ``memory`` to global rank ``dst`` (which calls
     :func:`recv_sequence`).  The sender's memory is only read.  Raises
@@ -170,7 +179,10 @@ def send_sequence(
     ch = _Channel(dst, group, tag, timeout)
     try:
         pos_min, pos_max = int(memory.seq_pos_min(seq_id)), int(memory.seq_pos_max(seq_id))
-        blob = memory.state_write(seq_id, flags)
+        if rows:
+            payload, meta_bytes = _rows_payload(memory, seq_id, int(flags))
+        else:
+            payload, meta_bytes = memory.state_write(seq_id, flags), None
     except Exception:
         try:  # tell the receiver not to wait for a payload
             abort = ch.ints(_header(-1, -1, -1, int(flags), None))
@@ -178,14 +190,37 @@ def send_sequence(
         except TransferError:
             pass
         raise
-    _offer(ch, blob, pos_min, pos_max, int(flags), checksum, f"sequence {seq_id}")
-    return Transfer(len(blob), pos_min, pos_max, time.perf_counter() - t0)
+    _offer(ch, payload, pos_min, pos_max, int(flags), checksum, f"sequence {seq_id}", meta_bytes)
+    return Transfer(len(payload), pos_min, pos_max, time.perf_counter() - t0)
 
 
-def _offer(ch: _Channel, blob: bytes, pos_min: int, pos_max: int, flags: int, checksum: bool, what: str) -> None:
+def _rows_payload(memory: Any, seq_id: int, flags: int) -> tuple[np.ndarray, int]:
+    """The sequence as one contiguous host buffer: the metadata of its state (the state
+    format's, with the valid snapshot planes), then every row block, gathered from the
+    device block by block (only the sequence's rows); and the metadata's length."""
+    sink = RowSink()
+    with rows_apart(sink):
+        meta = memory.state_write(seq_id, flags)
+    out = _buffer("send", np, len(meta) + sink.nbytes)
+    out[: len(meta)] = np.frombuffer(meta, dtype=np.uint8)
+    sink.gather(out[len(meta) :])
+    return out, len(meta)
+
+
+def _offer(
+    ch: _Channel,
+    blob: bytes | np.ndarray,
+    pos_min: int,
+    pos_max: int,
+    flags: int,
+    checksum: bool,
+    what: str,
+    meta_bytes: int | None = None,
+) -> None:
     """The sender's side of the protocol for one payload (see the module docstring)."""
     crc = zlib.crc32(blob) if checksum else None
-    sent = ch.send(ch.ints(_header(len(blob), pos_min, pos_max, flags, crc)), "sending the header")
+    header = _header(len(blob), pos_min, pos_max, flags, crc, meta_bytes)
+    sent = ch.send(ch.ints(header), "sending the header")
     code = ch.hear("waiting for the answer to the header")
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
@@ -227,23 +262,26 @@ def recv_sequence(
     t0 = time.perf_counter()
     ch = _Channel(src, group, tag, timeout)
     limit = default_max_bytes(memory) if max_bytes is None else int(max_bytes)
-    data, (nbytes, pos_min, pos_max, flags) = _take(ch, limit)
+    data, (nbytes, pos_min, pos_max, flags, meta_bytes) = _take(ch, limit)
+    meta, rows = data, None
+    if meta_bytes >= 0:  # metadata, then the rows
+        meta, rows = data[:meta_bytes], np.frombuffer(data, dtype=np.uint8)[meta_bytes:]
     try:
-        _check_positions(data, pos_max)
+        _check_positions(meta, pos_max, rows)
     except StateError:
         ch.answer(REFUSED)
         raise
     # what a failure after validation must put back (an empty destination: nothing to save)
     held = max(memory.seq_pos_min(seq_id), memory.seq_pos_max(seq_id)) >= 0  # either part of a hybrid
-    backup = memory.state_write(seq_id, flags) if held else None
+    backup = _save(memory, seq_id, flags) if held else None
     try:
-        memory.state_read(data, seq_id, flags)
+        _read(memory, meta, rows, seq_id, flags)
     except StateError:
         ch.answer(REFUSED)  # state_read validates everything before writing: nothing changed
         raise
     except BaseException:
         if backup is not None:
-            memory.state_read(backup, seq_id, flags)  # failed after validating: put the old state back
+            _read(memory, *backup, seq_id, flags)  # failed after validating: put the old state back
         else:
             memory.seq_rm(seq_id, -1, -1)
         ch.answer(FAILED)
@@ -252,16 +290,37 @@ def recv_sequence(
     return Transfer(nbytes, pos_min, pos_max, time.perf_counter() - t0)
 
 
-def _take(ch: _Channel, limit: int) -> tuple[memoryview, tuple[int, int, int, int]]:
+def _save(memory: Any, seq_id: int, flags: int) -> tuple[bytes, np.ndarray]:
+    """Sequence ``seq_id`` as metadata and rows, its snapshot planes included, so that
+    putting it back (:func:`_read`) restores its rollback budget too."""
+    sink = RowSink()
+    with rows_apart(sink):
+        meta = memory.state_write(seq_id, flags)
+    rows = np.empty(sink.nbytes, dtype=np.uint8)
+    sink.gather(rows)
+    return meta, rows
+
+
+def _read(memory: Any, meta: Any, rows: np.ndarray | None, seq_id: int, flags: int) -> None:
+    """``state_read`` of a blob, or of metadata whose rows are apart."""
+    if rows is None:
+        memory.state_read(meta, seq_id, flags)
+        return
+    with rows_apart(RowSource(rows)):
+        memory.state_read(meta, seq_id, flags)
+
+
+def _take(ch: _Channel, limit: int) -> tuple[memoryview, tuple[int, int, int, int, int]]:
     """The receiver's side up to a payload it has checked: ``(payload, (bytes, pos_min,
-    pos_max, state flags))``; the final answer is the caller's."""
+    pos_max, state flags, metadata bytes or -1 for a whole blob))``; the final answer
+    is the caller's."""
     src = ch.peer
     words = [int(x) for x in ch.recv(ch.ints([0] * _HEADER_WORDS), "receiving the header").tolist()]
     bad = _check_header(words)
     if bad is not None:
         ch.answer(BAD_HEADER)
         raise TransferError(src, f"corrupt header from rank {src}: {bad}; nothing was received")
-    nbytes, pos_min, pos_max, flags_word, crc = words[2:7]
+    nbytes, pos_min, pos_max, flags_word, crc, meta_bytes = words[2:8]
     if nbytes == -1:
         raise TransferError(src, f"rank {src} could not write the sequence it was to send; nothing was received")
     if nbytes > limit:
@@ -274,7 +333,7 @@ def _take(ch: _Channel, limit: int) -> tuple[memoryview, tuple[int, int, int, in
     if flags_word & _CRC_PRESENT and zlib.crc32(data) != crc:
         ch.answer(BAD_CHECKSUM)
         raise TransferError(src, f"the payload from rank {src} does not match its CRC-32; nothing was written")
-    return data, (nbytes, pos_min, pos_max, flags_word & 0xFFFF)
+    return data, (nbytes, pos_min, pos_max, flags_word & 0xFFFF, meta_bytes if flags_word & _ROWS_APART else -1)
 
 
 _BUFFERS = threading.local()
@@ -284,13 +343,22 @@ def _receive_buffer(ch: _Channel, nbytes: int) -> Any:
     """``nbytes`` of a receive buffer kept for the next transfer (per thread and device):
     touching fresh pages for every payload costs about as much as receiving it.  The
     payload is only read until ``state_read`` has copied it, so reuse is safe."""
-    key = str(ch.device)
+    return _buffer(str(ch.device), ch.torch, nbytes, ch.device)
+
+
+def _buffer(key: str, lib: Any, nbytes: int, device: Any = None) -> Any:
+    """A kept ``uint8`` buffer of at least ``nbytes`` (a torch tensor on ``device``, or a
+    NumPy array when ``lib`` is NumPy: the sender's host buffer), its first ``nbytes``."""
     cache = getattr(_BUFFERS, "by_device", None)
     if cache is None:
         cache = _BUFFERS.by_device = {}
     buf = cache.get(key)
-    if buf is None or buf.numel() < nbytes:
-        buf = cache[key] = ch.torch.empty(nbytes, dtype=ch.torch.uint8, device=ch.device)
+    if buf is None or buf.shape[0] < nbytes:
+        if lib is np:
+            buf = np.empty(nbytes, dtype=np.uint8)
+        else:
+            buf = lib.empty(nbytes, dtype=lib.uint8, device=device)
+        cache[key] = buf
     return buf[:nbytes]
 
 
@@ -299,15 +367,20 @@ def release_buffers() -> None:
     _BUFFERS.by_device = {}
 
 
-def _check_positions(data: Any, pos_max: int) -> None:
-    """Every part of the blob ends at the header's last position (an empty sequence: no cells)."""
+def _check_positions(data: Any, pos_max: int, rows: np.ndarray | None = None) -> None:
+    """Every part of the blob ends at the header's last position (an empty sequence: no
+    cells); with ``rows`` apart, the metadata's row blocks also use every row byte."""
     from statecache.distributed.sections import parse_section
 
-    _, sections = unpack_sections(data)
-    for tag, payload in sections:
-        sec = parse_section(tag, payload)
-        last = max(sec.positions) if sec.positions else -1
-        if last != pos_max:
-            raise StateError(
-                f"{sec.name}.pos", f"the sequence ends at position {last} there, the header says {pos_max}"
-            )
+    source = RowSource(rows) if rows is not None else None
+    with rows_apart(source) if source is not None else contextlib.nullcontext():
+        _, sections = unpack_sections(data)
+        for tag, payload in sections:
+            sec = parse_section(tag, payload)
+            last = max(sec.positions) if sec.positions else -1
+            if last != pos_max:
+                raise StateError(
+                    f"{sec.name}.pos", f"the sequence ends at position {last} there, the header says {pos_max}"
+                )
+    if source is not None:
+        source.at_end()
