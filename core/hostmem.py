@@ -69,3 +69,19 @@ def gather_rows(device: Any, buf: Buffer, idx: np.ndarray, out: np.ndarray | Non
     device.get_rows(buf, device.indices(idx), tmp)
     dst[...] = device.download(tmp)
     return out
+
+
+def scatter_rows(device: Any, buf: Buffer, idx: np.ndarray, rows: np.ndarray) -> None:
+    """``buf[idx[i]] = rows[i]`` for host rows already in ``buf``'s dtype and distinct
+    ``idx`` (a restore's destination cells): one copy straight into a host-visible
+    buffer's memory, elsewhere one upload and the device's ``set_rows``."""
+    if not idx.size:
+        return
+    if device.caps.host_visible and isinstance(buf.storage, np.ndarray) and buf.is_contiguous:
+        if idx.min() < 0 or idx.max() >= buf.shape[0]:
+            raise ArgumentError("idx", f"rows outside [0, {buf.shape[0]})")
+        device.synchronize()
+        flat: np.ndarray = buf.storage
+        flat[buf.offset : buf.offset + buf.size].reshape(buf.shape)[idx] = rows
+        return
+    device.set_rows(buf, device.indices(idx), device.upload(rows, buf.dtype))

@@ -29,6 +29,7 @@ import numpy as np
 from statecache.backend import Buffer, Device
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, StateError
+from statecache.hostmem import scatter_rows
 from statecache.kv_cells import EMPTY, KVCells
 from statecache.kv_mask import SWAType, build_mask, is_masked_swa, n_kv_for, round_up
 from statecache.memory import (
@@ -719,11 +720,10 @@ class KVCache(Memory):
                 cells.pos_set(idx, int(pos[k]), (int(ext[k, 0]), int(ext[k, 1])))
                 for s in sets[k]:
                     cells.seq_add(idx, s)
-            rows = self.device.indices(dest + strm * self.size)
+            rows = dest + strm * self.size
             for store, bufs in ((plan.k_rows, self.k), (plan.v_rows, self.v)):
                 for il, per_stream in store.items():
-                    src = self.device.upload(per_stream[k_strm], self.dtype)  # already in the cache's dtype
-                    self.device.set_rows(bufs[il], rows, src)
+                    scatter_rows(self.device, bufs[il], rows, per_stream[k_strm])  # already in the cache's dtype
             self.book.heads[strm] = 0
 
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:

@@ -40,6 +40,7 @@ from statecache.backend import Buffer, Device
 from statecache.batch import BatchAllocator, SeqIds, UBatch
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, BatchError, InvariantError, StatecacheWarning, StateError
+from statecache.hostmem import scatter_rows
 from statecache.launch_memo import LaunchMemo
 from statecache.memory import (
     POS_MAX,
@@ -1142,10 +1143,10 @@ class RecurrentMemory(Memory):
             b.used = len(cells)
         self._version += 1
         if targets:
-            idx = self.device.indices(targets)
+            idx = np.asarray(targets, dtype=np.int64)
             for layer, pools in self.pools.items():
                 for name, buf in pools.items():
-                    self.device.set_rows(buf, idx, self.device.upload(data[layer][name], buf.dtype))
+                    scatter_rows(self.device, buf, idx, data[layer][name])
         if plan.get("planes") is not None:
             self._install_planes(targets, cells, *plan["planes"])
 
@@ -1165,10 +1166,10 @@ class RecurrentMemory(Memory):
             start += n
             b.snap_end[c], b.snap_valid[c] = p, 1 + keep
         if dst:
-            idx, sel = self.device.indices(dst), np.asarray(src, dtype=np.int64)
+            idx, sel = np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
             for layer, pools in self.pools.items():
                 for name, buf in pools.items():
-                    self.device.set_rows(buf, idx, self.device.upload(data[layer][name][sel], buf.dtype))
+                    scatter_rows(self.device, buf, idx, data[layer][name][sel])
 
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         if hasattr(data, "read") and not isinstance(data, bytes | bytearray | memoryview):
