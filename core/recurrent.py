@@ -1157,7 +1157,8 @@ class RecurrentMemory(Memory):
         the target cell gets the state ``j`` positions back, as many as this memory keeps
         (``n_snap - 1``), and the cell offers rollbacks that deep."""
         b = self._book
-        dst, src = [], []
+        dst: list[int] = []
+        src: list[int] = []
         start = 0
         for c, (p, _), n in zip(targets, cells, counts, strict=True):
             keep = min(n, self.n_snap - 1) if self.has_layers else 0

@@ -149,7 +149,7 @@ class Writer:
         if isinstance(data, bytes):
             self._parts.append(data)
         elif isinstance(data, np.ndarray) and data.flags.c_contiguous:
-            self._parts.append(memoryview(data.reshape(-1).view(np.uint8)))
+            self._parts.append(memoryview(data.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
         else:
             self._parts.append(bytes(data))
 

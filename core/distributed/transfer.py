@@ -218,7 +218,7 @@ def _offer(
     meta_bytes: int | None = None,
 ) -> None:
     """The sender's side of the protocol for one payload (see the module docstring)."""
-    crc = zlib.crc32(blob) if checksum else None
+    crc = zlib.crc32(blob if isinstance(blob, bytes) else blob.data) if checksum else None
     header = _header(len(blob), pos_min, pos_max, flags, crc, meta_bytes)
     sent = ch.send(ch.ints(header), "sending the header")
     code = ch.hear("waiting for the answer to the header")
