@@ -540,7 +540,7 @@ class KVCache(Memory):
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
         w = Writer()
         self.state_write_into(w, seq)
-        return pack_sections([(TAG_KV, w.getvalue())], flags)
+        return pack_sections([(TAG_KV, w)], flags)
 
     def state_write_into(self, w: Writer, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
@@ -1270,15 +1270,15 @@ class KVCacheISWA(Memory):
             self.base.state_write_into(w, seq)
         self.swa.state_write_into(w, seq)
 
-    def state_sections(self, seq: int = -1, flags: int = StateFlags.NONE) -> list[tuple[bytes, bytes]]:
-        """Base section unless ``PARTIAL_ONLY``, then the window section."""
-        out = []
+    def state_sections(self, seq: int = -1, flags: int = StateFlags.NONE) -> list[tuple[bytes, bytes | Writer]]:
+        """Base section unless ``PARTIAL_ONLY``, then the window section (payloads as their Writers)."""
+        out: list[tuple[bytes, bytes | Writer]] = []
         for tag, cache in ((TAG_KV_BASE, self.base), (TAG_KV_SWA, self.swa)):
             if tag == TAG_KV_BASE and flags & StateFlags.PARTIAL_ONLY:
                 continue
             w = Writer()
             cache.state_write_into(w, seq)
-            out.append((tag, w.getvalue()))
+            out.append((tag, w))
         return out
 
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:

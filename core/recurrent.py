@@ -984,9 +984,9 @@ class RecurrentMemory(Memory):
             return [c] if c >= 0 else []
         return np.flatnonzero(b.n_own > 0).tolist()
 
-    def write_section(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
-        """The recurrent section payload (the logical state: a pending rollback is
-        written from its plane)."""
+    def write_section(self, seq: int = -1, flags: int = StateFlags.NONE) -> Writer:
+        """The recurrent section payload, as the :class:`Writer` holding it (the logical
+        state: a pending rollback is written from its plane)."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         b = self._book
         cells = self._cells_for(seq)
@@ -1019,7 +1019,7 @@ class RecurrentMemory(Memory):
                     w.rows(self.device, buf, rows)
         if planes_apart():
             self._write_planes(w, cells)
-        return w.getvalue()
+        return w
 
     def _valid_planes(self, c: int) -> np.ndarray:
         """Pool rows of cell ``c``'s snapshot planes still valid behind its logical state

@@ -130,28 +130,33 @@ class Writer:
 
     def __init__(self) -> None:
         self._parts: list[bytes | memoryview] = []
+        self.nbytes = 0
+
+    def _add(self, part: bytes | memoryview) -> None:
+        self._parts.append(part)
+        self.nbytes += len(part)
 
     def u8(self, v: int) -> None:
-        self._parts.append(struct.pack("<B", v))
+        self._add(struct.pack("<B", v))
 
     def u32(self, v: int) -> None:
-        self._parts.append(struct.pack("<I", v))
+        self._add(struct.pack("<I", v))
 
     def i32(self, v: int) -> None:
-        self._parts.append(struct.pack("<i", v))
+        self._add(struct.pack("<i", v))
 
     def u64(self, v: int) -> None:
-        self._parts.append(struct.pack("<Q", v))
+        self._add(struct.pack("<Q", v))
 
     def raw(self, data: bytes | bytearray | memoryview | np.ndarray) -> None:
         """Append bytes; a contiguous array is kept as a view until :meth:`getvalue`
         (one copy, the join, instead of two)."""
         if isinstance(data, bytes):
-            self._parts.append(data)
+            self._add(data)
         elif isinstance(data, np.ndarray) and data.flags.c_contiguous:
-            self._parts.append(memoryview(data.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+            self._add(memoryview(data.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
         else:
-            self._parts.append(bytes(data))
+            self._add(bytes(data))
 
     def rows(self, device: Any, buf: Any, idx: np.ndarray) -> None:
         """The rows ``idx`` of the 2-D device buffer ``buf``, back to back (gathered
@@ -173,6 +178,17 @@ class Writer:
 
     def getvalue(self) -> bytes:
         return b"".join(self._parts)
+
+    def crc32(self) -> int:
+        """zlib CRC-32 of everything written so far (without joining it)."""
+        crc = 0
+        for part in self._parts:
+            crc = zlib.crc32(part, crc)
+        return crc
+
+    @property
+    def parts(self) -> list[bytes | memoryview]:
+        return self._parts
 
 
 class Reader:
@@ -243,17 +259,23 @@ class Reader:
             raise StateError(self._f("length"), f"{len(self.data) - self.off} unread trailing bytes")
 
 
-def pack_sections(sections: Sequence[tuple[bytes, bytes]], flags: int = 0) -> bytes:
-    """A whole blob from ``(tag, payload)`` pairs (the current format version, with checksums)."""
+def pack_sections(sections: Sequence[tuple[bytes, bytes | Writer]], flags: int = 0) -> bytes:
+    """A whole blob from ``(tag, payload)`` pairs (the current format version, with
+    checksums).  A payload may be the :class:`Writer` that wrote it: its parts are
+    then copied once, into the blob, instead of being joined first."""
     flags = int(flags)
     if flags & ~KNOWN_FLAGS:
         raise ValueError(f"unknown state flags {flags:#x} (known: {KNOWN_FLAGS:#x})")
-    parts = [_HEADER.pack(MAGIC, FORMAT_VERSION, flags, len(sections))]
+    parts: list[bytes | memoryview] = [_HEADER.pack(MAGIC, FORMAT_VERSION, flags, len(sections))]
     for tag, payload in sections:
         if len(tag) != 4:
             raise ValueError(f"section tag {tag!r} must be 4 bytes")
-        parts.append(_SECTION.pack(tag, len(payload), zlib.crc32(payload)))
-        parts.append(bytes(payload))
+        if isinstance(payload, Writer):
+            parts.append(_SECTION.pack(tag, payload.nbytes, payload.crc32()))
+            parts += payload.parts
+        else:
+            parts.append(_SECTION.pack(tag, len(payload), zlib.crc32(payload)))
+            parts.append(bytes(payload))
     return b"".join(parts)
 
 
