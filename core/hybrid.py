@@ -176,6 +176,8 @@ class HybridContext(CompositeContext):
         snap, extra, edits = self._undo_log[-k]
         if self.memory is not None and edits != self.memory._edits:
             raise ContextError("the memory changed after these ubatches were applied; they can no longer be undone")
+        if not self.restorable(snap):  # an attention book changed since by something else
+            raise ContextError("the attention part changed after these ubatches were applied; they cannot be undone")
         dropped = set(self.recr.undo(k))  # refuses, changing nothing, when the recurrent memory changed since
         kv = [p for p in self._leaves() if isinstance(p, KVCacheContext)]
         damaged = [(p, p.undo_rows(k)) for p in kv]

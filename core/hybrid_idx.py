@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from statecache.batch import SeqIds
 from statecache.errors import ArgumentError, StateError
 from statecache.hybrid import HybridContext, HybridMemory, HybridUpdateContext
 from statecache.kpool import (
@@ -53,6 +54,7 @@ from statecache.kpool import (
     stale_pos,
 )
 from statecache.kv_cache import KVCache, KVLayer
+from statecache.kv_cells import SeqCells
 from statecache.memory import (
     ContextError,
     MemoryContext,
@@ -126,6 +128,12 @@ class HybridIdxMemory(HybridMemory):
         strm = self.idx.stream_of(s)
         return strm, self.idx.cells[strm].seq_cells(s)
 
+    def _pairs_view(self, s: int) -> tuple[int, SeqCells]:
+        """:meth:`pairs_of` without the copy: the live pairs, with their stamp, for
+        :meth:`KPoolLayout.update` (which then reads only what was appended)."""
+        strm = 0 if self.idx.unified else s  # s is a loop index in range: no check (once per sequence and apply)
+        return strm, self.idx.cells[strm].seq_pos[s]
+
     # -- plans ----------------------------------------------------------------------
     def _batch_context(
         self, ubs: Sequence[UBatch], plans: tuple[Any, Any], attn: MemoryContext, recr: MemoryContext
@@ -135,7 +143,7 @@ class HybridIdxMemory(HybridMemory):
 
     def init_full(self) -> MemoryContext:
         ctx = HybridContext(self.attn.init_full(), self.recr.init_full(), [self.idx.init_full()])
-        self.layout.update(self.pairs_of, self.marks)  # marks are kept (docs/memory-semantics.md#kpool-hazards, H6)
+        self.layout.update(self._pairs_view, self.marks)  # marks are kept (docs/memory-semantics.md#kpool-hazards, H6)
         ctx.kpool_state = self.layout.build_state([], None, 0, reserve=True)  # type: ignore[attr-defined]
         ctx.record_version(self)
         return ctx
@@ -303,7 +311,7 @@ class HybridIdxMemory(HybridMemory):
 class _UndoExtra:
     """What ``HybridIdxContext.apply()`` (and a later ``next()``) change besides the books."""
 
-    layout: list[SeqLayout]
+    layout: list[tuple[SeqLayout, int, int, int, int | None]]  # KPoolLayout.mark()
     marks: np.ndarray
     i_cur: int
     state_for: int
@@ -334,7 +342,7 @@ class HybridIdxContext(HybridContext):
         if not super().apply():
             return False
         mem = self.mem
-        forced = mem.layout.update(mem.pairs_of, mem.marks)
+        forced = mem.layout.update(mem._pairs_view, mem.marks)
         tokens = self.tokens()
         first = self.stale_batch if self.i_cur == 0 else None
         ub = self.get_ubatch()
@@ -345,12 +353,12 @@ class HybridIdxContext(HybridContext):
     # -- undo (HybridContext hooks) ---------------------------------------------------------
     def _undo_extra_snapshot(self) -> _UndoExtra:
         mem = self.mem
-        layout = [seq.copy() for seq in mem.layout.seqs]  # apply() edits the layouts in place
-        return _UndoExtra(layout, mem.marks.copy(), self.i_cur, self._state_for, self.kpool_state)
+        # apply() appends to the layouts in place: a mark (lengths), not a copy of every layout
+        return _UndoExtra(mem.layout.mark(), mem.marks.copy(), self.i_cur, self._state_for, self.kpool_state)
 
     def _undo_extra_restore(self, extra: Any) -> None:
         mem = self.mem
-        mem.layout.seqs = extra.layout
+        mem.layout.restore(extra.layout)
         mem.marks.restore(extra.marks)
         self.i_cur, self._state_for, self.kpool_state = extra.i_cur, extra.state_for, extra.kpool_state
 
@@ -366,8 +374,11 @@ class HybridIdxContext(HybridContext):
 
     def tokens(self) -> list[Token]:
         ub = self.get_ubatch()
-        cells = self.idx.sinfo.cells  # type: ignore[attr-defined]
-        return [Token(int(ub.pos[i]), tuple(ub.seq_id[i]), int(cells[i])) for i in range(ub.n_tokens)]
+        cells = self.idx.sinfo.cells.tolist()  # type: ignore[attr-defined]
+        pos = np.asarray(ub.pos).tolist()
+        if isinstance(ub.seq_id, SeqIds):  # one sequence per token: no per-token set to read
+            return [Token(p, (s,), c) for p, s, c in zip(pos, ub.seq_id.ids.tolist(), cells, strict=True)]
+        return [Token(pos[i], tuple(ub.seq_id[i]), cells[i]) for i in range(ub.n_tokens)]
 
     def _state(self) -> KPoolState:
         if self._state_for != self.i_cur or self.kpool_state is None:

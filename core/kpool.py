@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from statecache.errors import ArgumentError
+from statecache.kv_cells import SeqCells
 
 #: A stale mark of "clean" (no pooled key of the sequence may be wrong).
 POS_CLEAN = 2**31 - 1
@@ -42,9 +43,13 @@ class SeqLayout:
     pos_min: int = 0
     pools: list[int] = dataclasses.field(default_factory=list)
     j_next: int = 0
+    #: the ``stamp`` of the sequence's cells (:class:`~statecache.kv_cells.SeqCells`) when ``cells`` was
+    #: last made equal to them: while the stamp is unchanged, those pairs are still its first ones and
+    #: only appends happened since, so :meth:`KPoolLayout.update` reads just the new pairs
+    src_stamp: int | None = dataclasses.field(default=None, compare=False)
 
     def copy(self) -> SeqLayout:
-        return SeqLayout(self.strm, list(self.cells), self.pos_min, list(self.pools), self.j_next)
+        return SeqLayout(self.strm, list(self.cells), self.pos_min, list(self.pools), self.j_next, self.src_stamp)
 
 
 def scan_pools(layout: SeqLayout, kpool: int, by_order: bool) -> None:
@@ -189,7 +194,9 @@ class KPoolLayout:
         j = layout.pools[k]
         return layout.cells[j : j + self.kpool]
 
-    def update(self, pairs_of: Callable[[int], tuple[int, list[tuple[int, int]]]], marks: StaleMarks) -> dict[int, int]:
+    def update(
+        self, pairs_of: Callable[[int], tuple[int, Sequence[tuple[int, int]] | SeqCells]], marks: StaleMarks
+    ) -> dict[int, int]:
         """Bring every layout up to date with the cells (append-only when clean).
 
         Returns extra stale positions: a clean sequence whose cells changed
@@ -203,11 +210,20 @@ class KPoolLayout:
             layout = self.seqs[s]
             old = layout.cells
             clean = marks.is_clean(s)
+            stamp = sp.stamp if isinstance(sp, SeqCells) else None
+            if clean and old and isinstance(sp, SeqCells) and stamp == layout.src_stamp and strm == layout.strm:
+                # the pairs it was built from are still the first ones: read only the appended
+                # ones (O(new pairs), where comparing the whole list cost the context)
+                if len(sp) > len(old):
+                    old.extend(sp.pairs_from(len(old)))
+                    scan_pools(layout, self.kpool, self.by_order)
+                continue
             if clean and old and sp and layout.pos_min == sp[0][0] and strm == layout.strm:
                 cut = bisect.bisect_right(sp, old[-1])
                 if sp[:cut] == old:
-                    layout.cells = old + sp[cut:]
+                    old.extend(sp[cut:])
                     scan_pools(layout, self.kpool, self.by_order)
+                    layout.src_stamp = stamp
                     continue
             if clean and old:
                 first_diff = next((k for k in range(min(len(old), len(sp))) if old[k] != sp[k]), min(len(old), len(sp)))
@@ -215,7 +231,21 @@ class KPoolLayout:
                 if candidates:
                     forced[s] = max(0, min(candidates))
             self.seqs[s] = rebuild(sp, strm, self.kpool, self.by_order)
+            self.seqs[s].src_stamp = stamp
         return forced
+
+    def mark(self) -> list[tuple[SeqLayout, int, int, int, int | None]]:
+        """A mark of every layout, O(sequences): :meth:`update` only appends to a layout
+        in place (or replaces it), so the object and its lengths describe it exactly."""
+        return [(x, len(x.cells), len(x.pools), x.j_next, x.src_stamp) for x in self.seqs]
+
+    def restore(self, mark: list[tuple[SeqLayout, int, int, int, int | None]]) -> None:
+        """Put every layout back as it was at :meth:`mark` (undo)."""
+        for x, n_cells, n_pools, j_next, stamp in mark:
+            del x.cells[n_cells:]
+            del x.pools[n_pools:]
+            x.j_next, x.src_stamp = j_next, stamp
+        self.seqs = [m[0] for m in mark]
 
     # -- per-ubatch state (docs/memory-semantics.md#kpool-new) -----------------
     def _rank(self, s: int, pos: int, cell: int) -> int:
@@ -228,8 +258,11 @@ class KPoolLayout:
     def _pool_of_pos(self, s: int, pos: int) -> int:
         """Position mode: the pool holding ``pos``, or -1."""
         layout = self.seqs[s]
-        firsts = [layout.cells[j][0] for j in layout.pools]
-        k = bisect.bisect_right(firsts, pos) - 1
+        cells, pools = layout.cells, layout.pools
+        if pools and cells[pools[-1]][0] <= pos:  # a decode token: the last pool or none
+            k = len(pools) - 1
+        else:
+            k = bisect.bisect_right(pools, pos, key=lambda j: cells[j][0]) - 1  # O(log pools)
         if k < 0:
             return -1
         last = layout.cells[layout.pools[k] + self.kpool - 1][0]
@@ -265,8 +298,7 @@ class KPoolLayout:
         stale = np.full(self.n_seq_max, POS_CLEAN, dtype=np.int64) if stale_batch is None else stale_batch.copy()
         for s, p in (forced or {}).items():
             stale[s] = min(int(stale[s]), p)
-        for s in range(self.n_seq_max):
-            f = int(stale[s])
+        for s, f in enumerate(stale.tolist()):
             if f == POS_CLEAN:
                 continue
             for k in range(len(self.seqs[s].pools)):

@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from statecache.backend import Buffer, Device
+from statecache.batch import SeqIds
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, StateError
 from statecache.hostmem import scatter_rows
-from statecache.kv_cells import EMPTY, KVCells
-from statecache.kv_mask import SWAType, build_mask, is_masked_swa, n_kv_for, round_up
+from statecache.kv_cells import EMPTY, CellJournal, KVCells
+from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from
 from statecache.memory import (
+    ContextError,
     Memory,
     MemoryContext,
     MemoryStatus,
@@ -95,14 +97,50 @@ class SlotInfo:
 
 
 class _Book:
-    """Cells of every stream plus the search heads; cloned for planning."""
+    """Cells of every stream plus the search heads."""
 
     def __init__(self, cells: list[KVCells], heads: list[int]) -> None:
         self.cells = cells
         self.heads = heads
 
-    def clone(self) -> _Book:
-        return _Book([c.clone() for c in self.cells], list(self.heads))
+
+class BookJournal:
+    """What a plan or an apply changed in some streams of a book, to take it back.
+
+    While it is open, each stream it covers records the before-image of every
+    cell a mutation touches (:class:`~statecache.kv_cells.CellJournal`); the
+    search heads are copied at the start.  :meth:`rollback` puts those
+    streams back exactly: O(cells touched + streams), where copying the book
+    was O(cells).  ``version_after`` is the cache's version once the change
+    was complete (undo refuses to roll back over any later change)."""
+
+    def __init__(self, book: _Book, streams: Sequence[int]) -> None:
+        self.heads = list(book.heads)
+        self.streams: dict[int, CellJournal] = {}
+        self.version_after: Hashable = None
+        try:
+            for strm in streams:
+                self.streams[int(strm)] = book.cells[int(strm)].attach()
+        except BaseException:
+            self.close(book)
+            raise
+
+    def close(self, book: _Book) -> None:
+        """Stop recording (the journal keeps what it saved)."""
+        for strm, j in self.streams.items():
+            if book.cells[strm]._journal is j:
+                book.cells[strm].detach()
+
+    def rollback(self, book: _Book) -> None:
+        """Put the covered streams and the heads back as they were when it was opened."""
+        self.close(book)
+        for strm, j in self.streams.items():
+            book.cells[strm].rollback(j)
+        book.heads[:] = self.heads
+
+    @property
+    def n_touched(self) -> int:
+        return sum(j.n_touched for j in self.streams.values())
 
 
 @dataclasses.dataclass
@@ -224,7 +262,10 @@ class KVCache(Memory):
 
     def n_kv(self) -> int:
         """Cells the attention reads this step (max over streams, padded)."""
-        used = max(c.used_max_p1() for c in self.cells)
+        if self.n_stream == 1:
+            used = self.cells[0].used_max_p1()
+        else:
+            used = max(c.used_max_p1() for c in self.cells)
         return n_kv_for(used, self.size, self.n_pad)
 
     # -- placement (docs/memory-semantics.md#kv-placement) --------------------------
@@ -238,38 +279,64 @@ class KVCache(Memory):
             out.append(ub)
         return out if balloc.n_used == balloc.n_tokens else None
 
-    def _find_slot(self, book: _Book, ub: UBatch) -> SlotInfo | None:
+    def _stream_groups(self, ub: UBatch) -> list[tuple[int, np.ndarray]]:
+        """The ubatch's tokens per stream: ``(stream, token indices)``, streams ascending."""
+        if self.unified:
+            return [(0, np.arange(ub.n_tokens))]
         primary = ub.primary
-        streams = np.zeros(ub.n_tokens, dtype=np.int64) if self.unified else primary.copy()
+        order = np.argsort(primary, kind="stable")
+        sp = primary[order]
+        starts = np.flatnonzero(np.r_[True, sp[1:] != sp[:-1]])
+        ends = np.r_[starts[1:], sp.size]
+        return [(int(sp[a]), order[a:b]) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+
+    def _find_slot(self, book: _Book, ub: UBatch) -> SlotInfo | None:
+        """Cells for the ubatch's tokens, per stream: free cells in cyclic order from the
+        stream's search head (upstream's order, found a block at a time), then -- in a
+        window cache that evicts -- cells a sliding window has left
+        (:meth:`_evictable`).  O(tokens + blocks skipped), never a scan of the cells."""
+        groups = self._stream_groups(ub)
+        streams = np.zeros(ub.n_tokens, dtype=np.int64)
         cells_out = np.full(ub.n_tokens, -1, dtype=np.int64)
-        for strm in np.unique(streams):
-            strm = int(strm)
-            tok = np.flatnonzero(streams == strm)
+        for strm, tok in groups:
             cells = book.cells[strm]
-            n = tok.size
+            n = int(tok.size)
             if n > self.size:
                 return None
             head = book.heads[strm]
             if head > cells.used + 2 * n:
                 head = 0
-            found: list[int] = []
-            for step in range(self.size):
-                idx = (head + step) % self.size
-                usable = cells.is_empty(idx)
-                if not usable and self.evicts and cells.seq_count(idx) == 1:
-                    # reusable only when masked for the earliest token the sequence can
-                    # continue with: after a rollback of rollback_depth positions
-                    s_cell = cells.seqs_of(idx)[0]
-                    p_next = cells.seq_pos_max(s_cell) + 1 - self.rollback_depth
-                    usable = bool(is_masked_swa(self.n_swa, self.swa_type, cells.pos_get(idx), p_next))
-                if usable:
-                    found.append(idx)
-                    if len(found) == n:
-                        break
+            found = cells.free_from(head, n)
+            if len(found) < n and self.evicts:
+                found += self._evictable(cells, n - len(found), ub, tok)
             if len(found) < n:
                 return None
+            streams[tok] = strm
             cells_out[tok] = found
         return SlotInfo(streams, cells_out, self.size)
+
+    def _evictable(self, cells: KVCells, need: int, ub: UBatch, tok: np.ndarray) -> list[int]:
+        """Up to ``need`` cells a sliding window has left: a cell held by one sequence
+        alone whose position the window of that sequence's earliest possible next
+        token (``rollback_depth`` positions before its end) hides.  Those are the
+        oldest cells of each sequence, so each sequence's are taken oldest first:
+        the ubatch's own sequences first, then the others.  O(cells taken + cells
+        skipped because shared + sequences tried)."""
+        out: list[int] = []
+        tried: set[int] = set()
+        own = dict.fromkeys(ub.primary[tok].tolist())
+        for s in [*own, *range(self.n_seq_max)]:
+            if s in tried:
+                continue
+            tried.add(s)
+            sc = cells.seq_pos[s]
+            if not sc:
+                continue
+            p_next = sc.last_pos() + 1 - self.rollback_depth
+            out += cells.oldest_alone(s, swa_visible_from(self.n_swa, self.swa_type, p_next), need - len(out))
+            if len(out) >= need:
+                break
+        return out
 
     def _apply_ubatch(self, book: _Book, sinfo: SlotInfo, ub: UBatch) -> None:
         pos = np.asarray(ub.pos, dtype=np.int64)
@@ -278,46 +345,71 @@ class KVCache(Memory):
         ext = ub.pos_ext
         if ext is None:
             ext = np.stack([pos, pos], axis=1)
-        max_rm: dict[tuple[int, int], int] = {}
-        for i in range(ub.n_tokens):
-            strm, idx = int(sinfo.streams[i]), int(sinfo.cells[i])
+        single = isinstance(ub.seq_id, SeqIds)  # one sequence per token: placed in bulk
+        for strm, tok in self._stream_groups(ub):
             cells = book.cells[strm]
-            if not cells.is_empty(idx):
-                # sliding-window reuse: remember the overwritten position per sequence
-                for s in cells.seqs_of(idx):
-                    key = (strm, s)
-                    max_rm[key] = max(max_rm.get(key, -1), cells.pos_get(idx))
-                cells.rm(idx)
-            cells.pos_set(idx, int(pos[i]), (int(ext[i, 0]), int(ext[i, 1])))
-            for s in ub.seq_id[i]:
-                cells.seq_add(idx, s)
-        # purge: a sequence keeps every position between its min and max
-        for (strm, s), pmax in max_rm.items():
-            cells = book.cells[strm]
-            lo = cells.seq_pos_min(s)
-            if lo != -1 and lo <= pmax:
-                self._seq_rm_cells(book, strm, s, lo, pmax + 1)
-        for strm in np.unique(sinfo.streams):
-            strm = int(strm)
-            book.heads[strm] = int(sinfo.cells[sinfo.streams == strm].max()) + 1
-            if book.heads[strm] >= self.size:
-                book.heads[strm] = 0
+            idx = sinfo.cells[tok]
+            # sliding-window reuse: remember the overwritten position per sequence
+            max_rm: dict[int, int] = {}
+            occ = idx[cells.pos[idx] != EMPTY]
+            if occ.size:  # (vectorised: a prefill chunk may reuse a whole window's cells)
+                rows, seqs = np.nonzero(cells.seq[occ])
+                top = np.full(self.n_seq_max, -1, dtype=np.int64)
+                np.maximum.at(top, seqs, cells.pos[occ][rows])
+                held = np.flatnonzero(top >= 0)
+                max_rm = dict(zip(held.tolist(), top[held].tolist(), strict=True))
+                cells.rm_many(occ)
+            if single:
+                cells.place_seqs(idx, pos[tok], ext[tok], ub.seq_id.ids[tok])  # type: ignore[attr-defined]
+            else:
+                for k, c in enumerate(idx.tolist()):
+                    i = int(tok[k])
+                    cells.pos_set(c, int(pos[i]), (int(ext[i, 0]), int(ext[i, 1])))
+                    for s in ub.seq_id[i]:
+                        cells.seq_add(c, s)
+            # purge: a sequence keeps every position between its min and max
+            for s, pmax in max_rm.items():
+                lo = cells.seq_pos_min(s)
+                if lo != -1 and lo <= pmax:
+                    self._seq_rm_cells(book, strm, s, lo, pmax + 1)
+            head = int(idx.max()) + 1
+            book.heads[strm] = 0 if head >= self.size else head
+
+    def _plan_streams(self, ubatches: Sequence[UBatch]) -> list[int]:
+        if self.unified:
+            return [0]
+        return sorted({int(s) for ub in ubatches for s in np.unique(ub.primary).tolist()})
 
     def prepare(self, ubatches: Sequence[UBatch]) -> list[SlotInfo] | None:
-        """Slot infos for every ubatch, computed on a clone (None: no room)."""
-        book = self.book.clone()
-        out = []
+        """Slot infos for every ubatch (None: no room); changes nothing.
+
+        Each ubatch but the last is placed on the book itself, under a journal
+        (:class:`BookJournal`), so that the next one's search sees it; the
+        journal then takes every placement back, exactly.  This costs the cells
+        the ubatches take, where a copy of the book cost every cell."""
         for ub in ubatches:
-            for ids in ub.seq_id:
-                for s in ids:
-                    if not 0 <= s < self.n_seq_max:
-                        return None
-            sinfo = self._find_slot(book, ub)
-            if sinfo is None:
+            if isinstance(ub.seq_id, SeqIds):
+                ids = ub.seq_id.ids
+                if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.n_seq_max):
+                    return None
+            elif any(not 0 <= s < self.n_seq_max for ids in ub.seq_id for s in ids):
                 return None
-            self._apply_ubatch(book, sinfo, ub)
-            out.append(sinfo)
-        return out
+        if len(ubatches) == 1:
+            sinfo = self._find_slot(self.book, ubatches[0])
+            return None if sinfo is None else [sinfo]
+        journal = BookJournal(self.book, self._plan_streams(ubatches))
+        try:
+            out = []
+            for k, ub in enumerate(ubatches):
+                sinfo = self._find_slot(self.book, ub)
+                if sinfo is None:
+                    return None
+                out.append(sinfo)
+                if k + 1 < len(ubatches):
+                    self._apply_ubatch(self.book, sinfo, ub)
+            return out
+        finally:
+            journal.rollback(self.book)
 
     def make_context(self, ubatches: Sequence[UBatch], sinfos: Sequence[SlotInfo]) -> KVCacheContext:
         return KVCacheContext(self, ubatches, sinfos)
@@ -350,13 +442,16 @@ class KVCache(Memory):
 
     # -- sequence operations (docs/memory-semantics.md#kv-sequence-ops) -------------
     def _seq_rm_cells(self, book: _Book, strm: int, seq: int, p0: int, p1: int) -> bool:
-        """Drop ``seq`` from its cells in [p0, p1); True when it held any."""
+        """Drop ``seq`` from its cells in [p0, p1); True when it held any.  O(cells dropped)."""
         cells = book.cells[strm]
-        hit = [pc for pc in cells.seq_pos[seq] if p0 <= pc[0] < p1]
-        for _, idx in hit:
-            if cells.seq_rm(idx, seq) and idx < book.heads[strm]:
-                book.heads[strm] = idx
-        return bool(hit)
+        sc = cells.seq_pos[seq]
+        lo, hi = sc.span(p0, p1)
+        if lo == hi:
+            return False
+        gone = cells.seq_rm_many(sc.cells(lo, hi), seq)
+        if gone.size:
+            book.heads[strm] = min(book.heads[strm], int(gone.min()))
+        return True
 
     def clear(self, data: bool = True) -> None:
         self._version += 1
@@ -380,9 +475,8 @@ class KVCache(Memory):
             hit = np.flatnonzero((cells.pos >= p0) & (cells.pos < p1))
             if hit.size:
                 self._version += 1
-            for idx in hit:
-                cells.rm(int(idx))
-                self.book.heads[strm] = min(self.book.heads[strm], int(idx))
+                cells.rm_many(hit)
+                self.book.heads[strm] = min(self.book.heads[strm], int(hit[0]))
         return True
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
@@ -511,30 +605,31 @@ class KVCache(Memory):
 
     # -- mask -------------------------------------------------------------------------
     def mask(self, ub: UBatch, n_kv: int | None = None, *, causal: bool = True, alibi: bool = False) -> np.ndarray:
-        """``[n_tokens, n_kv]`` mask of a ubatch; row i is over token i's stream."""
+        """``[n_tokens, n_kv]`` mask of a ubatch; row i is over token i's stream.
+
+        Built from the cells each token's sequence holds within its causal window
+        (:func:`~statecache.kv_mask.build_mask_seqs`): the values of
+        :func:`~statecache.kv_mask.build_mask` over the whole stream, in the time
+        of the cells the tokens attend.  A context builds it once per ubatch
+        (:meth:`KVCacheContext.mask`) and hands the same array to every layer."""
         n_kv = self.n_kv() if n_kv is None else n_kv
         primary = ub.primary
-        pos = np.asarray(ub.pos, dtype=np.int64)
+        streams = np.zeros(ub.n_tokens, dtype=np.int64) if self.unified else primary
         # M-RoPE: a cell at the token's temporal position is in the future when its
         # (y, x) is later than the token's (upstream compares 2-D positions only for a
         # ubatch that carries them)
-        ext = ub.pos_ext
-        out = np.empty((ub.n_tokens, n_kv), dtype=np.float32)
-        streams = np.zeros(ub.n_tokens, dtype=np.int64) if self.unified else primary
-        for strm in np.unique(streams):
-            sel = np.flatnonzero(streams == strm)
-            out[sel] = build_mask(
-                self.cells[int(strm)],
-                pos[sel],
-                primary[sel],
-                n_kv,
-                causal=causal,
-                swa_type=self.swa_type,
-                n_swa=self.n_swa,
-                alibi=alibi,
-                token_ext=None if ext is None else ext[sel],
-            )
-        return out
+        return build_mask_seqs(
+            self.cells,
+            streams,
+            ub.pos,
+            primary,
+            n_kv,
+            causal=causal,
+            swa_type=self.swa_type,
+            n_swa=self.n_swa,
+            alibi=alibi,
+            token_ext=ub.pos_ext,
+        )
 
     # -- state (docs/state-format.md) ---------------------------------------------------
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
@@ -716,11 +811,14 @@ class KVCache(Memory):
                 continue
             cells = self.cells[strm]
             ext = plan.exts[k_strm] if plan.exts else np.stack([pos, pos], axis=1)
-            for k in range(dest.size):
-                idx = int(dest[k])
-                cells.pos_set(idx, int(pos[k]), (int(ext[k, 0]), int(ext[k, 1])))
-                for s in sets[k]:
-                    cells.seq_add(idx, s)
+            if plan.seq >= 0:  # one owner per cell, all free once seq_rm ran: one bulk placement
+                cells.place_seqs(dest, pos, ext, np.full(dest.size, plan.seq, dtype=np.int64))
+            else:
+                for k in range(dest.size):
+                    idx = int(dest[k])
+                    cells.pos_set(idx, int(pos[k]), (int(ext[k, 0]), int(ext[k, 1])))
+                    for s in sets[k]:
+                        cells.seq_add(idx, s)
             rows = dest + strm * self.size
             for store, bufs in ((plan.k_rows, self.k), (plan.v_rows, self.v)):
                 for il, per_stream in store.items():
@@ -784,14 +882,21 @@ class KVCacheContext(UBatchContext):
         self.sinfos = list(sinfos)
         self.keep_undo_rows = False
         self._records: list[_KVApplyRecord] = []
+        #: one per applied ubatch: what it changed in the book (snapshot/restore replay them back)
+        self._journals: list[BookJournal] = []
+        self._mask: np.ndarray | None = None
+        self._mask_key: tuple[Any, ...] | None = None
 
     def _apply_ubatch(self, i: int) -> bool:
         cache, sinfo = self.cache, self.sinfos[i]
-        occupied = np.zeros(sinfo.cells.size, dtype=bool)
-        for strm in np.unique(sinfo.streams):
-            tok = sinfo.streams == strm
-            occupied[tok] = cache.cells[int(strm)].pos[sinfo.cells[tok]] != EMPTY
-        rows = sinfo.rows[occupied]
+        if cache.evicts:  # only a window cache places tokens into cells it still uses
+            occupied = np.zeros(sinfo.cells.size, dtype=bool)
+            for strm in np.unique(sinfo.streams).tolist():
+                tok = sinfo.streams == strm
+                occupied[tok] = cache.cells[strm].pos[sinfo.cells[tok]] != EMPTY
+            rows = sinfo.rows[occupied]
+        else:
+            rows = np.zeros(0, dtype=np.int64)
         saved = None
         if self.keep_undo_rows:
             saved = []
@@ -803,8 +908,15 @@ class KVCacheContext(UBatchContext):
                     dev.copy_rows(buf, src, tmp, local)
                     saved.append((buf, tmp))
         self._records.append(_KVApplyRecord(i, rows, saved))
-        cache._apply_ubatch(cache.book, sinfo, self.ubatches[i])
-        cache._version += 1
+        streams = [0] if cache.unified else np.unique(sinfo.streams).tolist()
+        journal = BookJournal(cache.book, streams)
+        self._journals.append(journal)  # before any change: a failure half-way is taken back too
+        try:
+            cache._apply_ubatch(cache.book, sinfo, self.ubatches[i])
+        finally:
+            journal.close(cache.book)
+            cache._version += 1
+            journal.version_after = cache._version
         return True
 
     @property
@@ -851,11 +963,30 @@ class KVCacheContext(UBatchContext):
         return self.sinfos[self.i_next]
 
     def snapshot(self) -> Any:
-        """The cache's book (composites restore it when a later part fails)."""
-        return _snapshot_cache(self.cache), self._applied, len(self._records)
+        """A mark of the book as it is now (composites restore it when a later part
+        fails; hybrids keep it for undo): O(1), the applies after it keep journals."""
+        return len(self._journals), self._applied, len(self._records)
+
+    def restorable(self, snap: Any) -> bool:
+        """Whether :meth:`restore` can take the book back to ``snap``: nothing but this
+        context's own applies changed the cache since (their journals describe it)."""
+        later = self._journals[snap[0] :]
+        return not later or self.cache._version == later[-1].version_after
 
     def restore(self, snap: Any) -> None:
-        _restore_cache(self.cache, snap[0])
+        """Take back every ubatch applied after ``snap`` (newest first), exactly.
+
+        :raises ContextError: the cache changed since by something else (its
+            version moved past this context's last apply); nothing changed."""
+        if not self.restorable(snap):
+            raise ContextError(
+                f"{self.cache.name}: the cache changed after these ubatches were applied; they cannot be taken back"
+            )
+        later = self._journals[snap[0] :]
+        for journal in reversed(later):
+            journal.rollback(self.cache.book)
+        del self._journals[snap[0] :]
+        self.cache._version += 1
         self._applied = snap[1]  # the ubatch may be applied again
         del self._records[snap[2] :]
         self.update_version()  # the book this plan continues from, under a new version
@@ -885,7 +1016,14 @@ class KVCacheContext(UBatchContext):
         dev.set_rows(bufs[il], dev.indices(self.k_idxs()), src)
 
     def mask(self, *, causal: bool = True, alibi: bool = False) -> np.ndarray:
-        return self.cache.mask(self.get_ubatch(), causal=causal, alibi=alibi)
+        """The mask of the current ubatch (:meth:`KVCache.mask`), built once per ubatch
+        and book: every layer gets the same read-only array."""
+        key = (self.i_next, causal, alibi, self.cache._version)
+        if self._mask is None or self._mask_key != key:
+            self._mask = self.cache.mask(self.get_ubatch(), causal=causal, alibi=alibi)
+            self._mask.flags.writeable = False
+            self._mask_key = key
+        return self._mask
 
 
 class KVFullContext(StatusContext):
@@ -988,9 +1126,11 @@ class CompositeContext(MemoryContext):
     before it restore their books from the snapshots taken before the first
     part applied (the parts' books are independent), so a composite never
     keeps half a ubatch.  Parts whose book cannot be snapshotted must
-    therefore come last (the hybrids put the recurrent part there).  Each
-    book is copied once per ``apply()``: nested composites get their part of
-    the snapshot through :meth:`apply_from`, and the hybrids keep the same
+    therefore come last (the hybrids put the recurrent part there).  A KV
+    part's snapshot is a mark (O(1)): its applies keep journals of the cells
+    they touched, and restoring replays them back (:meth:`KVCacheContext.restore`),
+    so no book is ever copied.  Nested composites get their part of the
+    snapshot through :meth:`apply_from`, and the hybrids keep the same
     snapshot for undo.
     """
 
@@ -1011,6 +1151,12 @@ class CompositeContext(MemoryContext):
     def snapshot(self) -> tuple[Any, ...]:
         """Every part's book snapshot (``None`` for a part without one)."""
         return tuple(p.snapshot() if hasattr(p, "snapshot") else None for p in self.parts)
+
+    def restorable(self, snap: tuple[Any, ...]) -> bool:
+        """Whether every part can be restored to ``snap`` (nothing else changed them since)."""
+        return all(
+            s is None or not hasattr(p, "restorable") or p.restorable(s) for p, s in zip(self.parts, snap, strict=True)
+        )
 
     def restore(self, snap: tuple[Any, ...]) -> None:
         for p, s in zip(self.parts, snap, strict=True):
@@ -1087,15 +1233,6 @@ def _combine(a: MemoryStatus, b: MemoryStatus) -> MemoryStatus:
     from statecache.memory import status_combine
 
     return status_combine(a, b)
-
-
-def _snapshot_cache(cache: KVCache) -> tuple[_Book, list[tuple[int, int]]]:
-    return cache.book.clone(), list(cache.pending_copies)
-
-
-def _restore_cache(cache: KVCache, snap: tuple[_Book, list[tuple[int, int]]]) -> None:
-    cache.book, cache.pending_copies = snap[0].clone(), list(snap[1])
-    cache._version += 1
 
 
 @dataclasses.dataclass

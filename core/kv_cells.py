@@ -3,17 +3,31 @@
 Per cell: a position (``-1`` = empty), a 2-D position extension ``(x, y)``
 for M-RoPE ties, an accumulated pending shift (for the runtime's RoPE
 re-rotation), and the set of sequences holding the cell.  Per sequence: the
-ordered list of ``(pos, cell)`` pairs it holds, so that ``seq_pos_min`` and
-``seq_pos_max`` are O(1) and the k-pool layout (docs/memory-semantics.md#kpool-layout) can read a
-sequence's cells in order without scanning the stream.
+ordered ``(pos, cell)`` pairs it holds (:class:`SeqCells`, NumPy-backed), so
+that ``seq_pos_min`` and ``seq_pos_max`` are O(1), the cells a token attends
+are one slice, and the k-pool layout (docs/memory-semantics.md#kpool-layout)
+can read a sequence's cells in order without scanning the stream.
+
+What a decode step costs must not grow with the context the book holds
+(docs/memory-semantics.md#kv-cost), so besides the cells the book keeps:
+
+* free cells per block of :data:`BLOCK` cells, so the slot search skips
+  occupied runs a block (and 256 blocks per NumPy call) at a time;
+* the number of sequences of each cell (``n_owner``) and one past the highest
+  used cell (``used_max_p1``), kept as cells change;
+* an optional :class:`CellJournal`: while one is attached, every mutation
+  first saves the before-image of the cell it touches, and
+  :meth:`KVCells.rollback` puts exactly those cells back.  Plans and undo use
+  it instead of copying the book (O(cells touched), not O(cells)).
 
 Everything here is host-side bookkeeping; no device buffer is touched.
 """
 
 from __future__ import annotations
 
-import bisect
-import copy
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,14 +35,265 @@ from statecache.errors import ArgumentError, InvariantError
 
 EMPTY = -1
 
+#: Cells per block of the free counts (a power of two).
+BLOCK_SHIFT = 6
+BLOCK = 1 << BLOCK_SHIFT
+#: Blocks examined per NumPy call when skipping full (or empty) blocks.
+_BLOCK_WINDOW = 256
+
+#: A pair ``(pos, cell)`` is stored as one int64 key ``pos << 32 | cell``, so sorting the
+#: keys sorts by position then cell (positions are int32 >= 0 in a book, cells < 2**32).
+_CELL_BITS = 32
+_CELL_MASK = (1 << _CELL_BITS) - 1
+_POS_END = 1 << 31  # one past the largest position
+
+#: Stamps of :class:`SeqCells` contents: a new, never reused value at every change
+#: that is not an append at the end, so a reader that saw stamp ``t`` and ``n``
+#: pairs knows that, while the stamp is still ``t``, those ``n`` pairs are unchanged.
+_STAMPS = itertools.count(1)
+
+_NO_KEYS = np.zeros(0, dtype=np.int64)
+
+
+def _key(p: int, c: int) -> int:
+    return (p << _CELL_BITS) | c
+
+
+def _pos_key(p: int) -> int:
+    """The smallest key at position ``p`` (clamped to the int32 range)."""
+    return min(max(p, 0), _POS_END) << _CELL_BITS
+
+
+class SeqCells(Sequence[tuple[int, int]]):
+    """The ``(pos, cell)`` pairs one sequence holds in one stream, sorted by position
+    then cell: a growable int64 array of keys (``pos << 32 | cell``).
+
+    Reads like a sequence of tuples (``len``, indexing, slicing, iteration,
+    ``==`` with a list of tuples) for callers that want pairs; the hot paths
+    use :meth:`positions`, :meth:`cells` and :meth:`span` (NumPy arrays and
+    index bounds).  Adding a pair after the last one is O(1) amortised;
+    adding or removing elsewhere moves the later keys (one ``memmove``).
+    """
+
+    __slots__ = ("_keys", "_n", "stamp")
+
+    def __init__(self) -> None:
+        self._keys = _NO_KEYS
+        self._n = 0
+        #: changes at every edit that is not an append at the end (see ``_STAMPS``)
+        self.stamp = next(_STAMPS)
+
+    # -- reads ----------------------------------------------------------------------
+    @property
+    def keys(self) -> np.ndarray:
+        """The sorted keys (a view: never write through it)."""
+        return self._keys[: self._n]
+
+    def positions(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        return self._keys[lo : self._n if hi is None else hi] >> _CELL_BITS
+
+    def cells(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        return self._keys[lo : self._n if hi is None else hi] & _CELL_MASK
+
+    def pairs_from(self, lo: int) -> list[tuple[int, int]]:
+        """The pairs from index ``lo`` on, as tuples (O(pairs returned))."""
+        return [(k >> _CELL_BITS, k & _CELL_MASK) for k in self._keys[lo : self._n].tolist()]
+
+    def first_pos(self) -> int:
+        return int(self._keys[0] >> _CELL_BITS) if self._n else -1
+
+    def last_pos(self) -> int:
+        return int(self._keys[self._n - 1] >> _CELL_BITS) if self._n else -1
+
+    def span(self, p0: int, p1: int) -> tuple[int, int]:
+        """Index bounds ``[lo, hi)`` of the pairs with ``p0 <= pos < p1``; O(log n)."""
+        if p1 <= p0 or not self._n:
+            return 0, 0
+        keys = self.keys
+        lo = int(np.searchsorted(keys, _pos_key(p0))) if p0 > 0 else 0
+        hi = self._n if p1 >= _POS_END else int(np.searchsorted(keys, _pos_key(p1)))
+        return lo, max(lo, hi)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        keys = self.keys
+        return zip((keys >> _CELL_BITS).tolist(), (keys & _CELL_MASK).tolist(), strict=True)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            keys = self.keys[i]
+            return list(zip((keys >> _CELL_BITS).tolist(), (keys & _CELL_MASK).tolist(), strict=True))
+        k = int(self.keys[i])
+        return (k >> _CELL_BITS, k & _CELL_MASK)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SeqCells):
+            return bool(np.array_equal(self.keys, other.keys))
+        if isinstance(other, list | tuple):
+            return list(self) == [tuple(x) for x in other]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"SeqCells({list(self)!r})"
+
+    def copy(self) -> SeqCells:
+        out = SeqCells()
+        out._keys = self._keys[: self._n].copy() if self._n else _NO_KEYS
+        out._n = self._n
+        return out
+
+    # -- edits --------------------------------------------------------------------------
+    def _room(self, extra: int) -> None:
+        need = self._n + extra
+        if need > self._keys.size:
+            grown = np.empty(max(8, need, 2 * self._keys.size), dtype=np.int64)
+            grown[: self._n] = self._keys[: self._n]
+            self._keys = grown
+
+    def add(self, p: int, c: int) -> None:
+        k = _key(p, c)
+        n = self._n
+        self._room(1)
+        keys = self._keys
+        if n == 0 or k > keys[n - 1]:
+            keys[n] = k
+        else:
+            i = int(np.searchsorted(keys[:n], k))
+            keys[i + 1 : n + 1] = keys[i:n]  # NumPy copies overlapping slices correctly
+            keys[i] = k
+            self.stamp = next(_STAMPS)
+        self._n = n + 1
+
+    def add_key(self, k: int) -> None:
+        """:meth:`add` of a pair given as its key (the decode path: usually an append)."""
+        n = self._n
+        if n < self._keys.size and (n == 0 or k > self._keys[n - 1]):
+            self._keys[n] = k
+            self._n = n + 1
+        else:
+            self.add(k >> _CELL_BITS, k & _CELL_MASK)
+
+    def add_many(self, keys_sorted: np.ndarray) -> None:
+        """Add sorted keys none of which is held yet (one merge)."""
+        m = int(keys_sorted.size)
+        if not m:
+            return
+        n = self._n
+        self._room(m)
+        if n == 0 or keys_sorted[0] > self._keys[n - 1]:
+            self._keys[n : n + m] = keys_sorted
+        else:
+            merged = np.concatenate([self._keys[:n], keys_sorted])
+            merged.sort(kind="stable")
+            self._keys[: n + m] = merged
+            self.stamp = next(_STAMPS)
+        self._n = n + m
+
+    def remove(self, p: int, c: int) -> None:
+        self.remove_key(_key(p, c))
+
+    def remove_key(self, k: int) -> None:
+        """Remove one held pair given as its key: O(1) for the oldest or the newest."""
+        n, keys = self._n, self._keys
+        if n and keys[0] == k:
+            keys[: n - 1] = keys[1:n]
+        elif not (n and keys[n - 1] == k):
+            i = int(np.searchsorted(keys[:n], k))
+            if i >= n or keys[i] != k:
+                raise InvariantError("kv-seq-pos", f"pair (pos {k >> _CELL_BITS}, cell {k & _CELL_MASK}) is not held")
+            keys[i : n - 1] = keys[i + 1 : n]
+        self._n = n - 1
+        self.stamp = next(_STAMPS)
+
+    def remove_many(self, keys_sorted: np.ndarray) -> None:
+        """Remove sorted keys, every one of them held (a tail is cut in O(m))."""
+        m = int(keys_sorted.size)
+        if not m:
+            return
+        n = self._n
+        keys = self._keys[:n]
+        if m <= n and np.array_equal(keys[n - m :], keys_sorted):
+            self._n = n - m
+        elif m <= n and np.array_equal(keys[:m], keys_sorted):
+            # the oldest pairs (a window cache reusing a sequence's first cells): one move
+            self._keys[: n - m] = self._keys[m:n]
+            self._n = n - m
+        else:
+            idx = np.searchsorted(keys, keys_sorted)
+            if (idx >= n).any() or not np.array_equal(keys[np.minimum(idx, n - 1)], keys_sorted):
+                raise InvariantError("kv-seq-pos", "removing pairs that are not held")
+            kept = np.delete(keys, idx)
+            self._keys[: kept.size] = kept
+            self._n = int(kept.size)
+        self.stamp = next(_STAMPS)
+
+
+class CellJournal:
+    """Before-images of the cells of one stream that mutations touched while attached
+    (:meth:`KVCells.attach`), and the book's counters: :meth:`KVCells.rollback`
+    puts the stream back exactly as it was at attach time."""
+
+    __slots__ = ("empty_before", "has_shift", "removals", "saved", "used")
+
+    def __init__(self, cells: KVCells) -> None:
+        #: cell -> (pos, ext x, ext y, shift, sequences) of a cell that held a position at its first touch
+        self.saved: dict[int, tuple[int, int, int, int, tuple[int, ...]]] = {}
+        #: cells that were empty at their first touch
+        self.empty_before: set[int] = set()
+        self.used = cells.used
+        self.has_shift = cells.has_shift
+        self.removals = cells.removals
+
+    def touch(self, cells: KVCells, i: int) -> None:
+        if i in self.saved or i in self.empty_before:
+            return
+        if cells.pos[i] == EMPTY:
+            self.empty_before.add(i)
+        else:
+            x, y = cells.ext[i]
+            self.saved[i] = (int(cells.pos[i]), int(x), int(y), int(cells.shift[i]), tuple(cells.seqs_of(i)))
+
+    def touch_many(self, cells: KVCells, idx: np.ndarray) -> None:
+        """:meth:`touch` for the cells ``idx`` (distinct, each holding a position), read in bulk."""
+        new = [i for i in idx.tolist() if i not in self.saved and i not in self.empty_before]
+        if not new:
+            return
+        sel = np.asarray(new, dtype=np.int64)
+        pos, ext, shift = cells.pos[sel].tolist(), cells.ext[sel].tolist(), cells.shift[sel].tolist()
+        rows, owners = np.nonzero(cells.seq[sel])  # row-major: each cell's sequences ascending
+        owner_list = owners.tolist()
+        ends = np.cumsum(np.bincount(rows, minlength=sel.size)).tolist()
+        start = 0
+        for k, i in enumerate(new):
+            x, y = ext[k]
+            self.saved[i] = (pos[k], x, y, shift[k], tuple(owner_list[start : ends[k]]))
+            start = ends[k]
+
+    def touch_empty(self, idx: np.ndarray) -> None:
+        """The cells ``idx``, all empty now, are about to be placed in bulk.  (One
+        already saved with a position keeps that before-image: rollback empties
+        every touched cell before it puts the saved ones back.)"""
+        self.empty_before.update(idx.tolist())
+
+    @property
+    def n_touched(self) -> int:
+        return len(self.saved) + len(self.empty_before)
+
 
 class KVCells:
     """The cells of one stream.
 
     ``n_seq_max`` bounds sequence ids (``0 <= s < n_seq_max``).  The ordered
-    per-sequence pair lists are the single source of truth for
-    ``seq_pos_min/max``; every mutation below keeps them in step with the
-    per-cell arrays.
+    per-sequence pairs (``seq_pos``) are the single source of truth for
+    ``seq_pos_min/max``; every mutation below keeps them, the per-cell arrays
+    and the derived counts in step (:meth:`check` verifies it).
     """
 
     def __init__(self, size: int, n_seq_max: int) -> None:
@@ -44,10 +309,25 @@ class KVCells:
         self.seq = np.zeros((self.size, self.n_seq_max), dtype=bool)
         self.used = 0
         self.has_shift = False
-        self.seq_pos: list[list[tuple[int, int]]] = [[] for _ in range(self.n_seq_max)]
+        self.seq_pos: list[SeqCells] = [SeqCells() for _ in range(self.n_seq_max)]
         self.removals = 0  # (cell, sequence) pairs ever dropped: tells a caller whether an edit removed anything
+        self._derive()
+        self._journal: CellJournal | None = None
 
-    # -- copies (plans run on a clone, so planning never mutates the book) ---
+    def _derive(self) -> None:
+        """The derived counts, from the cells (construction, copies)."""
+        n_blocks = -(-self.size // BLOCK)
+        self._cap = np.full(n_blocks, BLOCK, dtype=np.int32)
+        self._cap[-1] = self.size - (n_blocks - 1) * BLOCK
+        empty = np.zeros(n_blocks * BLOCK, dtype=np.int32)
+        empty[: self.size] = self.pos == EMPTY
+        self._nfree = empty.reshape(n_blocks, BLOCK).sum(axis=1).astype(np.int32)
+        self.n_owner = self.seq.sum(axis=1).astype(np.int32)
+        nz = np.flatnonzero(self.pos != EMPTY)
+        self._hi = int(nz[-1]) + 1 if nz.size else 0
+        self._hi_dirty = False
+
+    # -- copies (tests: prove that nothing changed) -------------------------------------
     def clone(self) -> KVCells:
         out = KVCells.__new__(KVCells)
         out.size = self.size
@@ -58,8 +338,10 @@ class KVCells:
         out.seq = self.seq.copy()
         out.used = self.used
         out.has_shift = self.has_shift
-        out.seq_pos = copy.deepcopy(self.seq_pos)
+        out.seq_pos = [sc.copy() for sc in self.seq_pos]
         out.removals = self.removals
+        out._derive()
+        out._journal = None
         return out
 
     def same_as(self, other: KVCells) -> bool:
@@ -72,10 +354,10 @@ class KVCells:
             and np.array_equal(self.seq, other.seq)
             and self.used == other.used
             and self.has_shift == other.has_shift
-            and self.seq_pos == other.seq_pos
+            and all(a == b for a, b in zip(self.seq_pos, other.seq_pos, strict=True))
         )
 
-    # -- queries ----------------------------------------------------------------
+    # -- queries ----------------------------------------------------------------------
     def is_empty(self, i: int) -> bool:
         return bool(self.pos[i] == EMPTY)
 
@@ -86,27 +368,107 @@ class KVCells:
         return bool(self.seq[i, s])
 
     def seq_count(self, i: int) -> int:
-        return int(self.seq[i].sum())
+        return int(self.n_owner[i])
 
     def seqs_of(self, i: int) -> list[int]:
         return [int(s) for s in np.flatnonzero(self.seq[i])]
 
     def seq_pos_min(self, s: int) -> int:
-        pairs = self.seq_pos[s]
-        return pairs[0][0] if pairs else -1
+        return self.seq_pos[s].first_pos()
 
     def seq_pos_max(self, s: int) -> int:
-        pairs = self.seq_pos[s]
-        return pairs[-1][0] if pairs else -1
+        return self.seq_pos[s].last_pos()
 
     def seq_cells(self, s: int) -> list[tuple[int, int]]:
-        """The ``(pos, cell)`` pairs of ``s`` sorted by position then cell."""
+        """The ``(pos, cell)`` pairs of ``s`` sorted by position then cell (a copy; O(n))."""
         return list(self.seq_pos[s])
 
     def used_max_p1(self) -> int:
-        """One past the highest non-empty cell (0 when the stream is empty)."""
-        nz = np.flatnonzero(self.pos != EMPTY)
-        return int(nz[-1]) + 1 if nz.size else 0
+        """One past the highest non-empty cell (0 when the stream is empty); O(1)
+        unless the highest cell was freed since, then O(blocks freed above)."""
+        if self._hi_dirty:
+            self._hi = self._last_used_p1(self._hi)
+            self._hi_dirty = False
+        return self._hi
+
+    def _last_used_p1(self, below: int) -> int:
+        """One past the last used cell; every cell from ``below`` up is empty."""
+        b_end = -(-below // BLOCK)
+        while b_end > 0:
+            b0 = max(0, b_end - _BLOCK_WINDOW)
+            part = np.flatnonzero(self._nfree[b0:b_end] != self._cap[b0:b_end])
+            if part.size:
+                lo = (b0 + int(part[-1])) * BLOCK
+                nz = np.flatnonzero(self.pos[lo : lo + BLOCK] != EMPTY)
+                return lo + int(nz[-1]) + 1
+            b_end = b0
+        return 0
+
+    def free_from(self, start: int, n: int) -> list[int]:
+        """Up to ``n`` empty cells in cyclic order from ``start`` (upstream's scan from
+        the search head), skipping full blocks; O(n + blocks skipped / 256)."""
+        out: list[int] = []
+        if n <= 0:
+            return out
+        start = min(max(start, 0), self.size)
+        self._collect_free(start, self.size, n, out)
+        if len(out) < n and start > 0:
+            self._collect_free(0, start, n, out)
+        return out
+
+    def _collect_free(self, lo: int, hi: int, n: int, out: list[int]) -> None:
+        i = lo
+        while i < hi and len(out) < n:
+            b = i >> BLOCK_SHIFT
+            if self._nfree[b] == 0:
+                nb = self._next_block_with_free(b + 1, ((hi - 1) >> BLOCK_SHIFT) + 1)
+                if nb < 0:
+                    return
+                i = nb << BLOCK_SHIFT
+                continue
+            end = min((b + 1) << BLOCK_SHIFT, hi)
+            free = np.flatnonzero(self.pos[i:end] == EMPTY)
+            out.extend((free[: n - len(out)] + i).tolist())
+            i = end
+
+    def _next_block_with_free(self, b0: int, b1: int) -> int:
+        while b0 < b1:
+            w = min(b1, b0 + _BLOCK_WINDOW)
+            nz = np.flatnonzero(self._nfree[b0:w])
+            if nz.size:
+                return b0 + int(nz[0])
+            b0 = w
+        return -1
+
+    def oldest_alone(self, s: int, p_end: int, need: int) -> list[int]:
+        """Up to ``need`` cells of ``s`` at positions below ``p_end`` that ``s`` holds alone,
+        oldest first (a window cache's reusable cells).  The first few pairs are read one
+        by one (a decode step takes about one cell per sequence), then a slice at a time:
+        O(cells taken + shared cells skipped), never the whole sequence."""
+        out: list[int] = []
+        if need <= 0 or p_end <= 0:
+            return out
+        sc = self.seq_pos[s]
+        keys, n, end_key, owners = sc._keys, len(sc), _pos_key(p_end), self.n_owner
+        j = 0
+        while j < min(n, 8) and len(out) < need:
+            k = int(keys[j])
+            if k >= end_key:
+                return out
+            c = k & _CELL_MASK
+            if owners[c] == 1:
+                out.append(c)
+            j += 1
+        if len(out) >= need or j >= n:
+            return out
+        _, hi = sc.span(0, p_end)
+        while j < hi and len(out) < need:
+            stop = min(hi, j + max(64, 2 * (need - len(out))))
+            cand = sc.cells(j, stop)
+            cand = cand[owners[cand] == 1]
+            out.extend(cand[: need - len(out)].tolist())
+            j = stop
+        return out
 
     def check(self) -> None:
         """Raise :class:`InvariantError` unless the book is consistent (tests call
@@ -114,52 +476,99 @@ class KVCells:
         n_used = int((self.pos != EMPTY).sum())
         if self.used != n_used:
             raise InvariantError("kv-used", f"used is {self.used} but {n_used} cells hold a position")
-        for i in range(self.size):
-            if self.pos[i] == EMPTY and self.seq[i].any():
-                raise InvariantError("kv-empty", f"empty cell {i} holds sequences")
-            if self.pos[i] != EMPTY and not self.seq[i].any():
-                raise InvariantError("kv-empty", f"cell {i} at pos {self.pos[i]} holds no sequence")
+        owners = self.seq.sum(axis=1)
+        bad = np.flatnonzero((self.pos == EMPTY) & (owners > 0))
+        if bad.size:
+            raise InvariantError("kv-empty", f"empty cell {int(bad[0])} holds sequences")
+        bad = np.flatnonzero((self.pos != EMPTY) & (owners == 0))
+        if bad.size:
+            i = int(bad[0])
+            raise InvariantError("kv-empty", f"cell {i} at pos {self.pos[i]} holds no sequence")
         for s in range(self.n_seq_max):
-            expect = sorted((int(self.pos[i]), int(i)) for i in np.flatnonzero(self.seq[:, s]))
-            if self.seq_pos[s] != expect:
+            held = np.flatnonzero(self.seq[:, s])
+            expect = np.sort((self.pos[held] << _CELL_BITS) | held)
+            if not np.array_equal(self.seq_pos[s].keys, expect):
                 raise InvariantError("kv-seq-pos", f"ordered positions of seq {s} out of step")
         if self.shift.any() and not self.has_shift:
             raise InvariantError("kv-shift", "a cell holds a shift but has_shift is False")
+        fresh = self.clone()  # the derived counts recomputed from the cells
+        if not np.array_equal(fresh.n_owner, self.n_owner):
+            raise InvariantError("kv-owners", "per-cell sequence counts out of step")
+        if not np.array_equal(fresh._nfree, self._nfree):
+            raise InvariantError("kv-free", "per-block free counts out of step")
+        if fresh._hi != self.used_max_p1():
+            raise InvariantError("kv-extent", f"used extent {self.used_max_p1()}, cells say {fresh._hi}")
 
-    # -- per-sequence ordered positions ------------------------------------------
-    def _index_add(self, s: int, p: int, i: int) -> None:
-        bisect.insort(self.seq_pos[s], (p, i))
+    # -- the journal (plans and undo without copying the book) ---------------------------
+    def attach(self, journal: CellJournal | None = None) -> CellJournal:
+        """Start recording before-images (returns the journal; one at a time)."""
+        if self._journal is not None:
+            raise InvariantError("kv-journal", "a journal is already attached to this stream")
+        self._journal = CellJournal(self) if journal is None else journal
+        return self._journal
 
-    def _index_rm(self, s: int, p: int, i: int) -> None:
-        pairs = self.seq_pos[s]
-        k = bisect.bisect_left(pairs, (p, i))
-        assert k < len(pairs) and pairs[k] == (p, i)
-        del pairs[k]
-        self.removals += 1
+    def detach(self) -> CellJournal | None:
+        j, self._journal = self._journal, None
+        return j
 
-    # -- cell mutations -----------------------------------------------------------
+    def rollback(self, journal: CellJournal) -> None:
+        """Put back every cell ``journal`` saved and the counters it took, exactly
+        (also ``removals``: a rolled-back plan removed nothing).  The journal is
+        detached first; O(cells touched)."""
+        if self._journal is journal:
+            self._journal = None
+        if journal.empty_before:
+            self.rm_many(np.fromiter(journal.empty_before, dtype=np.int64, count=len(journal.empty_before)))
+        for i in journal.saved:
+            self.rm(i)
+        for i, (p, x, y, sh, seqs) in journal.saved.items():
+            self.pos_set(i, p, (x, y))
+            self.shift[i] = sh
+            for s in seqs:
+                self.seq_add(i, s)
+        self.has_shift = journal.has_shift
+        self.removals = journal.removals
+        if self.used != journal.used:
+            raise InvariantError("kv-journal", f"rollback left {self.used} cells used, expected {journal.used}")
+
+    # -- cell mutations -----------------------------------------------------------------
+    def _occupy(self, i: int) -> None:
+        self._nfree[i >> BLOCK_SHIFT] -= 1
+        if i >= self._hi:
+            self._hi = i + 1
+
     def pos_set(self, i: int, p: int, ext: tuple[int, int] = (0, 0)) -> None:
         """Occupy an empty cell at position ``p`` (sequences are added after)."""
         assert self.pos[i] == EMPTY, f"cell {i} is not empty"
         assert p >= 0
+        if self._journal is not None:
+            self._journal.touch(self, i)
         self.pos[i] = p
         self.ext[i] = ext
         self.shift[i] = 0
         self.used += 1
+        self._occupy(i)
 
     def seq_add(self, i: int, s: int) -> None:
         assert self.pos[i] != EMPTY
         if not self.seq[i, s]:
+            if self._journal is not None:
+                self._journal.touch(self, i)
             self.seq[i, s] = True
-            self._index_add(s, int(self.pos[i]), i)
+            self.n_owner[i] += 1
+            self.seq_pos[s].add(int(self.pos[i]), i)
 
     def seq_rm(self, i: int, s: int) -> bool:
         """Drop ``s`` from cell ``i``; True when the cell became empty."""
         if not self.seq[i, s]:
             return False
+        if self._journal is not None:
+            self._journal.touch(self, i)
         self.seq[i, s] = False
-        self._index_rm(s, int(self.pos[i]), i)
-        if not self.seq[i].any():
+        self.n_owner[i] -= 1
+        self.seq_pos[s].remove(int(self.pos[i]), i)
+        self.removals += 1
+        if not self.n_owner[i]:
             self._empty(i)
             return True
         return False
@@ -168,10 +577,14 @@ class KVCells:
         """Empty cell ``i`` whatever sequences hold it."""
         if self.pos[i] == EMPTY:
             return
+        if self._journal is not None:
+            self._journal.touch(self, i)
         p = int(self.pos[i])
-        for s in np.flatnonzero(self.seq[i]):
-            self._index_rm(int(s), p, i)
+        for s in np.flatnonzero(self.seq[i]).tolist():
+            self.seq_pos[s].remove(p, i)
+            self.removals += 1
         self.seq[i] = False
+        self.n_owner[i] = 0
         self._empty(i)
 
     def _empty(self, i: int) -> None:
@@ -179,12 +592,108 @@ class KVCells:
         self.ext[i] = 0
         self.shift[i] = 0
         self.used -= 1
+        self._nfree[i >> BLOCK_SHIFT] += 1
+        if i == self._hi - 1:
+            self._hi_dirty = True
+
+    def place_seqs(self, idx: np.ndarray, pos: np.ndarray, ext: np.ndarray, seqs: np.ndarray) -> None:
+        """Occupy the empty cells ``idx`` (distinct) at positions ``pos`` with 2-D
+        extensions ``ext`` [n, 2], cell ``idx[k]`` held by sequence ``seqs[k]`` alone:
+        the bulk form of ``pos_set`` + ``seq_add`` (a ubatch with one sequence per
+        token), vectorised but for one append per sequence."""
+        n = int(idx.size)
+        if not n:
+            return
+        if self._journal is not None:
+            self._journal.touch_empty(idx)
+        self.pos[idx] = pos
+        self.ext[idx] = ext
+        self.shift[idx] = 0
+        self.seq[idx, seqs] = True
+        self.n_owner[idx] = 1
+        self.used += n
+        np.subtract.at(self._nfree, idx >> BLOCK_SHIFT, 1)
+        top = int(idx.max()) + 1
+        if top > self._hi:
+            self._hi = top
+        keys = (pos << _CELL_BITS) | idx
+        if n == 1:
+            k = int(keys[0])
+            self.seq_pos[int(seqs[0])].add(k >> _CELL_BITS, k & _CELL_MASK)
+            return
+        order = np.lexsort((keys, seqs))
+        seqs_sorted, keys_sorted = seqs[order], keys[order]
+        new_seq = seqs_sorted[1:] != seqs_sorted[:-1]
+        if new_seq.all():  # one cell per sequence (a decode step): one append each
+            seq_pos = self.seq_pos
+            for s, k in zip(seqs_sorted.tolist(), keys_sorted.tolist(), strict=True):
+                seq_pos[s].add_key(k)
+            return
+        starts = np.flatnonzero(np.r_[True, new_seq])
+        ends = np.r_[starts[1:], n]
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            sc = self.seq_pos[int(seqs_sorted[a])]
+            if b - a == 1:
+                k = int(keys_sorted[a])
+                sc.add(k >> _CELL_BITS, k & _CELL_MASK)
+            else:
+                sc.add_many(keys_sorted[a:b])
+
+    def seq_rm_many(self, idx: np.ndarray, s: int) -> np.ndarray:
+        """Drop ``s`` from the cells ``idx`` (distinct, each held by ``s``); returns the
+        cells that became empty.  The bulk form of :meth:`seq_rm`."""
+        if not idx.size:
+            return idx
+        if self._journal is not None:
+            self._journal.touch_many(self, idx)
+        self.seq_pos[s].remove_many(np.sort((self.pos[idx] << _CELL_BITS) | idx))
+        self.removals += int(idx.size)
+        self.seq[idx, s] = False
+        self.n_owner[idx] -= 1
+        gone: np.ndarray = idx[self.n_owner[idx] == 0]
+        if gone.size:
+            self._empty_many(gone)
+        return gone
+
+    def _empty_many(self, idx: np.ndarray) -> None:
+        """Clear the cells ``idx`` (distinct, non-empty, no sequence left) and the counts."""
+        self.pos[idx] = EMPTY
+        self.ext[idx] = 0
+        self.shift[idx] = 0
+        self.used -= int(idx.size)
+        np.add.at(self._nfree, idx >> BLOCK_SHIFT, 1)
+        if int(idx.max()) >= self._hi - 1:
+            self._hi_dirty = True
+
+    def rm_many(self, idx: np.ndarray) -> None:
+        """Empty the cells ``idx`` (distinct), whatever sequences hold them; vectorised."""
+        idx = idx[self.pos[idx] != EMPTY]
+        if not idx.size:
+            return
+        if self._journal is not None:
+            self._journal.touch_many(self, idx)
+        rows, seqs = np.nonzero(self.seq[idx])  # every (cell, sequence) pair dropped
+        keys = ((self.pos[idx] << _CELL_BITS) | idx)[rows]
+        order = np.lexsort((keys, seqs))
+        seqs, keys = seqs[order], keys[order]
+        new_seq = seqs[1:] != seqs[:-1]
+        if new_seq.all():  # one cell per sequence (a decode step's window reuse): no grouping
+            for q, k in zip(seqs.tolist(), keys.tolist(), strict=True):
+                self.seq_pos[q].remove_key(k)
+        else:
+            bounds = [0, *(np.flatnonzero(new_seq) + 1).tolist(), int(seqs.size)]
+            for a, b in itertools.pairwise(bounds):
+                self.seq_pos[int(seqs[a])].remove_many(keys[a:b])
+        self.removals += int(seqs.size)
+        self.seq[idx] = False
+        self.n_owner[idx] = 0
+        self._empty_many(idx)
 
     def _repos(self, i: int, new: int) -> None:
         old = int(self.pos[i])
-        for s in np.flatnonzero(self.seq[i]):
-            self._index_rm(int(s), old, i)
-            self._index_add(int(s), new, i)
+        for s in np.flatnonzero(self.seq[i]).tolist():
+            self.seq_pos[s].remove(old, i)
+            self.seq_pos[s].add(new, i)
         self.pos[i] = new
 
     def pos_add(self, i: int, d: int) -> bool:
@@ -192,6 +701,8 @@ class KVCells:
         cell (True returned).  The shift accumulates for the RoPE update.  The
         2-D extension is left as it is (upstream's ``pos_add``: only ``pos`` moves)."""
         assert self.pos[i] != EMPTY
+        if self._journal is not None:
+            self._journal.touch(self, i)
         new = int(self.pos[i]) + d
         self.shift[i] += d
         self.has_shift = True
@@ -204,6 +715,8 @@ class KVCells:
     def pos_div(self, i: int, d: int) -> None:
         """Divide the position of cell ``i`` by ``d`` (the extension is kept, as upstream)."""
         assert self.pos[i] != EMPTY and d > 0
+        if self._journal is not None:
+            self._journal.touch(self, i)
         old = int(self.pos[i])
         new = old // d
         self.shift[i] += new - old
@@ -211,24 +724,29 @@ class KVCells:
         self._repos(i, new)
 
     def reset_shift(self) -> None:
+        if self._journal is not None:
+            raise InvariantError("kv-journal", "reset_shift() while a journal is attached")
         self.shift[:] = 0
         self.has_shift = False
 
     def reset(self) -> None:
-        self.removals += sum(len(pairs) for pairs in self.seq_pos)
+        if self._journal is not None:
+            raise InvariantError("kv-journal", "reset() while a journal is attached")
+        self.removals += sum(len(sc) for sc in self.seq_pos)
         self.pos[:] = EMPTY
         self.ext[:] = 0
         self.shift[:] = 0
         self.seq[:] = False
         self.used = 0
         self.has_shift = False
-        self.seq_pos = [[] for _ in range(self.n_seq_max)]
+        self.seq_pos = [SeqCells() for _ in range(self.n_seq_max)]
+        self._derive()
 
     def snapshot(self, idxs: np.ndarray) -> tuple[np.ndarray, ...]:
         """Contents of a list of cells (restored exactly by :meth:`restore`)."""
         return (self.pos[idxs].copy(), self.ext[idxs].copy(), self.shift[idxs].copy(), self.seq[idxs].copy())
 
-    def restore(self, idxs: np.ndarray, snap: tuple[np.ndarray, ...]) -> None:
+    def restore(self, idxs: Sequence[int] | np.ndarray, snap: tuple[np.ndarray, ...]) -> None:
         pos, ext, shift, seq = snap
         for i in idxs:
             self.rm(int(i))

@@ -6,6 +6,12 @@ p_token|`` with ALiBi) when visible, ``-inf`` otherwise.  A cell is visible
 iff it is non-empty, holds the token's primary sequence, is not in the
 future (causal; a position tie is broken by the M-RoPE 2-D extension), and
 is not hidden by the sliding window.
+
+Two builders give the same values: :func:`build_mask` reads the whole book
+(the reference: every cell of the stream, every token), :func:`build_mask_seqs`
+reads only the cells each token's sequence holds inside the token's causal
+window (one slice of the sequence's ordered cells), so a decode step costs
+what its tokens attend, not what the book holds.
 """
 
 from __future__ import annotations
@@ -51,6 +57,21 @@ def is_masked_swa(n_swa: int, swa_type: SWAType, p0: np.ndarray | int, p1: np.nd
         return np.asarray(p0 < (p1 // n_swa) * n_swa)
     if swa_type is SWAType.SYMMETRIC:
         return np.asarray(np.abs(p1 - p0) > n_swa // 2)
+    raise ArgumentError("swa_type", f"unhandled {swa_type}")
+
+
+def swa_visible_from(n_swa: int, swa_type: SWAType, p1: int) -> int:
+    """The smallest position ``p0 <= p1`` that the window of a token at ``p1`` does not
+    hide: every ``p0`` below it is hidden, none from it up to ``p1`` is (all window
+    types hide more the further back a position is).  Very negative without a window."""
+    if swa_type is SWAType.NONE:
+        return -(2**62)
+    if swa_type is SWAType.STANDARD:
+        return p1 - n_swa + 1
+    if swa_type is SWAType.CHUNKED:
+        return (p1 // n_swa) * n_swa
+    if swa_type is SWAType.SYMMETRIC:
+        return p1 - n_swa // 2
     raise ArgumentError("swa_type", f"unhandled {swa_type}")
 
 
@@ -111,4 +132,107 @@ def build_mask(
         out[visible] = -np.abs(p0 - p1).astype(np.float32)[visible]
     else:
         out[visible] = 0.0
+    return out
+
+
+def build_mask_seqs(
+    streams: Sequence[KVCells],
+    token_stream: Sequence[int] | np.ndarray,
+    token_pos: Sequence[int] | np.ndarray,
+    token_seq: Sequence[int] | np.ndarray,
+    n_kv: int,
+    *,
+    causal: bool = True,
+    swa_type: SWAType | str = SWAType.NONE,
+    n_swa: int = 0,
+    alibi: bool = False,
+    token_ext: np.ndarray | None = None,
+) -> np.ndarray:
+    """:func:`build_mask` for tokens over several streams (row ``i`` is over stream
+    ``token_stream[i]``), from the cells each token's sequence holds.
+
+    Per sequence of the ubatch, one slice of its ordered ``(pos, cell)`` pairs
+    (those a causal, windowed token can see) is read, and the visibility of
+    every (token, cell) pair in it is computed at once: the time is that of
+    filling ``[n_tokens, n_kv]`` with ``-inf`` plus the pairs the tokens
+    attend, never a scan of the stream."""
+    swa = SWAType.parse(swa_type)
+    if swa is not SWAType.NONE and n_swa <= 0:
+        raise ArgumentError("n_swa", f"sliding window {swa.value} needs n_swa > 0, got {n_swa}")
+    size = streams[0].size
+    if not 0 < n_kv <= size:
+        raise ArgumentError("n_kv", f"must be in [1, {size}], got {n_kv}")
+    pos = np.asarray(token_pos, dtype=np.int64).reshape(-1)
+    seqs = np.asarray(token_seq, dtype=np.int64).reshape(-1)
+    strm = np.asarray(token_stream, dtype=np.int64).reshape(-1)
+    n_tok = pos.size
+    if seqs.size != n_tok or strm.size != n_tok:
+        raise ArgumentError("token_seq", f"{seqs.size} sequences and {strm.size} streams for {n_tok} tokens")
+    n_seq_max = streams[0].n_seq_max
+    if n_tok and (seqs.min() < 0 or seqs.max() >= n_seq_max):
+        raise ArgumentError("token_seq", f"sequence ids must be in [0, {n_seq_max})")
+    out = np.full((n_tok, n_kv), -np.inf, dtype=np.float32)
+    if not n_tok:
+        return out
+    ext = None if token_ext is None else np.asarray(token_ext, dtype=np.int64).reshape(-1, 2)
+    # tokens grouped by (stream, sequence): one slice of the sequence's pairs per group
+    group_key = strm * n_seq_max + seqs
+    order = np.argsort(group_key, kind="stable")
+    keys_sorted = group_key[order]
+    starts = np.flatnonzero(np.r_[True, keys_sorted[1:] != keys_sorted[:-1]])
+    ends = np.r_[starts[1:], n_tok]
+    symmetric_ahead = n_swa // 2 if swa is SWAType.SYMMETRIC else 0
+    pair_keys: list[np.ndarray] = []
+    pair_tok: list[np.ndarray] = []
+    ties: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+        rows = order[a:b]
+        g = int(keys_sorted[a])
+        cells = streams[g // n_seq_max]
+        sc = cells.seq_pos[g % n_seq_max]
+        if not sc:
+            continue
+        p_lo, p_hi = int(pos[rows].min()), int(pos[rows].max())
+        first = swa_visible_from(n_swa, swa, p_lo) if swa is not SWAType.NONE else 0
+        last = p_hi + symmetric_ahead if (causal or swa is SWAType.SYMMETRIC) else 2**31
+        lo, hi = sc.span(first, last + 1)
+        if lo == hi:
+            continue
+        keys = sc.keys[lo:hi]
+        if rows.size == 1:
+            pair_keys.append(keys)
+            pair_tok.append(np.full(keys.size, rows[0], dtype=np.int64))
+        else:
+            pair_keys.append(np.tile(keys, rows.size))
+            pair_tok.append(np.repeat(rows, keys.size))
+        if causal and ext is not None:
+            ties.append((pair_keys[-1], pair_tok[-1], cells.ext))
+    if not pair_keys:
+        return out
+    k_all = np.concatenate(pair_keys) if len(pair_keys) > 1 else pair_keys[0]
+    t_all = np.concatenate(pair_tok) if len(pair_tok) > 1 else pair_tok[0]
+    c_pos = k_all >> 32
+    c_cell = k_all & 0xFFFFFFFF
+    p1 = pos[t_all]
+    visible = c_cell < n_kv
+    if causal:
+        visible &= c_pos <= p1
+        if ext is not None:
+            # M-RoPE: a cell at the token's temporal position is in the future when its
+            # (y, x) is later than the token's (per group: each stream has its own extensions)
+            later = np.zeros(k_all.size, dtype=bool)
+            at = 0
+            for keys, toks, cell_ext in ties:
+                cells_g = keys & 0xFFFFFFFF
+                cx, cy = cell_ext[cells_g, 0], cell_ext[cells_g, 1]
+                tx, ty = ext[toks, 0], ext[toks, 1]
+                later[at : at + keys.size] = (cy > ty) | ((cy == ty) & (cx > tx))
+                at += keys.size
+            visible &= ~((c_pos == p1) & later)
+    visible &= ~is_masked_swa(n_swa, swa, c_pos, p1)
+    t_vis, c_vis = t_all[visible], c_cell[visible]
+    if alibi:
+        out[t_vis, c_vis] = -np.abs(c_pos[visible] - p1[visible]).astype(np.float32)
+    else:
+        out[t_vis, c_vis] = 0.0
     return out

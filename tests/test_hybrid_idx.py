@@ -9,7 +9,7 @@ from hybrid_toy import HybridToy, make_hybrid
 
 import statecache
 from statecache.batch import Batch, BatchAllocator
-from statecache.kpool import POS_CLEAN
+from statecache.kpool import POS_CLEAN, rebuild
 from statecache.memory import ContextError, StateFlags
 
 
@@ -27,6 +27,9 @@ class TagModel:
 
     def on_apply(self, ctx) -> None:  # type: ignore[no-untyped-def]
         mem = ctx.mem
+        for s in range(mem.n_seq_max):  # the incremental layout (appends only) is the one built from scratch
+            strm, pairs = mem.pairs_of(s)
+            assert mem.layout.seqs[s] == rebuild(pairs, strm, mem.layout.kpool, mem.layout.by_order), s
         inp = ctx.kpool_inputs()
         st = ctx.kpool_state
         for row in ctx.idx.k_idxs().tolist():  # cpy_k writes the per-token part and zeroes the slot

@@ -270,3 +270,27 @@ def test_item22_iswa_undo_rows_kept_only_when_asked(dev) -> None:
     rec = ctx.attn.swa._records[-1]
     assert rec.saved is None and rec.overwrites.size == 2
     assert ctx.attn.base._records[-1].overwrites.size == 0  # the full cache never reuses a cell
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "iswa", "idx"])
+def test_item22_undo_refused_after_another_batch_was_applied(dev, kind: str) -> None:
+    """A batch of another sequence applied after this one: its cells are in the attention
+    book now, so taking this batch's cells back (its journal) would take them back too.
+    Undo is refused, every book and the state blob stay as they are, and both batches stand."""
+    toy = HybridToy(dev, make_hybrid(dev, kind))
+    history(toy)
+    mem = toy.mem
+    first = {0: [8, 9]}
+    ctx = plan(toy, first)
+    ctx.keep_undo_rows = True
+    assert ctx.apply()
+    compute(toy, ctx, keep=True)
+    assert not ctx.next()
+    decoded(toy, first)
+    check(toy, toy.decode({1: [10, 11]}), (1,))
+    after = state_of(mem)
+    for n in (None, 1):
+        with pytest.raises(ContextError, match="changed"):
+            ctx.undo(n)
+        assert_same_state(state_of(mem), after)
+    check(toy, toy.decode({0: [30], 1: [31]}), (0, 1))

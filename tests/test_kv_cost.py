@@ -1,0 +1,187 @@
+"""The KV book's O(batch) machinery (issue 13, docs/memory-semantics.md#kv-cost) against
+plain recomputation: the journal puts a stream back exactly, the derived counts
+(free cells per block, owners per cell, used extent) always match the cells, the
+block-skipping slot search finds the cells of a cyclic scan, and the mask built from
+the cells each token attends equals the reference mask over the whole book."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from statecache.errors import InvariantError
+from statecache.kpool import KPoolLayout, StaleMarks, rebuild
+from statecache.kv_cells import BLOCK, EMPTY, KVCells
+from statecache.kv_mask import SWAType, build_mask, build_mask_seqs
+
+N_SEQ = 3
+
+
+def random_book(rng: np.random.Generator, size: int, fill: float, n_seq: int = N_SEQ) -> KVCells:
+    c = KVCells(size, n_seq)
+    for i in range(size):
+        if rng.random() < fill:
+            c.pos_set(i, int(rng.integers(0, 3 * BLOCK)), (int(rng.integers(0, 3)), int(rng.integers(0, 3))))
+            for s in range(n_seq):
+                if rng.random() < 0.4:
+                    c.seq_add(i, s)
+            if not c.seq_count(i):
+                c.seq_add(i, int(rng.integers(0, n_seq)))
+    return c
+
+
+def naive_free_from(c: KVCells, start: int, n: int) -> list[int]:
+    order = [(start + k) % c.size for k in range(c.size)]
+    return [i for i in order if c.pos[i] == EMPTY][:n]
+
+
+def mutate(c: KVCells, rng: np.random.Generator) -> None:
+    """One random edit through every mutation entry point."""
+    used = np.flatnonzero(c.pos != EMPTY)
+    free = np.flatnonzero(c.pos == EMPTY)
+    op = int(rng.integers(0, 7))
+    if op == 0 and free.size:  # bulk placement, one sequence per cell
+        idx = rng.choice(free, size=int(rng.integers(1, min(free.size, 9) + 1)), replace=False)
+        pos = rng.integers(0, 3 * BLOCK, size=idx.size)
+        ext = rng.integers(0, 3, size=(idx.size, 2))
+        c.place_seqs(idx.astype(np.int64), pos.astype(np.int64), ext.astype(np.int64), rng.integers(0, N_SEQ, idx.size))
+    elif op == 1 and free.size:
+        i = int(rng.choice(free))
+        c.pos_set(i, int(rng.integers(0, 3 * BLOCK)))
+        c.seq_add(i, int(rng.integers(0, N_SEQ)))
+    elif op == 2 and used.size:
+        i = int(rng.choice(used))
+        c.seq_rm(i, int(rng.choice(c.seqs_of(i))))
+    elif op == 3 and used.size:
+        c.rm_many(rng.choice(used, size=int(rng.integers(1, min(used.size, 9) + 1)), replace=False).astype(np.int64))
+    elif op == 4:
+        s = int(rng.integers(0, N_SEQ))
+        held = c.seq_pos[s].cells()
+        if held.size:
+            c.seq_rm_many(rng.choice(held, size=int(rng.integers(1, held.size + 1)), replace=False), s)
+    elif op == 5 and used.size:
+        i = int(rng.choice(used))
+        c.pos_add(i, int(rng.integers(-4, 5)))
+    elif op == 6 and used.size:
+        i = int(rng.choice(used))
+        c.seq_add(i, int(rng.integers(0, N_SEQ)))
+
+
+@given(seed=st.integers(0, 2**32 - 1), n_ops=st.integers(1, 30), fill=st.floats(0.0, 1.0))
+def test_journal_rollback_is_exact_and_counts_stay_in_step(seed: int, n_ops: int, fill: float) -> None:
+    rng = np.random.default_rng(seed)
+    c = random_book(rng, int(rng.integers(1, 4 * BLOCK)), fill)
+    c.check()
+    before, removals = c.clone(), c.removals
+    journal = c.attach()
+    for _ in range(n_ops):
+        mutate(c, rng)
+        c.check()  # owners, free counts and used extent recomputed from the cells
+    c.rollback(journal)
+    c.check()
+    assert c.same_as(before) and c.removals == removals
+    assert c._journal is None
+
+
+@given(seed=st.integers(0, 2**32 - 1), fill=st.floats(0.0, 1.0))
+def test_free_from_is_the_cyclic_scan(seed: int, fill: float) -> None:
+    rng = np.random.default_rng(seed)
+    c = random_book(rng, int(rng.integers(1, 6 * BLOCK)), fill)
+    n_free = int((c.pos == EMPTY).sum())
+    for start in {0, 1, c.size - 1, c.size, int(rng.integers(0, c.size + 1))}:
+        for n in {1, max(1, n_free), n_free + 1, int(rng.integers(1, c.size + 2))}:
+            assert c.free_from(start, n) == naive_free_from(c, start % c.size, n), (start, n)
+    nz = np.flatnonzero(c.pos != EMPTY)
+    assert c.used_max_p1() == (int(nz[-1]) + 1 if nz.size else 0)
+
+
+def test_journal_refuses_a_second_attach_and_a_reset() -> None:
+    c = KVCells(8, 2)
+    c.attach()
+    with pytest.raises(InvariantError, match="already attached"):
+        c.attach()
+    with pytest.raises(InvariantError, match="journal"):
+        c.reset()
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n_stream=st.integers(1, 3),
+    swa=st.sampled_from(list(SWAType)),
+    n_swa=st.integers(1, 9),
+    causal=st.booleans(),
+    alibi=st.booleans(),
+    with_ext=st.booleans(),
+)
+def test_mask_from_attended_cells_equals_the_whole_book_mask(
+    seed: int, n_stream: int, swa: SWAType, n_swa: int, causal: bool, alibi: bool, with_ext: bool
+) -> None:
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(1, 3 * BLOCK))
+    streams = [random_book(rng, size, float(rng.random())) for _ in range(n_stream)]
+    n_tok = int(rng.integers(1, 12))
+    tok_stream = rng.integers(0, n_stream, size=n_tok)
+    tok_pos = rng.integers(0, 3 * BLOCK + 4, size=n_tok)
+    tok_seq = rng.integers(0, N_SEQ, size=n_tok)
+    tok_ext = rng.integers(0, 3, size=(n_tok, 2)) if with_ext else None
+    n_kv = int(rng.integers(1, size + 1))
+    kw = dict(causal=causal, swa_type=swa, n_swa=n_swa, alibi=alibi)
+    got = build_mask_seqs(streams, tok_stream, tok_pos, tok_seq, n_kv, token_ext=tok_ext, **kw)  # type: ignore[arg-type]
+    for i in range(n_tok):
+        ref = build_mask(
+            streams[int(tok_stream[i])],
+            tok_pos[i : i + 1],
+            tok_seq[i : i + 1],
+            n_kv,
+            token_ext=None if tok_ext is None else tok_ext[i : i + 1],
+            **kw,  # type: ignore[arg-type]
+        )
+        np.testing.assert_array_equal(got[i : i + 1], ref)
+
+
+@given(seed=st.integers(0, 2**32 - 1), by_order=st.booleans(), n_steps=st.integers(1, 25))
+def test_kpool_layout_from_live_cells_matches_the_copied_pairs(seed: int, by_order: bool, n_steps: int) -> None:
+    """The k-pool layout fed the live pairs (read from their end while only appends
+    happened) and one fed copies of them give the same layouts and forced re-pools,
+    whatever edit (append, insert below cached pairs, removal) comes between updates."""
+    rng = np.random.default_rng(seed)
+    size = 96
+    c = KVCells(size, 2)
+    live, copied = KPoolLayout(4, by_order, 2, size, 1), KPoolLayout(4, by_order, 2, size, 1)
+    marks = StaleMarks(2)
+    for _ in range(n_steps):
+        s = int(rng.integers(0, 2))
+        op = int(rng.integers(0, 6))
+        free = c.free_from(0, size)
+        if op <= 3 and free:  # appends (the decode case), or an insert below the end
+            n = int(rng.integers(1, min(5, len(free)) + 1))
+            top = c.seq_pos_max(s) + 1
+            base = top if op <= 2 or top == 0 else int(rng.integers(0, top))
+            cells = rng.choice(free, size=n, replace=False).astype(np.int64)
+            c.place_seqs(cells, np.arange(base, base + n, dtype=np.int64), np.zeros((n, 2), np.int64), np.full(n, s))
+        elif op == 4 and c.seq_pos[s]:
+            held = c.seq_pos[s].cells()
+            c.seq_rm_many(held[-int(rng.integers(1, held.size + 1)) :], s)
+        elif op == 5:
+            marks.set(s, int(rng.integers(0, 8)))
+        forced_live = live.update(lambda q: (0, c.seq_pos[q]), marks)
+        forced_copied = copied.update(lambda q: (0, c.seq_cells(q)), marks)
+        assert forced_live == forced_copied
+        for q in range(2):
+            assert live.seqs[q] == copied.seqs[q] == rebuild(c.seq_cells(q), 0, 4, by_order)
+        if rng.random() < 0.5:
+            marks.clear()
+
+
+@given(seed=st.integers(0, 2**32 - 1), fill=st.floats(0.0, 1.0), need=st.integers(0, 80))
+def test_oldest_alone_is_the_naive_pick(seed: int, fill: float, need: int) -> None:
+    """A window cache's reusable cells of a sequence: those below the window it holds alone,
+    oldest (position, then cell) first -- read a few at a time, equal to filtering every pair."""
+    rng = np.random.default_rng(seed)
+    c = random_book(rng, int(rng.integers(1, 4 * BLOCK)), fill)
+    s = int(rng.integers(0, N_SEQ))
+    p_end = int(rng.integers(-2, 3 * BLOCK + 2))
+    naive = [cell for p, cell in c.seq_cells(s) if p < p_end and c.seq_count(cell) == 1][:need]
+    assert c.oldest_alone(s, p_end, need) == naive
