@@ -121,7 +121,8 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
         other = spec_and_memory(args.device, args.tokens)[1]
         for _ in range(args.rounds + 1):
             t0 = time.perf_counter()
-            data, meta_bytes = T._rows_payload(mem, 0, 0)
+            data, meta_bytes, gather = T._rows_payload(mem, 0, 0)
+            gather()
             t1 = time.perf_counter()
             T._check_positions(data[:meta_bytes], args.tokens - 1, data[meta_bytes:])
             T._read(other, data[:meta_bytes], data[meta_bytes:], 0, 0)
@@ -172,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  sequence transfer   {gbps['sequence']:7.2f} GB/s  ({med['sequence'] * 1e3:8.1f} ms)")
     ratio = gbps["sequence"] / gbps["plain"]
     print(f"  ratio               {ratio:7.2f}   (target >= 0.8)")
-    for k, what in (("state format", "rows=False: state_write, state_read"), ("protocol", "an already written blob")):
+    for k, what in (
+        ("state format", "rows=False: state_write, state_read"),
+        ("protocol", "a state-format blob written beforehand, its CRCs checked"),
+    ):
         print(f"  {k:20s}{gbps[k]:7.2f} GB/s  ({med[k] * 1e3:8.1f} ms)  ratio {gbps[k] / gbps['plain']:.2f}: {what}")
     print("where a transfer's time goes besides the wire (one process):")
     for k, what in (("gather", "sender: metadata + rows into one buffer"), ("install", "receiver: checks + writes"),

@@ -63,7 +63,11 @@ def gather_rows(device: Any, buf: Buffer, idx: np.ndarray, out: np.ndarray | Non
         if idx.min() < 0 or idx.max() >= buf.shape[0]:
             raise ArgumentError("idx", f"rows outside [0, {buf.shape[0]})")
         device.synchronize()
-        np.take(as_array(buf), idx, axis=0, out=dst, mode="clip")  # "raise" would buffer the whole output
+        run = _as_run(idx)
+        if run is not None:  # a sequence's cells are often one run: a plain copy
+            np.copyto(dst, as_array(buf)[run])
+        else:
+            np.take(as_array(buf), idx, axis=0, out=dst, mode="clip")  # "raise" would buffer the whole output
         return out
     tmp = device.alloc((n_rows, width), buf.dtype)
     device.get_rows(buf, device.indices(idx), tmp)
@@ -82,6 +86,15 @@ def scatter_rows(device: Any, buf: Buffer, idx: np.ndarray, rows: np.ndarray) ->
             raise ArgumentError("idx", f"rows outside [0, {buf.shape[0]})")
         device.synchronize()
         flat: np.ndarray = buf.storage
-        flat[buf.offset : buf.offset + buf.size].reshape(buf.shape)[idx] = rows
+        run = _as_run(idx)
+        flat[buf.offset : buf.offset + buf.size].reshape(buf.shape)[idx if run is None else run] = rows
         return
     device.set_rows(buf, device.indices(idx), device.upload(rows, buf.dtype))
+
+
+def _as_run(idx: np.ndarray) -> slice | None:
+    """``idx`` as a slice when it is one ascending run of rows (copies then need no index)."""
+    first, n = int(idx[0]), int(idx.size)
+    if n > 1 and int(idx[-1]) - first == n - 1 and bool((np.diff(idx) == 1).all()):
+        return slice(first, first + n)
+    return None

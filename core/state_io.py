@@ -67,8 +67,9 @@ class RowSink:
     blocks: list[tuple[Any, Any, np.ndarray]] = dataclasses.field(default_factory=list)
     nbytes: int = 0
 
-    def gather(self, out: np.ndarray) -> None:
-        """Every recorded block, back to back, into ``out`` (``uint8``, ``nbytes`` long)."""
+    def gather(self, out: np.ndarray, progress: Any = None) -> None:
+        """Every recorded block, back to back, into ``out`` (``uint8``, ``nbytes`` long);
+        ``progress(n)``, when given, hears after each block that ``out[:n]`` is ready."""
         from statecache.hostmem import gather_rows  # hostmem sits above the backend protocol
 
         off = 0
@@ -76,6 +77,8 @@ class RowSink:
             n = idx.size * buf.shape[1] * buf.dtype.itemsize
             gather_rows(device, buf, idx, out[off : off + n])
             off += n
+            if progress is not None:
+                progress(off)
 
 
 @dataclasses.dataclass

@@ -49,6 +49,7 @@ import hashlib
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,10 @@ ANSWER = 0x5343_4F4B  # "SCOK": the magic of every answer
 _HEADER_WORDS = 10
 _CRC_PRESENT = 1 << 16  # in the header's flags word, above the state flags
 _ROWS_APART = 1 << 17  # the payload is metadata, then the rows (see statecache.state_io.rows_apart)
+#: Rows travel in messages of this size, each sent as soon as it is gathered, so that
+#: gathering the next overlaps the wire (the receiver posts every receive at once).
+CHUNK_BYTES = 8 << 20
+_MAX_CHUNKS = 1 << 16
 
 OK = 0
 BAD_HEADER = 1
@@ -101,11 +106,18 @@ def _header_hash(words: list[int]) -> int:
 
 
 def _header(
-    nbytes: int, pos_min: int, pos_max: int, flags: int, crc: int | None, meta_bytes: int | None = None
+    nbytes: int,
+    pos_min: int,
+    pos_max: int,
+    flags: int,
+    crc: int | None,
+    meta_bytes: int | None = None,
+    chunk: int = 0,
 ) -> list[int]:
-    """The header words; ``meta_bytes``: the payload is that much metadata, then rows."""
+    """The header words; ``meta_bytes``: the payload is that much metadata, then rows;
+    ``chunk``: the payload comes in messages of that many bytes (0: one message)."""
     word = flags | (_CRC_PRESENT if crc is not None else 0) | (_ROWS_APART if meta_bytes is not None else 0)
-    words = [MAGIC, PROTOCOL, nbytes, pos_min, pos_max, word, crc or 0, meta_bytes or 0, 0]
+    words = [MAGIC, PROTOCOL, nbytes, pos_min, pos_max, word, crc or 0, meta_bytes or 0, chunk]
     return [*words, _header_hash(words)]
 
 
@@ -121,6 +133,8 @@ def _check_header(words: list[int]) -> str | None:
         return f"payload size {words[2]}"
     if words[5] & _ROWS_APART and not 0 < words[7] <= words[2]:
         return f"metadata of {words[7]} bytes in a payload of {words[2]}"
+    if words[8] < 0 or (words[8] and words[2] > words[8] * _MAX_CHUNKS):
+        return f"messages of {words[8]} bytes for a payload of {words[2]}"
     return None
 
 
@@ -138,9 +152,11 @@ class _Channel:
     def send(self, t: Any, what: str) -> Any:
         return post(lambda: self.dist.isend(t, self.peer, group=self.group, tag=self.tag), self.peer, what)
 
+    def post_recv(self, t: Any, what: str) -> Any:
+        return post(lambda: self.dist.irecv(t, self.peer, group=self.group, tag=self.tag), self.peer, what)
+
     def recv(self, t: Any, what: str) -> Any:
-        work = post(lambda: self.dist.irecv(t, self.peer, group=self.group, tag=self.tag), self.peer, what)
-        wait(work, self.timeout, self.peer, what)
+        wait(self.post_recv(t, what), self.timeout, self.peer, what)
         return t
 
     def answer(self, code: int) -> None:
@@ -179,8 +195,9 @@ def send_sequence(
     ch = _Channel(dst, group, tag, timeout)
     try:
         pos_min, pos_max = int(memory.seq_pos_min(seq_id)), int(memory.seq_pos_max(seq_id))
+        fill = None
         if rows:
-            payload, meta_bytes = _rows_payload(memory, seq_id, int(flags))
+            payload, meta_bytes, fill = _rows_payload(memory, seq_id, int(flags))
         else:
             payload, meta_bytes = memory.state_write(seq_id, flags), None
     except Exception:
@@ -190,21 +207,28 @@ def send_sequence(
         except TransferError:
             pass
         raise
-    _offer(ch, payload, pos_min, pos_max, int(flags), checksum, f"sequence {seq_id}", meta_bytes)
+    _offer(ch, payload, pos_min, pos_max, int(flags), checksum, f"sequence {seq_id}", meta_bytes, fill)
     return Transfer(len(payload), pos_min, pos_max, time.perf_counter() - t0)
 
 
-def _rows_payload(memory: Any, seq_id: int, flags: int) -> tuple[np.ndarray, int]:
+def _rows_payload(memory: Any, seq_id: int, flags: int) -> tuple[np.ndarray, int, Callable[..., None]]:
     """The sequence as one contiguous host buffer: the metadata of its state (the state
-    format's, with the valid snapshot planes), then every row block, gathered from the
-    device block by block (only the sequence's rows); and the metadata's length."""
+    format's, with the valid snapshot planes), then every row block (only the sequence's
+    rows); the metadata's length; and ``fill(progress=None)``, which gathers the rows
+    from the device into the buffer block by block, calling ``progress(n)`` when the
+    first ``n`` bytes of the buffer are ready."""
     sink = RowSink()
     with rows_apart(sink):
         meta = memory.state_write(seq_id, flags)
     out = _buffer("send", np, len(meta) + sink.nbytes)
     out[: len(meta)] = np.frombuffer(meta, dtype=np.uint8)
-    sink.gather(out[len(meta) :])
-    return out, len(meta)
+
+    def fill(progress: Callable[[int], None] | None = None) -> None:
+        sink.gather(out[len(meta) :], None if progress is None else lambda n: progress(len(meta) + n))
+        if progress is not None:
+            progress(len(out))
+
+    return out, len(meta), fill
 
 
 def _offer(
@@ -216,18 +240,40 @@ def _offer(
     checksum: bool,
     what: str,
     meta_bytes: int | None = None,
+    fill: Callable[..., None] | None = None,
 ) -> None:
-    """The sender's side of the protocol for one payload (see the module docstring)."""
+    """The sender's side of the protocol for one payload (see the module docstring).
+    ``fill``: the payload's rows are not gathered yet; ``fill(progress)`` gathers them
+    and the payload goes in :data:`CHUNK_BYTES` messages as they become ready."""
+    if fill is not None and checksum:  # the CRC goes in the header: everything first
+        fill()
+        fill = None
     crc = zlib.crc32(blob if isinstance(blob, bytes) else blob.data) if checksum else None
-    header = _header(len(blob), pos_min, pos_max, flags, crc, meta_bytes)
+    chunk = CHUNK_BYTES if fill is not None else 0
+    header = _header(len(blob), pos_min, pos_max, flags, crc, meta_bytes, chunk)
     sent = ch.send(ch.ints(header), "sending the header")
     code = ch.hear("waiting for the answer to the header")
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
-    sent_payload = ch.send(as_tensor(blob, ch.device), "sending the payload")
+    tensor = as_tensor(blob, ch.device)
+    works: list[Any] = []
+    if fill is None:
+        works.append(ch.send(tensor, "sending the payload"))
+    else:
+
+        def progress(ready: int) -> None:  # send every whole chunk that is ready (the rest at the end)
+            while len(works) * chunk < len(blob):
+                lo = len(works) * chunk
+                hi = min(lo + chunk, len(blob))
+                if hi > ready:
+                    return
+                works.append(ch.send(tensor[lo:hi], "sending the payload"))
+
+        fill(progress)
     code = ch.hear("waiting for the answer to the payload")
     wait(sent, ch.timeout, ch.peer, "sending the header")
-    wait(sent_payload, ch.timeout, ch.peer, "sending the payload")
+    for work in works:
+        wait(work, ch.timeout, ch.peer, "sending the payload")
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
 
@@ -320,7 +366,7 @@ def _take(ch: _Channel, limit: int) -> tuple[memoryview, tuple[int, int, int, in
     if bad is not None:
         ch.answer(BAD_HEADER)
         raise TransferError(src, f"corrupt header from rank {src}: {bad}; nothing was received")
-    nbytes, pos_min, pos_max, flags_word, crc, meta_bytes = words[2:8]
+    nbytes, pos_min, pos_max, flags_word, crc, meta_bytes, chunk = words[2:9]
     if nbytes == -1:
         raise TransferError(src, f"rank {src} could not write the sequence it was to send; nothing was received")
     if nbytes > limit:
@@ -328,7 +374,13 @@ def _take(ch: _Channel, limit: int) -> tuple[memoryview, tuple[int, int, int, in
         raise TransferError(src, f"rank {src} announced {nbytes} bytes, more than max_bytes={limit}; refused")
     ch.answer(OK)
     payload = _receive_buffer(ch, nbytes)
-    ch.recv(payload, "receiving the payload")
+    if not chunk:
+        ch.recv(payload, "receiving the payload")
+    else:  # every message posted at once, into its place
+        what = "receiving the payload"
+        works = [ch.post_recv(payload[lo : lo + chunk], what) for lo in range(0, nbytes, chunk)]
+        for work in works:
+            wait(work, ch.timeout, src, what)
     data = host_view(payload)
     if flags_word & _CRC_PRESENT and zlib.crc32(data) != crc:
         ch.answer(BAD_CHECKSUM)

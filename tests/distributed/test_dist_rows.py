@@ -25,7 +25,8 @@ from statecache.spec import AttentionLayerSpec, ModelSpec
 
 def payload(mem, seq):
     """What the sender puts on the wire: (metadata, rows) as separate copies."""
-    data, meta_bytes = T._rows_payload(mem, seq, 0)
+    data, meta_bytes, fill = T._rows_payload(mem, seq, 0)
+    fill()
     return bytes(data[:meta_bytes]), data[meta_bytes:].copy()
 
 
