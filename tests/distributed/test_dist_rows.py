@@ -149,3 +149,27 @@ def test_bad_rows_or_metadata_change_nothing(damage):
             T._read(dst, meta, rows, 0, 0)
     after = everything(dst)
     assert before[0] == after[0] and np.array_equal(before[1], after[1])
+
+
+def _opencl():
+    from statecache.registry import default_registry
+
+    found = [d for d in default_registry().available_devices() if d.backend_name == "opencl"]
+    if not found:
+        pytest.skip("no OpenCL device")
+    return found[0]
+
+
+@pytest.mark.parametrize("kind", ["hybrid_iswa", "recurrent"])
+def test_rows_cross_a_device_whose_memory_the_host_cannot_see(kind):
+    """OpenCL buffers are not host-visible: the sender gathers with get_rows and downloads
+    only those rows, the receiver uploads them and scatters with set_rows."""
+    ocl, cpu = _opencl(), statecache.get_device("cpu")
+    for src_dev, dst_dev in ((ocl, cpu), (cpu, ocl)):
+        src = garbage_memory(kind, src_dev, seed=21)
+        dst = build(SPECS[kind], dst_dev, n_seq_max=4)
+        place(dst, {0: [3, 3, 3]})
+        receive(dst, 0, *payload(src, 1), src.seq_pos_max(1))
+        ref = build(SPECS[kind], cpu, n_seq_max=4)
+        ref.state_read(src.state_write(1), 0)
+        assert dst.state_write(0) == ref.state_write(0)
