@@ -2,43 +2,54 @@
 
 Disaggregated serving prefills a request on one instance and decodes it on
 another; for a recurrent or hybrid model the decode side needs everything
-the sequence owns: its recurrent rows in every layer, its K/V cells with
-their positions, its indexer rows, and its book entries.  That is exactly
-``memory.state_write(seq)``: the validated state format
-(docs/state-format.md), written from the sequence's rows alone whatever the
-memory's size, streams or backend, and read by ``state_read`` with every
-size, dtype and position checked before anything is written.  So a transfer
-is that blob, sent as one contiguous ``uint8`` tensor (a host tensor over
-gloo, a CUDA tensor over NCCL), in a small protocol that keeps the receiver
-safe:
+the sequence owns: its recurrent rows in every layer with the snapshot
+planes still valid, its K/V cells with their positions, its indexer rows,
+and its book entries.
+
+The payload is the sequence's rows themselves, as one contiguous ``uint8``
+tensor (a host tensor over gloo, a CUDA tensor over NCCL): the metadata of
+``memory.state_write(seq)`` (positions, owners, layers, dtype codes, row
+sizes: everything but the row data, see
+:func:`statecache.state_io.rows_apart`), followed by every row block of the
+sequence, each gathered from the device's pool by its rows alone (only the
+sequence's cells and planes cross to the host, with one copy).  The
+receiver reads that metadata with the memory's own ``state_read`` while the
+rows come from the tensor, so sizes, dtypes, layers, positions and room are
+checked exactly as for a blob, before anything is written.  Memories of
+different sizes, stream layouts and backends exchange sequences this way;
+``rows=False`` sends the whole state-format blob instead (the fallback: any
+memory whose ``state_write`` writes its rows inline still works with
+``rows=True``, its blob simply carries them).
+
+The protocol keeps the receiver safe:
 
 1. the sender sends a header: magic, protocol version, payload bytes, the
    sequence's first and last position, the state flags, an optional CRC-32
-   of the payload, and a hash of the header itself;
+   of the payload, where the metadata ends, the message size of the rows,
+   and a hash of the header itself;
 2. the receiver checks the header (a corrupt one, or a payload larger than
    its memory could ever hold, is refused before it allocates anything) and
    answers *go* or *refused*;
-3. the sender sends the payload; the receiver waits for it within
-   ``timeout`` seconds (a sender that dies or stalls raises
-   :class:`~statecache.distributed.errors.TransferError`), checks the CRC
-   when one was sent and that every part's last position is the header's,
-   then ``state_read``\\ s it into its sequence;
+3. the sender sends the payload, its rows in :data:`CHUNK_BYTES` messages,
+   each as soon as it is gathered (gathering overlaps the wire); the receiver
+   waits for them within ``timeout`` seconds (a sender that dies or stalls
+   raises :class:`~statecache.distributed.errors.TransferError`), checks the
+   CRC when one was sent, that every part's last position is the header's
+   and that the metadata uses every row byte, then reads it into its sequence;
 4. the receiver answers *accepted* or why not; the sender raises if not.
 
 The receiving memory changes only in step 3's final read, which validates
-the whole blob first and changes nothing when it refuses it; if writing
+the whole state first and changes nothing when it refuses it; if writing
 fails after validation, the sequence's previous state (saved before the
-read) is put back.  So a transfer that fails anywhere leaves the receiver
-as it was, and raises an error that says where it failed.
+read, with its planes) is put back.  So a transfer that fails anywhere
+leaves the receiver as it was, and raises an error that says where it failed.
 
-Limits: snapshot planes are not part of the state format, so after a
-transfer the sequence has no rollback budget until its next multi-token
-write (as after any ``state_read``).  The rows are staged through host memory
-on each side (``state_write`` downloads them), also for NCCL: a truly
-device-to-device row path needs a memory hook that exposes a sequence's
-rows as device buffers.  After a transfer fails mid-payload the pair's
-message stream is out of step (a send may still be pending): use a fresh
-``tag`` (gloo) or a fresh group for the next one.
+Limits: the rows are staged through host memory on each side, also for NCCL
+(a device that is not host-visible gathers them with ``get_rows`` and
+downloads only those); the receiver keeps as many planes as its own
+``n_rs_seq`` allows.  After a transfer fails mid-payload the pair's message
+stream is out of step (a send may still be pending): use a fresh ``tag``
+(gloo) or a fresh group for the next one.
 """
 
 from __future__ import annotations
@@ -190,7 +201,11 @@ def send_sequence(
     :class:`TransferError` when the receiver refuses (the reason in words), dies or
     does not answer within ``timeout`` seconds.  ``checksum``: add a CRC-32 of the
     payload (one more pass over it on each side; gloo and NCCL deliver intact bytes,
-    so it guards against bugs, not the wire)."""
+    so it guards against bugs, not the wire; the rows are then gathered before they
+    are sent).  ``rows``: send the sequence's rows and snapshot planes as a tensor
+    behind their metadata (default); False sends the state-format blob of
+    ``state_write`` (no planes: the receiver can roll back only after its next
+    multi-token write)."""
     t0 = time.perf_counter()
     ch = _Channel(dst, group, tag, timeout)
     try:
@@ -299,7 +314,8 @@ def recv_sequence(
     sequence ``seq_id`` of ``memory``, replacing what ``seq_id`` held.
 
     Works between memories of different sizes, stream layouts and backends (the
-    state format carries the sequence, not the memory).  Raises
+    state format's metadata describes the sequence, not the memory); of the
+    snapshot planes that arrive, this memory keeps as many as its ``n_rs_seq``.  Raises
     :class:`TransferError` (no or a corrupt header, a payload over ``max_bytes``, a
     sender that dies or stalls past ``timeout`` seconds, a bad checksum or
     positions) or :class:`~statecache.errors.StateError` (the memory refused the
