@@ -38,13 +38,14 @@ back if the compute fails.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from statecache import primitives as P
-from statecache.backend import Buffer
+from statecache.backend import Buffer, Device
 from statecache.errors import ArgumentError, CapabilityError
 
 if TYPE_CHECKING:
@@ -89,6 +90,9 @@ class RecurrentStep:
             self._fresh_local_idx = dev.indices(self._fresh_local) if self._fresh_local.size else None
             self._read_rows = dev.indices(inp.start_rows)
         self.done: set[tuple[int, str]] = set()
+        # token-shift parts stepped so far, and where each tensor's first part ran (see shift)
+        self._shift_done: set[tuple[int, str, int]] = set()
+        self._shift_targets: dict[tuple[int, str], tuple[Buffer, Buffer, Buffer, int]] = {}
 
     def _pool(self, layer: int, name: str) -> Buffer:
         try:
@@ -283,6 +287,161 @@ class RecurrentStep:
         key = (op, snap, *scalars.values())
         self._run(layer, tensor, launch, validate, key, (*args.values(), *optional.values()))
 
+    # -- linear attention and the token shift (RWKV-6, RWKV-7, GLA) ------------
+    def wkv6(
+        self,
+        layer: int,
+        r: Buffer,
+        k: Buffer,
+        v: Buffer,
+        w: Buffer,
+        u: Buffer,
+        o: Buffer,
+        *,
+        scale: float | None = None,
+        tensor: str = "s",
+    ) -> None:
+        """``rwkv_wkv6`` on the layer's wkv state pool (r/k/v/w/o [n_seqs, n_seq_tokens, H, S])."""
+        self._linear_attn_step("rwkv_wkv6", layer, tensor, {"r": r, "k": k, "v": v, "w": w, "o": o}, scale, u)
+
+    def wkv7(
+        self,
+        layer: int,
+        r: Buffer,
+        w: Buffer,
+        k: Buffer,
+        v: Buffer,
+        a: Buffer,
+        b: Buffer,
+        o: Buffer,
+        *,
+        scale: float | None = None,
+        tensor: str = "s",
+    ) -> None:
+        """``rwkv_wkv7`` on the layer's wkv state pool (every per-token tensor [n_seqs, n_seq_tokens, H, S])."""
+        per_token = {"r": r, "w": w, "k": k, "v": v, "a": a, "b": b, "o": o}
+        self._linear_attn_step("rwkv_wkv7", layer, tensor, per_token, scale)
+
+    def gla(
+        self,
+        layer: int,
+        q: Buffer,
+        k: Buffer,
+        v: Buffer,
+        g: Buffer,
+        o: Buffer,
+        *,
+        scale: float | None = None,
+        tensor: str = "s",
+    ) -> None:
+        """``gated_linear_attn`` on the layer's state pool (q/k/v/g/o [n_seqs, n_seq_tokens, H, S])."""
+        self._linear_attn_step("gated_linear_attn", layer, tensor, {"q": q, "k": k, "v": v, "g": g, "o": o}, scale)
+
+    def _linear_attn_step(
+        self,
+        op: str,
+        layer: int,
+        tensor: str,
+        per_token: dict[str, Buffer],
+        scale: float | None,
+        u: Buffer | None = None,
+    ) -> None:
+        """Primitive ``op`` (``Device.<op>``) on the layer's pool: ``per_token`` holds its
+        inputs by name and the output ``o``; ``u`` is RWKV-6's bonus."""
+        args = {name: per_token[name] for name in P.LINEAR_ATTN_INPUTS[op]}
+        if u is not None:
+            args["u"] = u
+        args["o"] = per_token["o"]
+        self._primitive(
+            op, layer, tensor, args, {}, {"scale": scale},
+            lambda row: self._linear_attn_shapes(layer, row, per_token, u),
+        )  # fmt: skip
+
+    def _linear_attn_shapes(self, layer: int, row: int, per_token: dict[str, Buffer], u: Buffer | None) -> None:
+        """Per-token buffers must be [n_seqs, n_seq_tokens, H, S] of this ubatch and of the
+        layer's state rows (H * S * S; the layer's heads when its spec names them)."""
+        par = self._layer_params(layer)
+        names = iter(per_token.items())
+        first, buf = next(names)
+        want = self._tokens_dims(first, buf, 4, "n_seqs, n_seq_tokens, H, S")
+        h, size = want[2:]
+        layer_size = par.get("head_dim", par.get("head_size"))
+        if ("n_head" in par and (par["n_head"], layer_size) != (h, size)) or h * size * size != row:
+            raise ArgumentError(
+                first, f"shape {want}: [H, S] = {want[2:]} does not fit this layer's state rows of {row}"
+            )
+        for name, buf in names:
+            shape = _shape_of(buf, name)
+            if shape != want:
+                raise ArgumentError(name, f"shape {shape} must be {want}, as {first}'s")
+        if u is not None and _shape_of(u, "u") != want[2:]:
+            raise ArgumentError("u", f"shape {_shape_of(u, 'u')} must be [H, S] = {want[2:]}")
+
+    def shift(self, layer: int, x: Buffer, x_prev: Buffer, *, part: int = 0, tensor: str = "r") -> None:
+        """RWKV's token shift: ``x_prev`` [n_seqs, n_seq_tokens, n_embd] receives each
+        token's previous hidden vector (the first token's from the state), and the
+        state keeps the last token's, with snapshot planes like every state tensor.
+
+        The layer's token-shift row holds ``token_shift_count`` vectors of n_embd
+        (llama.cpp's layout: the time mixing's input first, then the channel
+        mixing's); ``part`` says which one ``x`` is.  The parts of one ubatch come
+        at different times (the channel mixing's input exists only after the time
+        mixing), so each is its own call; the first to come zeroes and
+        materialises the tensor's rows for all of them.
+
+        No new primitive: a token shift is a depthwise causal conv of width 2
+        with taps ``[1, 0]``.  Its window is the last token, its snapshot column j
+        the token j before the end (the input state for column n_t) and its
+        output the previous token, so ``ssm_conv`` gives all of it, on a view of
+        the pool whose rows are the parts (row ``c * count + part`` is part
+        ``part`` of cell row ``c``).  The output equals the previous token's x
+        exactly for finite inputs (an infinite x turns ``0 * x`` into NaN in the
+        token before it)."""
+        dev, inp = self.device, self.inputs
+        pool = self._pool(layer, tensor)
+        for name, buf in (("x", x), ("x_prev", x_prev)):
+            if not isinstance(buf, Buffer) or buf.ndim != 3 or buf.shape[:2] != (inp.n_seqs, inp.n_seq_tokens):
+                raise ArgumentError(
+                    name,
+                    f"must be a Buffer [n_seqs={inp.n_seqs}, n_seq_tokens={inp.n_seq_tokens}, n_embd] (this ubatch)",
+                )
+        if x_prev.shape != x.shape:
+            raise ArgumentError("x_prev", f"shape {x_prev.shape} must be x's {x.shape}")
+        n_embd = x.shape[-1]
+        if n_embd < 1 or pool.shape[1] % n_embd:
+            raise ArgumentError(
+                "x", f"shape {x.shape}: its hidden size does not divide the token-shift row of {pool.shape[1]}"
+            )
+        count = pool.shape[1] // n_embd
+        if not isinstance(part, int | np.integer) or not 0 <= part < count:
+            raise ArgumentError("part", f"must be an integer in [0, {count}) (token_shift_count), got {part!r}")
+        done, targets = self._shift_done, self._shift_targets
+        if (layer, tensor, int(part)) in done:
+            raise ArgumentError("part", f"token-shift part {part} of layer {layer} already stepped for this ubatch")
+        weight = _shift_taps(dev, n_embd)
+        snap = self.inputs.n_snap
+
+        def launch(target: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+            rows = target.view((target.shape[0] * count, n_embd))
+            s_rows, d_rows = _part_rows(dev, start, count, int(part)), _part_rows(dev, dst, count, int(part))
+            dev.ssm_conv(rows, s_rows, d_rows, x, weight, x_prev, n_snap=snap, plane_stride=stride * count)
+
+        key = (layer, tensor)
+        if key not in targets:
+            # the first part: zero row, extras and (staged) the transient copy, as for any tensor
+
+            def first(target: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+                launch(target, start, dst, stride)
+                targets[key] = (target, start, dst, stride)
+
+            self._run(layer, tensor, first)
+        else:
+            target, start, dst, stride = targets[key]
+            launch(target, start, dst, stride)
+            if target is not pool:  # staged: the transient pool's written rows go back after every part
+                dev.copy_rows(target, self._local_written, pool, self._pool_written)
+        done.add((layer, tensor, int(part)))
+
     def copy_only(self, layer: int, tensor: str) -> None:
         """Materialise extras for a state tensor that this ubatch does not advance
         with a primitive (the runtime writes it itself)."""
@@ -399,3 +558,38 @@ def _shape_of(buf: Any, name: str) -> tuple[int, ...]:
     if not isinstance(buf, Buffer):
         raise ArgumentError(name, f"expected a Buffer, got {type(buf).__name__}")
     return tuple(buf.shape)
+
+
+#: Per device and hidden size: the taps [1, 0] of the token shift's conv.
+_SHIFT_TAPS: weakref.WeakKeyDictionary[Device, dict[int, Buffer]] = weakref.WeakKeyDictionary()
+#: Per index buffer: its rows as part rows (``row * count + part``), with the host
+#: values they were derived from (a buffer written since gets new ones).
+_PART_ROWS: weakref.WeakKeyDictionary[Buffer, dict[tuple[int, int], tuple[Any, Buffer]]] = weakref.WeakKeyDictionary()
+
+
+def _shift_taps(dev: Device, n_embd: int) -> Buffer:
+    per_dev = _SHIFT_TAPS.setdefault(dev, {})
+    taps = per_dev.get(n_embd)
+    if taps is None:
+        host = np.zeros((n_embd, 2), dtype=np.float32)
+        host[:, 0] = 1.0  # y[t] = window[t] (the previous token), the current token weighs 0
+        taps = per_dev[n_embd] = dev.upload(host)
+    return taps
+
+
+def _part_rows(dev: Device, rows: Buffer, count: int, part: int) -> Buffer:
+    """``rows * count + part`` as an index buffer, kept while ``rows`` keeps its
+    values: decode passes the same row buffers step after step, and new index
+    buffers would defeat the launch memo."""
+    if count == 1:
+        return rows
+    values = rows.host_indices
+    cache = _PART_ROWS.setdefault(rows, {})
+    hit = cache.get((count, part))
+    if hit is not None and values is not None and hit[0] is values:
+        return hit[1]
+    host = dev.index_values(rows).astype(np.int64) * count + part
+    derived = dev.indices(host)
+    if values is not None:
+        cache[(count, part)] = (values, derived)
+    return derived

@@ -11,7 +11,7 @@ import statecache
 from statecache.batch import Batch, BatchAllocator
 from statecache.errors import ArgumentError, BatchError
 from statecache.recurrent import RecurrentMemory
-from statecache.spec import MemorySpec, RecurrentLayerSpec
+from statecache.spec import MemorySpec, RecurrentLayerSpec, StateTensor
 
 
 @pytest.fixture(scope="module")
@@ -170,9 +170,12 @@ def test_item35_rollback_planes_or_a_loud_refusal(dev) -> None:  # type: ignore[
     assert mem.n_rs_seq == 3 and mem.pools[0]["s"].shape[0] == 8  # Mamba-1 gets planes too
     mem2 = RecurrentMemory(toy_spec(), dev, n_seq_max=2, n_rs_seq=3)
     assert mem2.n_rs_seq == 3 and mem2.pools[0]["s"].shape[0] == 8
-    rwkv = RecurrentLayerSpec.rwkv6(n_embd=8, head_size=4)
+    rwkv = RecurrentLayerSpec.rwkv6(n_embd=8, head_size=4)  # its primitives write snapshot planes too
+    mem3 = RecurrentMemory(MemorySpec.build(1, {0: rwkv}), dev, n_seq_max=2, n_rs_seq=3)
+    assert mem3.n_rs_seq == 3 and mem3.pools[0]["r"].shape[0] == 8 and mem3.pools[0]["s"].shape[0] == 8
+    other = RecurrentLayerSpec("retnet", (StateTensor("s", 16),))  # a family without snapshot-writing kernels
     with pytest.raises(ArgumentError, match="n_rs_seq"):
-        RecurrentMemory(MemorySpec.build(1, {0: rwkv}), dev, n_seq_max=2, n_rs_seq=3)
+        RecurrentMemory(MemorySpec.build(1, {0: other}), dev, n_seq_max=2, n_rs_seq=3)
 
 
 def test_rollback_several_sequences_same_ubatch(dev) -> None:  # type: ignore[no-untyped-def]
