@@ -704,7 +704,7 @@ class KVCache(Memory):
             count = word & ~KV_CELL_COUNT_EXT
             if count > self.size:
                 raise StateError(f"{self.name}.cell_count", f"{count} cells do not fit a stream of {self.size}")
-            one_owner = _one_owner_records(r, count, has_ext) if seq >= 0 else None
+            one_owner = one_owner_records(r, count, has_ext) if seq >= 0 else None
             if one_owner is not None:  # a sequence's blob: fixed-size records, checked at once
                 pos, ext = one_owner
                 sets: list[tuple[int, ...]] = [(seq,)] * count
@@ -1212,7 +1212,7 @@ def plan_positions(plan: KVStatePlan) -> dict[int, set[int]]:
     return out
 
 
-def _one_owner_records(r: Reader, count: int, has_ext: bool) -> tuple[np.ndarray, np.ndarray] | None:
+def one_owner_records(r: Reader, count: int, has_ext: bool) -> tuple[np.ndarray, np.ndarray] | None:
     """Positions and 2-D extensions of the ``count`` cells of a per-sequence blob, read
     at once when every record is well formed (``pos >= 0, 1, id`` and the extension when
     ``has_ext``; the id is the blob's, not the reader's); None, with nothing consumed,
