@@ -28,7 +28,11 @@
  * of the start row is read before the unit writes that slice of any row, and
  * no other unit touches it, so in-place and rollback starts are safe.  The
  * input state (column n_t) is a raw copy of the start row's head block,
- * made before anything is written. */
+ * made before anything is written.
+ *
+ * Prefill of RWKV-6 and GLA (head size a multiple of 8, AVX2) runs the chunked
+ * form (prefill_group_chunked, below): small matrix products per chunk of
+ * tokens instead of a pass over the state per token. */
 #include "sc_gemm.h"
 
 /* Key-major kernels: state columns per tile (S rows each: 16 KiB at S = 128). */
@@ -467,6 +471,7 @@ static void prefill_group(const la_call *c, int64_t s, int64_t ha, int64_t G, fl
  * so the bits do not depend on the thread count or on the other sequences. */
 #define SC_LA_SPAN 60.0f
 #define SC_LA_CHUNK_MIN 8
+#define SC_LA_BLOCK 16 /* tokens per chunk of the chunked form, <= SC_LA_CHUNK */
 #define SC_LA_CHUNK_PAD ((SC_LA_CHUNK + 7) & ~7)
 
 typedef struct {
@@ -567,7 +572,7 @@ static void prefill_group_chunked(const la_call *c, int64_t s, int64_t ha, int64
     int64_t pos = 0;
     for (int64_t i = 0; i < n_stops; i++) {
         while (pos < w->stops[i]) {
-            const int64_t L = w->stops[i] - pos < SC_LA_CHUNK ? w->stops[i] - pos : SC_LA_CHUNK;
+            const int64_t L = w->stops[i] - pos < SC_LA_BLOCK ? w->stops[i] - pos : SC_LA_BLOCK;
             pack_chunk(&logc, s, pos, L, ha, G, buf, bonus);
             for (int64_t hh = 0; hh < G; hh++) {
                 const int64_t h = ha + hh;
