@@ -41,7 +41,11 @@ remembered and validated (memo emptied before every call): the first is what
 holds small decode calls below the memcpy bound.  Decode with rollback
 planes is timed both ways (the 1-D form, which also copies the input state
 into plane 1, and plane rotation, which writes only the next plane) and its
-time printed as a ratio to decode without rollback.
+time printed as a ratio to decode without rollback; so is a whole decode step
+through a ``RecurrentMemory`` (batch, plan, apply, the primitive on every
+layer) with ``n_rs_seq = 3`` against ``n_rs_seq = 0``, per family: the
+memory rotates its planes, so the primitive writes one row per sequence
+either way, in place without rollback and into the next plane with it.
 
 Importable: :data:`SHAPES`, :func:`make_case`, :func:`time_call`,
 :func:`memcpy_seconds`, :func:`host_memcpy_seconds`, :func:`fma_peak`,
@@ -150,6 +154,20 @@ SHAPES: tuple[Shape, ...] = (
             ("conv", "ssm_conv", {"ch": 5376, "d_conv": 4}, 256),
         )
         for how in ("x layers", "K=4 planes", "K=4 rotate")
+    ),
+    # The same decode through a RecurrentMemory (batch, plan, apply, step: what a
+    # runtime runs) with n_rs_seq = 3 against n_rs_seq = 0: the memory rotates
+    # its planes, so a decode with rollback writes one row per state tensor too.
+    # Each family steps one state tensor of its layers (the conv: a GDN layer's
+    # 5376-channel window).
+    *(
+        Shape(f"{family} memory n_s=8 rs={rs}", "memory", {**params, "family": family, "n_s": 8, "n_rs_seq": rs})
+        for family, params in (
+            ("mamba2", {"N": 128, "P": 64, "H": 32, "layers": 16}),
+            ("gdn", {"H": 16, "S": 128, "layers": 16}),
+            ("conv", {"H": 14, "S": 128, "layers": 256}),
+        )
+        for rs in (0, 3)
     ),
     Shape("kda prefill", "gdn", {"H": 16, "S": 128, "n_t": 512, "n_s": 1, "kda": True}),
     # Linear attention at model sizes: RWKV-6 / RWKV-7 1.5B (n_embd 2048, heads of 64), GLA with
@@ -421,6 +439,8 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
         fn = (lambda: device.get_rows(pool, rows, dense)) if shape.op == "get_rows" else (
             lambda: device.set_rows(pool, rows, dense))  # fmt: skip
         return Case(fn, 2 * n * MiB, 0)
+    if shape.op == "memory":
+        return _memory_decode(device, p, rng)
     n_s, n_t = p["n_s"], p["n_t"]
     start = dst = device.indices(np.arange(n_s))  # in-place, as in decode
     K = p.get("K", 1)
@@ -583,6 +603,74 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
             exp_ops=H * S * n_t * n_s,
         )
     raise ValueError(f"unknown benchmark op {shape.op!r}")
+
+
+def _memory_decode(device: Device, p: dict[str, Any], rng: np.random.Generator) -> Case:
+    """One decode token for each of ``n_s`` sequences through a RecurrentMemory of
+    ``layers`` layers with ``n_rs_seq`` rollback planes: batch, plan, apply, then
+    the family's primitive on one state tensor of every layer, as a runtime that
+    keeps its activation buffers runs it.  The sequences' positions grow from
+    call to call; the states stay finite (decaying scans, normalised keys)."""
+    from statecache.batch import Batch, BatchAllocator
+    from statecache.recurrent import RecurrentMemory
+    from statecache.spec import MemorySpec, RecurrentLayerSpec
+
+    family, n_s, n_layers, n_rs_seq = p["family"], p["n_s"], p["layers"], p["n_rs_seq"]
+    up = device.upload
+    if family == "mamba2":
+        N, P, H = p["N"], p["P"], p["H"]
+        layer = RecurrentLayerSpec.mamba2(d_inner=H * P, d_state=N, d_conv=4, n_group=1, head_dim=P)
+        x, dt = up(_u(rng, (n_s, 1, H, P))), up(_u(rng, (n_s, 1, H), -4, 1))
+        A, B, C = up(-_u(rng, (H,), 0.2, 2.0)), up(_u(rng, (n_s, 1, 1, N))), up(_u(rng, (n_s, 1, 1, N)))
+        y = device.alloc((n_s, 1, H, P))
+        tensor, row, io = "s", H * P * N, 2 * H * P + H + 2 * N
+
+        def kernel(step: Any, i: int) -> None:
+            step.scan(i, x, dt, A, B, C, y)
+
+    else:
+        H, S = p["H"], p["S"]
+        layer = RecurrentLayerSpec.gdn(n_head=H, head_dim=S, d_conv=4)
+        if family == "conv":
+            ch = layer.params["channels"]
+            x, w, b = up(_u(rng, (n_s, 1, ch))), up(_u(rng, (ch, 4))), up(_u(rng, (ch,)))
+            y = device.alloc((n_s, 1, ch))
+            tensor, row, io = "r", 3 * ch, 2 * ch
+
+            def kernel(step: Any, i: int) -> None:
+                step.conv(i, x, w, y, bias=b, apply_silu=True)
+
+        else:
+            qk = _u(rng, (2, n_s, 1, H, S))
+            qk /= np.linalg.norm(qk, axis=-1, keepdims=True)
+            q, k, v = up(qk[0]), up(qk[1]), up(_u(rng, (n_s, 1, H, S)))
+            g, beta = up(_u(rng, (n_s, 1, H), -1.0, -1e-3)), up(_u(rng, (n_s, 1, H), 0, 1))
+            o = device.alloc((n_s, 1, H, S))
+            tensor, row, io = "s", H * S * S, 5 * H * S
+
+            def kernel(step: Any, i: int) -> None:
+                step.delta(i, q, k, v, g, beta, o)
+
+    # only the benchmarked state tensor gets a pool
+    layer = dataclasses.replace(layer, tensors=tuple(t for t in layer.tensors if t.name == tensor))
+    spec = MemorySpec.build(n_layers, dict.fromkeys(range(n_layers), layer))
+    mem = RecurrentMemory(spec, device, n_seq_max=n_s, n_rs_seq=n_rs_seq)
+    balloc = BatchAllocator(n_s)
+    ones = np.ones(n_s, dtype=np.int32)
+    batch = Batch(tokens=ones, seq_ids=np.arange(n_s, dtype=np.int32), output=ones.astype(bool))
+
+    def fn() -> None:
+        balloc.init(batch, mem)  # positions continue each sequence's state
+        ctx = mem.init_batch(balloc, max(n_s, n_rs_seq + 2))
+        if not ctx.apply():
+            raise RuntimeError(f"decode step refused: {ctx.status}")
+        step = ctx.step()
+        for i in range(n_layers):
+            kernel(step, i)
+        ctx.next()
+
+    # per layer: the state read and written once (either way), plus the token's inputs and outputs
+    return Case(fn, n_layers * 4 * n_s * (2 * row + io), 0)
 
 
 def _scalar_mamba1(rng: np.random.Generator, n_s: int, n_t: int, H: int, N: int, threads: int) -> Callable[[], None]:
@@ -769,6 +857,13 @@ def run(
             ratios.append(f"{family} " + ", ".join(parts))
     if ratios:
         say("decode with rollback vs without (n_s=8, state of many layers): " + "; ".join(ratios))
+    memory = [
+        f"{family} {times[with_] / times[without]:.2f}x"
+        for family in ("mamba2", "gdn", "conv")
+        if (with_ := f"{family} memory n_s=8 rs=3") in times and (without := f"{family} memory n_s=8 rs=0") in times
+    ]
+    if memory:
+        say("decode through the memory, n_rs_seq=3 vs 0 (n_s=8, every layer): " + "; ".join(memory))
     if full_run:
         costs = ", ".join(
             f"{op} {call_overhead(device, op, clock=tick) * 1e6:.0f} / "

@@ -3,13 +3,14 @@
 For every state tensor of a recurrent layer the step
 
 1. zeroes the zero row ``rs_z`` (plane 0) before anything reads it;
-2. materialises the slot's extra cells (moved by the reorder, or with a
-   pending rollback): their source row (any plane) is copied into their own
-   plane-0 row;
-3. runs the primitive with ``start_rows`` = each set's source row (any plane),
-   ``dst_rows = head + i``, ``n_snap = 1 + n_rs_seq`` and ``plane_stride =
-   size``, so the final state lands in plane 0 and the snapshots (including
-   the input state when ``n_t < n_snap``) in the planes above.
+2. runs the primitive with ``start_rows`` = each set's source row (any plane)
+   and ``dst_rows`` = its snapshot table (``RecurrentInputs.dst_table``): the
+   final state lands in the plane after the one the set starts from, the
+   snapshots in the planes before that, and the input state stays where it
+   is (a decode writes one row; one-column tables are passed as 1-D rows);
+3. materialises the slot's extra cells that the reorder moved: their live
+   and still-valid snapshot planes are copied to the same planes of their
+   new cell.
 
 Every argument is checked before anything is written: the shapes against
 the ubatch and the layer's state rows (so an error names the argument that
@@ -68,23 +69,29 @@ class RecurrentStep:
         self.keep_undo_rows = bool(rec.keep_rows if keep_undo_rows is None and rec is not None else keep_undo_rows)
         self._zero = dev.indices([inp.rs_z]) if inp.rs_z >= 0 and not inp.staged else None
         self._needs_zero = bool((inp.start_rows == inp.rs_z).any()) if inp.rs_z >= 0 else False
-        # the destination rows depend only on (head, n_seqs), and a steady decode starts every
-        # set from its own row: reuse uploaded index buffers instead of uploading per step
-        self._dst = memory._row_indices(inp.head, inp.n_seqs)
-        in_place = inp.start_rows.size == inp.n_seqs and inp.start_rows[0] == inp.head
-        if in_place and np.array_equal(inp.start_rows, inp.dst_rows):
+        # A decode with rotating planes cycles through n_snap row sets: the memory hands
+        # back the same uploaded index buffers for the same rows (so the launch memo
+        # recognises the call) instead of uploading per step.  A one-column table is
+        # passed as 1-D rows (the same bytes; without planes, an in-place decode's start
+        # and destination are then one buffer, the cheapest call to check).
+        table = inp.dst_table
+        self._dst = memory._index_buffer(table[:, 0] if table.shape[1] == 1 else table)
+        if table.shape[1] == 1 and np.array_equal(inp.start_rows, table[:, 0]):
             self._start = self._dst
         else:
-            self._start = dev.indices(inp.start_rows)
+            self._start = memory._index_buffer(inp.start_rows)
         copy_src, copy_dst = inp.copy_src, inp.copy_dst  # extras, and planes of moved cells
         self._ex_src = dev.indices(copy_src) if copy_src.size else None
         self._ex_dst = dev.indices(copy_dst) if copy_dst.size else None
         if inp.staged:
-            n = inp.n_seqs
+            # a transient pool of n_w planes of n cells: set i reads local row i and
+            # writes column j to local row i + j * n, copied back to the table's row
+            n, n_w = inp.n_seqs, table.shape[1]
             local = np.arange(n, dtype=np.int64)
             self._local = dev.indices(local)
-            j = np.arange(inp.n_written, dtype=np.int64)
-            self._local_written = dev.indices((local[:, None] + n * j[None, :]).ravel())
+            local_table = np.where(table >= 0, local[:, None] + n * np.arange(n_w)[None, :], -1)
+            self._local_dst = dev.indices(local_table[:, 0] if n_w == 1 else local_table)
+            self._local_written = dev.indices(local_table[table >= 0])
             self._pool_written = dev.indices(inp.written_rows())
             self._fresh_local = local[inp.start_rows == inp.rs_z] if self._needs_zero else local[:0]
             self._fresh_local_idx = dev.indices(self._fresh_local) if self._fresh_local.size else None
@@ -92,7 +99,7 @@ class RecurrentStep:
         self.done: set[tuple[int, str]] = set()
         # token-shift parts stepped so far, and where each tensor's first part ran (see shift)
         self._shift_done: set[tuple[int, str, int]] = set()
-        self._shift_targets: dict[tuple[int, str], tuple[Buffer, Buffer, Buffer, int]] = {}
+        self._shift_targets: dict[tuple[int, str], tuple[Buffer, Buffer, Buffer]] = {}
 
     def _pool(self, layer: int, name: str) -> Buffer:
         try:
@@ -133,7 +140,7 @@ class RecurrentStep:
         return True
 
     def _validate(self, validate: _Launch | None, key: tuple[Any, ...], bufs: tuple[Any, ...], target: Buffer,
-                  start: Buffer, dst: Buffer, stride: int) -> None:  # fmt: skip
+                  start: Buffer, dst: Buffer) -> None:  # fmt: skip
         """Run ``validate`` unless this very call (same buffers, same index contents,
         same capabilities) was validated before: decode repeats one call per layer
         step after step, and a full check costs more than a small kernel."""
@@ -141,14 +148,15 @@ class RecurrentStep:
             return
         dev = self.device
         full = (target, start, dst, *bufs)
-        key = (*key, stride, *(id(b) for b in full))
+        key = (*key, *(id(b) for b in full))
         memo = self.memory._step_checks
         try:
             if memo.lookup(key, dev.caps, full, (start, dst)) is not None:
                 return
-        except TypeError:  # an unhashable scalar: validation says what is wrong
-            pass
-        validate(target, start, dst, stride)
+        except TypeError:  # an unhashable scalar (a list as dt_limit): validate every call
+            validate(target, start, dst)
+            return
+        validate(target, start, dst)
         memo.store(key, dev.caps, full, (start, dst), None, None)
 
     def _run(
@@ -175,19 +183,19 @@ class RecurrentStep:
         pool = self._pool(layer, name)
         key = (layer, name)
         if not inp.staged:
-            self._validate(validate, (name, *op_key), bufs, pool, self._start, self._dst, inp.size)
+            self._validate(validate, (name, *op_key), bufs, pool, self._start, self._dst)
             registered = self._before_write(layer, name, pool)
             self.done.add(key)
             if self._zero is not None and self._needs_zero:
                 dev.zero_rows(pool, self._zero)
-            self._launch_refusable(key, registered, lambda: launch(pool, self._start, self._dst, inp.size))
+            self._launch_refusable(key, registered, lambda: launch(pool, self._start, self._dst))
             if self._ex_src is not None and self._ex_dst is not None:
                 dev.copy_rows(pool, self._ex_src, pool, self._ex_dst)
             return
         # staged: read everything first (into transient buffers), write the pool last
         n = inp.n_seqs
-        tmp = dev.alloc((n * inp.n_snap, pool.shape[1]), pool.dtype)
-        self._validate(validate, (name, *op_key), bufs, tmp, self._local, self._local, n)
+        tmp = dev.alloc((n * inp.dst_table.shape[1], pool.shape[1]), pool.dtype)
+        self._validate(validate, (name, *op_key), bufs, tmp, self._local, self._local_dst)
         registered = self._before_write(layer, name, pool)
         self.done.add(key)
         dev.copy_rows(pool, self._read_rows, tmp, self._local)
@@ -197,7 +205,7 @@ class RecurrentStep:
         if self._ex_src is not None:
             ex = dev.alloc((self._ex_src.shape[0], pool.shape[1]), pool.dtype)
             dev.get_rows(pool, self._ex_src, ex)
-        self._launch_refusable(key, registered, lambda: launch(tmp, self._local, self._local, n))
+        self._launch_refusable(key, registered, lambda: launch(tmp, self._local, self._local_dst))
         if ex is not None and self._ex_dst is not None:
             dev.set_rows(pool, self._ex_dst, ex)
         dev.copy_rows(tmp, self._local_written, pool, self._pool_written)
@@ -232,12 +240,31 @@ class RecurrentStep:
         )  # fmt: skip
 
     def scan(
-        self, layer: int, x: Buffer, dt: Buffer, A: Buffer, B: Buffer, C: Buffer, y: Buffer, *, tensor: str = "s"
+        self,
+        layer: int,
+        x: Buffer,
+        dt: Buffer,
+        A: Buffer,
+        B: Buffer,
+        C: Buffer,
+        y: Buffer,
+        *,
+        D: Buffer | None = None,
+        z: Buffer | None = None,
+        dt_bias: Buffer | None = None,
+        dt_limit: tuple[float, float] | None = None,
+        tensor: str = "s",
     ) -> None:
-        """``ssm_scan`` (Mamba-1/2) on the layer's state pool."""
+        """``ssm_scan`` (Mamba-1/2) on the layer's state pool, with the fused epilogues of
+        :meth:`Device.ssm_scan <statecache.backend.Device.ssm_scan>` (mamba_ssm's semantics):
+        ``dt_bias`` [n_head] added before softplus, ``dt_limit=(lo, hi)`` clamping its result,
+        the skip ``y += D * x`` (``D`` [n_head] or [n_head, head_dim]) and the gate
+        ``y *= silu(z)`` (``z`` shaped like ``x``), applied last."""
         self._primitive(
-            "ssm_scan", layer, tensor, {"x": x, "dt": dt, "A": A, "B": B, "C": C, "y": y}, {}, {},
-            lambda row: self._scan_shapes(layer, row, x, dt, A, B, C, y),
+            "ssm_scan", layer, tensor, {"x": x, "dt": dt, "A": A, "B": B, "C": C, "y": y},
+            {"D": D, "z": z, "dt_bias": dt_bias}, {},
+            lambda row: self._scan_shapes(layer, row, x, dt, A, B, C, y, D=D, z=z, dt_bias=dt_bias),
+            {"dt_limit": dt_limit}, lambda shp: _scan_epilogues(shp, D, z, dt_bias),
         )  # fmt: skip
 
     def delta(
@@ -251,12 +278,26 @@ class RecurrentStep:
         o: Buffer,
         *,
         scale: float | None = None,
+        head_map: str = "tiled",
+        qk_l2norm: bool = False,
+        A_log: Buffer | None = None,
+        dt_bias: Buffer | None = None,
+        beta_sigmoid: bool = False,
         tensor: str = "s",
     ) -> None:
-        """``gated_delta_net`` (GDN / KDA) on the layer's state pool."""
+        """``gated_delta_net`` (GDN / KDA) on the layer's state pool, with the options of
+        :meth:`Device.gated_delta_net <statecache.backend.Device.gated_delta_net>`:
+        ``head_map`` (``"tiled"``: value head h reads q/k head ``h % H_k``; ``"grouped"``:
+        ``h // (H_v / H_k)``, as transformers and fla), ``qk_l2norm`` (q and k normalised in
+        the kernel), ``A_log`` [H_v] with optional ``dt_bias`` (``g`` is then the raw
+        projection ``a``: log-decay ``-exp(A_log) * softplus(a + dt_bias)``) and
+        ``beta_sigmoid`` (``beta`` is the raw ``b``: ``sigmoid(b)`` is used)."""
         self._primitive(
-            "gated_delta_net", layer, tensor, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "o": o}, {},
-            {"scale": scale}, lambda row: self._delta_shapes(layer, row, q, k, v, g, beta, o),
+            "gated_delta_net", layer, tensor, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "o": o},
+            {"A_log": A_log, "dt_bias": dt_bias}, {},
+            lambda row: self._delta_shapes(layer, row, q, k, v, g, beta, o, A_log=A_log, dt_bias=dt_bias),
+            {"scale": scale, "head_map": head_map, "qk_l2norm": qk_l2norm, "beta_sigmoid": beta_sigmoid},
+            lambda shp: _delta_epilogues(shp, A_log),
         )  # fmt: skip
 
     def _primitive(
@@ -268,23 +309,36 @@ class RecurrentStep:
         optional: dict[str, Buffer | None],
         scalars: dict[str, Any],
         shapes: Callable[[int], None],
+        options: dict[str, Any] | None = None,
+        fused: Callable[[Any], frozenset[str]] | None = None,
     ) -> None:
         """Run primitive ``op`` (``Device.<op>``, validated by ``primitives.check_<op>``) on the
         layer's pool.  ``args``: its buffers in call order; ``optional``: keyword buffers;
-        ``scalars``: keyword scalars the validator does not take; ``shapes(row_size)``:
-        the checks against the ubatch and the layer."""
-        dev, snap = self.device, self.inputs.n_snap
+        ``scalars``: keyword scalars the validator does not take; ``options``: keyword scalars
+        it takes too; ``shapes(row_size)``: the checks against the ubatch and the layer;
+        ``fused(shape)``: the epilogue names the validated call uses, asked of the device
+        before anything is written (the same refusal the primitive would raise)."""
+        dev = self.device
         check = getattr(P, f"check_{op}")  # the validator the device runs too
         call = getattr(dev, op)
+        opts = options or {}
 
-        def validate(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+        # dst is a snapshot table (or its one column as 1-D rows): n_snap and plane_stride stay default
+        def validate(pool: Buffer, start: Buffer, dst: Buffer) -> None:
             shapes(pool.shape[1])
-            check(dev, pool=pool, start_rows=start, dst_rows=dst, **args, **optional, n_snap=snap, plane_stride=stride)
+            checked = check(
+                dev, pool=pool, start_rows=start, dst_rows=dst, **args, **optional, **opts, n_snap=1, plane_stride=0
+            )
+            names = fused(checked.shape) if fused is not None else None
+            if names:
+                answer = dev.supports(op, epilogues=names)
+                if not answer:
+                    raise CapabilityError(answer.reason)
 
-        def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            call(pool, start, dst, *args.values(), **optional, **scalars, n_snap=snap, plane_stride=stride)
+        def launch(pool: Buffer, start: Buffer, dst: Buffer) -> None:
+            call(pool, start, dst, *args.values(), **optional, **scalars, **opts)
 
-        key = (op, snap, *scalars.values())
+        key = (op, *scalars.values(), *opts.values())
         self._run(layer, tensor, launch, validate, key, (*args.values(), *optional.values()))
 
     # -- linear attention and the token shift (RWKV-6, RWKV-7, GLA) ------------
@@ -419,34 +473,35 @@ class RecurrentStep:
         if (layer, tensor, int(part)) in done:
             raise ArgumentError("part", f"token-shift part {part} of layer {layer} already stepped for this ubatch")
         weight = _shift_taps(dev, n_embd)
-        snap = self.inputs.n_snap
 
-        def launch(target: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+        # dst: the snapshot table (or its one column), its rows mapped to the part's view rows
+        def launch(target: Buffer, start: Buffer, dst: Buffer) -> None:
             rows = target.view((target.shape[0] * count, n_embd))
             s_rows, d_rows = _part_rows(dev, start, count, int(part)), _part_rows(dev, dst, count, int(part))
-            dev.ssm_conv(rows, s_rows, d_rows, x, weight, x_prev, n_snap=snap, plane_stride=stride * count)
+            dev.ssm_conv(rows, s_rows, d_rows, x, weight, x_prev)
 
         key = (layer, tensor)
         if key not in targets:
             # the first part: zero row, extras and (staged) the transient copy, as for any tensor
 
-            def first(target: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-                launch(target, start, dst, stride)
-                targets[key] = (target, start, dst, stride)
+            def first(target: Buffer, start: Buffer, dst: Buffer) -> None:
+                launch(target, start, dst)
+                targets[key] = (target, start, dst)
 
             self._run(layer, tensor, first)
         else:
-            target, start, dst, stride = targets[key]
-            launch(target, start, dst, stride)
+            target, start, dst = targets[key]
+            launch(target, start, dst)
             if target is not pool:  # staged: the transient pool's written rows go back after every part
                 dev.copy_rows(target, self._local_written, pool, self._pool_written)
         done.add((layer, tensor, int(part)))
 
     def copy_only(self, layer: int, tensor: str) -> None:
         """Materialise extras for a state tensor that this ubatch does not advance
-        with a primitive (the runtime writes it itself)."""
+        with a primitive (the runtime writes it itself: each set's state from
+        ``inputs.start_rows`` into the rows of ``inputs.dst_table``)."""
 
-        def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+        def launch(pool: Buffer, start: Buffer, dst: Buffer) -> None:
             return None
 
         self._run(layer, tensor, launch)
@@ -488,8 +543,9 @@ class RecurrentStep:
             raise ArgumentError("bias", f"shape {_shape_of(bias, 'bias')} must be [channels={ch}]")
 
     def _scan_shapes(
-        self, layer: int, row: int, x: object, dt: object, A: object, B: object, C: object, y: object
-    ) -> None:
+        self, layer: int, row: int, x: object, dt: object, A: object, B: object, C: object, y: object, *,
+        D: object | None = None, z: object | None = None, dt_bias: object | None = None,
+    ) -> None:  # fmt: skip
         par = self._layer_params(layer)
         xs = self._tokens_dims("x", x, 4, "n_seqs, n_seq_tokens, n_head, head_dim")
         n_s, n_t = xs[:2]
@@ -520,10 +576,17 @@ class RecurrentStep:
         ys = _shape_of(y, "y")
         if ys != xs:
             raise ArgumentError("y", f"shape {ys} must be {xs} (one output per input of x)")
+        if D is not None and _shape_of(D, "D") not in ((h,), (h, hd)):
+            raise ArgumentError("D", f"shape {_shape_of(D, 'D')} must be [n_head={h}] or [n_head={h}, head_dim={hd}]")
+        if z is not None and _shape_of(z, "z") != xs:
+            raise ArgumentError("z", f"shape {_shape_of(z, 'z')} must be {xs} (one gate per input of x)")
+        if dt_bias is not None and _shape_of(dt_bias, "dt_bias") != (h,):
+            raise ArgumentError("dt_bias", f"shape {_shape_of(dt_bias, 'dt_bias')} must be [n_head={h}]")
 
     def _delta_shapes(
-        self, layer: int, row: int, q: object, k: object, v: object, g: object, beta: object, o: object
-    ) -> None:
+        self, layer: int, row: int, q: object, k: object, v: object, g: object, beta: object, o: object, *,
+        A_log: object | None = None, dt_bias: object | None = None,
+    ) -> None:  # fmt: skip
         par = self._layer_params(layer)
         vs = self._tokens_dims("v", v, 4, "n_seqs, n_seq_tokens, H_v, S")
         n_s, n_t, h_v, size = vs
@@ -549,9 +612,34 @@ class RecurrentStep:
         os_ = _shape_of(o, "o")
         if os_ != vs:
             raise ArgumentError("o", f"shape {os_} must be {vs} (one output per value of v)")
+        # the raw gate: per value head (per key dimension of it for KDA's [.., H_v, S] gate)
+        if A_log is not None and _shape_of(A_log, "A_log") != (h_v,):
+            raise ArgumentError("A_log", f"shape {_shape_of(A_log, 'A_log')} must be [H_v={h_v}]")
+        want_bias = (h_v,) if len(gs) == 3 else (h_v, size)
+        if dt_bias is not None and _shape_of(dt_bias, "dt_bias") != want_bias:
+            raise ArgumentError("dt_bias", f"shape {_shape_of(dt_bias, 'dt_bias')} must be {list(want_bias)}")
 
 
-_Launch = Callable[[Buffer, Buffer, Buffer, int], None]
+_Launch = Callable[[Buffer, Buffer, Buffer], None]
+
+
+def _scan_epilogues(shape: P.ScanShape, D: object, z: object, dt_bias: object) -> frozenset[str]:
+    """The fused epilogues a validated ``ssm_scan`` call uses (``Caps.epilogues`` names);
+    ``shape.dt_limit`` is None for a limit that clamps nothing, as the device sees it."""
+    given = (("dt_bias", dt_bias), ("dt_limit", shape.dt_limit), ("D", D), ("z", z))
+    return frozenset(name for name, value in given if value is not None)
+
+
+def _delta_epilogues(shape: P.DeltaShape, A_log: object) -> frozenset[str]:
+    """The fused options a validated ``gated_delta_net`` call uses; the grouped map only
+    where it differs from the tiled one (1 < H_k < H_v), as the device decides."""
+    given = (
+        ("grouped_heads", shape.head_map == "grouped"),
+        ("qk_l2norm", shape.qk_l2norm),
+        ("raw_gate", A_log is not None),
+        ("beta_sigmoid", shape.beta_sigmoid),
+    )
+    return frozenset(name for name, used in given if used)
 
 
 def _shape_of(buf: Any, name: str) -> tuple[int, ...]:
@@ -578,9 +666,9 @@ def _shift_taps(dev: Device, n_embd: int) -> Buffer:
 
 
 def _part_rows(dev: Device, rows: Buffer, count: int, part: int) -> Buffer:
-    """``rows * count + part`` as an index buffer, kept while ``rows`` keeps its
-    values: decode passes the same row buffers step after step, and new index
-    buffers would defeat the launch memo."""
+    """``rows * count + part`` as an index buffer (a snapshot table's -1 stays -1),
+    kept while ``rows`` keeps its values: decode passes the same row buffers step
+    after step, and new index buffers would defeat the launch memo."""
     if count == 1:
         return rows
     values = rows.host_indices
@@ -588,7 +676,8 @@ def _part_rows(dev: Device, rows: Buffer, count: int, part: int) -> Buffer:
     hit = cache.get((count, part))
     if hit is not None and values is not None and hit[0] is values:
         return hit[1]
-    host = dev.index_values(rows).astype(np.int64) * count + part
+    v = dev.index_values(rows).astype(np.int64)
+    host = np.where(v >= 0, v * count + part, -1)
     derived = dev.indices(host)
     if values is not None:
         cache[(count, part)] = (values, derived)
