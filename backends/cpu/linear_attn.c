@@ -28,8 +28,12 @@
  * of the start row is read before the unit writes that slice of any row, and
  * no other unit touches it, so in-place and rollback starts are safe.  The
  * input state (column n_t) is a raw copy of the start row's head block,
- * made before anything is written. */
-#include "sc_internal.h"
+ * made before anything is written.
+ *
+ * Prefill of RWKV-6 and GLA (head size a multiple of 8, AVX2) runs the chunked
+ * form (prefill_group_chunked, below): small matrix products per chunk of
+ * tokens instead of a pass over the state per token. */
+#include "sc_gemm.h"
 
 /* Key-major kernels: state columns per tile (S rows each: 16 KiB at S = 128). */
 #define SC_LA_COLS 32
@@ -438,6 +442,162 @@ static void prefill_group(const la_call *c, int64_t s, int64_t ha, int64_t G, fl
     }
 }
 
+#ifdef SC_HAVE_AVX2
+/* ---- RWKV-6 and GLA prefill: the chunked form ------------------------------------
+ *
+ * flash-linear-attention's chunked form of a per-key gated recurrence.  Over a
+ * chunk of L tokens from state M0, with G_t = g_0 + ... + g_t the cumulative
+ * log decays of each key (running sums within the chunk),
+ *     S_t = diag(exp G_t) M0 + sum_{u<=t} diag(exp(G_t - G_u)) k_u v_u^T,
+ * so the outputs are O = Qd M0 + A V with Qd[t] = q_t exp(Gq_t) and
+ * A[t][u] = sum_i q_t[i] k_u[i] exp(Gq_t[i] - G_u[i]) = Qd Kf^T, Kf[u] =
+ * k_u exp(-G_u); and the end state is M = diag(exp G_end) M0 + Kd^T V, Kd[u] =
+ * Kf[u] exp(G_end).  GLA reads the state after its token: Gq_t = G_t and A
+ * keeps u <= t.  RWKV-6 reads it before: Gq_t = G_{t-1} (0 for t = 0), A keeps
+ * u < t, and its diagonal is the bonus (sum_i r[i] u[i] k[i]).  Four small
+ * products per chunk on sc_gemm (about 2 L S^2 + L^2 S FMAs against the
+ * token loop's 3 L S^2 element operations at a load and a store each).
+ *
+ * Factoring exp(Gq_t - G_u) into exp(Gq_t) exp(-G_u) is exact in real
+ * arithmetic; in float32 it is safe while every |G_t[i]| of the chunk stays
+ * below SC_LA_SPAN (the factors then lie within e^+-60, far from overflow and
+ * from subnormals).  A steeper chunk runs the token loop, which multiplies
+ * decays one token at a time, as does a chunk shorter than SC_LA_CHUNK_MIN,
+ * and a head whose start state or some chunk's inputs are not all finite
+ * runs the token loop from there on (a masked zero times an infinity in a
+ * product would be NaN where the recurrence keeps the infinity).  Chunks end
+ * at every snapshot position (sc_state_stops), so the planes are states the
+ * recurrence passes through; each product sums its elements in a fixed order,
+ * so the bits do not depend on the thread count or on the other sequences. */
+#define SC_LA_SPAN 60.0f
+#define SC_LA_CHUNK_MIN 8
+#define SC_LA_BLOCK 16 /* tokens per chunk of the chunked form, <= SC_LA_CHUNK */
+#define SC_LA_CHUNK_PAD ((SC_LA_CHUNK + 7) & ~7)
+
+typedef struct {
+    float *EG, *Qd, *Kf; /* [SC_LA_CHUNK][S]: exp G_t, decayed queries, keys times exp(-G_u) */
+    float *KT;           /* [S][SC_LA_CHUNK_PAD]: Kf transposed, then scaled into Kd^T */
+    float *A;            /* [SC_LA_CHUNK][SC_LA_CHUNK_PAD] intra-chunk scores */
+    float *Eend;         /* [S] exp G_end */
+    int64_t *stops;      /* [n_cols + 1] */
+    int *token_loop;     /* [group]: the head went to the token loop for good */
+} la_chunk_ws;
+
+/* One chunk of L tokens (SC_LA_CHUNK_MIN <= L <= SC_LA_CHUNK) of one head in
+ * the chunked form, or 0 (nothing written) when its decays span too much.
+ * Q, K, V, g: [L][S] (q or r scaled, g the log decays); bonus: RWKV-6's
+ * diagonal or NULL (GLA); M: the key-major state [S][S]; outputs at o, rows
+ * ldo apart. */
+static int la_chunk(const float *Q, const float *K, const float *V, const float *g, const float *bonus, int64_t L,
+                    int64_t S, float *M, float *o, int64_t ldo, la_chunk_ws *w) {
+    const int64_t Lp = (L + 7) & ~(int64_t)7;
+    const int gla = bonus == NULL;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 most = _mm256_setzero_ps();
+    for (int64_t t = 0; t < L; t++)
+        for (int64_t i = 0; i < S; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + t * S + i);
+            if (t) x = _mm256_add_ps(x, _mm256_loadu_ps(w->EG + (t - 1) * S + i));
+            _mm256_storeu_ps(w->EG + t * S + i, x);
+            most = _mm256_max_ps(most, _mm256_andnot_ps(sign, x));
+        }
+    float m8[8];
+    _mm256_storeu_ps(m8, most);
+    for (int l = 0; l < 8; l++)
+        if (!(m8[l] <= SC_LA_SPAN)) return 0;
+    for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(w->Eend + i, sc_exp8(_mm256_loadu_ps(w->EG + (L - 1) * S + i)));
+    for (int64_t t = 0; t < L; t++)
+        for (int64_t i = 0; i < S; i += 8) {
+            const __m256 e = sc_exp8(_mm256_loadu_ps(w->EG + t * S + i));
+            _mm256_storeu_ps(w->EG + t * S + i, e);
+            _mm256_storeu_ps(w->Kf + t * S + i, _mm256_div_ps(_mm256_loadu_ps(K + t * S + i), e));
+            /* RWKV-6's query decays lag a token: exp G_{t-1}, 1 for the first */
+            const __m256 eq = gla ? e : t ? _mm256_loadu_ps(w->EG + (t - 1) * S + i) : _mm256_set1_ps(1.0f);
+            _mm256_storeu_ps(w->Qd + t * S + i, _mm256_mul_ps(_mm256_loadu_ps(Q + t * S + i), eq));
+        }
+    /* inter-chunk: O = Qd M0 */
+    sc_gemm(L, S, S, w->Qd, S, M, S, o, ldo, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
+    /* intra-chunk: A = Qd Kf^T, masked causally (RWKV-6: the bonus on the diagonal), O += A V */
+    sc_transpose(w->Kf, S, w->KT, Lp, L, S);
+    for (int64_t i = 0; i < S; i++)
+        for (int64_t u = L; u < Lp; u++) w->KT[i * Lp + u] = 0.0f;
+    sc_gemm(L, Lp, S, w->Qd, S, w->KT, Lp, w->A, Lp, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_C_LOWER, gla ? 1 : 0);
+    for (int64_t t = 0; t < L; t++) {
+        for (int64_t u = gla ? t + 1 : t; u < Lp; u++) w->A[t * Lp + u] = 0.0f;
+        if (!gla) w->A[t * Lp + t] = bonus[t];
+    }
+    sc_gemm(L, S, L, w->A, Lp, V, S, o, ldo, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 1);
+    /* state: M = diag(exp G_end) M0 + Kd^T V */
+    for (int64_t i = 0; i < S; i++) {
+        const float e = w->Eend[i];
+        for (int64_t u = 0; u < L; u++) w->KT[i * Lp + u] *= e;
+    }
+    sc_gemm(S, S, L, w->KT, Lp, V, S, M, S, SC_GEMM_ROWS, 0.0f, w->Eend, SC_GEMM_DENSE, 0);
+    return 1;
+}
+
+/* Tokens [0, L) of one head the token loop's way on the key-major state M
+ * (the decays exp'd into `e`, [L][S] scratch). */
+static void la_chunk_tokens(const float *Q, const float *K, const float *V, const float *g, const float *bonus,
+                            int64_t L, int64_t S, float *M, float *o, int64_t ldo, float *e) {
+    const int gla = bonus == NULL;
+    for (int64_t i = 0; i < L * S; i += 8) _mm256_storeu_ps(e + i, sc_exp8(_mm256_loadu_ps(g + i)));
+    for (int64_t j0 = 0; j0 < S; j0 += SC_LA_COLS) {
+        const int64_t cw = S - j0 < SC_LA_COLS ? S - j0 : SC_LA_COLS;
+        for (int64_t t = 0; t < L; t++)
+            kv_step_avx2(M + j0, S, M + j0, S, S, cw, K + t * S, V + t * S + j0, Q + t * S, e + t * S,
+                         gla ? 0.0f : bonus[t], gla, o + t * ldo + j0);
+    }
+}
+
+/* prefill_group for RWKV-6 and GLA with S % 8 == 0: chunks that end at the
+ * snapshot positions (and every SC_LA_CHUNK tokens between them), packed for
+ * the whole group, then each head's chunk in the chunked form or the token
+ * loop (see above); the snapshots of every head stored at each stop. */
+static void prefill_group_chunked(const la_call *c, int64_t s, int64_t ha, int64_t G, float *buf, float *bonus,
+                                  float *tiles, la_chunk_ws *w) {
+    const sc_state *st = c->st;
+    const int64_t S = c->S, H = c->H, t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
+    la_call logc = *c;
+    logc.exp_in = -1; /* the chunked form sums the log decays */
+    for (int64_t hh = 0; hh < G; hh++) {
+        const int64_t head_off = (ha + hh) * S * S;
+        copy_input_state(st, s, n_t, head_off, S * S);
+        load_block(st, st->start_rows[s], head_off, S, S, S, tiles + hh * S * S, S);
+        w->token_loop[hh] = !sc_all_finite(tiles + hh * S * S, 1, 0, S * S, 1);
+    }
+    const int gla = c->kind == LA_GLA;
+    int64_t longest;
+    const int64_t n_stops = sc_state_stops(st, s, n_t, w->stops, &longest);
+    int64_t pos = 0;
+    for (int64_t i = 0; i < n_stops; i++) {
+        while (pos < w->stops[i]) {
+            const int64_t L = w->stops[i] - pos < SC_LA_BLOCK ? w->stops[i] - pos : SC_LA_BLOCK;
+            pack_chunk(&logc, s, pos, L, ha, G, buf, bonus);
+            for (int64_t hh = 0; hh < G; hh++) {
+                const int64_t h = ha + hh;
+                const float *p[4];
+                for (int m = 0; m < 4; m++) p[m] = buf + (m * G + hh) * SC_LA_CHUNK * S;
+                const float *b = gla ? NULL : bonus + hh * SC_LA_CHUNK;
+                float *tile = tiles + hh * S * S, *o = c->o + ((t0 + pos) * H + h) * S;
+                if (!w->token_loop[hh]) {
+                    int ok = 1;
+                    for (int m = 0; m < 4 && ok; m++) ok = sc_all_finite(p[m], 1, 0, L * S, 1);
+                    if (ok && b) ok = sc_all_finite(b, 1, 0, L, 1);
+                    w->token_loop[hh] = !ok;
+                }
+                if (w->token_loop[hh] || L < SC_LA_CHUNK_MIN || !la_chunk(p[0], p[1], p[2], p[3], b, L, S, tile, o, H * S, w))
+                    la_chunk_tokens(p[0], p[1], p[2], p[3], b, L, S, tile, o, H * S, w->Qd);
+            }
+            pos += L;
+        }
+        const int64_t r = sc_snap_row(st, s, n_t - w->stops[i]);
+        if (r >= 0)
+            for (int64_t hh = 0; hh < G; hh++) store_block(st, tiles + hh * S * S, S, r, (ha + hh) * S * S, S, S, S);
+    }
+}
+#endif
+
 static void la_run(const la_call *c, int n_threads) {
     const sc_state *st = c->st;
     const int64_t H = c->H, S = c->S;
@@ -456,6 +616,21 @@ static void la_run(const la_call *c, int n_threads) {
         float *bonus = (float *)sc_alloc(sizeof(float) * (size_t)(G * SC_LA_CHUNK));
         const int64_t tile_floats = G * S * S; /* a decode unit uses at most one head's worth */
         float *tiles = (float *)sc_alloc(sizeof(float) * (size_t)tile_floats);
+#ifdef SC_HAVE_AVX2
+        const int chunked = c->kind != LA_RWKV7 && S % 8 == 0 && longest >= 2;
+        la_chunk_ws w = {0};
+        if (chunked) {
+            const size_t cs = sizeof(float) * (size_t)(SC_LA_CHUNK * S);
+            w.EG = (float *)sc_alloc(cs);
+            w.Qd = (float *)sc_alloc(cs);
+            w.Kf = (float *)sc_alloc(cs);
+            w.KT = (float *)sc_alloc(sizeof(float) * (size_t)(S * SC_LA_CHUNK_PAD));
+            w.A = (float *)sc_alloc(sizeof(float) * (size_t)(SC_LA_CHUNK * SC_LA_CHUNK_PAD));
+            w.Eend = (float *)sc_alloc(sizeof(float) * (size_t)S);
+            w.stops = (int64_t *)sc_alloc(sizeof(int64_t) * (size_t)(st->n_cols + 1));
+            w.token_loop = (int *)sc_alloc(sizeof(int) * (size_t)G);
+        }
+#endif
         int64_t lo, hi;
         sc_split(st->n_seqs * H, sc_thread_id(), sc_team_size(), &lo, &hi);
         for (int64_t unit = lo; unit < hi;) {
@@ -469,9 +644,24 @@ static void la_run(const la_call *c, int n_threads) {
             /* the heads of this sequence in this thread's range, G at a time */
             const int64_t end = (s + 1) * H < hi ? (s + 1) * H : hi;
             const int64_t g = end - unit < G ? end - unit : G;
-            prefill_group(c, s, h, g, buf, bonus, tiles, tile_rows);
+#ifdef SC_HAVE_AVX2
+            if (chunked)
+                prefill_group_chunked(c, s, h, g, buf, bonus, tiles, &w);
+            else
+#endif
+                prefill_group(c, s, h, g, buf, bonus, tiles, tile_rows);
             unit += g;
         }
+#ifdef SC_HAVE_AVX2
+        free(w.EG);
+        free(w.Qd);
+        free(w.Kf);
+        free(w.KT);
+        free(w.A);
+        free(w.Eend);
+        free(w.stops);
+        free(w.token_loop);
+#endif
         free(buf);
         free(bonus);
         free(tiles);

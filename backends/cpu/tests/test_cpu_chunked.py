@@ -1,15 +1,16 @@
 """The chunked prefill forms of the C kernels: Mamba-2's SSD blocks (heads of a
-group walked together) and the gated delta rule / KDA in flash-linear-
-attention's WY form.  A sequence takes them when a run of at least 16 tokens
-lies between its snapshot positions, so every case here has such runs, with
-snapshot columns anywhere in the sequence (chunks end at each of them).
+group walked together), the gated delta rule / KDA in flash-linear-
+attention's WY form, and RWKV-6 / GLA in its chunked gated form.  A sequence
+takes them when a run of at least 16 tokens (8 for RWKV-6 / GLA) lies between
+its snapshot positions, so every case here has such runs, with snapshot
+columns anywhere in the sequence (chunks end at each of them).
 
 Checked: the reference against independent float64 loops and the device
 against the reference (the conformance varlen cases, every pool and
 activation dtype, fused options); one packed call against one call per
 sequence and 1, 2 or 3 threads, bitwise; NaN and Inf from an input in the
 middle of a long sequence land where the definition puts them; KDA blocks
-whose decay spans too much to factor.  Hypothesis examples:
+and RWKV-6 / GLA chunks whose decay spans too much to factor.  Hypothesis examples:
 ``STATECACHE_CHUNKED_EXAMPLES`` (default 10)."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from cpu_cases import assert_packed_call_thread_invariant, cpu_device
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from statecache.conformance import linear_attn_cases as LA
 from statecache.conformance import varlen_cases as V
 from statecache.conformance.cases import assert_close
 from statecache.dtypes import DType
@@ -44,6 +46,9 @@ CHUNKED_OPS: tuple[Callable[[], V.Op], ...] = (
         False, 16, 4, 2, head_map="grouped", qk_l2norm=True, raw_gate=True, beta_sigmoid=True, scale=0.3
     ),
     lambda: V.delta_op(True, 8, 4, 2, head_map="grouped", qk_l2norm=True, raw_gate=True, beta_sigmoid=True),
+    lambda: LA.rwkv6_op(16, 3),
+    lambda: LA.gla_op(16, 3),
+    lambda: LA.rwkv6_op(24, 2, scale=0.5),
 )
 
 
@@ -180,6 +185,35 @@ def test_non_finite_start_state_takes_the_token_loop() -> None:
     assert_close("state", results[0][0], results[1][0], 1e-7)
 
 
+def _linear_attn_inputs(rng: np.random.Generator, gla: bool, S: int, H: int, gate_min: float) -> dict[str, np.ndarray]:
+    q, k, v = rng.uniform(-1, 1, (3, N_T, H, S)).astype(np.float32)
+    g = rng.uniform(gate_min, -1e-3, (N_T, H, S)).astype(np.float32)
+    if gla:
+        return {"q": q, "k": k, "v": v, "g": g}
+    return {"r": q, "k": k, "v": v, "w": g, "u": rng.uniform(-1, 1, (H, S)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("gla", [False, True])
+@pytest.mark.parametrize(("name", "value"), [("q", np.nan), ("k", np.inf), ("v", np.nan), ("g", -np.inf)])
+def test_linear_attn_places_non_finite_inputs_as_the_definition(gla: bool, name: str, value: float) -> None:
+    """RWKV-6 / GLA: a NaN or Inf in a chunk past the first (chunks of 16)
+    lands where the reference puts it; the chunks before it stay finite (a
+    log decay of -Inf is a decay of 0: everything stays finite).
+    Left out, as the token loop (which such chunks run) differs there: an
+    infinite v (RWKV-6 adds its bonus as (sum_i r u k) v, an Inf where
+    ggml's per-key sum of Infs of both signs is NaN), and a NaN or +Inf log
+    decay (sc_exp clamps its argument, so exp(NaN) is not NaN)."""
+    S, H = 16, 2
+    inputs = _linear_attn_inputs(np.random.default_rng(13), gla, S, H, -1.0)
+    key = name if gla else {"q": "r", "g": "w"}.get(name, name)
+    inputs[key][41, 1, 3] = value
+    op = "gated_linear_attn" if gla else "rwkv_wkv6"
+    (pool, o), (pool_ref, o_ref) = _both_devices(op, H * S * S, inputs, (N_T, H, S))
+    assert_close("o", o, o_ref, 1e-7)
+    assert_close("snapshots", pool, pool_ref, 1e-7)
+    assert np.isfinite(o[:41]).all() and np.isfinite(o[41:]).all() == (value == -np.inf)
+
+
 # -- precision ---------------------------------------------------------------------------
 
 
@@ -209,4 +243,20 @@ def test_mamba2_chunked_rounding() -> None:
     inputs = _scan_inputs(np.random.default_rng(12), H, G, P, N)
     (pool, y), (pool_ref, y_ref) = _both_devices("ssm_scan", H * P * N, inputs, (N_T, H, P))
     assert _nmse(y, y_ref) < 1e-10
+    assert _nmse(pool, pool_ref) < 1e-10
+
+
+@pytest.mark.parametrize("gla", [False, True])
+@pytest.mark.parametrize("gate_min", [-1.0, -5.5, -12.0])
+def test_linear_attn_chunked_rounding(gla: bool, gate_min: float) -> None:
+    """RWKV-6 / GLA against the float64 reference, at head size 64 (the shape
+    of the bench rows).  Gates down to -1 per token keep every chunk factored;
+    down to -5.5, two of the twelve (chunk, head) pairs of 16 tokens span more
+    than 60 in log decay and run the token loop between chunked ones; down to
+    -12 all do."""
+    S, H = 64, 2
+    inputs = _linear_attn_inputs(np.random.default_rng(14), gla, S, H, gate_min)
+    op = "gated_linear_attn" if gla else "rwkv_wkv6"
+    (pool, o), (pool_ref, o_ref) = _both_devices(op, H * S * S, inputs, (N_T, H, S))
+    assert _nmse(o, o_ref) < 1e-10
     assert _nmse(pool, pool_ref) < 1e-10
