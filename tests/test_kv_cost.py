@@ -343,3 +343,51 @@ def test_kpool_inputs_from_the_pool_tables_equal_a_from_scratch_build(
             c.seq_rm_many(placed, s)
         elif rng.random() < 0.5:
             marks.clear()
+
+
+@pytest.mark.parametrize("kind", ["kv", "hybrid", "hybrid-iswa", "hybrid-idx"])
+@pytest.mark.parametrize("unified", [True, False])
+def test_seq_pos_max_all_is_seq_pos_max_of_every_sequence(kind: str, unified: bool) -> None:
+    """Batch validation reads every sequence's last position in one call: it equals the
+    per-sequence query after prefills of different lengths, removals and a clear."""
+    import statecache
+    from statecache.batch import Batch, BatchAllocator
+    from statecache.factory import make_model_memory
+    from statecache.spec import AttentionLayerSpec, IndexerSpec, ModelSpec, RecurrentLayerSpec
+
+    gdn = RecurrentLayerSpec.gdn(n_head=1, head_dim=4, d_conv=2)
+    att = AttentionLayerSpec(n_head_kv=1, head_dim_k=4)
+    specs = {
+        "kv": ModelSpec.build(1, attention={0: att}, kv_dtype="f32"),
+        "hybrid": ModelSpec.build(2, recurrent={0: gdn}, attention={1: att}, kv_dtype="f32"),
+        "hybrid-iswa": ModelSpec.build(
+            3,
+            recurrent={0: gdn},
+            attention={1: att, 2: AttentionLayerSpec(n_head_kv=1, head_dim_k=4, swa=True)},
+            kv_dtype="f32",
+            n_swa=4,
+        ),
+        "hybrid-idx": ModelSpec.build(
+            2, recurrent={0: gdn}, attention={1: att}, kv_dtype="f32", indexer=IndexerSpec(layers=(1,), head_size=4)
+        ),
+    }
+    n_seq = 4
+    mem = make_model_memory(specs[kind], statecache.get_device("reference"), n_seq, n_ctx=64, unified=unified)
+    balloc = BatchAllocator(n_seq)
+
+    def check() -> None:
+        assert mem.seq_pos_max_all().tolist() == [mem.seq_pos_max(s) for s in range(n_seq)]
+
+    check()
+    ids = np.repeat(np.arange(3, dtype=np.int32), [5, 2, 9])  # sequence 3 stays empty
+    balloc.init(Batch(tokens=np.ones(ids.size, dtype=np.int32), seq_ids=ids), mem)
+    ctx = mem.init_batch(balloc, 16)
+    while ctx.apply() and ctx.next():
+        pass
+    check()
+    assert mem.seq_rm(2, 7, -1) == (kind == "kv")  # a hybrid refuses a partial removal (no rollback planes)
+    check()
+    assert mem.seq_rm(0, -1, -1)
+    check()
+    mem.clear()
+    check()
