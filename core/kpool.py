@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -194,10 +196,10 @@ class KPoolInputs:
     new_pool_pos: np.ndarray | None = None  # int32 (4 * n_new_g,), section-major
 
 
-@dataclasses.dataclass(frozen=True)
-class Token:
+class Token(NamedTuple):
     """A ubatch token as the k-pool needs it: position, sequence ids (the
-    first is the primary one), its own stream-local cell."""
+    first is the primary one), its own stream-local cell.  A named tuple: one
+    is made per token and ubatch (256 a decode step at 256 sequences)."""
 
     pos: int
     seqs: tuple[int, ...]
@@ -226,16 +228,17 @@ class KPoolLayout:
     def g(self, s: int, cell: int) -> int:
         return self.seqs[s].strm * self.kv_size + cell
 
+    def pool_counts(self) -> list[int]:
+        """Pools per sequence."""
+        return [len(layout.pools) for layout in self.seqs]
+
     def pool_start(self) -> list[int]:
-        out, acc = [], 0
-        for layout in self.seqs:
-            out.append(acc)
-            acc += len(layout.pools)
-        return out
+        """Global index of each sequence's first pool (sequences in order)."""
+        return [0, *itertools.accumulate(self.pool_counts())][:-1]
 
     @property
     def n_pool_real(self) -> int:
-        return sum(len(layout.pools) for layout in self.seqs)
+        return sum(self.pool_counts())
 
     def members(self, s: int, k: int) -> list[tuple[int, int]]:
         layout = self.seqs[s]
@@ -243,9 +246,16 @@ class KPoolLayout:
         return layout.cells[j : j + self.kpool]
 
     def update(
-        self, pairs_of: Callable[[int], tuple[int, Sequence[tuple[int, int]] | SeqCells]], marks: StaleMarks
+        self,
+        pairs_of: Callable[[int], tuple[int, Sequence[tuple[int, int]] | SeqCells]],
+        marks: StaleMarks,
+        live: Sequence[SeqCells] | None = None,
     ) -> dict[int, int]:
         """Bring every layout up to date with the cells (append-only when clean).
+
+        ``live``, when given, are the live pairs of every sequence (what ``pairs_of`` returns,
+        in the stream the layout was built from): a clean sequence whose pairs still have the
+        stamp and length its layout was made from is unchanged, and is skipped without a call.
 
         Returns extra stale positions: a clean sequence whose cells changed
         other than by a suffix append (docs/memory-semantics.md#kpool-hazards H1, e.g. a token inserted
@@ -253,7 +263,14 @@ class KPoolLayout:
         that differs, where upstream would rebuild without re-pooling.
         """
         forced: dict[int, int] = {}
-        for s in range(self.n_seq_max):
+        todo: Sequence[int] = range(self.n_seq_max)
+        if live is not None:  # skip, without a call, every sequence whose pairs did not change
+            todo = [
+                s
+                for s, (sp, x, clean) in enumerate(zip(live, self.seqs, (marks.marks == POS_CLEAN).tolist()))
+                if not (clean and sp.stamp == x.src_stamp and len(sp) == len(x.cells) and x.cells)
+            ]
+        for s in todo:
             strm, sp = pairs_of(s)
             layout = self.seqs[s]
             old = layout.cells
@@ -326,8 +343,9 @@ class KPoolLayout:
         """Which pools are new this ubatch.  ``stale_batch`` is the copy of the
         marks taken when the batch was planned, given only for its first ubatch;
         ``forced`` are the extra marks returned by :meth:`update`."""
-        starts = self.pool_start()
-        n_real = self.n_pool_real
+        counts = self.pool_counts()
+        starts = [0, *itertools.accumulate(counts)]
+        n_real = starts.pop()
         if reserve:
             n_real_r = max(n_real, self.n_pool_max)
             return KPoolState(n_real_r, kpool_pad(n_real_r), np.ones(n_real, dtype=bool), n_real_r, max(n_real_r, 1))

@@ -168,7 +168,7 @@ def test_kpool_layout_from_live_cells_matches_the_copied_pairs(seed: int, by_ord
             c.seq_rm_many(held[-int(rng.integers(1, held.size + 1)) :], s)
         elif op == 5:
             marks.set(s, int(rng.integers(0, 8)))
-        forced_live = live.update(lambda q: (0, c.seq_pos[q]), marks)
+        forced_live = live.update(lambda q: (0, c.seq_pos[q]), marks, c.seq_pos if rng.random() < 0.5 else None)
         forced_copied = copied.update(lambda q: (0, c.seq_cells(q)), marks)
         assert forced_live == forced_copied
         for q in range(2):
@@ -316,7 +316,8 @@ def test_kpool_inputs_from_the_pool_tables_equal_a_from_scratch_build(
                 c.seq_add(int(rng.choice(c.seq_pos[other].cells())), s)
         before = lay.mark()
         live = rng.random() < 0.5
-        forced = lay.update(live_pairs if live else copied_pairs, marks)
+        live_list = [book(q).seq_pos[q] for q in range(n_seq)] if live and rng.random() < 0.7 else None
+        forced = lay.update(live_pairs if live else copied_pairs, marks, live_list)
         ref = KPoolLayout(kp, by_order, n_seq, size, n_stream)
         ref.seqs = [rebuild(book(q).seq_cells(q), strm_of(q), kp, by_order) for q in range(n_seq)]
         holders = [(q, p, cell) for q in range(n_seq) for p, cell in book(q).seq_cells(q)]
