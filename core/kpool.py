@@ -81,7 +81,13 @@ class SeqLayout:
                 members[:done], first[:done] = self._members[:done], self._first_pos[:done]
                 last[:done] = self._last_pos[:done]
             self._members, self._first_pos, self._last_pos = members, first, last
-        if done < n:
+        if done + 1 == n:  # the decode case: one new pool, no NumPy round trip
+            j = self.pools[done]
+            members = self.cells[j : j + kpool]
+            self._members[done] = [c for _, c in members]
+            self._first_pos[done], self._last_pos[done] = members[0][0], members[-1][0]
+            self._n_table = n
+        elif done < n:
             starts = np.asarray(self.pools[done:n], dtype=np.int64)
             lo = int(starts[0])
             block = np.asarray(self.cells[lo : int(starts[-1]) + kpool], dtype=np.int64).reshape(-1, 2)
@@ -450,7 +456,11 @@ class KPoolLayout:
                 for k in range(min(n_tail, kp - 1)):
                     tail_idxs[i, k] = layout.cells[r - k][1]
             else:
-                nv = int(np.searchsorted(tables[s][2], tok.pos, side="right"))  # pools ending at or before pos
+                last_pos = tables[s][2]
+                if last_pos.size and last_pos[-1] <= tok.pos:  # a decode token: every pool is visible
+                    nv = int(last_pos.size)
+                else:
+                    nv = int(np.searchsorted(last_pos, tok.pos, side="right"))  # pools ending at or before pos
                 n_tail = (tok.pos - layout.pos_min + 1) % kp
                 for k in range(min(n_tail, kp - 1)):
                     c = layout.first_cell_at(tok.pos - k)
