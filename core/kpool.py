@@ -282,7 +282,14 @@ class KPoolLayout:
             old = layout.cells
             clean = marks.is_clean(s)
             stamp = sp.stamp if isinstance(sp, SeqCells) else None
-            if clean and old and isinstance(sp, SeqCells) and stamp == layout.src_stamp and strm == layout.strm:
+            if (
+                clean
+                and old
+                and isinstance(sp, SeqCells)
+                and stamp == layout.src_stamp
+                and strm == layout.strm
+                and len(sp) >= len(old)  # fewer pairs under the stamp: appends it saw were rolled back
+            ):
                 # the pairs it was built from are still the first ones: read only the appended
                 # ones (O(new pairs), where comparing the whole list cost the context)
                 if len(sp) > len(old):

@@ -87,6 +87,35 @@ def test_journal_rollback_is_exact_and_counts_stay_in_step(seed: int, n_ops: int
     assert c._journal is None
 
 
+@given(seed=st.integers(0, 2**32 - 1), n_ops=st.integers(1, 12), fill=st.floats(0.0, 0.9), only_place=st.booleans())
+def test_rollback_gives_back_a_stamp_only_with_the_same_pairs(
+    seed: int, n_ops: int, fill: float, only_place: bool
+) -> None:
+    """The stamp contract across a rollback: a sequence that has its stamp of before the
+    attach holds exactly its pairs of then; after trial placements alone, every sequence
+    gets its stamp back (a reader of the pairs, the k-pool layout, then reads none again)."""
+    rng = np.random.default_rng(seed)
+    c = random_book(rng, int(rng.integers(1, 4 * BLOCK)), fill)
+    before = [(sc.stamp, list(sc)) for sc in c.seq_pos]
+    journal = c.attach()
+    for _ in range(n_ops):
+        if only_place:
+            free = np.flatnonzero(c.pos == EMPTY)
+            if free.size:
+                i = int(rng.choice(free))
+                c.pos_set(i, int(rng.integers(0, 3 * BLOCK)))
+                c.seq_add(i, int(rng.integers(0, N_SEQ)))
+        else:
+            mutate(c, rng)
+    c.rollback(journal)
+    for sc, (stamp, pairs) in zip(c.seq_pos, before, strict=True):
+        assert list(sc) == pairs
+        if sc.stamp == stamp:
+            assert len(sc) == len(pairs)
+        elif only_place:
+            raise AssertionError("trial placements alone rolled back, yet a stamp changed")
+
+
 @given(seed=st.integers(0, 2**32 - 1), fill=st.floats(0.0, 1.0))
 def test_free_from_is_the_cyclic_scan(seed: int, fill: float) -> None:
     rng = np.random.default_rng(seed)
@@ -155,7 +184,7 @@ def test_kpool_layout_from_live_cells_matches_the_copied_pairs(seed: int, by_ord
     marks = StaleMarks(2)
     for _ in range(n_steps):
         s = int(rng.integers(0, 2))
-        op = int(rng.integers(0, 6))
+        op = int(rng.integers(0, 7))
         free = c.free_from(0, size)
         if op <= 3 and free:  # appends (the decode case), or an insert below the end
             n = int(rng.integers(1, min(5, len(free)) + 1))
@@ -168,6 +197,20 @@ def test_kpool_layout_from_live_cells_matches_the_copied_pairs(seed: int, by_ord
             c.seq_rm_many(held[-int(rng.integers(1, held.size + 1)) :], s)
         elif op == 5:
             marks.set(s, int(rng.integers(0, 8)))
+        elif op == 6 and free:  # a trial: appends the layout reads, then taken back (the stamp comes back)
+            journal = c.attach()
+            top = c.seq_pos_max(s) + 1
+            cells = np.asarray(free[:2], dtype=np.int64)
+            c.place_seqs(
+                cells,
+                np.arange(top, top + cells.size, dtype=np.int64),
+                np.zeros((cells.size, 2), np.int64),
+                np.full(cells.size, s),
+            )
+            assert live.update(lambda q: (0, c.seq_pos[q]), marks) == copied.update(
+                lambda q: (0, c.seq_cells(q)), marks
+            )
+            c.rollback(journal)
         forced_live = live.update(lambda q: (0, c.seq_pos[q]), marks, c.seq_pos if rng.random() < 0.5 else None)
         forced_copied = copied.update(lambda q: (0, c.seq_cells(q)), marks)
         assert forced_live == forced_copied
