@@ -270,31 +270,38 @@ class KPoolLayout:
         """
         forced: dict[int, int] = {}
         todo: Sequence[int] = range(self.n_seq_max)
+        clean_all = (marks.marks == POS_CLEAN).tolist()
         if live is not None:  # skip, without a call, every sequence whose pairs did not change
             todo = [
                 s
-                for s, (sp, x, clean) in enumerate(zip(live, self.seqs, (marks.marks == POS_CLEAN).tolist()))
+                for s, (sp, x, clean) in enumerate(zip(live, self.seqs, clean_all))
                 if not (clean and sp.stamp == x.src_stamp and len(sp) == len(x.cells) and x.cells)
             ]
+        kp = self.kpool
         for s in todo:
             strm, sp = pairs_of(s)
             layout = self.seqs[s]
             old = layout.cells
-            clean = marks.is_clean(s)
+            clean = clean_all[s]
             stamp = sp.stamp if isinstance(sp, SeqCells) else None
+            n_old, n_now = len(old), len(sp)
             if (
                 clean
-                and old
-                and isinstance(sp, SeqCells)
+                and n_old
+                and stamp is not None
                 and stamp == layout.src_stamp
                 and strm == layout.strm
-                and len(sp) >= len(old)  # fewer pairs under the stamp: appends it saw were rolled back
+                and n_now >= n_old  # fewer pairs under the stamp: appends it saw were rolled back
             ):
                 # the pairs it was built from are still the first ones: read only the appended
                 # ones (O(new pairs), where comparing the whole list cost the context)
-                if len(sp) > len(old):
-                    old.extend(sp.pairs_from(len(old)))
-                    scan_pools(layout, self.kpool, self.by_order)
+                if n_now > n_old:
+                    if n_now == n_old + 1:  # a decode token
+                        old.append(sp[n_old])
+                    else:
+                        old.extend(sp.pairs_from(n_old))
+                    if layout.j_next + kp <= n_now:  # a pool may be complete
+                        scan_pools(layout, kp, self.by_order)
                 continue
             if clean and old and sp and layout.pos_min == sp[0][0] and strm == layout.strm:
                 cut = bisect.bisect_right(sp, old[-1])

@@ -128,7 +128,11 @@ class SeqCells(Sequence[tuple[int, int]]):
         if isinstance(i, slice):
             keys = self.keys[i]
             return list(zip((keys >> _CELL_BITS).tolist(), (keys & _CELL_MASK).tolist(), strict=True))
-        k = int(self.keys[i])
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"pair {i} out of range ({self._n} pairs)")
+        k = int(self._keys[i])  # no view of the keys: one read (the k-pool layout's decode append)
         return (k >> _CELL_BITS, k & _CELL_MASK)
 
     def __eq__(self, other: object) -> bool:
