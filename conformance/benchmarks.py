@@ -8,12 +8,31 @@ any install; ``bench/primitives.py`` is the command-line front end:
     python bench/primitives.py --device opencl:0 --no-reference --only mamba2
 
 For every shape it prints the time per call, the achieved GB/s (bytes read +
-bytes written), the ratio to the memcpy bound for the same bytes (measured in
-the same run with ``device.copy_buffer``), for compute-bound shapes the ratio
-to the FMA bound (measured by a C loop of independent FMAs), the speed-up
-over the NumPy reference backend, and for the Mamba-1 scan and the conv the
-speed-up over a straightforward scalar C loop kept here as a baseline
-(compiled with the same flags as the CPU backend, run with the same threads).
+bytes written), the time of the two floors a shape cannot beat and the ratio
+to the one that applies (a roofline):
+
+* the **memcpy floor**: ``device.copy_buffer`` of the shape's bytes, measured
+  in the same run;
+* the **compute floor**: the FMAs the recurrence needs at the FMA peak (a C
+  loop of independent FMAs) plus the exponentials it needs at the exp rate
+  (the kernels' own vectorised exp, ``sc_exp8``, over an L1-resident array),
+  both compiled with the CPU backend's flags and run on its threads.
+
+The larger floor is the shape's bound (column ``bound``: ``memcpy``, ``fma``
+or ``exp`` for a compute floor made mostly of exponentials, as the Mamba-1
+scan's per-element decays); ``x bound`` is that floor over the time.  The
+operation counts are those of the token-by-token definition (a chunked
+kernel may do a little more or less arithmetic than that).  Also printed:
+the speed-up over the NumPy reference backend, and for the Mamba-1 scan and
+the conv the speed-up over a straightforward scalar C loop kept here as a
+baseline (compiled with the same flags as the CPU backend, run with the same
+threads).
+
+``--clock cpu`` (host devices) times every call and every floor by the
+process's CPU time instead of the wall clock: on a machine shared with other
+jobs a call whose thread was descheduled for a scheduler slice then costs
+what it ran, not what it waited (threads waiting at a barrier sleep and do
+not count either, so this hides load imbalance between threads).
 Every time is the fastest repetition (see :func:`time_call`).  Every shape
 repeats one call with the same buffers, as a decode loop does, so after the
 first call the device's launch memo skips validation.  A last line gives each
@@ -22,12 +41,16 @@ remembered and validated (memo emptied before every call): the first is what
 holds small decode calls below the memcpy bound.  Decode with rollback
 planes is timed both ways (the 1-D form, which also copies the input state
 into plane 1, and plane rotation, which writes only the next plane) and its
-time printed as a ratio to decode without rollback.
+time printed as a ratio to decode without rollback; so is a whole decode step
+through a ``RecurrentMemory`` (batch, plan, apply, the primitive on every
+layer) with ``n_rs_seq = 3`` against ``n_rs_seq = 0``, per family: the
+memory rotates its planes, so the primitive writes one row per sequence
+either way, in place without rollback and into the next plane with it.
 
 Importable: :data:`SHAPES`, :func:`make_case`, :func:`time_call`,
 :func:`memcpy_seconds`, :func:`host_memcpy_seconds`, :func:`fma_peak`,
-:func:`run` (returns one dict per shape), so a conformance ``--perf`` run can
-reuse them.  Ratios are printed, never asserted: this is not a timed test.
+:func:`exp_rate`, :func:`run` (returns one dict per shape), so a conformance
+``--perf`` run can reuse them.  Ratios are printed, never asserted: this is not a timed test.
 """
 
 from __future__ import annotations
@@ -54,15 +77,23 @@ MiB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """One benchmark: ``op`` and its sizes.  ``bound`` says which physical
-    limit applies: ``"memcpy"`` (bandwidth) or ``"fma"`` (arithmetic)."""
+    """One benchmark: ``op`` and its sizes.  Which physical limit applies is
+    measured, not declared (see the module docstring)."""
 
     name: str
     op: str
     params: dict[str, Any]
-    bound: str = "memcpy"
     scalar_baseline: bool = False
 
+
+#: (variant, heads, head size) of the linear-attention shapes.
+LINEAR_ATTN_SIZES = (("rwkv6", 32, 64), ("rwkv7", 32, 64), ("gla", 16, 128))
+
+#: Per variant: the primitive, its per-token inputs besides the output, and the
+#: lane-FMA operations per state element and token (RWKV-6 and GLA: decay
+#: multiply-add, k * v, output FMA; RWKV-7: the a-dot, decay, b and k terms,
+#: output FMA).
+_LINEAR_ATTN = {"rwkv6": ("rwkv_wkv6", 4, 3), "rwkv7": ("rwkv_wkv7", 6, 5), "gla": ("gated_linear_attn", 4, 3)}
 
 SHAPES: tuple[Shape, ...] = (
     Shape("gather 8 x 1 MiB", "get_rows", {"n": 8}),
@@ -78,7 +109,6 @@ SHAPES: tuple[Shape, ...] = (
             f"mamba2 prefill K={k}",
             "ssm_scan",
             {"N": 128, "P": 64, "H": 48, "G": 1, "n_t": 512, "n_s": 1, "K": k},
-            "fma",
         )
         for k in (1, 4)
     ),
@@ -91,16 +121,14 @@ SHAPES: tuple[Shape, ...] = (
         )
         for n in (1, 8)
     ),
-    Shape(
-        "mamba1 prefill", "ssm_scan", {"N": 16, "P": 1, "H": 5120, "G": 1, "n_t": 512, "n_s": 1, "K": 1}, "fma", True
-    ),
+    Shape("mamba1 prefill", "ssm_scan", {"N": 16, "P": 1, "H": 5120, "G": 1, "n_t": 512, "n_s": 1, "K": 1}, True),
     *(
         Shape(f"conv decode n_s={n}", "ssm_conv", {"ch": 5376, "d_conv": 4, "n_t": 1, "n_s": n}, scalar_baseline=True)
         for n in (1, 8, 32)
     ),
-    Shape("conv prefill", "ssm_conv", {"ch": 3328, "d_conv": 4, "n_t": 512, "n_s": 1}, "fma", True),
+    Shape("conv prefill", "ssm_conv", {"ch": 3328, "d_conv": 4, "n_t": 512, "n_s": 1}, True),
     *(Shape(f"gdn decode n_s={n}", "gdn", {"H": 16, "S": 128, "n_t": 1, "n_s": n, "kda": False}) for n in (1, 8)),
-    Shape("gdn prefill", "gdn", {"H": 16, "S": 128, "n_t": 512, "n_s": 1, "kda": False}, "fma"),
+    Shape("gdn prefill", "gdn", {"H": 16, "S": 128, "n_t": 512, "n_s": 1, "kda": False}),
     # Decode with rollback (K = 1 + n_rs_seq = 4 planes) against decode without,
     # each call on the next of `layers` pools as a model's decode step walks its
     # layers, so that the state is out of cache as it is in a model (one layer's
@@ -127,18 +155,53 @@ SHAPES: tuple[Shape, ...] = (
         )
         for how in ("x layers", "K=4 planes", "K=4 rotate")
     ),
-    Shape("kda prefill", "gdn", {"H": 16, "S": 128, "n_t": 512, "n_s": 1, "kda": True}, "fma"),
+    # The same decode through a RecurrentMemory (batch, plan, apply, step: what a
+    # runtime runs) with n_rs_seq = 3 against n_rs_seq = 0: the memory rotates
+    # its planes, so a decode with rollback writes one row per state tensor too.
+    # Each family steps one state tensor of its layers (the conv: a GDN layer's
+    # 5376-channel window).
+    *(
+        Shape(f"{family} memory n_s=8 rs={rs}", "memory", {**params, "family": family, "n_s": 8, "n_rs_seq": rs})
+        for family, params in (
+            ("mamba2", {"N": 128, "P": 64, "H": 32, "layers": 16}),
+            ("gdn", {"H": 16, "S": 128, "layers": 16}),
+            ("conv", {"H": 14, "S": 128, "layers": 256}),
+        )
+        for rs in (0, 3)
+    ),
+    Shape("kda prefill", "gdn", {"H": 16, "S": 128, "n_t": 512, "n_s": 1, "kda": True}),
+    # Linear attention at model sizes: RWKV-6 / RWKV-7 1.5B (n_embd 2048, heads of 64), GLA with
+    # heads of 128.  A decode token streams the state once each way (the memcpy bound); a prefill
+    # token does 3 (RWKV-6, GLA) or 5 (RWKV-7) lane-FMA operations per state element and one exp per key.
+    *(
+        Shape(f"{name} decode n_s={n}", "linear_attn", {"variant": name, "H": H, "S": S, "n_t": 1, "n_s": n})
+        for name, H, S in LINEAR_ATTN_SIZES
+        for n in (1, 8, 32)
+    ),
+    *(
+        Shape(f"{name} prefill", "linear_attn", {"variant": name, "H": H, "S": S, "n_t": 512, "n_s": 1})
+        for name, H, S in LINEAR_ATTN_SIZES
+    ),
 )
 
 
 # -- timing ---------------------------------------------------------------------------
 
 
+#: The clocks a benchmark can time with: wall time, or the process's CPU
+#: time summed over its threads (``--clock cpu``, host devices only).
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def time_call(
-    fn: Callable[[], None], device: Device | None = None, min_time: float = 0.25, max_reps: int = 5000
+    fn: Callable[[], None],
+    device: Device | None = None,
+    min_time: float = 0.25,
+    max_reps: int = 5000,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Fastest seconds per call over repetitions filling about ``min_time``
-    (at least 3 when ``max_reps`` allows).
+    """Fastest seconds (of ``clock``) per call over repetitions filling about
+    ``min_time`` (at least 3 when ``max_reps`` allows).
 
     The minimum, not the median: this machine is shared, and a repetition
     during which another job held a core (a two-thread team then waits at its
@@ -148,11 +211,11 @@ def time_call(
     """
 
     def once() -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         if device is not None:
             device.synchronize()
-        return time.perf_counter() - t0
+        return clock() - t0
 
     first = once()  # warm-up: first touch of memory, caches, thread pool
     times = [once()] if max_reps > 1 else []
@@ -161,12 +224,12 @@ def time_call(
     return min([first, *times])
 
 
-def memcpy_seconds(device: Device, nbytes: int) -> float:
+def memcpy_seconds(device: Device, nbytes: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds for ``device.copy_buffer`` of ``nbytes`` (f32 elements)."""
     n = max(nbytes // 4, 1)
     src = device.upload(np.ones(n, np.float32))
     dst = device.alloc((n,), "f32")
-    return time_call(lambda: device.copy_buffer(src, dst), device)
+    return time_call(lambda: device.copy_buffer(src, dst), device, clock=clock)
 
 
 # -- C helpers of the benchmark (baselines and machine limits) ---------------------------
@@ -176,6 +239,8 @@ _BENCH_C = r"""
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
+/* The CPU backend's own helpers: bench_exp_loop times the kernels' exp. */
+#include "sc_internal.h"
 
 void bench_memcpy(void *dst, const void *src, int64_t nbytes, int threads) {
 #pragma omp parallel num_threads(threads)
@@ -187,9 +252,8 @@ void bench_memcpy(void *dst, const void *src, int64_t nbytes, int threads) {
     }
 }
 
-/* Independent FMA chains: returns lane-FMAs per second over all threads. */
-double bench_fma_peak(int64_t iters, int threads) {
-    double t0 = omp_get_wtime();
+/* Independent FMA chains: iters * 96 lane-FMAs per thread. */
+float bench_fma_loop(int64_t iters, int threads) {
     float sink = 0.0f;
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
     {
@@ -202,8 +266,30 @@ double bench_fma_peak(int64_t iters, int threads) {
         }
         for (int j = 0; j < 96; j++) sink += acc[j];
     }
-    double dt = omp_get_wtime() - t0;
-    return sink == 12345.0f ? 0.0 : (double)iters * 96.0 * threads / dt;
+    return sink;
+}
+
+/* The kernels' vectorised exp over an L1-resident array of 1024 arguments:
+ * iters * 1024 exponentials per thread.  One argument changes per pass, so
+ * no pass can be hoisted out of the loop. */
+float bench_exp_loop(int64_t iters, int threads) {
+    float sink = 0.0f;
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+        float in[1024] __attribute__((aligned(64))), out[1024] __attribute__((aligned(64)));
+        for (int j = 0; j < 1024; j++) in[j] = -10.0f + (float)j * (10.0f / 1024.0f);
+        for (int64_t it = 0; it < iters; it++) {
+#ifdef SC_HAVE_AVX2
+            for (int j = 0; j < 1024; j += 8) _mm256_store_ps(out + j, sc_exp8(_mm256_load_ps(in + j)));
+#else
+#pragma omp simd
+            for (int j = 0; j < 1024; j++) out[j] = sc_exp(in[j]);
+#endif
+            in[it & 1023] -= out[(it * 7) & 1023] * 1e-9f;
+        }
+        for (int j = 0; j < 1024; j++) sink += out[j];
+    }
+    return sink;
 }
 
 static float softplus(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
@@ -246,7 +332,8 @@ void scalar_conv(float *win, const float *x, const float *w, const float *bias, 
 
 _BENCH_CDEF = """
 void bench_memcpy(void *dst, const void *src, int64_t nbytes, int threads);
-double bench_fma_peak(int64_t iters, int threads);
+float bench_fma_loop(int64_t iters, int threads);
+float bench_exp_loop(int64_t iters, int threads);
 void scalar_mamba1(float *state, const float *x, const float *dt, const float *A, const float *B, const float *C,
                    float *y, int64_t n_t, int64_t H, int64_t N, int threads);
 void scalar_conv(float *win, const float *x, const float *w, const float *bias, float *y, int64_t n_t, int64_t ch,
@@ -263,7 +350,11 @@ def bench_lib() -> tuple[Any, Any]:
     from statecache.backends.cpu import build
 
     flags = build.compile_args(build.host_isa())
-    key = hashlib.sha256((_BENCH_C + _BENCH_CDEF + " ".join(flags)).encode()).hexdigest()[:16]
+    headers = ""
+    for header in ("sc_internal.h", build.HEADER):
+        with open(os.path.join(build.HERE, header), encoding="utf-8") as f:
+            headers += f.read()
+    key = hashlib.sha256((_BENCH_C + _BENCH_CDEF + headers + " ".join(flags)).encode()).hexdigest()[:16]
     name = f"_statecache_bench_{key}"
     folder = os.path.join(settings.cache_dir(), "bench")
     os.makedirs(folder, exist_ok=True)
@@ -274,25 +365,48 @@ def bench_lib() -> tuple[Any, Any]:
     except ImportError:
         ffi = FFI()
         ffi.cdef(_BENCH_CDEF)
-        ffi.set_source(name, _BENCH_C, extra_compile_args=flags, extra_link_args=["-fopenmp"], libraries=["m"])
+        ffi.set_source(
+            name,
+            _BENCH_C,
+            include_dirs=[build.HERE],
+            extra_compile_args=flags,
+            extra_link_args=["-fopenmp"],
+            libraries=["m"],
+        )
         ffi.compile(tmpdir=folder)
         module = importlib.import_module(name)
     return module.ffi, module.lib
 
 
-def host_memcpy_seconds(nbytes: int, threads: int) -> float:
+def host_memcpy_seconds(nbytes: int, threads: int, clock: Callable[[], float] = time.perf_counter) -> float:
     ffi, lib = bench_lib()
     src = np.ones(nbytes, np.uint8)
     dst = np.zeros(nbytes, np.uint8)
     ps, pd = ffi.from_buffer(src), ffi.from_buffer(dst)
-    return time_call(lambda: lib.bench_memcpy(pd, ps, nbytes, threads))
+    return time_call(lambda: lib.bench_memcpy(pd, ps, nbytes, threads), clock=clock)
 
 
-def fma_peak(threads: int) -> float:
+def _rate(
+    loop: Callable[[int, int], float], per_iter: int, iters: int, threads: int, clock: Callable[[], float]
+) -> float:
+    """Operations per second (of ``clock``) of a C loop: its fastest run, timed
+    as the kernels are (:func:`time_call`).  ``iters`` keeps one run a few
+    milliseconds long on a quiet machine, as long as a prefill call: a few
+    long runs on a loaded machine rarely found both cores free, which
+    understated the peak (10x once) and so overstated every ratio to it."""
+    return iters * per_iter * threads / time_call(lambda: loop(iters, threads), min_time=0.25, clock=clock)
+
+
+def fma_peak(threads: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """Lane-FMAs per second the machine sustains on ``threads`` threads."""
-    _, lib = bench_lib()
-    lib.bench_fma_peak(1_000_000, threads)  # warm up clocks and threads
-    return max(lib.bench_fma_peak(20_000_000, threads) for _ in range(3))
+    return _rate(bench_lib()[1].bench_fma_loop, 96, 1_000_000, threads, clock)
+
+
+def exp_rate(threads: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Exponentials per second of the kernels' vectorised exp (``sc_exp8`` on
+    the x86-64-v3 build) on ``threads`` threads, arguments in L1: the most a
+    kernel whose work is mostly exponentials can reach."""
+    return _rate(bench_lib()[1].bench_exp_loop, 1024, 20_000, threads, clock)
 
 
 # -- cases ---------------------------------------------------------------------------
@@ -304,6 +418,7 @@ class Case:
     traffic: int  # bytes read + written by the primitive
     fma_ops: int  # lane FMA-unit operations it needs (mul and fma count one each)
     scalar: Callable[[], None] | None = None
+    exp_ops: int = 0  # exponentials it needs (decays, softplus, SiLU)
 
 
 def _u(rng: np.random.Generator, shape: tuple[int, ...], lo: float = -1.0, hi: float = 1.0) -> np.ndarray:
@@ -324,6 +439,8 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
         fn = (lambda: device.get_rows(pool, rows, dense)) if shape.op == "get_rows" else (
             lambda: device.set_rows(pool, rows, dense))  # fmt: skip
         return Case(fn, 2 * n * MiB, 0)
+    if shape.op == "memory":
+        return _memory_decode(device, p, rng)
     n_s, n_t = p["n_s"], p["n_t"]
     start = dst = device.indices(np.arange(n_s))  # in-place, as in decode
     K = p.get("K", 1)
@@ -384,8 +501,11 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
         state = H * P * N * 4 * n_s
         io = 4 * n_s * n_t * (2 * H * P + H + 2 * G * N)
         traffic = state * (1 + (1 if rotate else min(n_t + 1, K))) + io
-        # decay mul, update fma, output fma per element (Mamba-1 also needs an exp)
-        case = Case(fn, traffic, 3 * H * P * N * n_t * n_s)
+        # decay mul, update fma, output fma per element; exps: softplus(dt) per
+        # (token, head), the decay per (token, head) (Mamba-2) or per state
+        # element (Mamba-1)
+        decays = H * N if P == 1 else H
+        case = Case(fn, traffic, 3 * H * P * N * n_t * n_s, exp_ops=(H + decays) * n_t * n_s)
         if with_scalar and P == 1 and n_s * n_t > 0:
             case.scalar = _scalar_mamba1(rng, n_s, n_t, H, N, threads or settings.num_threads())
         return case
@@ -409,7 +529,8 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
         first = pool()
 
         windows = 1 + (1 if rotate else min(n_t + 1, K))
-        case = Case(fn, 4 * n_s * (windows * ch * W + 2 * n_t * ch), d_conv * ch * n_t * n_s)
+        # the taps' FMAs, and the exp of each output's SiLU
+        case = Case(fn, 4 * n_s * (windows * ch * W + 2 * n_t * ch), d_conv * ch * n_t * n_s, exp_ops=ch * n_t * n_s)
         if with_scalar:
             case.scalar = _scalar_conv(rng, n_s, n_t, ch, d_conv, threads or settings.num_threads())
         return case
@@ -436,8 +557,120 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
 
         state = H * S * S * 4 * n_s
         states = 1 + (1 if rotate else min(n_t + 1, K))
-        return Case(fn, states * state + 4 * n_s * n_t * H * S * 5, 4 * H * S * S * n_t * n_s)
+        # decay, k-dot, update, q-dot per element; exps: the decay per (token,
+        # head), or per key for KDA
+        gates = H * S if kda else H
+        return Case(
+            fn, states * state + 4 * n_s * n_t * H * S * 5, 4 * H * S * S * n_t * n_s, exp_ops=gates * n_t * n_s
+        )
+    if shape.op == "linear_attn":
+        H, S, variant = p["H"], p["S"], p["variant"]
+        op, n_in, fma_per = _LINEAR_ATTN[variant]
+        pool = pools((n_s * K, H * S * S))
+        shape_t = (n_s, n_t, H, S)
+        if variant == "rwkv7":
+            kk = rng.uniform(-1, 1, shape_t)
+            kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+            decay = -0.6 * rng.uniform(0, 1, shape_t)
+            ins = [_u(rng, shape_t), decay, _u(rng, shape_t), _u(rng, shape_t), -kk, kk * rng.uniform(0, 1, shape_t)]
+        else:
+            ins = [_u(rng, shape_t), _u(rng, shape_t), _u(rng, shape_t), -rng.uniform(0.001, 1.0, shape_t)]
+        bufs = [up(np.asarray(a, np.float32)) for a in ins]
+        if variant == "rwkv6":
+            bufs.append(up(_u(rng, (H, S))))
+        o = device.alloc(shape_t)
+        kernel = getattr(device, op)
+
+        def fn() -> None:
+            p_now = pool()
+            s_rows, d_rows, planes = rows()
+            kernel(p_now, s_rows, d_rows, *bufs, o, **planes)
+
+        if layers == 1 and not rotate:  # the plain decode loop: nothing but the call
+
+            def fn() -> None:
+                kernel(first, start, dst, *bufs, o, n_snap=K, plane_stride=n_s)
+
+        first = pool()
+
+        state = H * S * S * 4 * n_s
+        states = 1 + (1 if rotate else min(n_t + 1, K))
+        # exps: the decay (RWKV-6 / RWKV-7) or gate (GLA) of each key, per token
+        return Case(
+            fn,
+            states * state + 4 * n_s * n_t * H * S * (n_in + 1),
+            fma_per * H * S * S * n_t * n_s,
+            exp_ops=H * S * n_t * n_s,
+        )
     raise ValueError(f"unknown benchmark op {shape.op!r}")
+
+
+def _memory_decode(device: Device, p: dict[str, Any], rng: np.random.Generator) -> Case:
+    """One decode token for each of ``n_s`` sequences through a RecurrentMemory of
+    ``layers`` layers with ``n_rs_seq`` rollback planes: batch, plan, apply, then
+    the family's primitive on one state tensor of every layer, as a runtime that
+    keeps its activation buffers runs it.  The sequences' positions grow from
+    call to call; the states stay finite (decaying scans, normalised keys)."""
+    from statecache.batch import Batch, BatchAllocator
+    from statecache.recurrent import RecurrentMemory
+    from statecache.spec import MemorySpec, RecurrentLayerSpec
+
+    family, n_s, n_layers, n_rs_seq = p["family"], p["n_s"], p["layers"], p["n_rs_seq"]
+    up = device.upload
+    if family == "mamba2":
+        N, P, H = p["N"], p["P"], p["H"]
+        layer = RecurrentLayerSpec.mamba2(d_inner=H * P, d_state=N, d_conv=4, n_group=1, head_dim=P)
+        x, dt = up(_u(rng, (n_s, 1, H, P))), up(_u(rng, (n_s, 1, H), -4, 1))
+        A, B, C = up(-_u(rng, (H,), 0.2, 2.0)), up(_u(rng, (n_s, 1, 1, N))), up(_u(rng, (n_s, 1, 1, N)))
+        y = device.alloc((n_s, 1, H, P))
+        tensor, row, io = "s", H * P * N, 2 * H * P + H + 2 * N
+
+        def kernel(step: Any, i: int) -> None:
+            step.scan(i, x, dt, A, B, C, y)
+
+    else:
+        H, S = p["H"], p["S"]
+        layer = RecurrentLayerSpec.gdn(n_head=H, head_dim=S, d_conv=4)
+        if family == "conv":
+            ch = layer.params["channels"]
+            x, w, b = up(_u(rng, (n_s, 1, ch))), up(_u(rng, (ch, 4))), up(_u(rng, (ch,)))
+            y = device.alloc((n_s, 1, ch))
+            tensor, row, io = "r", 3 * ch, 2 * ch
+
+            def kernel(step: Any, i: int) -> None:
+                step.conv(i, x, w, y, bias=b, apply_silu=True)
+
+        else:
+            qk = _u(rng, (2, n_s, 1, H, S))
+            qk /= np.linalg.norm(qk, axis=-1, keepdims=True)
+            q, k, v = up(qk[0]), up(qk[1]), up(_u(rng, (n_s, 1, H, S)))
+            g, beta = up(_u(rng, (n_s, 1, H), -1.0, -1e-3)), up(_u(rng, (n_s, 1, H), 0, 1))
+            o = device.alloc((n_s, 1, H, S))
+            tensor, row, io = "s", H * S * S, 5 * H * S
+
+            def kernel(step: Any, i: int) -> None:
+                step.delta(i, q, k, v, g, beta, o)
+
+    # only the benchmarked state tensor gets a pool
+    layer = dataclasses.replace(layer, tensors=tuple(t for t in layer.tensors if t.name == tensor))
+    spec = MemorySpec.build(n_layers, dict.fromkeys(range(n_layers), layer))
+    mem = RecurrentMemory(spec, device, n_seq_max=n_s, n_rs_seq=n_rs_seq)
+    balloc = BatchAllocator(n_s)
+    ones = np.ones(n_s, dtype=np.int32)
+    batch = Batch(tokens=ones, seq_ids=np.arange(n_s, dtype=np.int32), output=ones.astype(bool))
+
+    def fn() -> None:
+        balloc.init(batch, mem)  # positions continue each sequence's state
+        ctx = mem.init_batch(balloc, max(n_s, n_rs_seq + 2))
+        if not ctx.apply():
+            raise RuntimeError(f"decode step refused: {ctx.status}")
+        step = ctx.step()
+        for i in range(n_layers):
+            kernel(step, i)
+        ctx.next()
+
+    # per layer: the state read and written once (either way), plus the token's inputs and outputs
+    return Case(fn, n_layers * 4 * n_s * (2 * row + io), 0)
 
 
 def _scalar_mamba1(rng: np.random.Generator, n_s: int, n_t: int, H: int, N: int, threads: int) -> Callable[[], None]:
@@ -475,6 +708,21 @@ def _scalar_conv(
 # -- driver ---------------------------------------------------------------------------
 
 
+def bound_of(case: Case, memcpy: float, peak: float, exps: float) -> tuple[str, float, float]:
+    """``(name, floor seconds, compute floor seconds)`` of a case: the larger
+    of its memcpy floor (``memcpy`` seconds) and its compute floor (its FMAs
+    at ``peak``, plus its exponentials at ``exps`` per second; 0 when the
+    limits were not measured), named ``memcpy``, ``fma`` or ``exp`` (the part
+    of the compute floor that dominates)."""
+    if not peak or not exps:
+        return "memcpy", memcpy, 0.0
+    t_fma, t_exp = case.fma_ops / peak, case.exp_ops / exps
+    compute = t_fma + t_exp
+    if memcpy >= compute:
+        return "memcpy", memcpy, compute
+    return ("exp" if t_exp > t_fma else "fma"), compute, compute
+
+
 def run(
     device_name: str | Device = "cpu",
     *,
@@ -486,6 +734,7 @@ def run(
     out: Callable[[str], None] | None = print,
     shapes: Sequence[Shape] | None = None,
     on_measured: Callable[[Shape], None] | None = None,
+    clock: str = "wall",
 ) -> list[dict[str, Any]]:
     """Run every shape (or those whose name contains ``only``, or the given
     ``shapes``) and return one dict per shape with times and ratios.
@@ -493,13 +742,20 @@ def run(
     progress display); the host memcpy and per-call cost lines are measured
     only for a full run.
 
-    With ``rounds`` > 1 every measurement (kernel, memcpy bound, scalar
-    baseline, FMA peak) is repeated that many times, rounds apart, and the
-    fastest kept: on a shared machine a later round may find the cores free
-    when an earlier one did not."""
+    With ``rounds`` > 1 every measurement (kernel, memcpy floor, scalar
+    baseline, FMA peak, exp rate) is repeated that many times, rounds apart,
+    and the fastest kept: on a shared machine a later round may find the
+    cores free when an earlier one did not.  ``clock``: ``"wall"`` or
+    ``"cpu"`` (the process's CPU time, host devices only; see the module
+    docstring)."""
     device = device_name if isinstance(device_name, Device) else get_device(device_name)
-    ref = get_device("reference") if reference and device.backend_name != "reference" else None
     host = device.backend_name == "cpu"
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
+    if clock == "cpu" and not host:
+        raise ValueError(f"clock 'cpu' times host work only; {device.id} runs on its own device")
+    tick = CLOCKS[clock]
+    ref = get_device("reference") if reference and device.backend_name != "reference" else None
     threads = settings.num_threads()
     say = out or (lambda _: None)
     full_run = only is None and shapes is None
@@ -512,31 +768,37 @@ def run(
     best: dict[str, dict[str, float]] = {shape.name: {"t": inf, "copy": inf, "scalar": inf} for shape in shapes}
     memcpy_best: dict[int, float] = {}
     host_best: dict[tuple[int, int], float] = {}
-    peak = 0.0
+    peak = exps = 0.0
     for _ in range(max(rounds, 1)):
         if host or scalar:
-            peak = max(peak, fma_peak(threads))
+            peak = max(peak, fma_peak(threads, tick))
+            exps = max(exps, exp_rate(threads, tick))
         for shape in shapes:
             case, b = cases[shape.name], best[shape.name]
-            b["t"] = min(b["t"], time_call(case.call, device, min_time))
+            b["t"] = min(b["t"], time_call(case.call, device, min_time, clock=tick))
             nbytes = case.traffic // 2
             # Measured again for every shape and the fastest kept: the bound
             # must not inherit a moment when another job held a core.
-            memcpy_best[nbytes] = min(memcpy_best.get(nbytes, inf), memcpy_seconds(device, nbytes))
+            memcpy_best[nbytes] = min(memcpy_best.get(nbytes, inf), memcpy_seconds(device, nbytes, tick))
             if case.scalar is not None:
-                b["scalar"] = min(b["scalar"], time_call(case.scalar, None, min_time))
+                b["scalar"] = min(b["scalar"], time_call(case.scalar, None, min_time, clock=tick))
             if on_measured is not None:
                 on_measured(shape)
         if host and full_run:
             for nbytes in (8 * MiB, 32 * MiB):
                 for n_threads in (1, 2):
                     key = (nbytes, n_threads)
-                    host_best[key] = min(host_best.get(key, inf), host_memcpy_seconds(nbytes, n_threads))
-    say(f"device {device.id}: {device.name}; threads {threads}; fastest of {max(rounds, 1)} round(s)")
+                    host_best[key] = min(host_best.get(key, inf), host_memcpy_seconds(nbytes, n_threads, tick))
+    timed = "process CPU time" if clock == "cpu" else "wall time"
+    say(f"device {device.id}: {device.name}; threads {threads}; fastest of {max(rounds, 1)} round(s); {timed}")
     if peak:
-        say(f"FMA peak ({threads} threads): {peak / 1e9:.1f} G lane-FMA/s")
+        say(
+            f"FMA peak ({threads} threads): {peak / 1e9:.1f} G lane-FMA/s; "
+            f"exp rate (the kernels' vectorised exp): {exps / 1e9:.2f} G exp/s"
+        )
     say(
-        f"{'shape':24} {'us/call':>10} {'GB/s':>7} {'memcpy':>8} {'x bound':>8} {'FMA':>6} {'x ref':>8} {'x scalar':>9}"
+        f"{'shape':28} {'us/call':>10} {'GB/s':>7} {'memcpy':>8} {'compute':>8} {'bound':>7} {'x bound':>8} "
+        f"{'x memcpy':>8} {'x ref':>8} {'x scalar':>9}"
     )
 
     def fmt(v: float | None, spec: str) -> str:
@@ -546,24 +808,34 @@ def run(
     for shape in shapes:
         case, b = cases[shape.name], best[shape.name]
         t, t_copy = b["t"], memcpy_best[case.traffic // 2]
+        bound, floor, compute = bound_of(case, t_copy, peak, exps)
         row: dict[str, Any] = {
             "shape": shape.name,
             "seconds": t,
             "gbps": case.traffic / t / 1e9,
             "memcpy_seconds": t_copy,
             "memcpy_ratio": t_copy / t,
-            "fma_ratio": (case.fma_ops / peak) / t if peak and shape.bound == "fma" else None,
+            "compute_seconds": compute or None,
+            "bound": bound,
+            "bound_ratio": floor / t,
+            "fma_ratio": (case.fma_ops / peak) / t if peak and bound != "memcpy" else None,
         }
         if ref is not None:
             ref_case = make_case(ref, shape)
-            row["ref_speedup"] = time_call(ref_case.call, ref, min_time=0.0, max_reps=1) / t
+            row["ref_speedup"] = time_call(ref_case.call, ref, min_time=0.0, max_reps=1, clock=tick) / t
         if case.scalar is not None:
             row["scalar_speedup"] = b["scalar"] / t
         rows.append(row)
         say(
-            f"{shape.name:24} {t * 1e6:10.1f} {row['gbps']:7.1f} {t_copy * 1e6:8.1f} {row['memcpy_ratio']:8.2f} "
-            f"{fmt(row['fma_ratio'], '6.2f'):>6} {fmt(row.get('ref_speedup'), '8.1f'):>8} "
+            f"{shape.name:28} {t * 1e6:10.1f} {row['gbps']:7.1f} {t_copy * 1e6:8.1f} "
+            f"{fmt(compute * 1e6 if compute else None, '8.1f'):>8} {bound:>7} {row['bound_ratio']:8.2f} "
+            f"{row['memcpy_ratio']:8.2f} {fmt(row.get('ref_speedup'), '8.1f'):>8} "
             f"{fmt(row.get('scalar_speedup'), '9.1f'):>9}"
+        )
+    if peak:
+        say(
+            "memcpy / compute: the floors in us (copy of the shape's bytes; its FMAs at the FMA peak plus its "
+            "exps at the exp rate); bound: the larger one; x bound: that floor / the time"
         )
     if host and full_run:
         for nbytes in (8 * MiB, 32 * MiB):
@@ -585,9 +857,17 @@ def run(
             ratios.append(f"{family} " + ", ".join(parts))
     if ratios:
         say("decode with rollback vs without (n_s=8, state of many layers): " + "; ".join(ratios))
+    memory = [
+        f"{family} {times[with_] / times[without]:.2f}x"
+        for family in ("mamba2", "gdn", "conv")
+        if (with_ := f"{family} memory n_s=8 rs=3") in times and (without := f"{family} memory n_s=8 rs=0") in times
+    ]
+    if memory:
+        say("decode through the memory, n_rs_seq=3 vs 0 (n_s=8, every layer): " + "; ".join(memory))
     if full_run:
         costs = ", ".join(
-            f"{op} {call_overhead(device, op) * 1e6:.0f} / {call_overhead(device, op, remembered=False) * 1e6:.0f} us"
+            f"{op} {call_overhead(device, op, clock=tick) * 1e6:.0f} / "
+            f"{call_overhead(device, op, remembered=False, clock=tick) * 1e6:.0f} us"
             for op in _TINY
         )
         say(f"fixed cost per call on tiny shapes, remembered / validated: {costs}")
@@ -601,10 +881,13 @@ _TINY = {
     "ssm_scan": Shape("tiny scan", "ssm_scan", {"N": 8, "P": 8, "H": 1, "G": 1, "n_t": 1, "n_s": 1, "K": 1}),
     "ssm_conv": Shape("tiny conv", "ssm_conv", {"ch": 8, "d_conv": 4, "n_t": 1, "n_s": 1}),
     "gated_delta_net": Shape("tiny gdn", "gdn", {"H": 1, "S": 8, "n_t": 1, "n_s": 1, "kda": False}),
+    "rwkv_wkv7": Shape("tiny rwkv7", "linear_attn", {"variant": "rwkv7", "H": 1, "S": 8, "n_t": 1, "n_s": 1}),
 }
 
 
-def call_overhead(device: Device, op: str, remembered: bool = True) -> float:
+def call_overhead(
+    device: Device, op: str, remembered: bool = True, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Seconds per call of ``op`` on a shape too small for its kernel to matter.
 
     ``remembered``: the call repeats with the same buffers, as in a decode
@@ -620,7 +903,7 @@ def call_overhead(device: Device, op: str, remembered: bool = True) -> float:
                 memo.clear()
             inner()
 
-    return time_call(call, device, min_time=0.05)
+    return time_call(call, device, min_time=0.05, clock=clock)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -631,15 +914,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-scalar", action="store_true", help="skip the scalar C baselines")
     parser.add_argument("--min-time", type=float, default=0.25, help="seconds of repetitions per measurement")
     parser.add_argument("--rounds", type=int, default=1, help="repeat every measurement, keep the fastest")
-    args = parser.parse_args(argv)
-    run(
-        args.device,
-        only=args.only,
-        reference=not args.no_reference,
-        scalar=not args.no_scalar,
-        min_time=args.min_time,
-        rounds=args.rounds,
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="time by the wall clock, or by the process's CPU time (host devices; steadier on a shared machine)",
     )
+    args = parser.parse_args(argv)
+    try:
+        run(
+            args.device,
+            only=args.only,
+            reference=not args.no_reference,
+            scalar=not args.no_scalar,
+            min_time=args.min_time,
+            rounds=args.rounds,
+            clock=args.clock,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     return 0
 
 

@@ -14,6 +14,7 @@ def all_cases() -> tuple[Case, ...]:
     from statecache.conformance import (
         device_cases,
         epilogue_cases,
+        linear_attn_cases,
         memory_cases,
         metamorphic_cases,
         oracle_cases,
@@ -27,6 +28,7 @@ def all_cases() -> tuple[Case, ...]:
         *primitive_cases.all_cases(),
         *varlen_cases.all_cases(),
         *epilogue_cases.all_cases(),
+        *linear_attn_cases.all_cases(),
         *oracle_cases.all_cases(),
         *metamorphic_cases.all_cases(),
         *memory_cases.all_cases(),

@@ -1,11 +1,14 @@
 """Memory cases: the tiny model of ``model.py`` decoding through statecache's
 memories on the device under test.
 
-Two models: Mamba-2 + GDN through a :class:`~statecache.recurrent.
-RecurrentMemory` (``memory.recurrent[...]``), and Mamba-2 + attention + GDN
-+ attention through a :class:`~statecache.hybrid.HybridMemory` built by
-:func:`~statecache.factory.make_memory` (``memory.hybrid[...]``), with K/V in
-the KV cache buffers and a RoPE re-rotation hook for context shifts.
+Three models: Mamba-2 + GDN through a :class:`~statecache.recurrent.
+RecurrentMemory` (``memory.recurrent[...]``), RWKV-6 + RWKV-7 + GLA through
+one too (``memory.linear_attn[...]``: the wkv states and both token-shift
+parts of each RWKV block, every one with snapshot planes), and Mamba-2 +
+attention + GDN + attention through a :class:`~statecache.hybrid.HybridMemory`
+built by :func:`~statecache.factory.make_memory` (``memory.hybrid[...]``),
+with K/V in the KV cache buffers and a RoPE re-rotation hook for context
+shifts.
 
 Every output of every incremental decode is compared with a full recompute
 of that sequence from a zero state on the reference device (one primitive
@@ -59,6 +62,8 @@ from statecache.backend import Device
 from statecache.conformance.cases import Case, ConformanceFailure, Requirement, assert_close, reference_device
 from statecache.conformance.model import (
     HYBRID_LAYERS,
+    KIND_OPS,
+    LINEAR_ATTN_LAYERS,
     RECURRENT_LAYERS,
     VOCAB,
     StepMixers,
@@ -550,10 +555,10 @@ MODELS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
         ("f32", "f16", "bf16"),
         ("statecache.recurrent", "statecache.kv_cache", "statecache.hybrid"),
     ),
+    "linear_attn": (LINEAR_ATTN_LAYERS, ("f32", "f16"), ("statecache.recurrent", "statecache.recurrent_step")),
 }
 
 _ROW_OPS = ("get_rows", "set_rows", "zero_rows", "copy_rows")
-_STATE_OPS = ("ssm_conv", "ssm_scan", "gated_delta_net")
 
 
 def _core_has(modules: Sequence[str]) -> bool:
@@ -566,7 +571,8 @@ def _case(kind: str, layers: tuple[str, ...], name: str, fn: Any, n_snap: int, d
     # row ops move both the storage dtype and the f32 staging/host side
     dtypes = sorted({dtype, "f32"})
     reqs = [Requirement(op, {"dtype": d}) for op in _ROW_OPS for d in dtypes]
-    reqs += [Requirement(op, {"dtype": dtype, "n_snap": n_snap}) for op in _STATE_OPS]
+    state_ops = tuple(dict.fromkeys(op for kind in layers for op in KIND_OPS[kind]))  # in layer order, once each
+    reqs += [Requirement(op, {"dtype": dtype, "n_snap": n_snap}) for op in state_ops]
     holder: dict[str, Case] = {}
 
     def run(device: Device) -> None:
@@ -582,7 +588,7 @@ def _case(kind: str, layers: tuple[str, ...], name: str, fn: Any, n_snap: int, d
     case = Case(
         f"memory.{kind}[{name}-{dtype}]",
         "memory",
-        _ROW_OPS + _STATE_OPS,
+        _ROW_OPS + state_ops,
         run,
         tuple(reqs),
         {"storage_dtypes": set(dtypes), "max_snapshots": n_snap},

@@ -2,17 +2,23 @@
 device under test, and its full-recompute oracle.
 
 embedding -> layers -> logits, each layer a residual mixer: a Mamba-2 mixer,
-a GDN mixer or grouped-query attention with RoPE.  Two layouts:
+a GDN mixer, grouped-query attention with RoPE, an RWKV-6 or RWKV-7 block
+(time mixing through the wkv state and a token shift, then channel mixing
+through the token shift's second part) or a GLA mixer.  Three layouts:
 :data:`RECURRENT_LAYERS` (Mamba-2, GDN: a :class:`~statecache.recurrent.
-RecurrentMemory`) and :data:`HYBRID_LAYERS` (Mamba-2, attention, GDN,
-attention: a :class:`~statecache.hybrid.HybridMemory`).
+RecurrentMemory`), :data:`HYBRID_LAYERS` (Mamba-2, attention, GDN,
+attention: a :class:`~statecache.hybrid.HybridMemory`) and
+:data:`LINEAR_ATTN_LAYERS` (RWKV-6, RWKV-7, GLA: a recurrent memory).
 
 Dense math (projections, normalisation, gates, RoPE, softmax) is NumPy on
 the host; everything stateful goes through the device's primitives: conv
 windows, SSM and delta-rule states through ``ssm_conv`` / ``ssm_scan`` /
-``gated_delta_net`` (driven by a :class:`~statecache.recurrent_step.
+``gated_delta_net`` / ``rwkv_wkv6`` / ``rwkv_wkv7`` / ``gated_linear_attn``
+and the token shift (``ssm_conv`` with taps [1, 0]) (driven by a
+:class:`~statecache.recurrent_step.
 RecurrentStep` on the memory's pools, or, for the oracle, by direct calls over
-a sequence's whole token list from a zero state in one call), and attention
+a sequence's whole token list from a zero state in one call; the oracle's
+token shift is computed on the host), and attention
 K/V through ``set_rows`` into the KV cache buffers and ``get_rows`` back out.
 
 Attention needs more than the token list to be recomputed: what a token saw
@@ -53,9 +59,24 @@ G_CH = (2 * G_HEADS_K + G_HEADS) * G_SIZE
 A_HEADS, A_HEADS_KV, A_DIM = 4, 2, 8
 ROPE_BASE = 100.0  # small base: even the slowest pair turns visibly over a few dozen positions
 
+# RWKV-6 / RWKV-7 blocks and the GLA mixer: heads of R_SIZE over the whole hidden size
+R_HEADS, R_SIZE = 2, 8
+R_FFN = 32
+
 RECURRENT_LAYERS = ("mamba2", "gdn")
 HYBRID_LAYERS = ("mamba2", "attn", "gdn", "attn")
-KINDS = ("mamba2", "gdn", "attn")
+LINEAR_ATTN_LAYERS = ("rwkv6", "rwkv7", "gla")
+KINDS = ("mamba2", "gdn", "attn", "rwkv6", "rwkv7", "gla")
+
+#: The stateful primitives each kind of layer calls (the memory cases require them).
+KIND_OPS: dict[str, tuple[str, ...]] = {
+    "mamba2": ("ssm_conv", "ssm_scan"),
+    "gdn": ("ssm_conv", "gated_delta_net"),
+    "attn": (),
+    "rwkv6": ("ssm_conv", "rwkv_wkv6"),
+    "rwkv7": ("ssm_conv", "rwkv_wkv7"),
+    "gla": ("gated_linear_attn",),
+}
 
 
 def _recurrent_spec(kind: str) -> RecurrentLayerSpec:
@@ -63,6 +84,12 @@ def _recurrent_spec(kind: str) -> RecurrentLayerSpec:
         return RecurrentLayerSpec.mamba2(
             d_inner=M_INNER, d_state=M_STATE, d_conv=D_CONV, n_group=M_GROUPS, head_dim=M_HEAD_DIM
         )
+    if kind == "rwkv6":
+        return RecurrentLayerSpec.rwkv6(n_embd=D_MODEL, head_size=R_SIZE)
+    if kind == "rwkv7":
+        return RecurrentLayerSpec.rwkv7(n_embd=D_MODEL, head_size=R_SIZE)
+    if kind == "gla":
+        return RecurrentLayerSpec.gla(n_head=R_HEADS, head_dim=R_SIZE)
     return RecurrentLayerSpec.gdn(n_head=G_HEADS, head_dim=G_SIZE, d_conv=D_CONV, n_head_k=G_HEADS_K)
 
 
@@ -120,6 +147,24 @@ class Weights:
                         "out": n(G_HEADS * G_SIZE, D_MODEL),
                     }
                 )
+            elif kind in ("rwkv6", "rwkv7"):
+                mixes = ("r", "w", "k", "v", "a")
+                layer = {f"mu_{m}": rng.uniform(0.0, 1.0, D_MODEL).astype(np.float32) for m in mixes}
+                layer.update({f"W{m}": n(D_MODEL, D_MODEL, scale=0.4) for m in mixes})
+                layer.update(
+                    {
+                        "w0": rng.uniform(-2.0, 0.5, D_MODEL).astype(np.float32),  # RWKV-6: decay -exp(w0 + x Ww)
+                        "u": n(R_HEADS, R_SIZE, scale=0.5),
+                        "out": n(D_MODEL, D_MODEL),
+                        "mu_ffn": rng.uniform(0.0, 1.0, D_MODEL).astype(np.float32),
+                        "ffn_in": n(D_MODEL, R_FFN),
+                        "ffn_out": n(R_FFN, D_MODEL, scale=0.2),
+                    }
+                )
+                per_layer.append(layer)
+            elif kind == "gla":
+                per_layer.append({f"W{m}": n(D_MODEL, D_MODEL, scale=0.4) for m in ("q", "k", "v", "g")})
+                per_layer[-1]["out"] = n(D_MODEL, D_MODEL)
             else:
                 per_layer.append(
                     {
@@ -187,6 +232,10 @@ class Mixers(Protocol):
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray: ...
 
+    def shift(self, layer: int, x: np.ndarray, part: int) -> np.ndarray: ...
+
+    def linear_attn(self, layer: int, op: str, *args: Buffer) -> None: ...
+
 
 class PoolDriver:
     """Drives the recurrent primitives directly on one-call pools (the oracle's path):
@@ -210,6 +259,15 @@ class PoolDriver:
 
     def delta(self, L: int, *args: Buffer) -> None:
         self.dev.gated_delta_net(self.pools[L]["s"], self.rows, self.rows, *args)
+
+    def linear_attn(self, L: int, op: str, *args: Buffer) -> None:
+        getattr(self.dev, op)(self.pools[L]["s"], self.rows, self.rows, *args)
+
+    def shift(self, L: int, x: np.ndarray, part: int) -> np.ndarray:
+        """The token shift from a zero state, on the host: each token's previous input."""
+        out = np.zeros_like(x)
+        out[:, 1:] = x[:, :-1]
+        return out
 
 
 class OracleMixers(PoolDriver):
@@ -260,6 +318,16 @@ class StepMixers:
 
     def delta(self, L: int, *args: Buffer) -> None:
         self.step.delta(L, *args)
+
+    def linear_attn(self, L: int, op: str, *args: Buffer) -> None:
+        method = {"rwkv_wkv6": self.step.wkv6, "rwkv_wkv7": self.step.wkv7, "gated_linear_attn": self.step.gla}[op]
+        method(L, *args)
+
+    def shift(self, L: int, x: np.ndarray, part: int) -> np.ndarray:
+        dev = self.dev
+        prev = dev.alloc(x.shape)
+        self.step.shift(L, dev.upload(np.ascontiguousarray(x, dtype=np.float32)), prev, part=part)
+        return dev.download(prev)
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         ctx = self.attn_ctx
@@ -333,6 +401,52 @@ def _gdn(dev: Device, mix: Mixers, L: int, p: dict[str, np.ndarray], h: np.ndarr
     return dev.download(o).reshape(n_s, n_t, -1) @ p["out"]
 
 
+def _rms(h: np.ndarray) -> np.ndarray:
+    return (h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1e-6)).astype(np.float32)
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
+
+
+def _heads(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a.reshape(*a.shape[:2], R_HEADS, R_SIZE), dtype=np.float32)
+
+
+def _rwkv(dev: Device, mix: Mixers, L: int, p: dict[str, np.ndarray], h: np.ndarray, kind: str) -> np.ndarray:
+    """An RWKV-6 / RWKV-7 block: time mixing (token-shift part 0, then the wkv state),
+    then channel mixing (token-shift part 1); returns the new residual stream."""
+    n_s, n_t = h.shape[:2]
+    x = _rms(h)
+    dx = mix.shift(L, x, 0) - x
+    mixed = {m: (x + dx * p[f"mu_{m}"]) @ p[f"W{m}"] for m in ("r", "w", "k", "v", "a")}
+    r, k, v = (_heads(mixed[m]) for m in ("r", "k", "v"))
+    o = dev.alloc((n_s, n_t, R_HEADS, R_SIZE))
+    up = dev.upload
+    if kind == "rwkv6":
+        w = _heads(-np.exp(np.minimum(p["w0"] + mixed["w"], 4.0)))  # per-key log-decay
+        mix.linear_attn(L, "rwkv_wkv6", up(r), up(k), up(v), up(w), up(p["u"]), o)
+    else:
+        w = _heads(-0.606531 * _sigmoid(mixed["w"]))
+        kk = k / np.sqrt(np.sum(k * k, axis=-1, keepdims=True) + 1e-6)
+        iclr = _heads(_sigmoid(mixed["a"]))
+        mix.linear_attn(L, "rwkv_wkv7", up(r), up(w), up(k), up(v), up(_heads(-kk)), up(_heads(kk * iclr)), o)
+    h = h + dev.download(o).reshape(n_s, n_t, -1) @ p["out"]
+    x2 = _rms(h)
+    k2 = x2 + (mix.shift(L, x2, 1) - x2) * p["mu_ffn"]
+    return h + np.square(np.maximum(k2 @ p["ffn_in"], 0.0)) @ p["ffn_out"]
+
+
+def _gla(dev: Device, mix: Mixers, L: int, p: dict[str, np.ndarray], h: np.ndarray) -> np.ndarray:
+    n_s, n_t = h.shape[:2]
+    x = _rms(h)
+    q, k, v = (_heads(x @ p[f"W{m}"]) for m in ("q", "k", "v"))
+    g = _heads(-np.log1p(np.exp(-(x @ p["Wg"]))) / 4.0)  # logsigmoid / 4: a per-key log-gate
+    o = dev.alloc((n_s, n_t, R_HEADS, R_SIZE))
+    mix.linear_attn(L, "gated_linear_attn", *(dev.upload(a) for a in (q, k, v, g)), o)
+    return dev.download(o).reshape(n_s, n_t, -1) @ p["out"]
+
+
 def _attention(mix: Mixers, L: int, p: dict[str, np.ndarray], h: np.ndarray) -> np.ndarray:
     n_s, n_t = h.shape[:2]
     # RMS-normalised input keeps the scores in a range where softmax is neither flat nor one-hot
@@ -353,6 +467,10 @@ def forward(dev: Device, mix: Mixers, w: Weights, tokens: np.ndarray) -> np.ndar
             h = h + _mamba2(dev, mix, L, p, h)
         elif kind == "gdn":
             h = h + _gdn(dev, mix, L, p, h)
+        elif kind in ("rwkv6", "rwkv7"):
+            h = _rwkv(dev, mix, L, p, h, kind)
+        elif kind == "gla":
+            h = h + _gla(dev, mix, L, p, h)
         else:
             h = h + _attention(mix, L, p, h)
     return (h @ w.out).astype(np.float32)

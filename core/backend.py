@@ -45,7 +45,16 @@ PRIMITIVES: tuple[str, ...] = (
     "ssm_conv",
     "ssm_scan",
     "gated_delta_net",
+    "rwkv_wkv6",
+    "rwkv_wkv7",
+    "gated_linear_attn",
 )
+
+#: The linear-attention primitives (RWKV-6, RWKV-7, GLA).  They joined the
+#: contract without changing any existing signature, so protocol 2 stands: a
+#: protocol-2 backend written before them simply lacks them in ``caps.ops``
+#: (the Device methods that would run them are not abstract).
+LINEAR_ATTN_PRIMITIVES: frozenset[str] = frozenset({"rwkv_wkv6", "rwkv_wkv7", "gated_linear_attn"})
 
 
 #: Version of the backend protocol this statecache speaks: the signatures of
@@ -672,7 +681,8 @@ class Device(abc.ABC):
             launch()
 
     # -- stateful primitives ----------------------------------------------------
-    # Rules shared by ssm_conv, ssm_scan and gated_delta_net (the contract;
+    # Rules shared by every stateful primitive (ssm_conv, ssm_scan, gated_delta_net,
+    # rwkv_wkv6, rwkv_wkv7, gated_linear_attn: the contract;
     # statecache.primitives checks every one of them before anything runs):
     #
     # Tokens.  Either the equal-length form, every per-token argument
@@ -1057,6 +1067,205 @@ class Device(abc.ABC):
         cu = cu_seqlens if call.cu_seqlens is None else call.cu_seqlens
         return (call.shape, pool, start_rows, snap, cu, q, k, v, g, beta, o, A_log, dt_bias)
 
+    # -- linear attention: RWKV-6, RWKV-7, GLA ------------------------------------
+    # State blocks are [head_size, head_size] per head; every decay and gate
+    # is given in log space (the kernels take exp), as flash-linear-attention
+    # takes them.  ggml's kernels take the factor itself (llama.cpp computes
+    # exp(-exp(x)) in the graph and passes that): pass its log, -exp(x).  Log
+    # space keeps f16/bf16 activations usable: a factor of 0.999 has no bf16
+    # neighbours closer than 0.004, its log -1e-3 keeps 3 significant digits.
+
+    def rwkv_wkv6(
+        self,
+        pool: Buffer,
+        start_rows: Buffer,
+        dst_rows: Buffer,
+        r: Buffer,
+        k: Buffer,
+        v: Buffer,
+        w: Buffer,
+        u: Buffer,
+        o: Buffer,
+        *,
+        n_snap: int = 1,
+        plane_stride: int = 0,
+        scale: float | None = None,
+        cu_seqlens: Buffer | None = None,
+    ) -> None:
+        """RWKV-6 ("Finch") time mixing, from start rows, with snapshot rows.
+
+        Rows, snapshot columns and the two token forms as described above
+        the stateful primitives; per-token shapes for the packed form
+        (``H`` heads of ``S`` = head size):
+
+        * ``pool`` [R, H * S * S], storage dtype; per head a block [S, S]
+          whose element ``[i, j]`` (j fastest) is ``S[i][j]``, i = key
+          index, j = value index: ggml's ``rwkv_wkv6`` state layout, and
+          flash-linear-attention's ``[K, V]``.
+        * ``r`` (receptance), ``k``, ``v``, ``w`` [T, H, S]: activation
+          dtypes, may be strided.  ``w`` is the data-dependent per-key
+          log-decay (RWKV-6 computes ``w = -exp(w0 + lora(x))``; ggml is
+          passed ``exp(w)``).
+        * ``u`` float32 [H, S]: the time-first bonus (``time_faaaa``).
+        * ``o`` [T, H, S] contiguous output.
+        * ``scale`` multiplies the output (None: 1, as ggml and the RWKV-6
+          models; flash-linear-attention's functional default is
+          ``S ** -0.5``).
+
+        Per sequence and head, from ``S = pool[start_rows[s]][h]``, for each
+        token (ggml ``ggml_compute_forward_rwkv_wkv6_f32``, fla
+        ``naive_recurrent_rwkv6``)::
+
+            o[j] = scale * sum_i r[i] * (S[i][j] + u[i] * k[i] * v[j])   # the bonus: this token, undecayed
+            S[i][j] = exp(w[i]) * S[i][j] + k[i] * v[j]
+
+        Snapshot column j receives S after n_t(s) - j tokens.
+        """
+        self._linear_attn_template("rwkv_wkv6", pool, start_rows, dst_rows, (r, k, v, w), u, o, n_snap, plane_stride,
+                          scale, cu_seqlens)  # fmt: skip
+
+    def rwkv_wkv7(
+        self,
+        pool: Buffer,
+        start_rows: Buffer,
+        dst_rows: Buffer,
+        r: Buffer,
+        w: Buffer,
+        k: Buffer,
+        v: Buffer,
+        a: Buffer,
+        b: Buffer,
+        o: Buffer,
+        *,
+        n_snap: int = 1,
+        plane_stride: int = 0,
+        scale: float | None = None,
+        cu_seqlens: Buffer | None = None,
+    ) -> None:
+        """RWKV-7 ("Goose") time mixing, from start rows, with snapshot rows.
+
+        Shapes as :meth:`rwkv_wkv6` (``r``, ``w``, ``k``, ``v``, ``a``,
+        ``b``, ``o`` all [T, H, S]; ``w`` the log-decay), except the state
+        layout: per head a block [S, S] whose element ``[i, j]`` (j fastest)
+        is ``S[i][j]`` with i = **value** index and j = key index, ggml's
+        ``rwkv_wkv7`` layout (flash-linear-attention stores the transpose).
+
+        The state update is the generalised delta rule
+        ``S = S . (diag(exp(w)) + a^T b) + v^T k``: the diagonal decay plus
+        the in-context learning-rate term, where llama.cpp and fla's RWKV-7
+        pass ``a = -kk`` and ``b = kk * iclr`` (``kk`` the L2-normalised key,
+        ``iclr`` the learning rate in (0, 1)), so that ``S a^T b`` removes
+        the part of S along kk at that rate before ``v^T k`` writes the new
+        value.  Per sequence and head, for each token (ggml
+        ``ggml_compute_forward_rwkv_wkv7_f32``, fla
+        ``fused_recurrent_rwkv7``)::
+
+            sa[i] = sum_j a[j] * S[i][j]                       # with the state before this token
+            S[i][j] = S[i][j] * exp(w[j]) + sa[i] * b[j] + v[i] * k[j]
+            o[i] = scale * sum_j S[i][j] * r[j]               # after the update; scale None: 1
+
+        Snapshot column j receives S after n_t(s) - j tokens.
+        """
+        self._linear_attn_template("rwkv_wkv7", pool, start_rows, dst_rows, (r, w, k, v, a, b), None, o, n_snap,
+                          plane_stride, scale, cu_seqlens)  # fmt: skip
+
+    def gated_linear_attn(
+        self,
+        pool: Buffer,
+        start_rows: Buffer,
+        dst_rows: Buffer,
+        q: Buffer,
+        k: Buffer,
+        v: Buffer,
+        g: Buffer,
+        o: Buffer,
+        *,
+        n_snap: int = 1,
+        plane_stride: int = 0,
+        scale: float | None = None,
+        cu_seqlens: Buffer | None = None,
+    ) -> None:
+        """Gated linear attention (GLA, and QRWKV-6) with a per-key gate, from
+        start rows, with snapshot rows.
+
+        Shapes and state layout as :meth:`rwkv_wkv6` (``q``, ``k``, ``v``,
+        ``g``, ``o`` [T, H, S]; per head ``S[i][j]``, i = key, j = value,
+        j fastest: ggml's ``gated_linear_attn`` layout, fla's ``[K, V]``).
+        ``g`` is the per-key log-gate (GLA: ``logsigmoid(x) / 16``; ggml is
+        passed ``exp(g)``).  Per sequence and head, for each token (ggml
+        ``ggml_compute_forward_gla_f32``, fla ``naive_recurrent_gla``)::
+
+            S[i][j] = exp(g[i]) * S[i][j] + k[i] * v[j]
+            o[j] = scale * sum_i q[i] * S[i][j]     # after the update; scale None: 1 / sqrt(S)
+
+        Snapshot column j receives S after n_t(s) - j tokens.
+        """
+        self._linear_attn_template("gated_linear_attn", pool, start_rows, dst_rows, (q, k, v, g), None, o, n_snap,
+                          plane_stride, scale, cu_seqlens)  # fmt: skip
+
+    def _linear_attn_template(
+        self,
+        op: str,
+        pool: Buffer,
+        start_rows: Buffer,
+        dst_rows: Buffer,
+        tokens: tuple[Buffer, ...],
+        u: Buffer | None,
+        o: Buffer,
+        n_snap: int,
+        plane_stride: int,
+        scale: float | None,
+        cu_seqlens: Buffer | None,
+    ) -> None:
+        """The template of the three linear-attention primitives (memo, validation, capability check)."""
+        bufs: tuple[Any, ...] = (pool, start_rows, dst_rows, *tokens, u, o, cu_seqlens)
+        key: tuple[Any, ...] = (op, n_snap, plane_stride, scale, *(id(b) for b in bufs))
+        index_bufs = (start_rows, dst_rows) if cu_seqlens is None else (start_rows, dst_rows, cu_seqlens)
+        hit = self._remembered(key, bufs, index_bufs)
+        if hit is not None:
+            if hit.launch is None:
+                getattr(self, f"_{op}")(*self._linear_attn_args(hit.shape, bufs))
+            else:
+                hit.launch()
+            return
+        names = P.LINEAR_ATTN_INPUTS[op]
+        if len(tokens) != len(names):  # a bug of the callers above, never a user's
+            raise AssertionError(f"{op} takes {names}")
+        call = P.check_linear_attn(
+            self,
+            op,
+            pool=pool,
+            start_rows=start_rows,
+            dst_rows=dst_rows,
+            inputs=dict(zip(names, tokens, strict=True)),
+            o=o,
+            u=u,
+            n_snap=n_snap,
+            plane_stride=plane_stride,
+            cu_seqlens=cu_seqlens,
+            scale=scale,
+        )
+        shp = call.shape
+        assert isinstance(shp, P.LinearAttnShape)
+        self._require(
+            op,
+            dtype=pool.dtype,
+            n_snap=shp.n_cols,
+            strided=not all(t.is_contiguous for t in tokens),
+            head_size=shp.head_size,
+            varlen=cu_seqlens is not None,
+            activation_dtypes=_activations(*(t.dtype for t in tokens), o.dtype),
+        )
+        self._launch_state(op, key, bufs, index_bufs, call, self._linear_attn_args(call, bufs))
+
+    def _linear_attn_args(self, call: P.StateCall, bufs: tuple[Any, ...]) -> tuple[Any, ...]:
+        pool, start_rows, dst_rows, *tokens, u, o, cu_seqlens = bufs
+        *tokens, o = P.packed_tokens(self, call, *tokens, o)
+        snap = dst_rows if call.snap_rows is None else call.snap_rows
+        cu = cu_seqlens if call.cu_seqlens is None else call.cu_seqlens
+        extra = (u,) if call.shape.variant == "rwkv6" else ()  # type: ignore[attr-defined]
+        return (call.shape, pool, start_rows, snap, cu, *tokens, *extra, o)
+
     def _launch_state(
         self,
         op: str,
@@ -1169,6 +1378,59 @@ class Device(abc.ABC):
     ) -> None:
         """The delta rule in the packed form (q/k [T, H_k, S], v/o [T, H_v, S],
         g [T, H_v(, S)], beta [T, H_v]); options and scale are in ``shp``."""
+
+    # Not abstract: a backend written before these primitives existed leaves
+    # them out of caps.ops, and the template methods never call them then.
+    def _rwkv_wkv6(
+        self,
+        shp: P.LinearAttnShape,
+        pool: Buffer,
+        start_rows: Buffer,
+        snap_rows: Buffer,
+        cu_seqlens: Buffer,
+        r: Buffer,
+        k: Buffer,
+        v: Buffer,
+        w: Buffer,
+        u: Buffer,
+        o: Buffer,
+    ) -> None:
+        """RWKV-6 in the packed form (r/k/v/w/o [T, H, S], u [H, S]); scale in ``shp``."""
+        raise NotImplementedError(f"{self.id} does not implement rwkv_wkv6 (not in caps.ops)")
+
+    def _rwkv_wkv7(
+        self,
+        shp: P.LinearAttnShape,
+        pool: Buffer,
+        start_rows: Buffer,
+        snap_rows: Buffer,
+        cu_seqlens: Buffer,
+        r: Buffer,
+        w: Buffer,
+        k: Buffer,
+        v: Buffer,
+        a: Buffer,
+        b: Buffer,
+        o: Buffer,
+    ) -> None:
+        """RWKV-7 in the packed form (every per-token tensor [T, H, S]); scale in ``shp``."""
+        raise NotImplementedError(f"{self.id} does not implement rwkv_wkv7 (not in caps.ops)")
+
+    def _gated_linear_attn(
+        self,
+        shp: P.LinearAttnShape,
+        pool: Buffer,
+        start_rows: Buffer,
+        snap_rows: Buffer,
+        cu_seqlens: Buffer,
+        q: Buffer,
+        k: Buffer,
+        v: Buffer,
+        g: Buffer,
+        o: Buffer,
+    ) -> None:
+        """GLA in the packed form (q/k/v/g/o [T, H, S]); scale in ``shp``."""
+        raise NotImplementedError(f"{self.id} does not implement gated_linear_attn (not in caps.ops)")
 
 
 class Backend(abc.ABC):

@@ -283,6 +283,18 @@ class DeltaShape(StateWrite):
         return h % self.n_head_k
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearAttnShape(StateWrite):
+    """Sizes of ``rwkv_wkv6``, ``rwkv_wkv7`` and ``gated_linear_attn``: ``n_head``
+    heads of ``head_size`` keys and values, each with a [head_size, head_size]
+    state block (layout per variant: see the primitives' docstrings)."""
+
+    n_head: int
+    head_size: int
+    variant: str  # "rwkv6" | "rwkv7" | "gla"
+    scale: float  # of the output
+
+
 # Shapes are frozen, so equal sizes may share one instance: building a frozen
 # dataclass costs microseconds (a setattr per field), a cache hit a hash of
 # the sizes, and decode repeats the same sizes call after call.
@@ -299,6 +311,11 @@ def _scan_shape(*sizes: object) -> ScanShape:
 @functools.lru_cache(maxsize=256)
 def _delta_shape(*sizes: object) -> DeltaShape:
     return DeltaShape(*sizes)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=256)
+def _linear_attn_shape(*sizes: object) -> LinearAttnShape:
+    return LinearAttnShape(*sizes)  # type: ignore[arg-type]
 
 
 class StateCall(NamedTuple):
@@ -830,3 +847,105 @@ def check_gated_delta_net(
         h_k, h_v, size, variant, head_map, bool(qk_l2norm), A_log is not None, bool(beta_sigmoid), eff_scale,
     )  # fmt: skip
     return StateCall(shp, snap, cu, tok.cu is not None, copied)
+
+
+#: The per-token inputs of each linear-attention primitive, in call order
+#: (all [T, n_head, head_size]); the output is ``o``.
+LINEAR_ATTN_INPUTS: dict[str, tuple[str, ...]] = {
+    "rwkv_wkv6": ("r", "k", "v", "w"),
+    "rwkv_wkv7": ("r", "w", "k", "v", "a", "b"),
+    "gated_linear_attn": ("q", "k", "v", "g"),
+}
+
+#: The output scale each linear-attention primitive uses when the caller
+#: passes None: 1 for the RWKV kernels (ggml's, and what RWKV models pass to
+#: flash-linear-attention), 1 / sqrt(head_size) for GLA (ggml's QRWKV call
+#: and fla's default).
+_DEFAULT_SCALE = {"rwkv_wkv6": 1.0, "rwkv_wkv7": 1.0, "gated_linear_attn": None}
+
+
+def check_linear_attn(
+    dev: Device,
+    op: str,
+    *,
+    pool: Buffer,
+    start_rows: Buffer,
+    dst_rows: Buffer,
+    inputs: dict[str, Buffer],
+    o: Buffer,
+    u: Buffer | None = None,
+    n_snap: int,
+    plane_stride: int,
+    cu_seqlens: Buffer | None = None,
+    scale: float | None = None,
+) -> StateCall:
+    """Validate ``rwkv_wkv6`` / ``rwkv_wkv7`` / ``gated_linear_attn``: every
+    per-token input ``inputs[name]`` (names of :data:`LINEAR_ATTN_INPUTS`)
+    and ``o`` are [T, H, S] (or [n_s, n_t, H, S]), ``u`` (RWKV-6) f32 [H, S],
+    pool rows H * S * S."""
+    pool = _pool(dev, pool)
+    names = LINEAR_ATTN_INPUTS[op]
+    first = _own(dev, inputs[names[0]], names[0])
+    tok = _token_axes(dev, first, names[0], "n_head, head_size", 2, cu_seqlens)
+    lead = tok.lead
+    n_head, size = first.shape[-2], first.shape[-1]
+    bufs = []
+    for name in names:
+        bufs.append(_activation(dev, inputs[name], name, (*lead, n_head, size)))
+    if op == "rwkv_wkv6":
+        if u is None:
+            raise ArgumentError("u", "the RWKV-6 time-first bonus is required")
+        _param(dev, u, "u", (n_head, size))
+    if scale is None:
+        scale = _DEFAULT_SCALE[op]
+    if scale is None:
+        eff_scale = 1.0 / float(np.sqrt(size))
+    elif isinstance(scale, int | float | np.integer | np.floating) and not isinstance(scale, bool):
+        if not np.isfinite(scale):
+            raise ArgumentError("scale", f"must be a finite number or None, got {scale!r}")
+        eff_scale = float(scale)
+    else:
+        raise ArgumentError("scale", f"must be a finite number or None, got {scale!r}")
+    if pool.shape[1] != n_head * size * size:
+        raise ArgumentError("pool", f"row size {pool.shape[1]} must be n_head * head_size^2 = {n_head * size * size}")
+    o = _output(dev, o, "o", (*lead, n_head, size))
+    _distinct_storage(o, "o", (pool, "pool"), *zip(bufs, names, strict=True), (u, "u"))
+    snap, cu, n_cols, copied = _finish(dev, pool, start_rows, dst_rows, tok, n_snap, plane_stride, tuple(bufs))
+    variant = {"rwkv_wkv6": "rwkv6", "rwkv_wkv7": "rwkv7", "gated_linear_attn": "gla"}[op]
+    # Positional, in field order: StateWrite's, then LinearAttnShape's.
+    shp = _linear_attn_shape(
+        tok.n_seqs, tok.n_tokens, tok.max_tokens, pool.shape[0], pool.shape[1], n_cols, tok.equal,
+        n_head, size, variant, eff_scale,
+    )  # fmt: skip
+    return StateCall(shp, snap, cu, tok.cu is not None, copied)
+
+
+# The per-op forms (keyword buffers, as check_ssm_scan and check_gated_delta_net take them).
+
+
+def check_rwkv_wkv6(
+    dev: Device, *, pool: Buffer, start_rows: Buffer, dst_rows: Buffer, r: Buffer, k: Buffer, v: Buffer, w: Buffer,
+    u: Buffer, o: Buffer, n_snap: int, plane_stride: int, cu_seqlens: Buffer | None = None, scale: float | None = None,
+) -> StateCall:  # fmt: skip
+    return check_linear_attn(dev, "rwkv_wkv6", pool=pool, start_rows=start_rows, dst_rows=dst_rows,
+                             inputs={"r": r, "k": k, "v": v, "w": w}, o=o, u=u, n_snap=n_snap,
+                             plane_stride=plane_stride, cu_seqlens=cu_seqlens, scale=scale)  # fmt: skip
+
+
+def check_rwkv_wkv7(
+    dev: Device, *, pool: Buffer, start_rows: Buffer, dst_rows: Buffer, r: Buffer, w: Buffer, k: Buffer, v: Buffer,
+    a: Buffer, b: Buffer, o: Buffer, n_snap: int, plane_stride: int, cu_seqlens: Buffer | None = None,
+    scale: float | None = None,
+) -> StateCall:  # fmt: skip
+    return check_linear_attn(dev, "rwkv_wkv7", pool=pool, start_rows=start_rows, dst_rows=dst_rows,
+                             inputs={"r": r, "w": w, "k": k, "v": v, "a": a, "b": b}, o=o, n_snap=n_snap,
+                             plane_stride=plane_stride, cu_seqlens=cu_seqlens, scale=scale)  # fmt: skip
+
+
+def check_gated_linear_attn(
+    dev: Device, *, pool: Buffer, start_rows: Buffer, dst_rows: Buffer, q: Buffer, k: Buffer, v: Buffer, g: Buffer,
+    o: Buffer, n_snap: int, plane_stride: int, cu_seqlens: Buffer | None = None, scale: float | None = None,
+) -> StateCall:  # fmt: skip
+    return check_linear_attn(dev, "gated_linear_attn", pool=pool, start_rows=start_rows, dst_rows=dst_rows,
+                             inputs={"q": q, "k": k, "v": v, "g": g}, o=o, n_snap=n_snap, plane_stride=plane_stride,
+                             cu_seqlens=cu_seqlens, scale=scale)  # fmt: skip

@@ -3,17 +3,29 @@
 Every sequence owns at most one *cell*; a cell holds the state of "every
 token up to ``pos``" for each recurrent layer, as one row per state tensor
 in a pool of ``size * (1 + n_rs_seq)`` rows (row ``p * size + c`` is plane
-``p`` of cell ``c``; plane 0 is the live state).
+``p`` of cell ``c``).
 
-Book per cell: ``pos``, ``src`` (the pool row, any plane, that holds the
-cell's *logical* state; ``-1`` for a new cell whose state is zero), the
-number of owning sequences (which ones follows from the per-sequence
-``tail``), and snapshot provenance ``snap_end`` / ``snap_valid``:
-plane ``j < snap_valid`` of the cell holds the state after position
-``snap_end - j``.  A pending rollback is simply ``src`` pointing at a plane
-``d > 0`` of the cell's own rows, so it is a property of the cell: it can
-never go stale on a sequence that lost its cell (docs/memory-semantics.md#inv-31), and sharing a
-cell shares its logical state.
+**Rotating planes.**  No plane is "the live one" for good: a step reads each
+sequence's state from the plane it is in and writes the new state into the
+*next* plane (mod ``n_snap``), so the state it read stays where it was, as
+the snapshot one token back.  A decode therefore writes one row per state
+tensor with rollback planes as without them (vLLM's ``(N, 1 + K)`` state
+slots work the same way); before rotation every decode also copied its input
+state into a snapshot plane.
+
+Book per cell: ``pos``, ``src`` (the pool row, of the cell's own planes at
+rest, that holds the cell's *logical* state; ``-1`` for a new cell whose
+state is zero), the number of owning sequences (which ones follows from the
+per-sequence ``tail``), and snapshot provenance ``snap_end`` /
+``snap_valid``: the *live plane* ``L`` of a cell is the plane its last write
+ended in, and plane ``(L - j) mod n_snap`` holds the state after position
+``snap_end - j`` for ``j < snap_valid``.  A pending rollback of depth ``d``
+is ``src`` pointing ``d`` planes back from ``L`` with ``pos = snap_end - d``,
+so ``L`` is never stored: it is ``src``'s plane plus ``snap_end - pos``
+(:func:`_live_planes`).  A rollback is a property of the cell: it can never
+go stale on a sequence that lost its cell (docs/memory-semantics.md#inv-31),
+and sharing a cell shares its logical state; it costs no copy either (the
+next step reads that plane and writes the one after it).
 
 Deviations from upstream (the [REC] of the spec): rollback is exact or
 refused (docs/memory-semantics.md#rollback-exact), a shared cell cannot be rolled back, negative sequence ids in
@@ -73,10 +85,12 @@ class _Book:
     one) is a single memcpy whatever the number of sequences.
 
     Rows: ``pos`` (-1 = empty), ``src`` (pool row of the logical state, -1 = zero
-    state), ``snap_end``, ``snap_valid`` (per cell); ``tail`` (per *sequence*: its
-    cell or -1); ``n_own`` (per cell: number of sequences whose tail it is).  A
-    cell's sequence set is implied by ``tail`` (invariant I1), so it is never
-    stored twice; :meth:`owners` / :attr:`seqs` derive it when needed.
+    state; its plane is the cell's live plane unless a rollback is pending),
+    ``snap_end``, ``snap_valid`` (per cell; ``snap_end - pos`` is the depth of a
+    pending rollback); ``tail`` (per *sequence*: its cell or -1); ``n_own`` (per
+    cell: number of sequences whose tail it is).  A cell's sequence set is implied
+    by ``tail`` (invariant I1), so it is never stored twice; :meth:`owners` /
+    :attr:`seqs` derive it when needed.
     """
 
     __slots__ = ("a", "head", "n_own", "pos", "snap_end", "snap_valid", "src", "tail", "used")
@@ -138,14 +152,22 @@ class _Book:
 class RecurrentInputs:
     """What the graph side needs for one committed ubatch (docs/memory-semantics.md#graph-side).
 
-    ``start_rows[i]`` is the row set ``i`` starts from (any plane; the zero
-    row for a new sequence); its results go to cell ``head + i``.
-    ``extra_src``/``extra_dst`` materialise cells of the slot's extra range
-    (moved by the reorder, or with a pending rollback): copy row ``extra_src[k]``
-    to plane-0 row ``extra_dst[k]``.  ``plane_src``/``plane_dst``: the snapshot
-    planes (``j >= 1``) of the extra cells the reorder moved, copied along so
-    that a rollback stays possible wherever the cell goes.  ``staged``: some read
-    row is also written in this step, so the step first copies every read aside.
+    Per sequence set ``i`` (its results go to cell ``head + i``), exactly the
+    rows a primitive call takes: ``start_rows[i]``, the row it reads its state
+    from (any plane of any cell; the zero row for a new sequence), and
+    ``dst_table[i]``, its snapshot table: column 0 the row that receives the
+    final state (:attr:`write_rows`), column ``j`` the row that receives the
+    state ``j`` tokens before the end (:attr:`snapshot_rows`), ``-1`` where
+    nothing is written.  A sequence that starts from one of its own planes
+    writes the planes after it (the input state stays where it is as the
+    snapshot), so a decode writes one row.
+
+    ``extra_src``/``extra_dst`` materialise the live rows of cells of the
+    slot's extra range that the reorder moved (row ``extra_src[k]`` is copied
+    to ``extra_dst[k]``, the same plane of the new cell), ``plane_src`` /
+    ``plane_dst`` their still-valid snapshot planes, so that a rollback stays
+    possible wherever the cell goes.  ``staged``: some read row is also
+    written in this step, so the step first copies every read aside.
     """
 
     size: int
@@ -156,15 +178,16 @@ class RecurrentInputs:
     n_seq_tokens: int
     rs_z: int
     start_rows: np.ndarray
-    extra_src: np.ndarray
-    extra_dst: np.ndarray
-    staged: bool
+    dst_table: np.ndarray
+    extra_src: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_ROWS)
+    extra_dst: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_ROWS)
+    staged: bool = False
     plane_src: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_ROWS)
     plane_dst: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_ROWS)
 
     @property
     def copy_src(self) -> np.ndarray:
-        """Every row the step copies before the primitive runs (extras, then planes)."""
+        """Every row the step copies besides the primitive (extras, then planes)."""
         return np.concatenate([self.extra_src, self.plane_src]) if self.plane_src.size else self.extra_src
 
     @property
@@ -173,25 +196,24 @@ class RecurrentInputs:
         return np.concatenate([self.extra_dst, self.plane_dst]) if self.plane_dst.size else self.extra_dst
 
     @property
-    def dst_rows(self) -> np.ndarray:
-        return np.arange(self.head, self.head + self.n_seqs, dtype=np.int64)
+    def write_rows(self) -> np.ndarray:
+        """Per sequence, the row that receives its final state."""
+        return self.dst_table[:, 0]
 
     @property
-    def n_written(self) -> int:
-        return min(self.n_seq_tokens + 1, self.n_snap)
+    def snapshot_rows(self) -> np.ndarray:
+        """Per sequence, the rows of its states 1, 2, ... tokens before the end (-1: not written)."""
+        return self.dst_table[:, 1:]
 
     def written_rows(self) -> np.ndarray:
-        j = np.arange(self.n_written, dtype=np.int64) * self.size
-        return (self.dst_rows[:, None] + j[None, :]).ravel()
+        """Every row the primitive writes, sequence by sequence (column order within one)."""
+        t = self.dst_table.ravel()
+        return t[t >= 0]
 
-    @property
-    def s_copy(self) -> np.ndarray:
-        """Upstream's ``s_copy`` for cells ``head .. head + n_rs``: the row each loads from."""
-        out = np.arange(self.head, self.head + self.n_rs, dtype=np.int64)
-        out[: self.n_seqs] = self.start_rows
-        k = self.extra_dst - self.head
-        out[k] = self.extra_src
-        return out
+    def written_owners(self) -> np.ndarray:
+        """The sequence that writes each row of :meth:`written_rows`."""
+        n_w = self.dst_table.shape[1]
+        return np.repeat(np.arange(self.n_seqs, dtype=np.int64), n_w)[self.dst_table.ravel() >= 0]
 
 
 @dataclasses.dataclass(eq=False)
@@ -364,9 +386,11 @@ class FullContext(MemoryContext):
     """Worst case (``init_full``): every cell in one slot."""
 
     def __init__(self, memory: RecurrentMemory) -> None:
-        size = memory.size
-        z = np.zeros(0, dtype=np.int64)
-        self.inputs = RecurrentInputs(size, memory.n_snap, 0, size, size, 1, 0, np.arange(size), z, z, False)
+        size, n_snap = memory.size, memory.n_snap
+        rows = np.arange(size, dtype=np.int64)
+        # a decode of every cell from plane 0 into the next plane (its own with one plane)
+        table = (rows + (1 % n_snap) * size)[:, None]
+        self.inputs = RecurrentInputs(size, n_snap, 0, size, size, 1, 0, rows, table)
         self.record_version(memory)
 
     @property
@@ -427,7 +451,7 @@ class RecurrentMemory(Memory):
         #: default for new contexts: steps keep the rows they overwrite so undo() is exact (see RecurrentContext)
         self.keep_undo_rows = bool(keep_undo_rows)
         self._last_apply: _ApplyRecord | None = None
-        self._row_idx_cache: dict[tuple[int, int], Buffer] = {}
+        self._index_cache: dict[tuple[tuple[int, ...], bytes], Buffer] = {}
         #: calls the recurrent step validated before its first write (see RecurrentStep._validate)
         self._step_checks = LaunchMemo()
 
@@ -448,11 +472,12 @@ class RecurrentMemory(Memory):
         return int(self._book.tail[seq]) if 0 <= seq < self.size else -1
 
     def pending_rollback(self, seq: int) -> int:
-        """Depth (plane) of the rollback pending on ``seq``'s cell, 0 if none."""
+        """Depth of the rollback pending on ``seq``'s cell (how many planes back from
+        its last write the next step reads), 0 if none."""
         c = self.cell_of(seq)
-        if c < 0 or self._book.src[c] < 0 or self._book.src[c] == c:
+        if c < 0 or self._book.src[c] < 0:
             return 0
-        return int(self._book.src[c] // self.size)
+        return int(self._book.snap_end[c] - self._book.pos[c])
 
     def book_snapshot(self) -> _Book:
         """A copy of the book (tests compare it to prove nothing changed)."""
@@ -471,15 +496,25 @@ class RecurrentMemory(Memory):
             raise InvariantError("I3", "an empty cell keeps data")
         if int((~empty).sum()) != b.used:
             raise InvariantError("I2", f"used is {b.used} but {int((~empty).sum())} cells are owned")
+        owned = np.flatnonzero(~empty)
+        src = b.src[owned]
+        if ((src >= 0) & (src % self.size != owned)).any():
+            raise InvariantError("I5", "a cell's state is not in one of its own planes")
+        depth = b.snap_end[owned] - b.pos[owned]
+        if self.has_layers and ((src >= 0) & ((depth < 0) | (depth >= np.maximum(b.snap_valid[owned], 1)))).any():
+            raise InvariantError("I5", "a pending rollback reads a plane its provenance does not offer")
 
-    def _row_indices(self, head: int, n: int) -> Buffer:
-        """Device index buffer of rows ``head .. head + n`` (cached: steps never write index buffers)."""
-        key = (head, n)
-        buf = self._row_idx_cache.get(key)
+    def _index_buffer(self, rows: np.ndarray) -> Buffer:
+        """Device index buffer holding ``rows`` (int64, 1-D or 2-D), cached by contents:
+        steps never write index buffers, and a decode with rotating planes cycles
+        through ``n_snap`` row sets, so the same buffers come back (and the launch
+        memo, keyed by buffer identity, skips validating them again)."""
+        key = (rows.shape, rows.tobytes())
+        buf = self._index_cache.get(key)
         if buf is None:
-            if len(self._row_idx_cache) >= 64:
-                self._row_idx_cache.clear()
-            buf = self._row_idx_cache[key] = self.device.indices(np.arange(head, head + n, dtype=np.int64))
+            if len(self._index_cache) >= 256:
+                self._index_cache.clear()
+            buf = self._index_cache[key] = self.device.indices(rows)
         return buf
 
     # -- queries ----------------------------------------------------------------
@@ -610,7 +645,6 @@ class RecurrentMemory(Memory):
         # 5. reorder metadata so that set s lives in cell lo + s (data stays; src travels).
         # The sequential swaps of the spec are replayed on an index permutation of the slot,
         # then applied to the book in one gather.
-        moved = np.zeros(size, dtype=bool)
         slot = np.arange(lo, hi + 1, dtype=np.int64)
         if not np.array_equal(chosen, slot[:n_seqs]):
             content = np.arange(hi - lo + 1)  # slot index -> original slot index of its metadata
@@ -627,7 +661,6 @@ class RecurrentMemory(Memory):
             t = b.tail
             in_slot = (t >= lo) & (t <= hi)
             t[in_slot] = where[t[in_slot] - lo] + lo
-            moved[lo : hi + 1] = content != np.arange(hi - lo + 1)
         # 6. advance positions; provenance of the planes this write produces
         n_t = ub.n_seq_tokens
         cells = slot[:n_seqs]
@@ -658,7 +691,9 @@ class RecurrentMemory(Memory):
             # so only the final state stays reachable.
             one_per_token = (np.diff(pos, axis=1) == 1).all(axis=1)
             b.snap_valid[cells] = np.where(one_per_token, b.snap_valid[cells], 1)
-        # 7. zero row: first cell of the slot whose row no cell names as its source
+        # 7. zero row: first cell of the slot none of whose rows a cell names as its source
+        # (a cell's snapshot planes are rows of the cell its source is in, so they are
+        # never the zero row either).  The sources are still those before the step.
         src = b.src
         refs = np.bincount(src[src >= 0] % size, minlength=size)
         free = np.flatnonzero(refs[lo : hi + 1] == 0)
@@ -668,29 +703,34 @@ class RecurrentMemory(Memory):
             if rs_z < 0:  # cannot happen: a new set's own cell is unreferenced
                 return None
             start_rows[fresh] = rs_z
-        # the extra range: cells whose logical state is not in their own plane-0 row
+        # Every set writes the planes after the one it starts from: a set starting from
+        # its own cell's plane P (its state, a pending rollback, or the zero row when
+        # that is its own cell) leaves P as the snapshot of its input state; any other
+        # start (copy on write, a cell the reorder moved, the zero row of another
+        # cell) counts from plane 0 and writes the input state there too.
+        own = start_rows % size == cells
+        dst_table, live = _rotated_writes(cells, np.where(own, start_rows // size, 0), own, n_t, self.n_snap, size)
+        src[cells] = live
+        # The extra range: cells of the slot that no set of this ubatch writes.  A
+        # pending rollback is consumed here (its plane becomes the live plane: no
+        # copy), and a cell the reorder moved gets its live plane and its still-valid
+        # snapshot planes copied to the same planes of its new cell, so a rollback of
+        # it stays exact (several sequences of one batch can be rolled back after a
+        # split into ubatches).
         extra = slot[n_seqs:]
+        extra = extra[src[extra] >= 0]
         ex_src = src[extra]
-        need_copy = (ex_src >= 0) & (ex_src != extra)
-        extra_dst, extra_src = extra[need_copy], ex_src[need_copy]
-        # Provenance.  An extra cell's rows are those of the cell its src names (an
-        # extra cell is never a copy-on-write cell of this ubatch), so a cell the
-        # reorder moved takes its snapshot planes along: plane j of its old cell is
-        # copied to plane j of its new one, and a rollback of it stays exact (several
-        # sequences of one batch can be rolled back after a split into ubatches).
-        # A cell whose state comes from another cell's rows without a move (cannot
-        # happen today) would lose its planes; an in-place rollback keeps the older ones.
-        old_cell = extra_src % size
-        follows = moved[extra_dst] & (b.snap_valid[extra_dst] > 1)
-        moved_to = extra_dst[follows]
-        plane_src, plane_dst = _plane_rows(old_cell[follows], moved_to, b.snap_valid[moved_to], size)
-        lost = (old_cell != extra_dst) & ~follows
-        b.snap_end[extra_dst[lost]] = b.pos[extra_dst[lost]]
-        b.snap_valid[extra_dst[lost]] = 1
-        # every cell of the slot now holds its state in its own plane-0 row
-        nonempty = src[slot] >= 0
-        nonempty[:n_seqs] = True
-        src[slot[nonempty]] = slot[nonempty]
+        ex_plane = ex_src // size
+        ex_valid = np.maximum(b.snap_valid[extra] - (b.snap_end[extra] - b.pos[extra]), 1)
+        b.snap_end[extra] = b.pos[extra]
+        b.snap_valid[extra] = ex_valid
+        src[extra] = ex_plane * size + extra
+        moved = ex_src % size != extra
+        extra_dst = src[extra[moved]]
+        extra_src = ex_src[moved]
+        plane_src, plane_dst = _plane_rows(
+            extra_src % size, extra[moved], ex_plane[moved], ex_valid[moved], size, self.n_snap
+        )
         # 8.
         b.head = lo
         inputs = RecurrentInputs(
@@ -702,6 +742,7 @@ class RecurrentMemory(Memory):
             n_seq_tokens=n_t,
             rs_z=rs_z,
             start_rows=start_rows,
+            dst_table=dst_table,
             extra_src=extra_src,
             extra_dst=extra_dst,
             staged=False,
@@ -726,8 +767,9 @@ class RecurrentMemory(Memory):
             return None
         if (b.n_own[lo : lo + n_seqs] != 1).any():
             return None
+        cells = np.arange(lo, lo + n_seqs, dtype=np.int64)
         start_rows = b.src[lo : lo + n_seqs].copy()
-        if (start_rows < 0).any():
+        if (start_rows < 0).any() or (start_rows % self.size != cells).any():
             return None
         if n_t > 1 and ub.pos_sections is not None:
             return None  # M-RoPE positions: the general path decides which planes stay reachable
@@ -750,10 +792,11 @@ class RecurrentMemory(Memory):
         b.snap_valid[lo : lo + n_seqs] = (
             n_written if consecutive.all() else np.where(consecutive, n_written, min(n_t, self.n_snap))
         )
-        b.src[lo : lo + n_seqs] = np.arange(lo, lo + n_seqs)
+        own = np.ones(n_seqs, dtype=bool)
+        table, live = _rotated_writes(cells, start_rows // self.size, own, n_t, self.n_snap, self.size)
+        b.src[lo : lo + n_seqs] = live
         b.head = lo
-        z = _EMPTY_ROWS
-        return RecurrentInputs(self.size, self.n_snap, lo, n_seqs, n_seqs, n_t, -1, start_rows, z, z, False)
+        return RecurrentInputs(self.size, self.n_snap, lo, n_seqs, n_seqs, n_t, -1, start_rows, table)
 
     def _forget_damaged(self, bad_rows: np.ndarray) -> tuple[int, ...]:
         """After a lossy undo: drop every cell whose logical state row is in ``bad_rows``
@@ -772,9 +815,13 @@ class RecurrentMemory(Memory):
             b.n_own[lost] = 0
             b.head = min(b.head, int(lost[0]))
         kept = np.flatnonzero(b.n_own > 0)
-        for j in range(1, self.n_snap):  # planes above a damaged one are unreachable too
-            hit = kept[bad_rows[kept + j * size] & (b.snap_valid[kept] > j)]
-            b.snap_valid[hit] = j
+        live = _live_planes(b, kept, size, self.n_snap)
+        # Planes older than a damaged one are unreachable too.  The planes after a
+        # pending rollback's (j < depth) hold states it dropped: their damage is moot.
+        depth = b.snap_end[kept] - b.pos[kept]
+        for j in range(1, self.n_snap):
+            hit = bad_rows[(live - j) % self.n_snap * size + kept] & (b.snap_valid[kept] > j) & (depth < j)
+            b.snap_valid[kept[hit]] = j
         self._version += 1
         return tuple(dropped.tolist())
 
@@ -829,16 +876,19 @@ class RecurrentMemory(Memory):
     def _rollback(self, seq: int, c: int, p0: int) -> bool:
         b = self._book
         if not self.has_layers:  # positions only (e.g. a draft context): any depth
-            b.pos[c] = p0 - 1
+            b.pos[c] = b.snap_end[c] = p0 - 1
             self._version += 1
             return True
         if b.n_own[c] > 1:  # rolling back would move every sharer
             return False
-        if b.src[c] != c:  # a rollback is already pending
+        if b.snap_end[c] != b.pos[c]:  # a rollback is already pending
             return False
-        plane = int(b.snap_end[c]) - (p0 - 1)
-        if not 0 < plane < int(b.snap_valid[c]):
+        depth = int(b.snap_end[c]) - (p0 - 1)
+        if not 0 < depth < int(b.snap_valid[c]):
             return False
+        # The state `depth` tokens back is `depth` planes before the live one: the next
+        # step reads it from there and writes the plane after it (no copy).
+        plane = (int(b.src[c]) // self.size - depth) % self.n_snap
         b.src[c] = plane * self.size + c
         b.pos[c] = p0 - 1
         self._version += 1
@@ -958,9 +1008,11 @@ class RecurrentMemory(Memory):
         if c < 0 or not p0 <= b.pos[c] < p1:
             return
         self._refuse_shared_move(seq, c, "seq_div")
+        pending = int(b.snap_end[c] - b.pos[c])
         b.pos[c] //= d
-        if b.src[c] == c:  # division breaks the plane -> position mapping
-            b.snap_end[c], b.snap_valid[c] = b.pos[c], 1
+        # Division breaks the plane -> position mapping: only the state itself stays
+        # reachable (a pending rollback stays pending, and reads the same plane).
+        b.snap_end[c], b.snap_valid[c] = b.pos[c] + pending, pending + 1
         self._version += 1
 
     # -- state save / restore (docs/memory-semantics.md#state) ----------------------
@@ -1103,26 +1155,58 @@ class RecurrentMemory(Memory):
         self.apply_section(plan)
 
 
-def _plane_rows(old: np.ndarray, new: np.ndarray, n_valid: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of planes ``1 .. n_valid[k] - 1`` of cell ``old[k]`` and of cell ``new[k]``."""
+def _rotated_writes(
+    cells: np.ndarray, start_plane: np.ndarray, own: np.ndarray, n_t: int, n_snap: int, size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The snapshot tables of sets that start from plane ``start_plane`` and write
+    ``n_t`` tokens into ``cells``, and the row each one's final state lands in.
+
+    The final state goes ``n_t`` planes after the start (mod ``n_snap``), column
+    ``j`` (the state ``j`` tokens before the end) ``j`` planes before that, so
+    column ``n_t``, the input state, is the start plane itself: not written for a
+    set that starts from its own cell (``own``), whose input state is already
+    there; written for the others when ``n_t < n_snap``.  A decode from its own
+    cell writes one row."""
+    live = (start_plane + n_t) % n_snap
+    n_w = min(n_t + 1, n_snap) if n_t < n_snap and not own.all() else min(n_t, n_snap)
+    cols = np.arange(n_w, dtype=np.int64)
+    table = ((live[:, None] - cols[None, :]) % n_snap) * size + cells[:, None]
+    if n_w > n_t:
+        table[own, n_t] = -1
+    return table, live * size + cells
+
+
+def _live_planes(b: _Book, cells: np.ndarray, size: int, n_snap: int) -> np.ndarray:
+    """The live plane of each (owned, at rest) cell: the plane its last write ended
+    in, which is its source's plane plus the depth of a pending rollback."""
+    live: np.ndarray = (b.src[cells] // size + b.snap_end[cells] - b.pos[cells]) % n_snap
+    return live
+
+
+def _plane_rows(
+    old: np.ndarray, new: np.ndarray, live: np.ndarray, n_valid: np.ndarray, size: int, n_snap: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of the snapshot planes ``live[k] - j`` (mod ``n_snap``), ``1 <= j < n_valid[k]``,
+    of cell ``old[k]`` and of cell ``new[k]``."""
     if not old.size:
         return _EMPTY_ROWS, _EMPTY_ROWS
     reps = n_valid - 1
     k = np.repeat(np.arange(old.size), reps)
     j = np.arange(int(reps.sum()), dtype=np.int64) - np.repeat(np.cumsum(reps) - reps, reps) + 1
-    return j * size + old[k], j * size + new[k]
+    plane = (live[k] - j) % n_snap
+    return plane * size + old[k], plane * size + new[k]
 
 
 def _needs_staging(inp: RecurrentInputs) -> bool:
     """True when a row the step reads is also written in the same step by someone else."""
     owner = np.full(inp.size * inp.n_snap, -1, dtype=np.int64)
-    owner[inp.written_rows()] = np.repeat(np.arange(inp.n_seqs), inp.n_written)
+    owner[inp.written_rows()] = inp.written_owners()
     o = owner[inp.start_rows]
     if ((o >= 0) & (o != np.arange(inp.n_seqs))).any():
         return True
     copy_dst = inp.copy_dst
     if copy_dst.size:
-        owner[copy_dst] = inp.n_seqs  # written by the copies that run before the primitive
+        owner[copy_dst] = inp.n_seqs  # written by the copies that run besides the primitive
         if (owner[inp.copy_src] >= 0).any() or np.isin(copy_dst, inp.start_rows).any():
             return True
     return False

@@ -3,13 +3,14 @@
 For every state tensor of a recurrent layer the step
 
 1. zeroes the zero row ``rs_z`` (plane 0) before anything reads it;
-2. materialises the slot's extra cells (moved by the reorder, or with a
-   pending rollback): their source row (any plane) is copied into their own
-   plane-0 row;
-3. runs the primitive with ``start_rows`` = each set's source row (any plane),
-   ``dst_rows = head + i``, ``n_snap = 1 + n_rs_seq`` and ``plane_stride =
-   size``, so the final state lands in plane 0 and the snapshots (including
-   the input state when ``n_t < n_snap``) in the planes above.
+2. runs the primitive with ``start_rows`` = each set's source row (any plane)
+   and ``dst_rows`` = its snapshot table (``RecurrentInputs.dst_table``): the
+   final state lands in the plane after the one the set starts from, the
+   snapshots in the planes before that, and the input state stays where it
+   is (a decode writes one row; one-column tables are passed as 1-D rows);
+3. materialises the slot's extra cells that the reorder moved: their live
+   and still-valid snapshot planes are copied to the same planes of their
+   new cell.
 
 Every argument is checked before anything is written: the shapes against
 the ubatch and the layer's state rows (so an error names the argument that
@@ -38,13 +39,14 @@ back if the compute fails.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from statecache import primitives as P
-from statecache.backend import Buffer
+from statecache.backend import Buffer, Device
 from statecache.errors import ArgumentError, CapabilityError
 
 if TYPE_CHECKING:
@@ -67,28 +69,37 @@ class RecurrentStep:
         self.keep_undo_rows = bool(rec.keep_rows if keep_undo_rows is None and rec is not None else keep_undo_rows)
         self._zero = dev.indices([inp.rs_z]) if inp.rs_z >= 0 and not inp.staged else None
         self._needs_zero = bool((inp.start_rows == inp.rs_z).any()) if inp.rs_z >= 0 else False
-        # the destination rows depend only on (head, n_seqs), and a steady decode starts every
-        # set from its own row: reuse uploaded index buffers instead of uploading per step
-        self._dst = memory._row_indices(inp.head, inp.n_seqs)
-        in_place = inp.start_rows.size == inp.n_seqs and inp.start_rows[0] == inp.head
-        if in_place and np.array_equal(inp.start_rows, inp.dst_rows):
+        # A decode with rotating planes cycles through n_snap row sets: the memory hands
+        # back the same uploaded index buffers for the same rows (so the launch memo
+        # recognises the call) instead of uploading per step.  A one-column table is
+        # passed as 1-D rows (the same bytes; without planes, an in-place decode's start
+        # and destination are then one buffer, the cheapest call to check).
+        table = inp.dst_table
+        self._dst = memory._index_buffer(table[:, 0] if table.shape[1] == 1 else table)
+        if table.shape[1] == 1 and np.array_equal(inp.start_rows, table[:, 0]):
             self._start = self._dst
         else:
-            self._start = dev.indices(inp.start_rows)
+            self._start = memory._index_buffer(inp.start_rows)
         copy_src, copy_dst = inp.copy_src, inp.copy_dst  # extras, and planes of moved cells
         self._ex_src = dev.indices(copy_src) if copy_src.size else None
         self._ex_dst = dev.indices(copy_dst) if copy_dst.size else None
         if inp.staged:
-            n = inp.n_seqs
+            # a transient pool of n_w planes of n cells: set i reads local row i and
+            # writes column j to local row i + j * n, copied back to the table's row
+            n, n_w = inp.n_seqs, table.shape[1]
             local = np.arange(n, dtype=np.int64)
             self._local = dev.indices(local)
-            j = np.arange(inp.n_written, dtype=np.int64)
-            self._local_written = dev.indices((local[:, None] + n * j[None, :]).ravel())
+            local_table = np.where(table >= 0, local[:, None] + n * np.arange(n_w)[None, :], -1)
+            self._local_dst = dev.indices(local_table[:, 0] if n_w == 1 else local_table)
+            self._local_written = dev.indices(local_table[table >= 0])
             self._pool_written = dev.indices(inp.written_rows())
             self._fresh_local = local[inp.start_rows == inp.rs_z] if self._needs_zero else local[:0]
             self._fresh_local_idx = dev.indices(self._fresh_local) if self._fresh_local.size else None
             self._read_rows = dev.indices(inp.start_rows)
         self.done: set[tuple[int, str]] = set()
+        # token-shift parts stepped so far, and where each tensor's first part ran (see shift)
+        self._shift_done: set[tuple[int, str, int]] = set()
+        self._shift_targets: dict[tuple[int, str], tuple[Buffer, Buffer, Buffer]] = {}
 
     def _pool(self, layer: int, name: str) -> Buffer:
         try:
@@ -129,7 +140,7 @@ class RecurrentStep:
         return True
 
     def _validate(self, validate: _Launch | None, key: tuple[Any, ...], bufs: tuple[Any, ...], target: Buffer,
-                  start: Buffer, dst: Buffer, stride: int) -> None:  # fmt: skip
+                  start: Buffer, dst: Buffer) -> None:  # fmt: skip
         """Run ``validate`` unless this very call (same buffers, same index contents,
         same capabilities) was validated before: decode repeats one call per layer
         step after step, and a full check costs more than a small kernel."""
@@ -137,14 +148,14 @@ class RecurrentStep:
             return
         dev = self.device
         full = (target, start, dst, *bufs)
-        key = (*key, stride, *(id(b) for b in full))
+        key = (*key, *(id(b) for b in full))
         memo = self.memory._step_checks
         try:
             if memo.lookup(key, dev.caps, full, (start, dst)) is not None:
                 return
         except TypeError:  # an unhashable scalar: validation says what is wrong
             pass
-        validate(target, start, dst, stride)
+        validate(target, start, dst)
         memo.store(key, dev.caps, full, (start, dst), None, None)
 
     def _run(
@@ -171,19 +182,19 @@ class RecurrentStep:
         pool = self._pool(layer, name)
         key = (layer, name)
         if not inp.staged:
-            self._validate(validate, (name, *op_key), bufs, pool, self._start, self._dst, inp.size)
+            self._validate(validate, (name, *op_key), bufs, pool, self._start, self._dst)
             registered = self._before_write(layer, name, pool)
             self.done.add(key)
             if self._zero is not None and self._needs_zero:
                 dev.zero_rows(pool, self._zero)
-            self._launch_refusable(key, registered, lambda: launch(pool, self._start, self._dst, inp.size))
+            self._launch_refusable(key, registered, lambda: launch(pool, self._start, self._dst))
             if self._ex_src is not None and self._ex_dst is not None:
                 dev.copy_rows(pool, self._ex_src, pool, self._ex_dst)
             return
         # staged: read everything first (into transient buffers), write the pool last
         n = inp.n_seqs
-        tmp = dev.alloc((n * inp.n_snap, pool.shape[1]), pool.dtype)
-        self._validate(validate, (name, *op_key), bufs, tmp, self._local, self._local, n)
+        tmp = dev.alloc((n * inp.dst_table.shape[1], pool.shape[1]), pool.dtype)
+        self._validate(validate, (name, *op_key), bufs, tmp, self._local, self._local_dst)
         registered = self._before_write(layer, name, pool)
         self.done.add(key)
         dev.copy_rows(pool, self._read_rows, tmp, self._local)
@@ -193,7 +204,7 @@ class RecurrentStep:
         if self._ex_src is not None:
             ex = dev.alloc((self._ex_src.shape[0], pool.shape[1]), pool.dtype)
             dev.get_rows(pool, self._ex_src, ex)
-        self._launch_refusable(key, registered, lambda: launch(tmp, self._local, self._local, n))
+        self._launch_refusable(key, registered, lambda: launch(tmp, self._local, self._local_dst))
         if ex is not None and self._ex_dst is not None:
             dev.set_rows(pool, self._ex_dst, ex)
         dev.copy_rows(tmp, self._local_written, pool, self._pool_written)
@@ -269,25 +280,182 @@ class RecurrentStep:
         layer's pool.  ``args``: its buffers in call order; ``optional``: keyword buffers;
         ``scalars``: keyword scalars the validator does not take; ``shapes(row_size)``:
         the checks against the ubatch and the layer."""
-        dev, snap = self.device, self.inputs.n_snap
+        dev = self.device
         check = getattr(P, f"check_{op}")  # the validator the device runs too
         call = getattr(dev, op)
 
-        def validate(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+        # dst is a snapshot table (or its one column as 1-D rows): n_snap and plane_stride stay default
+        def validate(pool: Buffer, start: Buffer, dst: Buffer) -> None:
             shapes(pool.shape[1])
-            check(dev, pool=pool, start_rows=start, dst_rows=dst, **args, **optional, n_snap=snap, plane_stride=stride)
+            check(dev, pool=pool, start_rows=start, dst_rows=dst, **args, **optional, n_snap=1, plane_stride=0)
 
-        def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
-            call(pool, start, dst, *args.values(), **optional, **scalars, n_snap=snap, plane_stride=stride)
+        def launch(pool: Buffer, start: Buffer, dst: Buffer) -> None:
+            call(pool, start, dst, *args.values(), **optional, **scalars)
 
-        key = (op, snap, *scalars.values())
+        key = (op, *scalars.values())
         self._run(layer, tensor, launch, validate, key, (*args.values(), *optional.values()))
+
+    # -- linear attention and the token shift (RWKV-6, RWKV-7, GLA) ------------
+    def wkv6(
+        self,
+        layer: int,
+        r: Buffer,
+        k: Buffer,
+        v: Buffer,
+        w: Buffer,
+        u: Buffer,
+        o: Buffer,
+        *,
+        scale: float | None = None,
+        tensor: str = "s",
+    ) -> None:
+        """``rwkv_wkv6`` on the layer's wkv state pool (r/k/v/w/o [n_seqs, n_seq_tokens, H, S])."""
+        self._linear_attn_step("rwkv_wkv6", layer, tensor, {"r": r, "k": k, "v": v, "w": w, "o": o}, scale, u)
+
+    def wkv7(
+        self,
+        layer: int,
+        r: Buffer,
+        w: Buffer,
+        k: Buffer,
+        v: Buffer,
+        a: Buffer,
+        b: Buffer,
+        o: Buffer,
+        *,
+        scale: float | None = None,
+        tensor: str = "s",
+    ) -> None:
+        """``rwkv_wkv7`` on the layer's wkv state pool (every per-token tensor [n_seqs, n_seq_tokens, H, S])."""
+        per_token = {"r": r, "w": w, "k": k, "v": v, "a": a, "b": b, "o": o}
+        self._linear_attn_step("rwkv_wkv7", layer, tensor, per_token, scale)
+
+    def gla(
+        self,
+        layer: int,
+        q: Buffer,
+        k: Buffer,
+        v: Buffer,
+        g: Buffer,
+        o: Buffer,
+        *,
+        scale: float | None = None,
+        tensor: str = "s",
+    ) -> None:
+        """``gated_linear_attn`` on the layer's state pool (q/k/v/g/o [n_seqs, n_seq_tokens, H, S])."""
+        self._linear_attn_step("gated_linear_attn", layer, tensor, {"q": q, "k": k, "v": v, "g": g, "o": o}, scale)
+
+    def _linear_attn_step(
+        self,
+        op: str,
+        layer: int,
+        tensor: str,
+        per_token: dict[str, Buffer],
+        scale: float | None,
+        u: Buffer | None = None,
+    ) -> None:
+        """Primitive ``op`` (``Device.<op>``) on the layer's pool: ``per_token`` holds its
+        inputs by name and the output ``o``; ``u`` is RWKV-6's bonus."""
+        args = {name: per_token[name] for name in P.LINEAR_ATTN_INPUTS[op]}
+        if u is not None:
+            args["u"] = u
+        args["o"] = per_token["o"]
+        self._primitive(
+            op, layer, tensor, args, {}, {"scale": scale},
+            lambda row: self._linear_attn_shapes(layer, row, per_token, u),
+        )  # fmt: skip
+
+    def _linear_attn_shapes(self, layer: int, row: int, per_token: dict[str, Buffer], u: Buffer | None) -> None:
+        """Per-token buffers must be [n_seqs, n_seq_tokens, H, S] of this ubatch and of the
+        layer's state rows (H * S * S; the layer's heads when its spec names them)."""
+        par = self._layer_params(layer)
+        names = iter(per_token.items())
+        first, buf = next(names)
+        want = self._tokens_dims(first, buf, 4, "n_seqs, n_seq_tokens, H, S")
+        h, size = want[2:]
+        layer_size = par.get("head_dim", par.get("head_size"))
+        if ("n_head" in par and (par["n_head"], layer_size) != (h, size)) or h * size * size != row:
+            raise ArgumentError(
+                first, f"shape {want}: [H, S] = {want[2:]} does not fit this layer's state rows of {row}"
+            )
+        for name, buf in names:
+            shape = _shape_of(buf, name)
+            if shape != want:
+                raise ArgumentError(name, f"shape {shape} must be {want}, as {first}'s")
+        if u is not None and _shape_of(u, "u") != want[2:]:
+            raise ArgumentError("u", f"shape {_shape_of(u, 'u')} must be [H, S] = {want[2:]}")
+
+    def shift(self, layer: int, x: Buffer, x_prev: Buffer, *, part: int = 0, tensor: str = "r") -> None:
+        """RWKV's token shift: ``x_prev`` [n_seqs, n_seq_tokens, n_embd] receives each
+        token's previous hidden vector (the first token's from the state), and the
+        state keeps the last token's, with snapshot planes like every state tensor.
+
+        The layer's token-shift row holds ``token_shift_count`` vectors of n_embd
+        (llama.cpp's layout: the time mixing's input first, then the channel
+        mixing's); ``part`` says which one ``x`` is.  The parts of one ubatch come
+        at different times (the channel mixing's input exists only after the time
+        mixing), so each is its own call; the first to come zeroes and
+        materialises the tensor's rows for all of them.
+
+        No new primitive: a token shift is a depthwise causal conv of width 2
+        with taps ``[1, 0]``.  Its window is the last token, its snapshot column j
+        the token j before the end (the input state for column n_t) and its
+        output the previous token, so ``ssm_conv`` gives all of it, on a view of
+        the pool whose rows are the parts (row ``c * count + part`` is part
+        ``part`` of cell row ``c``).  The output equals the previous token's x
+        exactly for finite inputs (an infinite x turns ``0 * x`` into NaN in the
+        token before it)."""
+        dev, inp = self.device, self.inputs
+        pool = self._pool(layer, tensor)
+        for name, buf in (("x", x), ("x_prev", x_prev)):
+            if not isinstance(buf, Buffer) or buf.ndim != 3 or buf.shape[:2] != (inp.n_seqs, inp.n_seq_tokens):
+                raise ArgumentError(
+                    name,
+                    f"must be a Buffer [n_seqs={inp.n_seqs}, n_seq_tokens={inp.n_seq_tokens}, n_embd] (this ubatch)",
+                )
+        if x_prev.shape != x.shape:
+            raise ArgumentError("x_prev", f"shape {x_prev.shape} must be x's {x.shape}")
+        n_embd = x.shape[-1]
+        if n_embd < 1 or pool.shape[1] % n_embd:
+            raise ArgumentError(
+                "x", f"shape {x.shape}: its hidden size does not divide the token-shift row of {pool.shape[1]}"
+            )
+        count = pool.shape[1] // n_embd
+        if not isinstance(part, int | np.integer) or not 0 <= part < count:
+            raise ArgumentError("part", f"must be an integer in [0, {count}) (token_shift_count), got {part!r}")
+        done, targets = self._shift_done, self._shift_targets
+        if (layer, tensor, int(part)) in done:
+            raise ArgumentError("part", f"token-shift part {part} of layer {layer} already stepped for this ubatch")
+        weight = _shift_taps(dev, n_embd)
+
+        # dst: the snapshot table (or its one column), its rows mapped to the part's view rows
+        def launch(target: Buffer, start: Buffer, dst: Buffer) -> None:
+            rows = target.view((target.shape[0] * count, n_embd))
+            s_rows, d_rows = _part_rows(dev, start, count, int(part)), _part_rows(dev, dst, count, int(part))
+            dev.ssm_conv(rows, s_rows, d_rows, x, weight, x_prev)
+
+        key = (layer, tensor)
+        if key not in targets:
+            # the first part: zero row, extras and (staged) the transient copy, as for any tensor
+
+            def first(target: Buffer, start: Buffer, dst: Buffer) -> None:
+                launch(target, start, dst)
+                targets[key] = (target, start, dst)
+
+            self._run(layer, tensor, first)
+        else:
+            target, start, dst = targets[key]
+            launch(target, start, dst)
+            if target is not pool:  # staged: the transient pool's written rows go back after every part
+                dev.copy_rows(target, self._local_written, pool, self._pool_written)
+        done.add((layer, tensor, int(part)))
 
     def copy_only(self, layer: int, tensor: str) -> None:
         """Materialise extras for a state tensor that this ubatch does not advance
-        with a primitive (the runtime writes it itself)."""
+        with a primitive (the runtime writes it itself: each set's state from
+        ``inputs.start_rows`` into the rows of ``inputs.dst_table``)."""
 
-        def launch(pool: Buffer, start: Buffer, dst: Buffer, stride: int) -> None:
+        def launch(pool: Buffer, start: Buffer, dst: Buffer) -> None:
             return None
 
         self._run(layer, tensor, launch)
@@ -392,10 +560,46 @@ class RecurrentStep:
             raise ArgumentError("o", f"shape {os_} must be {vs} (one output per value of v)")
 
 
-_Launch = Callable[[Buffer, Buffer, Buffer, int], None]
+_Launch = Callable[[Buffer, Buffer, Buffer], None]
 
 
 def _shape_of(buf: Any, name: str) -> tuple[int, ...]:
     if not isinstance(buf, Buffer):
         raise ArgumentError(name, f"expected a Buffer, got {type(buf).__name__}")
     return tuple(buf.shape)
+
+
+#: Per device and hidden size: the taps [1, 0] of the token shift's conv.
+_SHIFT_TAPS: weakref.WeakKeyDictionary[Device, dict[int, Buffer]] = weakref.WeakKeyDictionary()
+#: Per index buffer: its rows as part rows (``row * count + part``), with the host
+#: values they were derived from (a buffer written since gets new ones).
+_PART_ROWS: weakref.WeakKeyDictionary[Buffer, dict[tuple[int, int], tuple[Any, Buffer]]] = weakref.WeakKeyDictionary()
+
+
+def _shift_taps(dev: Device, n_embd: int) -> Buffer:
+    per_dev = _SHIFT_TAPS.setdefault(dev, {})
+    taps = per_dev.get(n_embd)
+    if taps is None:
+        host = np.zeros((n_embd, 2), dtype=np.float32)
+        host[:, 0] = 1.0  # y[t] = window[t] (the previous token), the current token weighs 0
+        taps = per_dev[n_embd] = dev.upload(host)
+    return taps
+
+
+def _part_rows(dev: Device, rows: Buffer, count: int, part: int) -> Buffer:
+    """``rows * count + part`` as an index buffer (a snapshot table's -1 stays -1),
+    kept while ``rows`` keeps its values: decode passes the same row buffers step
+    after step, and new index buffers would defeat the launch memo."""
+    if count == 1:
+        return rows
+    values = rows.host_indices
+    cache = _PART_ROWS.setdefault(rows, {})
+    hit = cache.get((count, part))
+    if hit is not None and values is not None and hit[0] is values:
+        return hit[1]
+    v = dev.index_values(rows).astype(np.int64)
+    host = np.where(v >= 0, v * count + part, -1)
+    derived = dev.indices(host)
+    if values is not None:
+        cache[(count, part)] = (values, derived)
+    return derived

@@ -23,9 +23,11 @@ from statecache.errors import ArgumentError
 
 #: Families whose every state tensor gets snapshot planes from the primitives, so
 #: rollback (n_rs_seq > 0) is exact for them (Mamba-1's scan writes snapshot
-#: planes like Mamba-2's since protocol 2).  The RWKV wkv kernels are not part of
-#: our primitive set: a memory of such a model refuses rollback planes.
-ROLLBACK_FAMILIES = frozenset({"mamba1", "mamba2", "gdn", "kda", "shortconv"})
+#: planes like Mamba-2's since protocol 2; RWKV-6/7 and GLA since the
+#: linear-attention primitives, their token shift through ``ssm_conv``, see
+#: :meth:`statecache.recurrent_step.RecurrentStep.shift`).  A family outside
+#: this set gets no rollback planes: a memory of such a model refuses them.
+ROLLBACK_FAMILIES = frozenset({"mamba1", "mamba2", "gdn", "kda", "shortconv", "rwkv6", "rwkv7", "gla"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,16 +111,34 @@ class RecurrentLayerSpec:
 
     @classmethod
     def rwkv6(cls, *, n_embd: int, head_size: int, token_shift_count: int = 2) -> RecurrentLayerSpec:
+        """RWKV-6: the token shift ``r`` (``token_shift_count`` hidden vectors: the
+        last input of the time mixing, then of the channel mixing, as llama.cpp
+        stores them) and the wkv state ``s``, ``n_embd / head_size`` heads of
+        [head_size, head_size] (the layout of :meth:`statecache.backend.Device.rwkv_wkv6`)."""
+        if n_embd % head_size:
+            raise ArgumentError("head_size", f"{head_size} must divide n_embd {n_embd}")
         return cls(
             "rwkv6",
             (StateTensor("r", token_shift_count * n_embd), StateTensor("s", n_embd * head_size)),
-            {"n_embd": n_embd, "head_size": head_size},
+            {
+                "n_embd": n_embd,
+                "head_size": head_size,
+                "n_head": n_embd // head_size,
+                "token_shift_count": token_shift_count,
+            },
         )
 
     @classmethod
     def rwkv7(cls, *, n_embd: int, head_size: int, token_shift_count: int = 2) -> RecurrentLayerSpec:
+        """RWKV-7: as :meth:`rwkv6`, with RWKV-7's wkv state layout (:meth:`statecache.backend.Device.rwkv_wkv7`)."""
         spec = cls.rwkv6(n_embd=n_embd, head_size=head_size, token_shift_count=token_shift_count)
         return dataclasses.replace(spec, family="rwkv7")
+
+    @classmethod
+    def gla(cls, *, n_head: int, head_dim: int) -> RecurrentLayerSpec:
+        """Gated linear attention (GLA, QRWKV-6): only the state ``s``, ``n_head``
+        blocks of [head_dim, head_dim] (:meth:`statecache.backend.Device.gated_linear_attn`)."""
+        return cls("gla", (StateTensor("s", n_head * head_dim * head_dim),), {"n_head": n_head, "head_dim": head_dim})
 
     @classmethod
     def shortconv(cls, *, n_embd: int, l_cache: int) -> RecurrentLayerSpec:
@@ -469,7 +489,13 @@ def _shard_layer(spec: RecurrentLayerSpec, rank: int, world: int) -> tuple[Recur
         # the token shift holds the layer input, which every tensor-parallel rank holds whole
         index = {"r": full["r"], "s": _blocks(heads * hs * hs, hs * hs)}
         tensors = (StateTensor("r", spec.row_sizes["r"]), StateTensor("s", h * hs * hs))
-        return RecurrentLayerSpec(fam, tensors, {**p, **tp}), index
+        return RecurrentLayerSpec(fam, tensors, {**p, "n_head": h, **tp}), index
+    elif fam == "gla":
+        hd = p["head_dim"]
+        h = _split("n_head", p["n_head"], world, "heads")
+        local = RecurrentLayerSpec.gla(n_head=h, head_dim=hd)
+        index = {"s": _blocks(np.arange(rank * h, (rank + 1) * h) * hd * hd, hd * hd)}
+        return dataclasses.replace(local, params={**local.params, **tp}), index
     elif fam == "shortconv":
         c = _split("channels", p["channels"], world, "channels")
         local = RecurrentLayerSpec.shortconv(n_embd=c, l_cache=p["d_conv"])

@@ -110,3 +110,35 @@ def test_a_missing_epilogue_is_not_supported_and_writes_nothing() -> None:
     dev.caps = dataclasses.replace(dev.caps, varlen=True)
     ok, reason = case.support(dev)
     assert not ok and "does not fuse dt_bias into ssm_scan" in reason, reason
+
+
+def test_a_protocol_2_device_without_the_linear_attention_primitives_refuses_them_cleanly() -> None:
+    """A device written before rwkv_wkv6/rwkv_wkv7/gated_linear_attn existed (only the
+    abstract methods, ops without them) is constructible and usable; a call of a missing
+    one is a CapabilityError naming it, before anything is written."""
+    from statecache.backend import LINEAR_ATTN_PRIMITIVES, Device
+
+    class Older(ReferenceDevice):
+        def __init__(self) -> None:
+            super().__init__()
+            self.caps = dataclasses.replace(self.caps, ops=self.caps.ops - LINEAR_ATTN_PRIMITIVES)
+
+    for name in ("_rwkv_wkv6", "_rwkv_wkv7", "_gated_linear_attn"):
+        assert name not in Device.__abstractmethods__  # not required of any backend
+    dev = Older()
+    rng = np.random.default_rng(1)
+    H, S = 2, 4
+    pool_host = rng.uniform(-1, 1, (2, H * S * S)).astype(np.float32)
+    pool = dev.upload(pool_host)
+    t = [dev.upload(rng.uniform(-1, 1, (1, 1, H, S)).astype(np.float32)) for _ in range(6)]
+    o = dev.alloc((1, 1, H, S))
+    rows = (pool, dev.indices([0]), dev.indices([1]))
+    with pytest.raises(CapabilityError, match="does not implement rwkv_wkv6"):
+        dev.rwkv_wkv6(*rows, *t[:4], dev.upload(np.zeros((H, S), np.float32)), o)
+    with pytest.raises(CapabilityError, match="does not implement rwkv_wkv7"):
+        dev.rwkv_wkv7(*rows, *t, o)
+    with pytest.raises(CapabilityError, match="does not implement gated_linear_attn"):
+        dev.gated_linear_attn(*rows, *t[:4], o)
+    np.testing.assert_array_equal(dev.download(pool), pool_host)
+    np.testing.assert_array_equal(dev.download(o), 0.0)
+    assert not dev.supports("rwkv_wkv7") and "does not implement rwkv_wkv7" in dev.supports("rwkv_wkv7").reason

@@ -17,6 +17,7 @@ import pytest
 
 from statecache import hookspecs
 from statecache.backend import PRIMITIVES, Buffer, Caps
+from statecache.backends.reference import linear_attn as ref_linear
 from statecache.backends.reference import ssm_scan as ref_scan
 from statecache.backends.reference.device import ReferenceDevice
 from statecache.conformance import catalog
@@ -86,7 +87,22 @@ class WritesPastRows(ReferenceDevice):
 
 
 class SkipsSnapshotPlanes(ReferenceDevice):
-    """A scan that writes only the final state, whatever n_snap asks for."""
+    """A scan (and linear attention) that writes only the final state, whatever n_snap asks for."""
+
+    def _final_only(self, fn, shp, pool, start_rows, snap_rows, cu_seqlens, *tensors):
+        table = self.index_values(snap_rows).reshape(shp.n_seqs, shp.n_cols)
+        final = np.ascontiguousarray(table[:, :1])
+        fn(dataclasses.replace(shp, n_cols=1), as_array(pool), self.index_values(start_rows), final,
+           self.index_values(cu_seqlens), *(as_array(t) for t in tensors))  # fmt: skip
+
+    def _rwkv_wkv6(self, shp, pool, start_rows, snap_rows, cu_seqlens, *tensors):
+        self._final_only(ref_linear.rwkv_wkv6, shp, pool, start_rows, snap_rows, cu_seqlens, *tensors)
+
+    def _rwkv_wkv7(self, shp, pool, start_rows, snap_rows, cu_seqlens, *tensors):
+        self._final_only(ref_linear.rwkv_wkv7, shp, pool, start_rows, snap_rows, cu_seqlens, *tensors)
+
+    def _gated_linear_attn(self, shp, pool, start_rows, snap_rows, cu_seqlens, *tensors):
+        self._final_only(ref_linear.gated_linear_attn, shp, pool, start_rows, snap_rows, cu_seqlens, *tensors)
 
     def _ssm_scan(self, shp, pool, start_rows, snap_rows, cu_seqlens, x, dt, A, B, C, y, D, z, dt_bias):
         table = self.index_values(snap_rows).reshape(shp.n_seqs, shp.n_cols)

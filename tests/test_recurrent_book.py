@@ -292,7 +292,7 @@ def test_item19_inputs_do_not_modify_the_book(dev) -> None:  # type: ignore[no-u
     ctx = t.mem.init_batch(b, 8)
     assert ctx.apply()
     book = t.mem.book_snapshot()
-    _ = (ctx.inputs.s_copy, ctx.inputs.start_rows, ctx.step())
+    _ = (ctx.inputs.dst_table, ctx.inputs.written_rows(), ctx.inputs.start_rows, ctx.step())
     assert t.mem.book_snapshot().same(book)
 
 

@@ -11,7 +11,7 @@ import statecache
 from statecache.batch import Batch, BatchAllocator
 from statecache.errors import ArgumentError, BatchError
 from statecache.recurrent import RecurrentMemory
-from statecache.spec import MemorySpec, RecurrentLayerSpec
+from statecache.spec import MemorySpec, RecurrentLayerSpec, StateTensor
 
 
 @pytest.fixture(scope="module")
@@ -170,9 +170,12 @@ def test_item35_rollback_planes_or_a_loud_refusal(dev) -> None:  # type: ignore[
     assert mem.n_rs_seq == 3 and mem.pools[0]["s"].shape[0] == 8  # Mamba-1 gets planes too
     mem2 = RecurrentMemory(toy_spec(), dev, n_seq_max=2, n_rs_seq=3)
     assert mem2.n_rs_seq == 3 and mem2.pools[0]["s"].shape[0] == 8
-    rwkv = RecurrentLayerSpec.rwkv6(n_embd=8, head_size=4)
+    rwkv = RecurrentLayerSpec.rwkv6(n_embd=8, head_size=4)  # its primitives write snapshot planes too
+    mem3 = RecurrentMemory(MemorySpec.build(1, {0: rwkv}), dev, n_seq_max=2, n_rs_seq=3)
+    assert mem3.n_rs_seq == 3 and mem3.pools[0]["r"].shape[0] == 8 and mem3.pools[0]["s"].shape[0] == 8
+    other = RecurrentLayerSpec("retnet", (StateTensor("s", 16),))  # a family without snapshot-writing kernels
     with pytest.raises(ArgumentError, match="n_rs_seq"):
-        RecurrentMemory(MemorySpec.build(1, {0: rwkv}), dev, n_seq_max=2, n_rs_seq=3)
+        RecurrentMemory(MemorySpec.build(1, {0: other}), dev, n_seq_max=2, n_rs_seq=3)
 
 
 def test_rollback_several_sequences_same_ubatch(dev) -> None:  # type: ignore[no-untyped-def]
@@ -234,3 +237,30 @@ def test_rollback_into_a_removed_hole_is_refused(dev) -> None:  # type: ignore[n
     assert accept(t2, 0, 9)  # roll back the last token: "after 8" is after the hole
     assert t2.mem.seq_pos_max(0) == 8
     t2.check_state(0)  # the state holds every token up to position 8, the hole's included
+
+
+@pytest.mark.parametrize("n_rs_seq", [0, 1, 3])
+def test_decode_writes_one_row_per_sequence_and_keeps_the_input_state(dev, n_rs_seq: int) -> None:  # type: ignore[no-untyped-def]
+    """Rotating planes (issue 13): a decode changes exactly one row per sequence and
+    state tensor, with rollback planes as without them (before rotation it also
+    copied the input state into a snapshot plane).  With planes, the row it read is
+    left untouched, and a rollback by one token then reads it and equals recompute,
+    at every plane the rotation passes through."""
+    t = Checked(dev, 3, n_rs_seq=n_rs_seq)
+    t.feed({0: [1, 2, 3], 1: [4, 5], 2: [6]})
+    for k in range(2 * (n_rs_seq + 1)):  # every plane is live twice
+        b = t.mem.book_snapshot()
+        read = {s: int(b.src[t.mem.cell_of(s)]) for s in range(3)}
+        before = data_snapshot(t)
+        t.feed({0: [7 + k], 1: [8 + k], 2: [9 + k]})
+        for key, old in before.items():
+            changed = np.flatnonzero((data_snapshot(t)[key] != old).any(axis=1))
+            assert changed.size == 3, f"{key}: step {k} changed rows {changed.tolist()}"
+            if n_rs_seq:
+                assert not np.isin(changed, list(read.values())).any(), f"{key}: step {k} overwrote its input state"
+    if n_rs_seq:
+        assert accept(t, 1, len(t.hist[1]) - 1)
+        t.check_state(1)
+        t.feed({1: [20], 2: [21]})
+        t.check_state(1)
+        t.check_state(2)

@@ -6,7 +6,7 @@ import pytest
 
 import statecache
 from statecache.errors import ArgumentError
-from statecache.spec import MemorySpec, RecurrentLayerSpec, make_memory
+from statecache.spec import MemorySpec, RecurrentLayerSpec, StateTensor, make_memory
 
 
 def hybrid_qwen3_next_like() -> MemorySpec:
@@ -51,6 +51,7 @@ def test_breakdown_per_device_offload() -> None:
         (RecurrentLayerSpec.kda(n_head=32, head_dim=128, d_conv=4), 3 * 3 * 32 * 128, 128 * 128 * 32),
         (RecurrentLayerSpec.rwkv6(n_embd=2048, head_size=64), 2 * 2048, 2048 * 64),
         (RecurrentLayerSpec.rwkv7(n_embd=2560, head_size=64), 2 * 2560, 2560 * 64),
+        (RecurrentLayerSpec.rwkv7(n_embd=2048, head_size=64, token_shift_count=1), 2048, 2048 * 64),
         (RecurrentLayerSpec.shortconv(n_embd=1024, l_cache=3), 1024 * 2, None),
     ],
 )
@@ -60,13 +61,26 @@ def test_family_row_sizes(layer: RecurrentLayerSpec, r: int, s: int | None) -> N
     assert sizes.get("s") == s
 
 
+def test_gla_holds_only_its_state_heads() -> None:
+    gla = RecurrentLayerSpec.gla(n_head=16, head_dim=128)
+    assert gla.row_sizes == {"s": 16 * 128 * 128}
+    with pytest.raises(ArgumentError, match="head_size"):
+        RecurrentLayerSpec.rwkv6(n_embd=100, head_size=64)
+
+
 def test_rollback_planes_for_every_family_with_snapshots_else_refused() -> None:
     m1 = MemorySpec.build(2, {0: RecurrentLayerSpec.mamba1(d_inner=8, d_state=4, d_conv=4)})
     assert m1.effective_n_rs_seq(3) == 3  # Mamba-1 scans write snapshot planes
-    rwkv = MemorySpec.build(1, {0: RecurrentLayerSpec.rwkv6(n_embd=8, head_size=4)})
-    assert rwkv.effective_n_rs_seq(0) == 0
-    with pytest.raises(ArgumentError, match="n_rs_seq: 2 rollback planes asked for, but the kernels of rwkv6"):
-        rwkv.effective_n_rs_seq(2)
+    for layer in (
+        RecurrentLayerSpec.rwkv6(n_embd=8, head_size=4),
+        RecurrentLayerSpec.rwkv7(n_embd=8, head_size=4),
+        RecurrentLayerSpec.gla(n_head=2, head_dim=4),
+    ):  # the linear-attention primitives and the token shift (through ssm_conv) write snapshot planes
+        assert MemorySpec.build(1, {0: layer}).effective_n_rs_seq(2) == 2
+    other = RecurrentLayerSpec("retnet", (StateTensor("s", 16),))  # a family without snapshot-writing kernels
+    assert MemorySpec.build(1, {0: other}).effective_n_rs_seq(0) == 0
+    with pytest.raises(ArgumentError, match="n_rs_seq: 2 rollback planes asked for, but the kernels of retnet"):
+        MemorySpec.build(1, {0: other}).effective_n_rs_seq(2)
     m2 = MemorySpec.build(1, {0: RecurrentLayerSpec.mamba2(d_inner=8, d_state=4, d_conv=4, n_group=1, head_dim=4)})
     assert m2.effective_n_rs_seq(3) == 3
     with pytest.raises(ArgumentError):

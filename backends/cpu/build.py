@@ -24,7 +24,7 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEADER = "statecache_cpu.h"
-SOURCES = ("rows.c", "ssm_conv.c", "ssm_scan.c", "delta_net.c")
+SOURCES = ("rows.c", "ssm_conv.c", "ssm_scan.c", "delta_net.c", "linear_attn.c")
 MODULE = "statecache.backends.cpu._kernels"
 
 _V3_FLAGS = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}
@@ -83,7 +83,7 @@ ffibuilder.set_source(
     f'#include "{HEADER}"',
     sources=[_rel(name) for name in SOURCES],
     include_dirs=[_rel(".")],
-    depends=[_rel(HEADER), _rel("sc_internal.h")],
+    depends=[_rel(HEADER), _rel("sc_internal.h"), _rel("sc_gemm.h")],
     extra_compile_args=compile_args(ISA),
     extra_link_args=["-fopenmp"],
     libraries=["m"],

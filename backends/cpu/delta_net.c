@@ -13,24 +13,28 @@
  * walks a tile of rows (up to 32 KiB) through every token with the tile in
  * L1, vectorised over the key index; the AVX2 path takes four rows per pass
  * (see gdn_rows4).  Read-before-write per slice as in ssm_scan.c. */
-#include "sc_internal.h"
+#include "sc_gemm.h"
 
 /* Rows per tile: 32 KiB of f32 at head size 128, L1-resident for all tokens. */
 #define SC_GDN_TILE_BYTES 32768
 
 /* q or k[t0 .. t0 + n_t, h, :] as token rows at stride *t_stride: the view
- * itself when its last stride is 1 and nothing is normalised, else a packed
- * (L2-normalised when `eps` >= 0) copy in `scratch`. */
+ * itself when its last stride is 1, nothing is normalised and no copy is
+ * forced, else a packed (L2-normalised when `eps` >= 0) copy in `scratch`. */
 static const float *pack_tokens(const sc_view *v, int64_t t0, int64_t h, int64_t n_t, int64_t n, float eps,
-                                float *scratch, int64_t *t_stride) {
+                                int force, float *scratch, int64_t *t_stride) {
     const float *base = v->data + t0 * v->strides[0] + h * v->strides[1];
-    if (v->strides[2] == 1 && eps < 0.0f) {
+    if (v->strides[2] == 1 && eps < 0.0f && !force) {
         *t_stride = v->strides[0];
         return base;
     }
     for (int64_t t = 0; t < n_t; t++) {
         float *row = scratch + t * n;
-        for (int64_t i = 0; i < n; i++) row[i] = base[t * v->strides[0] + i * v->strides[2]];
+        if (t + SC_PREFETCH_ROWS < n_t) sc_prefetch_run(base + (t + SC_PREFETCH_ROWS) * v->strides[0], n, v->strides[2]);
+        if (v->strides[2] == 1)
+            memcpy(row, base + t * v->strides[0], sizeof(float) * (size_t)n);
+        else
+            for (int64_t i = 0; i < n; i++) row[i] = base[t * v->strides[0] + i * v->strides[2]];
         if (eps >= 0.0f) {
             float ss = 0.0f;
             for (int64_t i = 0; i < n; i++) ss += row[i] * row[i];
@@ -114,14 +118,582 @@ static void gdn_rows4(const float *in, float *out, float *mid, int64_t S, const 
 }
 #endif
 
+/* What a unit needs of its (sequence, value head): per-token vectors after
+ * the options were applied (k and q normalised when asked, the log decay
+ * after the raw-gate map, beta after its sigmoid). */
+typedef struct {
+    int64_t S, n_t, per; /* per: 1 (scalar gate) or S (KDA) */
+    const float *k, *q;  /* token rows at strides kts, qts */
+    int64_t kts, qts;
+    const float *v; /* token rows at stride vts, elements at stride ves */
+    int64_t vts, ves;
+    float *g;          /* [n_t][per] log decays (exp'd in place by the token loop) */
+    const float *beta; /* [n_t] */
+    float *o;          /* token rows at stride ots */
+    int64_t ots;
+    float scale;
+    int stream; /* a large call: outputs written with non-temporal stores */
+    /* The chunked form packs its chunks itself: the views, the token the
+     * sequence starts at, the q/k head and value head, the L2 epsilon (< 0:
+     * none). */
+    const sc_view *kv, *qv, *vv;
+    int64_t t0, hk, h;
+    float eps;
+} gdn_unit;
+
+/* The token loop over one unit (see the top of the file); g holds the
+ * decays themselves (exp of the log decays). */
+static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, const gdn_unit *u, int64_t tile_rows,
+                           int stream, float *tile, float *mid) {
+    const int64_t S = u->S, n_t = u->n_t;
+    const int kda = u->per > 1;
+    const sc_dtype pool_dtype = (sc_dtype)st->pool_dtype;
+    const int64_t r0 = sc_snap_row(st, s, 0);
+    for (int64_t j0 = 0; j0 < S; j0 += tile_rows) {
+        const int64_t jr = S - j0 < tile_rows ? S - j0 : tile_rows;
+        const int64_t off = head_off + j0 * S;
+        /* f32 pools: the first token reads the start row and the last
+         * writes column 0 in place, as in ssm_scan.c. */
+        const int direct = pool_dtype == SC_F32 && n_t > 0;
+        char *start = sc_pool_at(st, st->start_rows[s], off);
+        if (!direct) sc_load_f32(start, pool_dtype, tile, jr * S);
+        /* The input state: undoing the whole call is exact. */
+        sc_copy_input_state(st, s, n_t, off, direct ? NULL : tile, jr * S);
+        for (int64_t t = 0; t < n_t; t++) {
+            const float *SC_RESTRICT kt = u->k + t * u->kts;
+            const float *SC_RESTRICT qt = u->q + t * u->qts;
+            const float *SC_RESTRICT et = kda ? u->g + t * S : NULL;
+            const float es_t = kda ? 1.0f : u->g[t];
+            const float b = u->beta[t];
+            float *ot = u->o + t * u->ots + j0;
+            const float *vt = u->v + t * u->vts + j0 * u->ves;
+            const int64_t j = n_t - 1 - t;
+            const float *in = t == 0 && direct ? (const float *)start : tile;
+            float *out = j == 0 && direct && r0 >= 0 ? (float *)sc_pool_at(st, r0, off) : tile;
+            int64_t r = 0;
+#ifdef SC_HAVE_AVX2
+            if (S % 8 == 0) {
+                /* a disjoint, aligned pool row of a large call: streamed */
+                float *via = stream && out != tile && out != in && ((uintptr_t)out & 31) == 0 ? mid : NULL;
+                for (; r + 4 <= jr; r += 4)
+                    gdn_rows4(in + r * S, out + r * S, via, S, kt, qt, et, es_t, vt + r * u->ves, u->ves, b, u->scale,
+                              ot + r);
+            }
+#endif
+            for (; r < jr; r++) {
+                const float *rin = in + r * S; /* the same row as `row` or disjoint from it */
+                float *row = out + r * S;
+                float kd = 0.0f;
+                if (kda) {
+#pragma omp simd reduction(+ : kd)
+                    for (int64_t i = 0; i < S; i++) {
+                        float m = rin[i] * et[i];
+                        row[i] = m;
+                        kd += m * kt[i];
+                    }
+                } else {
+#pragma omp simd reduction(+ : kd)
+                    for (int64_t i = 0; i < S; i++) {
+                        float m = rin[i] * es_t;
+                        row[i] = m;
+                        kd += m * kt[i];
+                    }
+                }
+                const float delta = (vt[r * u->ves] - kd) * b;
+                float oq = 0.0f;
+#pragma omp simd reduction(+ : oq)
+                for (int64_t i = 0; i < S; i++) {
+                    float m = row[i] + kt[i] * delta;
+                    row[i] = m;
+                    oq += m * qt[i];
+                }
+                ot[r] = u->scale * oq;
+            }
+            const int64_t rj = sc_snap_row(st, s, j);
+            if (out == tile && rj >= 0) sc_store_f32(tile, sc_pool_at(st, rj, off), pool_dtype, jr * S);
+        }
+    }
+}
+
+#ifdef SC_HAVE_AVX2
+/* -- Prefill in chunked (WY / UT-transform) form --------------------------------
+ *
+ * flash-linear-attention's chunked form of the gated delta rule, on the CPU.
+ * With the state as M [key i][value j], a chunk of L tokens starting from
+ * state M0, the decays folded as G_t = sum_{v<=t} g_v (per key for KDA),
+ * gam_t = exp(G_t) and Gam[t][u] = exp(G_t - G_u), the token loop is
+ *
+ *   delta = U - W M0                    (the L value corrections)
+ *   U = T (beta v),  W = T (beta gam k),  T = (I + A)^-1,
+ *   A[t][u] = beta_t (k_t . Gam[t][u] k_u) for u < t (unit lower triangular
+ *             system, solved by forward substitution),
+ *   o_t = scale (q_t gam_t) M0 + scale sum_{u<=t} (q_t . Gam[t][u] k_u) delta_u,
+ *   M_L = gam_L M0 + sum_u (Gam[L][u] k_u) delta_u^T,
+ *
+ * all of them products of [L x S] and [S x S] matrices (sc_gemm).  The state
+ * is kept key-major (the transpose of the pool's storage) so that every
+ * product runs with lanes across values; it is transposed in at the start of
+ * a unit and out at each snapshot.  Chunks end at every snapshot position
+ * (sc_state_stops), so snapshots are states of the recurrence; the rounding
+ * differs from the token loop by the order of the sums only.
+ *
+ * Each chunk's q, k and v rows are packed (and normalised) as the chunk
+ * starts, while the previous chunk's products were fetching them (rows a
+ * head count apart defeat the hardware prefetchers and share L1 sets).  A
+ * chunk whose inputs are not all finite, and every token after it, runs the
+ * token loop on the key-major state instead (see sc_all_finite).
+ *
+ * KDA's decays differ per key, so Gam[t][u] cannot leave the dot products
+ * q_t . Gam[t][u] k_u as one scalar.  As in fla's KDA kernels the chunk is
+ * cut into sub-blocks of 16 rows, each with a reference point R (the
+ * cumulative decay just before the block): rows are scaled by
+ * exp(G_t - R) <= 1, columns of earlier tokens by exp(R - G_u) <= 1, so one
+ * product per sub-block gives every pair without overflow.  Pairs inside a
+ * sub-block need exp(R - G_u) >= 1 for the block's own keys: used while the
+ * block's decay span stays below SC_KDA_SPAN (the factors then stay far from
+ * overflow), else those pairs are summed element by element with their exact
+ * decay. */
+#ifndef SC_GDN_CHUNK
+#define SC_GDN_CHUNK 16
+#endif
+/* A unit takes the chunked form when some run between its stops is at least
+ * this long; shorter runs of such a unit are chunks of their own. */
+#ifndef SC_GDN_CHUNK_MIN
+#define SC_GDN_CHUNK_MIN 16
+#endif
+#define SC_KDA_BLOCK 16
+#define SC_KDA_SPAN 60.0f
+
+/* Scratch of one thread for the chunked form (C = SC_GDN_CHUNK). */
+typedef struct {
+    float *M;                  /* [S][S] state, key-major */
+    float *tmp;                /* [S][S] a state in storage layout */
+    float *kc, *qc, *vc;       /* [C][S] the chunk's packed k, q, v */
+    float *KT;                 /* [S][C] keys transposed (then the decayed keys of the state update) */
+    float *Akk, *Aqk, *T, *T2; /* [C][C] */
+    float *Vb, *U, *Kb;        /* [C][S]; Vb: token-major scratch */
+    float *X, *Y;              /* [2C][S]: [W; gam q] and [W M; gam q M] */
+    float *seg, *gam;          /* [C] (scalar gate) */
+    float *Gam;                /* [C][C] (scalar gate) */
+    float *Gc, *E;             /* [C][S] cumulative log decays, exp(G_t) (KDA) */
+    float *XA, *AB;            /* [2 * SC_KDA_BLOCK][S], [2 * SC_KDA_BLOCK][C] (KDA) */
+    float *R;                  /* [S] exp of a sub-block's reference (KDA) */
+    int keys_factored;         /* KT holds k_u exp(-G_u) for the whole chunk (KDA) */
+    int64_t next, n_next;      /* the next chunk's tokens (prefetched meanwhile), rows fetched */
+    int64_t *stops;            /* [n_cols + 1] */
+} gdn_chunk_ws;
+
+static inline int64_t round8(int64_t n) { return (n + 7) & ~(int64_t)7; }
+
+/* Fetches the next `rows` of the 3 * n_next token rows (k, q, v) of the
+ * next chunk: called a few rows at a time from the current chunk's loops,
+ * so the misses overlap its arithmetic instead of stalling in a burst. */
+static void gdn_fetch_next(const gdn_unit *u, gdn_chunk_ws *w, int64_t len, int64_t rows) {
+    const int64_t total = 3 * len;
+    for (int64_t r = 0; r < rows && w->n_next < total; r++, w->n_next++) {
+        const int64_t which = w->n_next / len, t = u->t0 + w->next + w->n_next % len;
+        const sc_view *v = which == 0 ? u->kv : which == 1 ? u->qv : u->vv;
+        const int64_t head = which == 2 ? u->h : u->hk;
+        sc_prefetch_run(v->data + t * v->strides[0] + head * v->strides[1], u->S, v->strides[2]);
+    }
+}
+
+/* Akk and Aqk of a chunk with a scalar gate. */
+static void gdn_chunk_pairs_scalar(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L) {
+    const int64_t S = u->S, C = SC_GDN_CHUNK, Lp = round8(L);
+    const float *g = u->g + c0, *beta = u->beta + c0;
+    sc_chunk_decays(g, L, w->seg, w->Gam, C, w->gam); /* Gam[t][u] and gam_t */
+    sc_transpose(w->kc, S, w->KT, C, L, S);
+    for (int64_t i = 0; i < S; i++)
+        for (int64_t v = L; v < Lp; v++) w->KT[i * C + v] = 0.0f;
+    sc_gemm(L, Lp, S, w->kc, S, w->KT, C, w->Akk, C, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_C_LOWER, 0);
+    sc_gemm(L, Lp, S, w->qc, S, w->KT, C, w->Aqk, C, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_C_LOWER, 1);
+    for (int64_t t = 0; t < L; t++) {
+        float *ak = w->Akk + t * C, *aq = w->Aqk + t * C;
+        const float *Gt = w->Gam + t * C;
+        const float b = beta[t];
+        for (int64_t v = 0; v < t; v++) ak[v] *= b * Gt[v];
+        for (int64_t v = t; v < Lp; v++) ak[v] = 0.0f;
+        for (int64_t v = 0; v <= t; v++) aq[v] *= Gt[v];
+        for (int64_t v = t + 1; v < Lp; v++) aq[v] = 0.0f;
+    }
+}
+
+/* Rows v < n of the token-major scratch Vb: k_v exp(R - G_v) (R NULL: 0). */
+static void kda_decayed_key_rows(const gdn_unit *u, gdn_chunk_ws *w, const float *R, int64_t n) {
+    const int64_t S = u->S;
+    for (int64_t v = 0; v < n; v++) {
+        const float *Gv = w->Gc + v * S, *kv = w->kc + v * S;
+        float *d = w->Vb + v * S;
+        for (int64_t i = 0; i < S; i += 8) {
+            const __m256 r = R ? _mm256_loadu_ps(R + i) : _mm256_setzero_ps();
+            const __m256 e = sc_exp8(_mm256_sub_ps(r, _mm256_loadu_ps(Gv + i)));
+            _mm256_storeu_ps(d + i, _mm256_mul_ps(_mm256_loadu_ps(kv + i), e));
+        }
+    }
+}
+
+/* KT [S][C] = the first n rows of Vb transposed, zero in columns [n, n_pad). */
+static void kda_keys_to_columns(gdn_chunk_ws *w, int64_t S, int64_t n, int64_t n_pad) {
+    const int64_t C = SC_GDN_CHUNK;
+    sc_transpose(w->Vb, S, w->KT, C, n, S);
+    for (int64_t i = 0; i < S; i++)
+        for (int64_t v = n; v < n_pad; v++) w->KT[i * C + v] = 0.0f;
+}
+
+/* Akk and Aqk of a KDA chunk, by sub-blocks (see above); also fills Gc
+ * (cumulative log decays) and E (exp(G_t)).  When the chunk is one factored
+ * sub-block, KT is left holding k_u exp(-G_u) (w->keys_factored), from which
+ * the state update's keys follow by a row scale instead of exps. */
+static void gdn_chunk_pairs_kda(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L) {
+    const int64_t S = u->S, C = SC_GDN_CHUNK, B = SC_KDA_BLOCK;
+    const float *beta = u->beta + c0;
+    for (int64_t t = 0; t < L; t++) {
+        const float *gt = u->g + (c0 + t) * S, *prev = w->Gc + (t - 1) * S;
+        float *Gt = w->Gc + t * S;
+        for (int64_t i = 0; i < S; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gt + i);
+            _mm256_storeu_ps(Gt + i, t ? _mm256_add_ps(_mm256_loadu_ps(prev + i), g) : g);
+        }
+    }
+    w->keys_factored = 0;
+    for (int64_t i0 = 0; i0 < L; i0 += B) {
+        const int64_t i1 = i0 + B < L ? i0 + B : L, nb = i1 - i0, n_cols = round8(i1);
+        const float *R = i0 ? w->Gc + (i0 - 1) * S : NULL, *Glast = w->Gc + (i1 - 1) * S;
+        float span = 0.0f;
+        for (int64_t i = 0; i < S; i++) {
+            const float d = (R ? R[i] : 0.0f) - Glast[i];
+            span = d > span ? d : span;
+        }
+        const int factored = span <= SC_KDA_SPAN; /* NaN spans are not: they take the exact sums */
+        if (R)
+            for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(w->R + i, sc_exp8(_mm256_loadu_ps(R + i)));
+        /* Columns of earlier blocks: k_u exp(R - G_u) <= 1. */
+        kda_decayed_key_rows(u, w, R, i0);
+        /* Rows: beta_t k_t e_t and q_t e_t with e_t = exp(G_t - R) <= 1;
+         * E = exp(G_t) = e_t exp(R); the block's own columns (factored)
+         * k_t exp(R - G_t) = k_t / e_t, by a refined reciprocal. */
+        for (int64_t t = i0; t < i1; t++) {
+            const float *Gt = w->Gc + t * S, *kt = w->kc + t * S, *qt = w->qc + t * S;
+            float *kr = w->XA + (t - i0) * S, *qr = w->XA + (nb + t - i0) * S, *Et = w->E + t * S;
+            float *col = w->Vb + t * S;
+            const __m256 b = _mm256_set1_ps(beta[t]), one = _mm256_set1_ps(1.0f);
+            for (int64_t i = 0; i < S; i += 8) {
+                const __m256 G = _mm256_loadu_ps(Gt + i), k = _mm256_loadu_ps(kt + i);
+                const __m256 e = sc_exp8(R ? _mm256_sub_ps(G, _mm256_loadu_ps(R + i)) : G);
+                _mm256_storeu_ps(kr + i, _mm256_mul_ps(_mm256_mul_ps(b, k), e));
+                _mm256_storeu_ps(qr + i, _mm256_mul_ps(_mm256_loadu_ps(qt + i), e));
+                _mm256_storeu_ps(Et + i, R ? _mm256_mul_ps(e, _mm256_loadu_ps(w->R + i)) : e);
+                if (factored) {
+                    const __m256 r0 = _mm256_rcp_ps(e);
+                    const __m256 r = _mm256_fmadd_ps(r0, _mm256_fnmadd_ps(e, r0, one), r0);
+                    _mm256_storeu_ps(col + i, _mm256_mul_ps(k, r));
+                }
+            }
+        }
+        kda_keys_to_columns(w, S, factored ? i1 : i0, n_cols);
+        w->keys_factored = factored && i0 == 0 && i1 == L;
+        sc_gemm(2 * nb, n_cols, S, w->XA, S, w->KT, C, w->AB, C, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
+        for (int64_t t = i0; t < i1; t++) {
+            const float *ab = w->AB + (t - i0) * C, *qb = w->AB + (nb + t - i0) * C;
+            float *ak = w->Akk + t * C, *aq = w->Aqk + t * C;
+            for (int64_t v = 0; v < t; v++) ak[v] = ab[v];
+            for (int64_t v = 0; v <= t; v++) aq[v] = qb[v];
+            if (!factored) {
+                /* The block's own pairs, each with its exact decays. */
+                const float *Gt = w->Gc + t * S, *kt = w->kc + t * S, *qt = w->qc + t * S;
+                for (int64_t v = i0; v <= t; v++) {
+                    const float *Gv = w->Gc + v * S, *kv = w->kc + v * S;
+                    __m256 sk = _mm256_setzero_ps(), sq = sk;
+                    for (int64_t i = 0; i < S; i += 8) {
+                        const __m256 d = sc_exp8(_mm256_sub_ps(_mm256_loadu_ps(Gt + i), _mm256_loadu_ps(Gv + i)));
+                        const __m256 kd = _mm256_mul_ps(_mm256_loadu_ps(kv + i), d);
+                        sk = _mm256_fmadd_ps(_mm256_loadu_ps(kt + i), kd, sk);
+                        sq = _mm256_fmadd_ps(_mm256_loadu_ps(qt + i), kd, sq);
+                    }
+                    float hk[8], hq[8], tk = 0.0f, tq = 0.0f;
+                    _mm256_storeu_ps(hk, sk);
+                    _mm256_storeu_ps(hq, sq);
+                    for (int l = 0; l < 8; l++) {
+                        tk += hk[l];
+                        tq += hq[l];
+                    }
+                    if (v < t) ak[v] = beta[t] * tk;
+                    aq[v] = tq;
+                }
+            }
+            for (int64_t v = t; v < C; v++) ak[v] = 0.0f;
+            for (int64_t v = t + 1; v < C; v++) aq[v] = 0.0f;
+        }
+    }
+}
+
+/* One chunk [c0, c0 + L) of a unit, its k, q, v packed in w->kc, qc, vc: M
+ * advances over it and o is written; `next_len` rows of the next chunk are
+ * fetched meanwhile. */
+static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L, int64_t next_len) {
+    const int64_t S = u->S, C = SC_GDN_CHUNK, Lp = round8(L);
+    const int kda = u->per > 1;
+    const int64_t fetch = next_len ? (3 * next_len + L - 1) / L : 0; /* rows per step of the T loop */
+    if (kda)
+        gdn_chunk_pairs_kda(u, w, c0, L);
+    else
+        gdn_chunk_pairs_scalar(u, w, c0, L);
+    /* T = (I + Akk)^-1 by forward substitution: T_t = e_t - sum_{v<t} Akk[t][v] T_v. */
+    for (int64_t t = 0; t < L; t++) {
+        gdn_fetch_next(u, w, next_len, fetch);
+        float *Tt = w->T + t * C;
+        for (int64_t v = 0; v < Lp; v++) Tt[v] = v == t ? 1.0f : 0.0f;
+        const float *ak = w->Akk + t * C;
+        for (int64_t v = 0; v < t; v++) {
+            const __m256 a = _mm256_set1_ps(-ak[v]);
+            const float *Tv = w->T + v * C;
+            for (int64_t x = 0; x <= v; x += 8)
+                _mm256_storeu_ps(Tt + x, _mm256_fmadd_ps(a, _mm256_loadu_ps(Tv + x), _mm256_loadu_ps(Tt + x)));
+        }
+    }
+    /* U = T (beta v) = T' v and W = T (beta gam k) with T' = T diag(beta): the
+     * column scales go into the small T (scalar gate: into a second copy
+     * T'' = T' diag(gam), so that both products read v and k in place; KDA's
+     * per-key gam needs the rows k_t E_t). */
+    const float *beta = u->beta + c0;
+    for (int64_t t = 0; t < L; t++) {
+        float *Tt = w->T + t * C, *T2 = w->T2 + t * C;
+        for (int64_t v = 0; v <= t; v++) Tt[v] *= beta[v];
+        if (!kda)
+            for (int64_t v = 0; v < Lp; v++) T2[v] = v <= t ? Tt[v] * w->gam[v] : 0.0f;
+    }
+    float *gq = w->X + L * S;
+    for (int64_t t = 0; t < L; t++) {
+        const float *kt = w->kc + t * S, *qt = w->qc + t * S;
+        float *kb = w->Kb + t * S, *qg = gq + t * S;
+        if (kda) {
+            const float *Et = w->E + t * S;
+            for (int64_t i = 0; i < S; i += 8) {
+                const __m256 e = _mm256_loadu_ps(Et + i);
+                _mm256_storeu_ps(kb + i, _mm256_mul_ps(_mm256_loadu_ps(kt + i), e));
+                _mm256_storeu_ps(qg + i, _mm256_mul_ps(_mm256_loadu_ps(qt + i), e));
+            }
+        } else {
+            const __m256 gt = _mm256_set1_ps(w->gam[t]);
+            for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(qg + i, _mm256_mul_ps(gt, _mm256_loadu_ps(qt + i)));
+        }
+    }
+    sc_gemm(L, S, L, w->T, C, w->vc, S, w->U, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
+    if (kda)
+        sc_gemm(L, S, L, w->T, C, w->Kb, S, w->X, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
+    else
+        sc_gemm(L, S, L, w->T2, C, w->kc, S, w->X, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
+    /* [W; gam q] M0 in one product. */
+    sc_gemm(2 * L, S, S, w->X, S, w->M, S, w->Y, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
+    for (int64_t t = 0; t < L; t++) {
+        float *d = w->U + t * S;
+        const float *wm = w->Y + t * S;
+        for (int64_t j = 0; j < S; j += 8)
+            _mm256_storeu_ps(d + j, _mm256_sub_ps(_mm256_loadu_ps(d + j), _mm256_loadu_ps(wm + j)));
+    }
+    /* o = scale (gam q M0 + Aqk delta). */
+    float *oq = w->Y + L * S;
+    sc_gemm(L, S, L, w->Aqk, C, w->U, S, oq, S, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 0);
+    const __m256 sc = _mm256_set1_ps(u->scale);
+    for (int64_t t = 0; t < L; t++) {
+        float *ot = u->o + (c0 + t) * u->ots;
+        const float *r = oq + t * S;
+        /* Outputs of a large call go out with non-temporal stores: o rows are
+         * out of cache, and a normal store would first read each line. */
+        if (u->stream && ((uintptr_t)ot & 31) == 0)
+            for (int64_t j = 0; j < S; j += 8) _mm256_stream_ps(ot + j, _mm256_mul_ps(sc, _mm256_loadu_ps(r + j)));
+        else
+            for (int64_t j = 0; j < S; j += 8) _mm256_storeu_ps(ot + j, _mm256_mul_ps(sc, _mm256_loadu_ps(r + j)));
+    }
+    /* M = gam_L M0 + (Gam[L][u] k_u)^T delta. */
+    if (kda) {
+        const float *El = w->E + (L - 1) * S;
+        if (w->keys_factored) {
+            /* KT holds k_u exp(-G_u): times exp(G_last), row by row. */
+            for (int64_t i = 0; i < S; i++) {
+                float *row = w->KT + i * C;
+                const __m256 e = _mm256_set1_ps(El[i]);
+                for (int64_t v = 0; v < L; v += 8) _mm256_storeu_ps(row + v, _mm256_mul_ps(e, _mm256_loadu_ps(row + v)));
+            }
+        } else {
+            kda_decayed_key_rows(u, w, w->Gc + (L - 1) * S, L);
+            kda_keys_to_columns(w, S, L, L);
+        }
+        sc_gemm(S, S, L, w->KT, C, w->U, S, w->M, S, SC_GEMM_ROWS, 0.0f, El, SC_GEMM_DENSE, 0);
+    } else {
+        const float *Gl = w->Gam + (L - 1) * C;
+        for (int64_t v = 0; v < L; v++) {
+            const float *kv = w->kc + v * S;
+            float *d = w->Vb + v * S; /* scratch */
+            const __m256 gv = _mm256_set1_ps(Gl[v]);
+            for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(d + i, _mm256_mul_ps(_mm256_loadu_ps(kv + i), gv));
+        }
+        sc_transpose(w->Vb, S, w->KT, C, L, S);
+        sc_gemm(S, S, L, w->KT, C, w->U, S, w->M, S, SC_GEMM_SCALE, w->gam[L - 1], NULL, SC_GEMM_DENSE, 0);
+    }
+    gdn_fetch_next(u, w, next_len, 3 * next_len); /* whatever the T loop left */
+}
+
+/* Packs tokens [c0, c0 + L) of k, q (normalised when asked) and v into
+ * w->kc, qc, vc; 1 when they and the tokens' log decays and betas are all
+ * finite. */
+static int gdn_pack_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L) {
+    const int64_t S = u->S;
+    int64_t ts;
+    pack_tokens(u->kv, u->t0 + c0, u->hk, L, S, u->eps, 1, w->kc, &ts);
+    pack_tokens(u->qv, u->t0 + c0, u->hk, L, S, u->eps, 1, w->qc, &ts);
+    pack_tokens(u->vv, u->t0 + c0, u->h, L, S, -1.0f, 1, w->vc, &ts);
+    return sc_all_finite(w->kc, 1, 0, L * S, 1) && sc_all_finite(w->qc, 1, 0, L * S, 1) &&
+           sc_all_finite(w->vc, 1, 0, L * S, 1) && sc_all_finite(u->g + c0 * u->per, 1, 0, L * u->per, 1) &&
+           sc_all_finite(u->beta + c0, 1, 0, L, 1);
+}
+
+/* State M (key-major) into pool row r at head_off, in storage layout. */
+static void gdn_store_state(const sc_state *st, int64_t r, int64_t head_off, const gdn_unit *u, gdn_chunk_ws *w) {
+    const int64_t S = u->S;
+    const sc_dtype pdt = (sc_dtype)st->pool_dtype;
+    char *dst = sc_pool_at(st, r, head_off);
+    if (pdt == SC_F32 && !u->stream) {
+        sc_transpose(w->M, S, (float *)dst, S, S, S);
+    } else {
+        sc_transpose(w->M, S, w->tmp, S, S, S);
+        sc_store_state(w->tmp, dst, pdt, S * S, u->stream);
+    }
+}
+
+/* The token loop on the key-major state M over tokens [t, n_t), with the
+ * snapshots at stops[i..]: where a chunk's inputs are not all finite, so
+ * that NaN and Inf land where the definition puts them. */
+static void gdn_tokens_keymajor(const sc_state *st, int64_t s, int64_t head_off, const gdn_unit *u, gdn_chunk_ws *w,
+                                int64_t t, const int64_t *stops, int64_t i, int64_t n_stops) {
+    const int64_t S = u->S, n_t = u->n_t;
+    float *kd = w->Y, *o = w->Y + S;
+    for (; t < n_t; t++) {
+        int64_t ts;
+        pack_tokens(u->kv, u->t0 + t, u->hk, 1, S, u->eps, 1, w->kc, &ts);
+        pack_tokens(u->qv, u->t0 + t, u->hk, 1, S, u->eps, 1, w->qc, &ts);
+        pack_tokens(u->vv, u->t0 + t, u->h, 1, S, -1.0f, 1, w->vc, &ts);
+        const float *g = u->g + t * u->per;
+        /* M = decay M; kd = M^T k. */
+        for (int64_t j = 0; j < S; j++) kd[j] = 0.0f;
+        for (int64_t r = 0; r < S; r++) {
+            float *row = w->M + r * S;
+            const __m256 a = _mm256_set1_ps(sc_exp(g[u->per > 1 ? r : 0])), kr = _mm256_set1_ps(w->kc[r]);
+            for (int64_t j = 0; j < S; j += 8) {
+                const __m256 m = _mm256_mul_ps(a, _mm256_loadu_ps(row + j));
+                _mm256_storeu_ps(row + j, m);
+                _mm256_storeu_ps(kd + j, _mm256_fmadd_ps(kr, m, _mm256_loadu_ps(kd + j)));
+            }
+        }
+        /* delta = beta (v - kd); M += k delta^T; o = scale M^T q. */
+        const __m256 b = _mm256_set1_ps(u->beta[t]);
+        for (int64_t j = 0; j < S; j += 8) {
+            _mm256_storeu_ps(kd + j, _mm256_mul_ps(b, _mm256_sub_ps(_mm256_loadu_ps(w->vc + j), _mm256_loadu_ps(kd + j))));
+            _mm256_storeu_ps(o + j, _mm256_setzero_ps());
+        }
+        for (int64_t r = 0; r < S; r++) {
+            float *row = w->M + r * S;
+            const __m256 kr = _mm256_set1_ps(w->kc[r]), qr = _mm256_set1_ps(w->qc[r]);
+            for (int64_t j = 0; j < S; j += 8) {
+                const __m256 m = _mm256_fmadd_ps(kr, _mm256_loadu_ps(kd + j), _mm256_loadu_ps(row + j));
+                _mm256_storeu_ps(row + j, m);
+                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(qr, m, _mm256_loadu_ps(o + j)));
+            }
+        }
+        float *ot = u->o + t * u->ots;
+        for (int64_t j = 0; j < S; j++) ot[j] = u->scale * o[j];
+        for (; i < n_stops && stops[i] <= t + 1; i++) {
+            const int64_t r = sc_snap_row(st, s, n_t - stops[i]);
+            if (r >= 0) gdn_store_state(st, r, head_off, u, w);
+        }
+    }
+}
+
+/* The chunked form of a unit, or 0 (nothing written) when its start state
+ * is not all finite; the caller then runs the token loop. */
+static int gdn_chunked_unit(const sc_state *st, int64_t s, int64_t head_off, const gdn_unit *u, gdn_chunk_ws *w,
+                            const int64_t *stops, int64_t n_stops) {
+    const int64_t S = u->S, n_t = u->n_t, C = SC_GDN_CHUNK;
+    const sc_dtype pdt = (sc_dtype)st->pool_dtype;
+    const char *start = sc_pool_at(st, st->start_rows[s], head_off);
+    const float *src = (const float *)start;
+    if (pdt != SC_F32) {
+        sc_load_f32(start, pdt, w->tmp, S * S);
+        src = w->tmp;
+    }
+    if (!sc_all_finite(src, 1, 0, S * S, 1)) return 0;
+    sc_transpose(src, S, w->M, S, S, S);
+    sc_copy_input_state(st, s, n_t, head_off, pdt == SC_F32 ? NULL : w->tmp, S * S);
+    int64_t pos = 0;
+    for (int64_t i = 0; i < n_stops; i++) {
+        while (pos < stops[i]) {
+            const int64_t L = stops[i] - pos < C ? stops[i] - pos : C;
+            if (!gdn_pack_chunk(u, w, pos, L)) {
+                gdn_tokens_keymajor(st, s, head_off, u, w, pos, stops, i, n_stops);
+                return 1;
+            }
+            /* The next chunk ends at the next stop or C tokens on. */
+            const int64_t nxt = pos + L, end = nxt < stops[i] ? stops[i] : (i + 1 < n_stops ? stops[i + 1] : nxt);
+            const int64_t next_len = end - nxt < C ? end - nxt : C;
+            w->next = nxt;
+            w->n_next = 0;
+            gdn_chunk(u, w, pos, L, next_len);
+            pos = nxt;
+        }
+        const int64_t r = sc_snap_row(st, s, n_t - stops[i]);
+        if (r >= 0) gdn_store_state(st, r, head_off, u, w);
+    }
+    return 1;
+}
+
+static void gdn_chunk_ws_alloc(gdn_chunk_ws *w, int64_t S, int kda, int64_t n_cols) {
+    const size_t C = SC_GDN_CHUNK, f = sizeof(float), SS = (size_t)S;
+    memset(w, 0, sizeof(*w));
+    w->M = (float *)sc_alloc(f * SS * SS);
+    w->tmp = (float *)sc_alloc(f * SS * SS);
+    w->kc = (float *)sc_alloc(f * C * SS);
+    w->qc = (float *)sc_alloc(f * C * SS);
+    w->vc = (float *)sc_alloc(f * C * SS);
+    w->KT = (float *)sc_alloc(f * SS * C);
+    w->Akk = (float *)sc_alloc(f * C * C);
+    w->Aqk = (float *)sc_alloc(f * C * C);
+    w->T = (float *)sc_alloc(f * C * C);
+    w->T2 = (float *)sc_alloc(f * C * C);
+    w->Vb = (float *)sc_alloc(f * C * SS);
+    w->U = (float *)sc_alloc(f * C * SS);
+    w->Kb = (float *)sc_alloc(f * C * SS);
+    w->X = (float *)sc_alloc(f * 2 * C * SS);
+    w->Y = (float *)sc_alloc(f * 2 * C * SS);
+    w->stops = (int64_t *)sc_alloc(sizeof(int64_t) * (size_t)(n_cols + 1));
+    if (kda) {
+        w->Gc = (float *)sc_alloc(f * C * SS);
+        w->E = (float *)sc_alloc(f * C * SS);
+        w->XA = (float *)sc_alloc(f * 2 * SC_KDA_BLOCK * SS);
+        w->AB = (float *)sc_alloc(f * 2 * SC_KDA_BLOCK * C);
+        w->R = (float *)sc_alloc(f * SS);
+    } else {
+        w->seg = (float *)sc_alloc(f * C);
+        w->gam = (float *)sc_alloc(f * C);
+        w->Gam = (float *)sc_alloc(f * C * C);
+    }
+}
+
+static void gdn_chunk_ws_free(gdn_chunk_ws *w) {
+    float *all[] = {w->M, w->tmp, w->kc,  w->qc,  w->vc,  w->KT, w->Akk, w->Aqk, w->T,  w->T2, w->Vb, w->U,
+                    w->Kb, w->X,  w->Y,   w->seg, w->gam, w->Gam, w->Gc, w->E,   w->XA, w->AB, w->R};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) free(all[i]);
+    free(w->stops);
+}
+#endif
+
 static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, const sc_view *v, const sc_view *g,
                       int kda, const sc_view *beta, float *o, const sc_delta_options *opt, int64_t n_head_k,
                       int64_t n_head_v, int64_t head_size, int n_threads) {
     const int64_t S = head_size, Hv = n_head_v, n_s = st->n_seqs, n_units = n_s * Hv;
-    const sc_dtype pool_dtype = (sc_dtype)st->pool_dtype;
     int64_t tile_rows = SC_GDN_TILE_BYTES / 4 / (S > 0 ? S : 1);
     tile_rows = tile_rows < 4 ? 4 : tile_rows - tile_rows % 4;
-    const float scale = opt->scale, eps = opt->qk_l2norm ? opt->l2norm_eps : -1.0f;
+    const float eps = opt->qk_l2norm ? opt->l2norm_eps : -1.0f;
     /* State streamed: every token passes over the state, plus the rows written
      * (a token does more arithmetic per element than the scan: this undercounts,
      * so the single-thread rule errs towards threads). */
@@ -129,118 +701,84 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
     const int team = sc_state_team(n_units, work_bytes, n_threads);
     const int stream = work_bytes >= sc_stream_min_bytes;
     const size_t tmax = (size_t)(st->max_tokens > 0 ? st->max_tokens : 1);
+    const int64_t per = kda ? S : 1;
+#ifdef SC_HAVE_AVX2
+    const int may_chunk = S % 8 == 0 && st->max_tokens >= SC_GDN_CHUNK_MIN;
+#else
+    const int may_chunk = 0;
+#endif
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         float *kpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
         float *qpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
-        float *gexp = (float *)sc_alloc(sizeof(float) * tmax * (size_t)(kda ? S : 1));
+        float *gbuf = (float *)sc_alloc(sizeof(float) * tmax * (size_t)per);
         float *bt = (float *)sc_alloc(sizeof(float) * tmax);
         float *tile = (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows * S));
         float *mid = (float *)sc_alloc(sizeof(float) * (size_t)(4 * S));
+#ifdef SC_HAVE_AVX2
+        gdn_chunk_ws w = {0};
+        if (may_chunk) gdn_chunk_ws_alloc(&w, S, kda, st->n_cols);
+#endif
         int64_t lo, hi;
         sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
-        for (int64_t u = lo; u < hi; u++) {
-            const int64_t s = u / Hv, h = u % Hv;
+        for (int64_t un = lo; un < hi; un++) {
+            const int64_t s = un / Hv, h = un % Hv;
             const int64_t hk = opt->grouped ? h / (Hv / n_head_k) : h % n_head_k;
             const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
-            int64_t kts, qts;
-            const float *ks = pack_tokens(k, t0, hk, n_t, S, eps, kpack, &kts);
-            const float *qs = pack_tokens(q, t0, hk, n_t, S, eps, qpack, &qts);
+            gdn_unit u = {S,      n_t,  per, NULL, NULL, 0, 0, v->data + t0 * v->strides[0] + h * v->strides[1],
+                          v->strides[0], v->strides[2], gbuf, bt, o + (t0 * Hv + h) * S, Hv * S, opt->scale,
+                          stream, k, q, v, t0, hk, h, eps};
+            int64_t longest = 0, n_stops = 0;
+#ifdef SC_HAVE_AVX2
+            if (may_chunk && n_t >= SC_GDN_CHUNK_MIN) n_stops = sc_state_stops(st, s, n_t, w.stops, &longest);
+#endif
+            const int chunked = longest >= SC_GDN_CHUNK_MIN; /* which packs its own chunks */
             const float *gs = g->data + t0 * g->strides[0] + h * g->strides[1];
-            const int64_t per = kda ? S : 1, gi = kda ? g->strides[2] : 0;
-            for (int64_t t = 0; t < n_t; t++)
-                for (int64_t i = 0; i < per; i++) gexp[t * per + i] = gs[t * g->strides[0] + i * gi];
+            const int64_t gi = kda ? g->strides[2] : 0;
+            for (int64_t t = 0; t < n_t; t++) {
+                if (kda && t + SC_PREFETCH_ROWS < n_t) sc_prefetch_run(gs + (t + SC_PREFETCH_ROWS) * g->strides[0], S, gi);
+                if (gi == 1)
+                    memcpy(gbuf + t * per, gs + t * g->strides[0], sizeof(float) * (size_t)per);
+                else
+                    for (int64_t i = 0; i < per; i++) gbuf[t * per + i] = gs[t * g->strides[0] + i * gi];
+            }
             if (opt->A_log) {
                 /* The raw gate: log-decay = -exp(A_log) * softplus(a + dt_bias). */
                 const float rate = -expf(opt->A_log[h]);
                 const float *bias = opt->dt_bias ? opt->dt_bias + h * per : NULL;
                 for (int64_t t = 0; t < n_t; t++) {
-                    float *gt = gexp + t * per;
+                    float *gt = gbuf + t * per;
                     if (bias)
                         for (int64_t i = 0; i < per; i++) gt[i] += bias[i];
 #pragma omp simd
                     for (int64_t i = 0; i < per; i++) gt[i] = rate * sc_softplus(gt[i]);
                 }
             }
-#pragma omp simd
-            for (int64_t i = 0; i < n_t * per; i++) gexp[i] = sc_exp(gexp[i]);
-            for (int64_t t = 0; t < n_t; t++)
-                bt[t] = beta->data[(t0 + t) * beta->strides[0] + h * beta->strides[1]];
+            for (int64_t t = 0; t < n_t; t++) bt[t] = beta->data[(t0 + t) * beta->strides[0] + h * beta->strides[1]];
             if (opt->beta_sigmoid)
                 for (int64_t t = 0; t < n_t; t++) bt[t] = 1.0f / (1.0f + sc_exp(-bt[t]));
-            const float *vs = v->data + t0 * v->strides[0] + h * v->strides[1];
-            const int64_t head_off = h * S * S, r0 = sc_snap_row(st, s, 0);
-            for (int64_t j0 = 0; j0 < S; j0 += tile_rows) {
-                const int64_t jr = S - j0 < tile_rows ? S - j0 : tile_rows;
-                const int64_t off = head_off + j0 * S;
-                /* f32 pools: the first token reads the start row and the last
-                 * writes column 0 in place, as in ssm_scan.c. */
-                const int direct = pool_dtype == SC_F32 && n_t > 0;
-                char *start = sc_pool_at(st, st->start_rows[s], off);
-                if (!direct) sc_load_f32(start, pool_dtype, tile, jr * S);
-                /* The input state: undoing the whole call is exact. */
-                sc_copy_input_state(st, s, n_t, off, direct ? NULL : tile, jr * S);
-                for (int64_t t = 0; t < n_t; t++) {
-                    const float *SC_RESTRICT kt = ks + t * kts;
-                    const float *SC_RESTRICT qt = qs + t * qts;
-                    const float *SC_RESTRICT et = kda ? gexp + t * S : NULL;
-                    const float es_t = kda ? 1.0f : gexp[t];
-                    const float b = bt[t];
-                    float *ot = o + ((t0 + t) * Hv + h) * S + j0;
-                    const float *vt = vs + t * v->strides[0] + j0 * v->strides[2];
-                    const int64_t j = n_t - 1 - t;
-                    const float *in = t == 0 && direct ? (const float *)start : tile;
-                    float *out = j == 0 && direct && r0 >= 0 ? (float *)sc_pool_at(st, r0, off) : tile;
-                    int64_t r = 0;
+            const int64_t head_off = h * S * S;
 #ifdef SC_HAVE_AVX2
-                    if (S % 8 == 0) {
-                        /* a disjoint, aligned pool row of a large call: streamed */
-                        float *via = stream && out != tile && out != in && ((uintptr_t)out & 31) == 0 ? mid : NULL;
-                        for (; r + 4 <= jr; r += 4)
-                            gdn_rows4(in + r * S, out + r * S, via, S, kt, qt, et, es_t, vt + r * v->strides[2],
-                                      v->strides[2], b, scale, ot + r);
-                    }
+            if (chunked && gdn_chunked_unit(st, s, head_off, &u, &w, w.stops, n_stops)) continue;
+#else
+            (void)n_stops;
+            (void)chunked;
 #endif
-                    for (; r < jr; r++) {
-                        const float *rin = in + r * S; /* the same row as `row` or disjoint from it */
-                        float *row = out + r * S;
-                        float kd = 0.0f;
-                        if (kda) {
-#pragma omp simd reduction(+ : kd)
-                            for (int64_t i = 0; i < S; i++) {
-                                float m = rin[i] * et[i];
-                                row[i] = m;
-                                kd += m * kt[i];
-                            }
-                        } else {
-#pragma omp simd reduction(+ : kd)
-                            for (int64_t i = 0; i < S; i++) {
-                                float m = rin[i] * es_t;
-                                row[i] = m;
-                                kd += m * kt[i];
-                            }
-                        }
-                        const float delta = (vt[r * v->strides[2]] - kd) * b;
-                        float oq = 0.0f;
-#pragma omp simd reduction(+ : oq)
-                        for (int64_t i = 0; i < S; i++) {
-                            float m = row[i] + kt[i] * delta;
-                            row[i] = m;
-                            oq += m * qt[i];
-                        }
-                        ot[r] = scale * oq;
-                    }
-                    const int64_t rj = sc_snap_row(st, s, j);
-                    if (out == tile && rj >= 0) sc_store_f32(tile, sc_pool_at(st, rj, off), pool_dtype, jr * S);
-                }
-            }
+            u.k = pack_tokens(k, t0, hk, n_t, S, eps, 0, kpack, &u.kts);
+            u.q = pack_tokens(q, t0, hk, n_t, S, eps, 0, qpack, &u.qts);
+#pragma omp simd
+            for (int64_t i = 0; i < n_t * per; i++) gbuf[i] = sc_exp(gbuf[i]);
+            gdn_token_unit(st, s, head_off, &u, tile_rows, stream, tile, mid);
         }
         free(kpack);
         free(qpack);
-        free(gexp);
+        free(gbuf);
         free(bt);
         free(tile);
         free(mid);
+#ifdef SC_HAVE_AVX2
+        if (may_chunk) gdn_chunk_ws_free(&w);
+#endif
         sc_stream_fence(); /* this thread's streamed rows are visible before it joins */
     }
 }

@@ -22,7 +22,15 @@ from typing import Any
 import numpy as np
 
 from statecache import __version__, settings
-from statecache.backend import PRIMITIVES, PROTOCOL_VERSION, Backend, Buffer, Caps, Device, DeviceKind
+from statecache.backend import (
+    PRIMITIVES,
+    PROTOCOL_VERSION,
+    Backend,
+    Buffer,
+    Caps,
+    Device,
+    DeviceKind,
+)
 from statecache.dlpack import DLDataType, DLTensor
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError
@@ -30,7 +38,7 @@ from statecache.hostmem import aligned_empty, physical_memory_bytes
 from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES, L2NORM_EPS
 
 #: The C ABI this Python code was written against (SC_CPU_ABI_VERSION).
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _DTYPE_CODE = {DType.F32: 0, DType.F16: 1, DType.BF16: 2}
 
@@ -476,6 +484,35 @@ class CpuDevice(Device):
         )
         return self._lib.sc_gated_delta_net, args, (keep, dense)
 
+    def _linear_attn_call(
+        self,
+        kernel: Any,
+        shp: Any,
+        pool: Buffer,
+        index: tuple[Buffer, ...],
+        tokens: tuple[Buffer, ...],
+        u: Buffer | None,
+        o: Buffer,
+    ) -> tuple[Any, tuple[Any, ...], Any]:
+        st, keep = self._state(shp, pool, *index)
+        dense = _contiguous(self, u) if u is not None else None  # u is indexed densely
+        extra = () if dense is None else (self._ptr(dense, "float *"),)
+        args = (st, *(self._sview(t) for t in tokens), *extra, self._ptr(o), _DTYPE_CODE[o.dtype], shp.scale,
+                shp.n_head, shp.head_size)  # fmt: skip
+        return kernel, args, (keep, dense)
+
+    def _rwkv_wkv6_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, r, k, v, w, u, o):  # type: ignore[no-untyped-def]
+        rows = (start_rows, snap_rows, cu_seqlens)
+        return self._linear_attn_call(self._lib.sc_rwkv_wkv6, shp, pool, rows, (r, k, v, w), u, o)
+
+    def _rwkv_wkv7_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, r, w, k, v, a, b, o):  # type: ignore[no-untyped-def]
+        rows = (start_rows, snap_rows, cu_seqlens)
+        return self._linear_attn_call(self._lib.sc_rwkv_wkv7, shp, pool, rows, (r, w, k, v, a, b), None, o)
+
+    def _gated_linear_attn_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, q, k, v, g, o):  # type: ignore[no-untyped-def]
+        rows = (start_rows, snap_rows, cu_seqlens)
+        return self._linear_attn_call(self._lib.sc_gated_linear_attn, shp, pool, rows, (q, k, v, g), None, o)
+
     def _launch(self, call: tuple[Any, tuple[Any, ...], Any]) -> None:
         kernel, args, _keep = call
         kernel(*args, self.num_threads)
@@ -501,8 +538,17 @@ class CpuDevice(Device):
     def _gated_delta_net(self, *args):  # type: ignore[no-untyped-def]
         self._launch(self._gated_delta_net_call(*args))
 
+    def _rwkv_wkv6(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(self._rwkv_wkv6_call(*args))
+
+    def _rwkv_wkv7(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(self._rwkv_wkv7_call(*args))
+
+    def _gated_linear_attn(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(self._gated_linear_attn_call(*args))
+
     def _prepare_launch(self, op: str, call_args: tuple[Any, ...]) -> Any:
-        weights = {"ssm_scan": (7, 11, 13), "gated_delta_net": (11, 12)}.get(op, ())
+        weights = {"ssm_scan": (7, 11, 13), "gated_delta_net": (11, 12), "rwkv_wkv6": (9,)}.get(op, ())
         if any(call_args[i] is not None and not call_args[i].is_contiguous for i in weights):
             return None  # A, D, dt_bias, A_log are packed per call: a kept copy would miss the caller's updates
         kernel, args, keep = getattr(self, f"_{op}_call")(*call_args)

@@ -187,11 +187,21 @@ static void conv4_decode_block(const float *win, float *nwin, float *old, const 
 }
 #endif
 
+#ifdef SC_HAVE_AVX2
+/* 8 outputs: streamed (`stream`, dst 32-byte aligned) or stored. */
+static inline void conv_store8(float *dst, __m256 v, int stream) {
+    if (stream)
+        _mm256_stream_ps(dst, v);
+    else
+        _mm256_storeu_ps(dst, v);
+}
+#endif
+
 /* Unit (s, channels [c0, c0 + cb)) of a sequence with n_t != 1 tokens (or
  * any count on builds without AVX2): windows through the time-major `ext`. */
 static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, const sc_view *x, const float *weight,
                       const float *bias, float *y, int64_t channels, int64_t d_conv, int apply_silu, float *ext,
-                      float *win, float *wT) {
+                      float *win, float *wT, float *rowbuf, int stream) {
     const int64_t W = d_conv - 1;
     const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
     const sc_dtype pdt = (sc_dtype)st->pool_dtype;
@@ -213,23 +223,60 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
     int64_t c_vec = 0; /* channels [0, c_vec) done by the AVX2 loop */
 #ifdef SC_HAVE_AVX2
     c_vec = cb - cb % 8;
+    float *cur = rowbuf, *prev = rowbuf + SC_CONV_BLOCK; /* rows t and t - 1 before their SiLU */
+    float *y_prev = NULL;                                /* output row t - 1, once it is in `prev` */
+    int nt_prev = 0;
     for (int64_t t = 0; t < n_t; t++) {
         float *yr = y + (t0 + t) * channels + c0;
+        /* x rows are a whole channel count apart, each in a new page: fetched
+         * ahead.  Outputs of a large call are streamed (see sc_store_state). */
+        if (xc == 1 && t + SC_PREFETCH_ROWS < n_t) sc_prefetch_run(xblock + (t + SC_PREFETCH_ROWS) * xt, cb, 1);
+        const int nt_store = stream && ((uintptr_t)yr & 31) == 0;
         const float *taps[SC_CONV_MAX_TAPS];
         const int64_t n_taps = d_conv < SC_CONV_MAX_TAPS ? d_conv : SC_CONV_MAX_TAPS;
         for (int64_t k = 0; k < n_taps; k++) taps[k] = EROW(t + k);
+        /* Taps and bias of row t go to an L1 row buffer; the SiLU of row t - 1
+         * (the other buffer) runs in the same loop.  The SiLU's ~90-cycle
+         * dependency chain per vector, right behind the taps of the same
+         * vector, left the out-of-order window room for too few vectors; in
+         * a second pass over the row it no longer overlapped the taps'
+         * loads.  Skewed by a row, each iteration holds independent work of
+         * both kinds. */
+        float *row = apply_silu ? cur : yr;
+        const int nt_row = !apply_silu && nt_store;
         for (int64_t c = 0; c < c_vec; c += 8) {
-            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(taps[0] + c), _mm256_load_ps(wT + c));
-            for (int64_t k = 1; k < n_taps; k++)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(taps[k] + c), _mm256_load_ps(wT + k * SC_CONV_BLOCK + c), acc);
-            for (int64_t k = n_taps; k < d_conv; k++)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(EROW(t + k) + c), _mm256_load_ps(wT + k * SC_CONV_BLOCK + c),
-                                      acc);
+            __m256 acc;
+            if (d_conv == 4) {
+                acc = _mm256_mul_ps(_mm256_loadu_ps(taps[0] + c), _mm256_load_ps(wT + c));
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(taps[1] + c), _mm256_load_ps(wT + SC_CONV_BLOCK + c), acc);
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(taps[2] + c), _mm256_load_ps(wT + 2 * SC_CONV_BLOCK + c), acc);
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(taps[3] + c), _mm256_load_ps(wT + 3 * SC_CONV_BLOCK + c), acc);
+            } else {
+                acc = _mm256_mul_ps(_mm256_loadu_ps(taps[0] + c), _mm256_load_ps(wT + c));
+                for (int64_t k = 1; k < n_taps; k++)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(taps[k] + c), _mm256_load_ps(wT + k * SC_CONV_BLOCK + c),
+                                          acc);
+                for (int64_t k = n_taps; k < d_conv; k++)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(EROW(t + k) + c),
+                                          _mm256_load_ps(wT + k * SC_CONV_BLOCK + c), acc);
+            }
             if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + c0 + c));
-            if (apply_silu) acc = sc_silu8(acc);
-            _mm256_storeu_ps(yr + c, acc);
+            if (nt_row)
+                _mm256_stream_ps(row + c, acc);
+            else
+                _mm256_storeu_ps(row + c, acc);
+            if (y_prev) conv_store8(y_prev + c, sc_silu8(_mm256_load_ps(prev + c)), nt_prev);
+        }
+        if (apply_silu) {
+            float *swap = prev;
+            prev = cur;
+            cur = swap;
+            y_prev = yr;
+            nt_prev = nt_store;
         }
     }
+    if (y_prev)
+        for (int64_t c = 0; c < c_vec; c += 8) conv_store8(y_prev + c, sc_silu8(_mm256_load_ps(prev + c)), nt_prev);
 #endif
     for (int64_t t = 0; t < n_t && c_vec < cb; t++) {
         float *yr = y + (t0 + t) * channels + c0;
@@ -276,6 +323,7 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
     const int64_t work_bytes =
         channels * (int64_t)sizeof(float) * (n_s * W * (1 + sc_max_written(st)) + 2 * st->n_tokens);
     const int team = sc_state_team(n_units, work_bytes, n_threads);
+    const int stream = work_bytes >= sc_stream_min_bytes;
 #ifdef SC_HAVE_AVX2
     const int has_avx2 = 1;
 #else
@@ -294,6 +342,7 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
         float *win = (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK));
         float *wT = (float *)sc_alloc(sizeof(float) * (size_t)(d_conv * SC_CONV_BLOCK));
         float *nwin = (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK));
+        float *rowbuf = (float *)sc_alloc(sizeof(float) * 2 * SC_CONV_BLOCK);
 #ifdef SC_HAVE_AVX2
         int64_t wT_c0 = -1; /* block whose taps wT holds (block-major decode) */
 #endif
@@ -346,12 +395,14 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
                 continue;
             }
 #endif
-            conv_unit(st, s, c0, cb, x, weight, bias, y, channels, d_conv, apply_silu, ext, win, wT);
+            conv_unit(st, s, c0, cb, x, weight, bias, y, channels, d_conv, apply_silu, ext, win, wT, rowbuf, stream);
         }
+        sc_stream_fence(); /* this thread's streamed outputs are visible before it joins */
         free(ext);
         free(win);
         free(wT);
         free(nwin);
+        free(rowbuf);
     }
 }
 

@@ -32,7 +32,7 @@
  * A unit reads its slice of the start row before writing that slice of any
  * row, and no other unit touches the slice, so in-place decode and
  * rollback are safe and the result does not depend on the thread split. */
-#include "sc_internal.h"
+#include "sc_gemm.h"
 
 /* Rows of a Mamba-2 tile: as many as fit 32 KiB of f32 (L1), at most this. */
 #define SC_SCAN_TILE 256
@@ -404,231 +404,244 @@ static void scan_mamba1_rows(const scan_call *c, int64_t s, int64_t h0, int64_t 
  *
  * Token by token, each state element costs a load, a store and three FMAs per
  * token, so the scan is load/store-bound far below the FMA peak.  Over a chunk
- * of L tokens the same recurrence is a few small matrix products whose
- * operands stay in registers for many FMAs each:
+ * of L tokens the same recurrence is mamba_ssm's block decomposition (SSD):
  *
  *   y_t   = lam_t (S C_t) + sum_{u<=t} D[t][u] (C_t . B_u) xd_u
  *   S_end = lam_end S + sum_u D[end][u] xd_u B_u^T
  *
  * with xd_u = x_u dt_u, D[t][u] = exp(sum_{v=u+1..t} dA_v) the decay from
  * token u to token t and lam_t = exp(sum_{v<=t} dA_v) the decay of the
- * chunk's start state.  The decay exponents are running sums (segsum), never
- * differences of cumulative sums, which would lose the short-range decays to
- * cancellation.  The rounding differs from the token loop but stays within a
- * few ulps of it per chunk.  A unit is still one (sequence, head), walked
- * chunk by chunk by one thread, so the result is the same for any thread
- * count. */
+ * chunk's start state.  Per chunk that is four small matrix products
+ * (sc_gemm) in the state's own [head_dim][d_state] layout, with the chunk's
+ * B, C and xd transposed:
+ *
+ *   G   = C B^T masked by D             [L x L], lower triangular
+ *   Y^T = S (C lam)^T + xd^T G^T       [P x L], G^T upper triangular
+ *   S   = lam_end S + (xd D[end])^T B  [P x N]
+ *
+ * The decay exponents are running sums (segsum), never differences of
+ * cumulative sums, which would lose the short-range decays to cancellation.
+ * Chunks end at every snapshot position (sc_state_stops), so snapshots are
+ * states the recurrence passes through; the rounding differs from the token
+ * loop by the order of the sums only.  A unit is still one (sequence, head),
+ * walked chunk by chunk by one thread, so the result is the same for any
+ * thread count; a unit whose inputs or start state are not all finite takes
+ * the token loop (see sc_all_finite). */
 #ifndef SC_CHUNK
-#define SC_CHUNK 64
+#define SC_CHUNK 16
 #endif
-/* Fewest chunked tokens for which the chunked form beats the token loop. */
+/* A unit takes the chunked form when some run between its stops is at least
+ * this long; shorter runs of such a unit are chunks of their own. */
 #ifndef SC_CHUNK_MIN
 #define SC_CHUNK_MIN 16
 #endif
 
-/* out[i][j] = sum_k A[i][k] B[j][k] for an mr x nr block (K % 8 == 0):
- * dot products, reduced horizontally once at the end. */
-static inline __attribute__((always_inline)) void nt_block(int mr, int nr, int64_t K, const float *A, int64_t lda,
-                                                            const float *B, int64_t ldb, float *out, int64_t ldo) {
-    __m256 acc[3][4];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 a[3]; /* 12 accumulators + 3 rows of A + 1 of B: the 16 registers */
-        for (int i = 0; i < mr; i++) a[i] = _mm256_loadu_ps(A + i * lda + k);
-        for (int j = 0; j < nr; j++) {
-            const __m256 b = _mm256_loadu_ps(B + j * ldb + k);
-            for (int i = 0; i < mr; i++) acc[i][j] = _mm256_fmadd_ps(a[i], b, acc[i][j]);
-        }
-    }
-    for (int i = 0; i < mr; i++) {
-        if (nr == 4) {
-            _mm_storeu_ps(out + i * ldo, sc_hsum4x8(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
-        } else {
-            for (int j = 0; j < nr; j++) {
-                __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]), _mm256_extractf128_ps(acc[i][j], 1));
-                h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-                out[i * ldo + j] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-            }
-        }
-    }
-}
+/* Heads of one group a chunked unit walks together: they share the chunk's
+ * transposed B and C and the product C B^T (mamba_ssm's bmm_chunk), which
+ * then cost once per block instead of once per head.  Fixed, so units (and
+ * results) never depend on the thread count. */
+#define SC_M2_HEADS 8
 
-/* out = A B^T for A [m][K], B [n][K] (K % 8 == 0), in 3 x 4 blocks. */
-static void gemm_nt(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                    float *out, int64_t ldo) {
-    int64_t i = 0;
-    for (; i + 3 <= m; i += 3) {
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) nt_block(3, 4, K, A + i * lda, lda, B + j * ldb, ldb, out + i * ldo + j, ldo);
-        for (; j < n; j++) nt_block(3, 1, K, A + i * lda, lda, B + j * ldb, ldb, out + i * ldo + j, ldo);
-    }
-    for (; i < m; i++) {
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) nt_block(1, 4, K, A + i * lda, lda, B + j * ldb, ldb, out + i * ldo + j, ldo);
-        for (; j < n; j++) nt_block(1, 1, K, A + i * lda, lda, B + j * ldb, ldb, out + i * ldo + j, ldo);
-    }
-}
-
-/* out[i][:] = beta out[i][:] + sum_k A[i][k] B[k][:] for an mr x (8 nv) block,
- * lanes across the columns. */
-static inline __attribute__((always_inline)) void nn_block(int mr, int nv, int64_t K, const float *A, int64_t lda,
-                                                            const float *B, int64_t ldb, float *out, int64_t ldo,
-                                                            float beta) {
-    __m256 acc[4][3];
-    const __m256 bv = _mm256_set1_ps(beta);
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nv; j++)
-            acc[i][j] = _mm256_mul_ps(bv, _mm256_loadu_ps(out + i * ldo + 8 * j));
-    for (int64_t k = 0; k < K; k++) {
-        __m256 b[3];
-        for (int j = 0; j < nv; j++) b[j] = _mm256_loadu_ps(B + k * ldb + 8 * j);
-        for (int i = 0; i < mr; i++) {
-            const __m256 a = _mm256_broadcast_ss(A + i * lda + k);
-            for (int j = 0; j < nv; j++) acc[i][j] = _mm256_fmadd_ps(a, b[j], acc[i][j]);
-        }
-    }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nv; j++) _mm256_storeu_ps(out + i * ldo + 8 * j, acc[i][j]);
-}
-
-/* out = beta out + A B for A [m][K], B [K][n] (n % 8 == 0), in 4 x 24 blocks.
- * Row i only sums k < kmax(i) = min(K, i_block_end + kpad) when `lower` is set:
- * A is lower triangular there and the rest of its row is zero. */
-static void gemm_nn(int64_t m, int64_t n, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
-                    float *out, int64_t ldo, float beta, int lower) {
-    int64_t i = 0;
-    for (; i < m; i += 4) {
-        const int mr = m - i < 4 ? (int)(m - i) : 4;
-        const int64_t kk = lower ? (i + mr < K ? i + mr : K) : K;
-        const float *Ai = A + i * lda;
-        float *Oi = out + i * ldo;
-        int64_t j = 0;
-        if (mr == 4) {
-            for (; j + 24 <= n; j += 24) nn_block(4, 3, kk, Ai, lda, B + j, ldb, Oi + j, ldo, beta);
-            for (; j + 8 <= n; j += 8) nn_block(4, 1, kk, Ai, lda, B + j, ldb, Oi + j, ldo, beta);
-        } else {
-            for (; j + 24 <= n; j += 24)
-                for (int r = 0; r < mr; r++)
-                    nn_block(1, 3, kk, Ai + r * lda, lda, B + j, ldb, Oi + r * ldo + j, ldo, beta);
-            for (; j + 8 <= n; j += 8)
-                for (int r = 0; r < mr; r++)
-                    nn_block(1, 1, kk, Ai + r * lda, lda, B + j, ldb, Oi + r * ldo + j, ldo, beta);
-        }
-    }
-}
-
-/* Scratch of one thread for scan_mamba2_chunks. */
+/* Scratch of one thread for the chunked form (arrays [.][L] have row stride
+ * SC_CHUNK, [hh] indexes the heads of a block). */
 typedef struct {
-    float *seg;  /* [L] running decay exponents of the current row */
-    float *D;    /* [L][L] decays, zero above the diagonal */
-    float *M;    /* [L][L] (C_t . B_u) D[t][u] */
-    float *xd;   /* [L][P] x_u dt_u */
-    float *wT;   /* [P][L] D[end][u] xd_u, transposed */
-    float *lam;  /* [L] */
-} sc_chunk_scratch;
+    float *S;         /* [hh][P][N] states: the block's slice of a pool row */
+    float *dA;        /* [hh][n_t] dt_t A_h */
+    float *d;         /* [hh][n_t] dt_t */
+    float *Bc, *Cc;   /* [L][N] the chunk's B and C rows */
+    float *CT, *BT;   /* [N][L] the same, transposed */
+    float *G0, *G;    /* [L][L] C B^T, and masked by a head's decays */
+    float *GT;        /* [L][L] */
+    float *xdT, *wT;  /* [P][L] a head's xd transposed, and times D[end][u] */
+    float *YT;        /* [P][L] */
+    float *seg, *lam; /* [L] */
+    float *D;         /* [L][L] */
+    int64_t *stops;   /* [n_cols + 1] */
+} m2_chunk_ws;
 
+static inline int64_t round8(int64_t n) { return (n + 7) & ~(int64_t)7; }
 
-/* Advances the f32 state S [P][N] over tokens [0, n_c) of unit (s, h) in
- * chunks, writing y for those tokens.  d and dA hold softplus(dt) and
- * d * A for every token; Bs/Cs are token rows at strides bts/cts. */
-static void scan_mamba2_chunks(float *S, const sc_view *x, const float *d, const float *dA, const float *Bs,
-                               int64_t bts, const float *Cs, int64_t cts, float *y, int64_t t0, int64_t h, int64_t n_c,
-                               int64_t H, int64_t P, int64_t N, sc_chunk_scratch *w) {
-    const int64_t L = SC_CHUNK, ldy = H * P;
-    const float *xs = x->data + t0 * x->strides[0] + h * x->strides[1];
-    for (int64_t c0 = 0; c0 < n_c; c0 += L) {
-        const int64_t Lc = n_c - c0 < L ? n_c - c0 : L;
-        const float *Bc = Bs + c0 * bts, *Cc = Cs + c0 * cts;
-        float *yc = y + ((t0 + c0) * H + h) * P;
-        /* Decays: row t of D from row t-1 by adding dA_t (segsum). */
-        float total = 0.0f;
-        for (int64_t t = 0; t < Lc; t++) {
-            const float a = dA[c0 + t];
-            for (int64_t u = 0; u < t; u++) w->seg[u] += a;
-            w->seg[t] = 0.0f;
-            total += a;
-            float *Dt = w->D + t * L;
-            int64_t u = 0;
-            for (; u + 8 <= t + 1; u += 8) _mm256_storeu_ps(Dt + u, sc_exp8(_mm256_loadu_ps(w->seg + u)));
-            for (; u <= t; u++) Dt[u] = sc_exp(w->seg[u]);
-            for (; u < L; u++) Dt[u] = 0.0f;
-            w->lam[t] = sc_exp(total);
-        }
-        const float lam_end = w->lam[Lc - 1];
-        const float *Dend = w->D + (Lc - 1) * L;
-        for (int64_t u = 0; u < Lc; u++) {
-            const float du = d[c0 + u];
-            const float *xu = xs + (c0 + u) * x->strides[0];
-            for (int64_t i = 0; i < P; i++) w->xd[u * P + i] = xu[i * x->strides[2]] * du;
-        }
-        for (int64_t i = 0; i < P; i++)
-            for (int64_t u = 0; u < Lc; u++) w->wT[i * L + u] = Dend[u] * w->xd[u * P + i];
-        /* y_t = lam_t (S C_t): dots over d_state, then the row scale. */
-        gemm_nt(Lc, P, N, Cc, cts, S, N, yc, ldy);
-        for (int64_t t = 0; t < Lc; t++) {
-            float *yt = yc + t * ldy;
-            const __m256 l = _mm256_set1_ps(w->lam[t]);
-            for (int64_t i = 0; i < P; i += 8) _mm256_storeu_ps(yt + i, _mm256_mul_ps(l, _mm256_loadu_ps(yt + i)));
-        }
-        /* M = (C B^T) o D, computed on and below the diagonal in 3-row
-         * blocks (D zeroes the block's columns past the diagonal) and zeroed
-         * to the right, where gemm_nn's 4-row blocks still read. */
-        for (int64_t t = 0; t < Lc; t += 3) {
-            const int64_t mr = Lc - t < 3 ? Lc - t : 3;
-            const int64_t nu = t + mr;
-            gemm_nt(mr, nu, N, Cc + t * cts, cts, Bc, bts, w->M + t * L, L);
-            for (int64_t r = t; r < t + mr; r++) {
-                for (int64_t u = 0; u < nu; u++) w->M[r * L + u] *= w->D[r * L + u];
-                for (int64_t u = nu; u < Lc; u++) w->M[r * L + u] = 0.0f;
-            }
-        }
-        /* y += M xd, then S = lam_end S + wT B. */
-        gemm_nn(Lc, P, Lc, w->M, L, w->xd, P, yc, ldy, 1.0f, 1);
-        gemm_nn(P, N, Lc, w->wT, L, Bc, bts, S, N, lam_end, 0);
+/* Rows [0, n) of a token-major input (row stride rs, element stride es)
+ * copied into dst [n][w]; `next` (or NULL), the rows the caller reads next,
+ * is prefetched meanwhile. */
+static void pack_rows(const float *src, int64_t n, int64_t rs, int64_t w, int64_t es, float *dst, const float *next,
+                      int64_t n_next) {
+    for (int64_t t = 0; t < n; t++) {
+        if (next && t < n_next) sc_prefetch_run(next + t * rs, w, es);
+        if (es == 1)
+            memcpy(dst + t * w, src + t * rs, sizeof(float) * (size_t)w);
+        else
+            for (int64_t i = 0; i < w; i++) dst[t * w + i] = src[t * rs + i * es];
     }
 }
 
-/* The largest snapshot column below n_t that sequence s writes (0 if none):
- * the chunked form covers the tokens before it, the token loop the rest, so
- * every snapshot is a state the recurrence passes through exactly as the
- * token loop defines it. */
-static int64_t last_snapshot(const sc_state *st, int64_t s, int64_t n_t) {
-    int64_t j = (n_t - 1 < st->n_cols - 1 ? n_t - 1 : st->n_cols - 1);
-    for (; j > 0; j--)
-        if (sc_snap_row(st, s, j) >= 0) return j;
-    return 0;
+/* Head h's chunk [c0, c0 + L) (its state S, its decays dA and dt d): S
+ * advances over the chunk and y is written.  w->Bc, Cc, BT, CT and G0 hold
+ * the chunk's shared part. */
+static void mamba2_head_chunk(const scan_call *c, m2_chunk_ws *w, float *S, const float *dA, const float *d,
+                              int64_t t0, int64_t h, int64_t c0, int64_t L) {
+    const int64_t P = c->P, N = c->N, LD = SC_CHUNK, Lp = round8(L);
+    const sc_view *x = c->x;
+    sc_chunk_decays(dA, L, w->seg, w->D, LD, w->lam);
+    for (int64_t t = L; t < Lp; t++) w->lam[t] = 0.0f;
+    /* G = (C B^T) o D, zero above the diagonal (where G0 was not computed:
+     * selected, not multiplied by D's zeros); then its transpose. */
+    for (int64_t t = 0; t < L; t++)
+        for (int64_t u = 0; u < Lp; u += 8) {
+            const __m256 dv = _mm256_loadu_ps(w->D + t * LD + u);
+            const __m256 below = _mm256_cmp_ps(dv, _mm256_setzero_ps(), _CMP_GT_OQ);
+            const __m256 gv = _mm256_mul_ps(_mm256_loadu_ps(w->G0 + t * LD + u), dv);
+            _mm256_storeu_ps(w->G + t * LD + u, _mm256_and_ps(below, gv));
+        }
+    sc_transpose(w->G, LD, w->GT, LD, L, L);
+    for (int64_t u = 0; u < L; u++)
+        for (int64_t t = L; t < Lp; t++) w->GT[u * LD + t] = 0.0f;
+    /* xd^T: the chunk's x rows of head h transposed, columns scaled by dt. */
+    const float *xs = x->data + (t0 + c0) * x->strides[0] + h * x->strides[1];
+    if (x->strides[2] == 1) {
+        sc_transpose(xs, x->strides[0], w->xdT, LD, L, P);
+    } else {
+        for (int64_t t = 0; t < L; t++)
+            for (int64_t p = 0; p < P; p++) w->xdT[p * LD + t] = xs[t * x->strides[0] + p * x->strides[2]];
+    }
+    const float *Dend = w->D + (L - 1) * LD;
+    for (int64_t p = 0; p < P; p++) {
+        float *xr = w->xdT + p * LD, *wr = w->wT + p * LD;
+        for (int64_t t = 0; t < L; t++) xr[t] *= d[t];
+        for (int64_t t = L; t < Lp; t++) xr[t] = 0.0f;
+        for (int64_t t = 0; t < Lp; t += 8)
+            _mm256_storeu_ps(wr + t, _mm256_mul_ps(_mm256_loadu_ps(xr + t), _mm256_loadu_ps(Dend + t)));
+    }
+    /* Y^T = (S C^T) lam + xd^T G^T, then y = Y. */
+    sc_gemm(P, Lp, N, S, N, w->CT, LD, w->YT, LD, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t t = 0; t < Lp; t += 8)
+            _mm256_storeu_ps(w->YT + p * LD + t,
+                             _mm256_mul_ps(_mm256_loadu_ps(w->YT + p * LD + t), _mm256_loadu_ps(w->lam + t)));
+    sc_gemm(P, Lp, L, w->xdT, LD, w->GT, LD, w->YT, LD, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_B_UPPER, 0);
+    sc_transpose(w->YT, LD, c->y + ((t0 + c0) * c->H + h) * P, c->H * P, P, L);
+    /* S = lam_end S + (xd D[end])^T B. */
+    sc_gemm(P, N, L, w->wT, LD, w->Bc, N, S, N, SC_GEMM_SCALE, w->lam[L - 1], NULL, SC_GEMM_DENSE, 0);
 }
 
-/* Mamba-2 unit (s, h) with the first n_t - jmax tokens in chunks and the
- * rest token by token (see last_snapshot).  The head's start slice is read
- * whole into S before any row is written. */
-static void scan_mamba2_chunked_unit(const scan_call *c, int64_t s, int64_t h, int64_t jmax, float *dbuf, float *abuf,
-                                     float *dAbuf, float *bpack, float *cpack, float *S, sc_chunk_scratch *w) {
+/* The token loop over tokens [t, n_t) of heads [h0, h0 + hb), from the
+ * block's states in w->S, with the snapshots at stops[i..]: the rest of a
+ * unit from a chunk whose inputs are not all finite on, so that NaN and Inf
+ * land where the definition puts them. */
+static void mamba2_tokens_from(const scan_call *c, m2_chunk_ws *w, int64_t s, int64_t h0, int64_t hb, int64_t t,
+                               const int64_t *stops, int64_t i, int64_t n_stops) {
+    const sc_state *st = c->st;
+    const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
+    const int64_t H = c->H, P = c->P, N = c->N, g = h0 / (H / c->G), off = h0 * P * N;
+    const sc_view *x = c->x, *B = c->B, *C = c->C;
+    for (; t < n_t; t++) {
+        const int64_t tt = t0 + t;
+        pack_rows(B->data + tt * B->strides[0] + g * B->strides[1], 1, 0, N, B->strides[2], w->Bc, NULL, 0);
+        pack_rows(C->data + tt * C->strides[0] + g * C->strides[1], 1, 0, N, C->strides[2], w->Cc, NULL, 0);
+        for (int64_t hh = 0; hh < hb; hh++) {
+            const float *xr = x->data + tt * x->strides[0] + (h0 + hh) * x->strides[1];
+            const float d = w->d[hh * n_t + t];
+            for (int64_t p = 0; p < P; p++) w->xdT[p] = xr[p * x->strides[2]] * d;
+            float *S = w->S + hh * P * N;
+            update_rows(S, S, P, N, w->Bc, w->Cc, sc_exp(w->dA[hh * n_t + t]), w->xdT,
+                        c->y + (tt * H + h0 + hh) * P, 0);
+        }
+        for (; i < n_stops && stops[i] <= t + 1; i++) {
+            const int64_t r = sc_snap_row(st, s, n_t - stops[i]);
+            if (r >= 0) sc_store_state(w->S, sc_pool_at(st, r, off), (sc_dtype)st->pool_dtype, hb * P * N, c->stream);
+        }
+    }
+}
+
+/* Unit (sequence s, heads [h0, h0 + hb) of one group) in chunks ending at
+ * `stops`, or 0 (nothing written) when a start state is not all finite.
+ * Each chunk's inputs are checked as it starts (and its successor's x rows
+ * fetched meanwhile); from a chunk with non-finite inputs on, the token loop
+ * runs instead. */
+static int scan_mamba2_chunked_unit(const scan_call *c, int64_t s, int64_t h0, int64_t hb, const int64_t *stops,
+                                    int64_t n_stops, float *abuf, m2_chunk_ws *w) {
     const sc_state *st = c->st;
     const sc_dtype pdt = (sc_dtype)st->pool_dtype;
     const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
-    const int64_t H = c->H, P = c->P, N = c->N, g = h / (H / c->G);
-    const sc_view *x = c->x;
-    prep_dt(c, t0, n_t, h, dbuf, abuf, dAbuf);
-    int64_t bts, cts;
-    const float *Bs = tokens_of(c->B, t0, g, n_t, N, bpack, &bts);
-    const float *Cs = tokens_of(c->C, t0, g, n_t, N, cpack, &cts);
-    const int64_t off = h * P * N, n_c = n_t - jmax;
-    sc_load_f32(sc_pool_at(st, st->start_rows[s], off), pdt, S, P * N);
-    sc_copy_input_state(st, s, n_t, off, S, P * N);
-    scan_mamba2_chunks(S, x, dbuf, dAbuf, Bs, bts, Cs, cts, c->y, t0, h, n_c, H, P, N, w);
-    const int64_t rc = sc_snap_row(st, s, jmax);
-    if (rc >= 0) sc_store_f32(S, sc_pool_at(st, rc, off), pdt, P * N);
-    const float *xs = x->data + t0 * x->strides[0] + h * x->strides[1];
-    for (int64_t t = n_c; t < n_t; t++) {
-        const float d = dbuf[t];
-        for (int64_t i = 0; i < P; i++) w->xd[i] = xs[t * x->strides[0] + i * x->strides[2]] * d;
-        update_rows(S, S, P, N, Bs + t * bts, Cs + t * cts, abuf[t], w->xd, c->y + ((t0 + t) * H + h) * P, 0);
-        const int64_t rj = sc_snap_row(st, s, n_t - 1 - t);
-        if (rj >= 0) sc_store_f32(S, sc_pool_at(st, rj, off), pdt, P * N);
+    const int64_t H = c->H, P = c->P, N = c->N, g = h0 / (H / c->G), LD = SC_CHUNK;
+    const sc_view *x = c->x, *B = c->B, *C = c->C;
+    const float *Bs = B->data + t0 * B->strides[0] + g * B->strides[1];
+    const float *Cs = C->data + t0 * C->strides[0] + g * C->strides[1];
+    const float *xs = x->data + t0 * x->strides[0] + h0 * x->strides[1];
+    const int64_t off = h0 * P * N;
+    const int side_by_side = x->strides[2] == 1 && x->strides[1] == P; /* one run of hb * P per token */
+    sc_load_f32(sc_pool_at(st, st->start_rows[s], off), pdt, w->S, hb * P * N);
+    if (!sc_all_finite(w->S, 1, 0, hb * P * N, 1)) return 0;
+    for (int64_t hh = 0; hh < hb; hh++) prep_dt(c, t0, n_t, h0 + hh, w->d + hh * n_t, abuf, w->dA + hh * n_t);
+    sc_copy_input_state(st, s, n_t, off, w->S, hb * P * N);
+    int64_t pos = 0;
+    for (int64_t i = 0; i < n_stops; i++) {
+        for (; pos < stops[i]; pos += LD) {
+            const int64_t L = stops[i] - pos < LD ? stops[i] - pos : LD, Lp = round8(L);
+            const int64_t n_next = n_t - pos - L < LD ? n_t - pos - L : LD;
+            pack_rows(Bs + pos * B->strides[0], L, B->strides[0], N, B->strides[2], w->Bc,
+                      Bs + (pos + L) * B->strides[0], n_next);
+            pack_rows(Cs + pos * C->strides[0], L, C->strides[0], N, C->strides[2], w->Cc,
+                      Cs + (pos + L) * C->strides[0], n_next);
+            int finite = sc_all_finite(w->Bc, 1, 0, L * N, 1) && sc_all_finite(w->Cc, 1, 0, L * N, 1);
+            for (int64_t hh = 0; hh < hb && finite; hh++) finite = sc_all_finite(w->dA + hh * n_t + pos, 1, 0, L, 1);
+            if (side_by_side)
+                finite = finite && sc_all_finite(xs + pos * x->strides[0], L, x->strides[0], hb * P, 1);
+            else
+                for (int64_t hh = 0; hh < hb && finite; hh++)
+                    finite = sc_all_finite(xs + hh * x->strides[1] + pos * x->strides[0], L, x->strides[0], P,
+                                           x->strides[2]);
+            if (!finite) {
+                mamba2_tokens_from(c, w, s, h0, hb, pos, stops, i, n_stops);
+                scan_epilogue(c, t0, n_t, h0, hb);
+                return 1;
+            }
+            sc_transpose(w->Cc, N, w->CT, LD, L, N);
+            sc_transpose(w->Bc, N, w->BT, LD, L, N);
+            for (int64_t n = 0; n < N; n++)
+                for (int64_t t = L; t < Lp; t++) w->CT[n * LD + t] = w->BT[n * LD + t] = 0.0f;
+            sc_gemm(L, Lp, N, w->Cc, N, w->BT, LD, w->G0, LD, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_C_LOWER, 1);
+            for (int64_t hh = 0; hh < hb; hh++) {
+                const float *xn = xs + hh * x->strides[1] + (pos + L) * x->strides[0];
+                for (int64_t t = 0; t < n_next; t++) sc_prefetch_run(xn + t * x->strides[0], P, x->strides[2]);
+                mamba2_head_chunk(c, w, w->S + hh * P * N, w->dA + hh * n_t + pos, w->d + hh * n_t + pos, t0,
+                                  h0 + hh, pos, L);
+            }
+        }
+        pos = stops[i];
+        const int64_t r = sc_snap_row(st, s, n_t - stops[i]);
+        if (r >= 0) sc_store_state(w->S, sc_pool_at(st, r, off), pdt, hb * P * N, c->stream);
     }
-    scan_epilogue(c, t0, n_t, h, 1);
+    scan_epilogue(c, t0, n_t, h0, hb);
+    return 1;
+}
+
+static void m2_chunk_ws_alloc(m2_chunk_ws *w, int64_t P, int64_t N, int64_t t_max, int64_t n_cols) {
+    const size_t L = SC_CHUNK, f = sizeof(float), tm = (size_t)t_max, hb = SC_M2_HEADS;
+    w->S = (float *)sc_alloc(f * hb * (size_t)(P * N));
+    w->dA = (float *)sc_alloc(f * hb * tm);
+    w->d = (float *)sc_alloc(f * hb * tm);
+    w->Bc = (float *)sc_alloc(f * L * (size_t)N);
+    w->Cc = (float *)sc_alloc(f * L * (size_t)N);
+    w->CT = (float *)sc_alloc(f * (size_t)N * L);
+    w->BT = (float *)sc_alloc(f * (size_t)N * L);
+    w->G0 = (float *)sc_alloc(f * L * L);
+    w->G = (float *)sc_alloc(f * L * L);
+    w->GT = (float *)sc_alloc(f * L * L);
+    w->xdT = (float *)sc_alloc(f * (size_t)P * L);
+    w->wT = (float *)sc_alloc(f * (size_t)P * L);
+    w->YT = (float *)sc_alloc(f * (size_t)P * L);
+    w->seg = (float *)sc_alloc(f * L);
+    w->lam = (float *)sc_alloc(f * L);
+    w->D = (float *)sc_alloc(f * L * L);
+    w->stops = (int64_t *)sc_alloc(sizeof(int64_t) * (size_t)(n_cols + 1));
+}
+
+static void m2_chunk_ws_free(m2_chunk_ws *w) {
+    float *all[] = {w->S,  w->dA,  w->d,  w->Bc, w->Cc,  w->CT,  w->BT, w->G0,
+                    w->G,  w->GT,  w->xdT, w->wT, w->YT, w->seg, w->lam, w->D};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) free(all[i]);
+    free(w->stops);
 }
 #endif
 
@@ -677,14 +690,18 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
         }
         return;
     }
-    const int64_t n_units = n_s * H;
     const int need_pack = B->strides[2] != 1 || C->strides[2] != 1;
-    const int team = sc_state_team(n_units, work_bytes, n_threads);
 #ifdef SC_HAVE_AVX2
     const int may_chunk = N % 8 == 0 && P % 8 == 0 && n_t_max >= SC_CHUNK_MIN;
 #else
     const int may_chunk = 0;
 #endif
+    /* Units: (sequence, head), or in calls that may chunk (sequence, block
+     * of up to SC_M2_HEADS heads of one group); a head's token loop is the
+     * same in either. */
+    const int64_t Hg = H / n_group, per_block = may_chunk ? SC_M2_HEADS : 1;
+    const int64_t blocks = (Hg + per_block - 1) / per_block, n_units = n_s * n_group * blocks;
+    const int team = sc_state_team(n_units, work_bytes, n_threads);
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         const size_t tmax = (size_t)(n_t_max > 0 ? n_t_max : 1);
@@ -694,35 +711,25 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
         float *cpack = need_pack ? (float *)sc_alloc(sizeof(float) * tmax * (size_t)N) : NULL;
         float *tile = (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows(N) * N));
 #ifdef SC_HAVE_AVX2
-        const int64_t L = SC_CHUNK;
-        float *dAbuf = NULL, *S = NULL;
-        sc_chunk_scratch w = {NULL, NULL, NULL, NULL, NULL, NULL};
-        if (may_chunk) {
-            dAbuf = (float *)sc_alloc(sizeof(float) * tmax);
-            S = (float *)sc_alloc(sizeof(float) * (size_t)(P * N));
-            w.seg = (float *)sc_alloc(sizeof(float) * (size_t)L);
-            w.D = (float *)sc_alloc(sizeof(float) * (size_t)(L * L));
-            w.M = (float *)sc_alloc(sizeof(float) * (size_t)(L * L));
-            w.xd = (float *)sc_alloc(sizeof(float) * (size_t)(L * P));
-            w.wT = (float *)sc_alloc(sizeof(float) * (size_t)(P * L));
-            w.lam = (float *)sc_alloc(sizeof(float) * (size_t)L);
-        }
+        m2_chunk_ws w = {0};
+        if (may_chunk) m2_chunk_ws_alloc(&w, P, N, (int64_t)tmax, st->n_cols);
 #endif
         int64_t lo, hi;
         sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
         for (int64_t u = lo; u < hi; u++) {
-            const int64_t s = u / H, h = u % H;
+            const int64_t s = u / (n_group * blocks), gb = u % (n_group * blocks);
+            const int64_t h0 = gb / blocks * Hg + gb % blocks * per_block;
+            const int64_t hb = Hg - gb % blocks * per_block < per_block ? Hg - gb % blocks * per_block : per_block;
 #ifdef SC_HAVE_AVX2
-            if (may_chunk) {
-                const int64_t n_t = st->cu_seqlens[s + 1] - st->cu_seqlens[s];
-                const int64_t jmax = n_t > 0 ? last_snapshot(st, s, n_t) : 0;
-                if (n_t - jmax >= SC_CHUNK_MIN) {
-                    scan_mamba2_chunked_unit(&c, s, h, jmax, dbuf, abuf, dAbuf, bpack, cpack, S, &w);
+            const int64_t n_t = st->cu_seqlens[s + 1] - st->cu_seqlens[s];
+            if (may_chunk && n_t >= SC_CHUNK_MIN) {
+                int64_t longest;
+                const int64_t n_stops = sc_state_stops(st, s, n_t, w.stops, &longest);
+                if (longest >= SC_CHUNK_MIN && scan_mamba2_chunked_unit(&c, s, h0, hb, w.stops, n_stops, abuf, &w))
                     continue;
-                }
             }
 #endif
-            scan_mamba2_unit(&c, s, h, dbuf, abuf, bpack, cpack, tile);
+            for (int64_t h = h0; h < h0 + hb; h++) scan_mamba2_unit(&c, s, h, dbuf, abuf, bpack, cpack, tile);
         }
         sc_stream_fence(); /* this thread's streamed rows are visible before it joins */
         (void)may_chunk;
@@ -732,14 +739,7 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
         free(cpack);
         free(tile);
 #ifdef SC_HAVE_AVX2
-        free(dAbuf);
-        free(S);
-        free(w.seg);
-        free(w.D);
-        free(w.M);
-        free(w.xd);
-        free(w.wT);
-        free(w.lam);
+        if (may_chunk) m2_chunk_ws_free(&w);
 #endif
     }
 }

@@ -22,7 +22,7 @@
 
 /* cdef-begin */
 /* Bump on any change of a signature, struct or enum below. */
-#define SC_CPU_ABI_VERSION 2
+#define SC_CPU_ABI_VERSION 3
 
 typedef enum { SC_F32 = 0, SC_F16 = 1, SC_BF16 = 2 } sc_dtype;
 
@@ -128,6 +128,19 @@ void sc_ssm_scan(const sc_state *st, const sc_view *x, const sc_view *dt, const 
 void sc_gated_delta_net(const sc_state *st, const sc_view *q, const sc_view *k, const sc_view *v, const sc_view *g,
                         int kda, const sc_view *beta, void *o, sc_dtype o_dtype, const sc_delta_options *opt,
                         int64_t n_head_k, int64_t n_head_v, int64_t head_size, int n_threads);
+/* linear_attn.c: RWKV-6 (r, k, v, w; u [H, S] time-first bonus), RWKV-7
+ * (r, w, k, v, a, b) and GLA (q, k, v, g): every per-token input [T, H, S]
+ * (views), o [T, H, S] contiguous, pool rows [H, S, S] with block [i][j]
+ * = S[key i][value j] (RWKV-6, GLA) or S[value i][key j] (RWKV-7); decays
+ * and gates in log space; `scale` multiplies the output. */
+void sc_rwkv_wkv6(const sc_state *st, const sc_view *r, const sc_view *k, const sc_view *v, const sc_view *w,
+                  const float *u, void *o, sc_dtype o_dtype, float scale, int64_t n_head, int64_t head_size,
+                  int n_threads);
+void sc_rwkv_wkv7(const sc_state *st, const sc_view *r, const sc_view *w, const sc_view *k, const sc_view *v,
+                  const sc_view *a, const sc_view *b, void *o, sc_dtype o_dtype, float scale, int64_t n_head,
+                  int64_t head_size, int n_threads);
+void sc_gated_linear_attn(const sc_state *st, const sc_view *q, const sc_view *k, const sc_view *v, const sc_view *g,
+                          void *o, sc_dtype o_dtype, float scale, int64_t n_head, int64_t head_size, int n_threads);
 /* cdef-end */
 
 #endif

@@ -27,7 +27,7 @@ from statecache.errors import BuildError
 PACKAGE_DIR = Path(__file__).resolve().parent
 HEADER = "statecache_cuda.h"
 HEADERS = (HEADER, "common.cuh")
-SOURCES = ("runtime.cu", "rows.cu", "ssm_conv.cu", "ssm_scan.cu", "delta_net.cu")
+SOURCES = ("runtime.cu", "rows.cu", "ssm_conv.cu", "ssm_scan.cu", "delta_net.cu", "linear_attn.cu")
 LIBRARY_NAME = "libstatecache_cuda.so"
 
 #: Real code for Ampere (sm_80) and Hopper (sm_90), plus sm_90 PTX that the

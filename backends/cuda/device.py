@@ -24,7 +24,16 @@ from typing import Any
 import numpy as np
 
 from statecache import __version__
-from statecache.backend import PRIMITIVES, PROTOCOL_VERSION, Backend, Buffer, Caps, Device, DeviceKind, Support
+from statecache.backend import (
+    PRIMITIVES,
+    PROTOCOL_VERSION,
+    Backend,
+    Buffer,
+    Caps,
+    Device,
+    DeviceKind,
+    Support,
+)
 from statecache.backends.cuda import build
 from statecache.dlpack import DLDataType, DLDevice, DLTensor
 from statecache.dtypes import STORAGE_DTYPES, DType
@@ -32,7 +41,7 @@ from statecache.errors import StatecacheError
 from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES, L2NORM_EPS
 
 #: The ABI this Python code speaks; the library must report the same.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 #: Storage dtype codes of the header.
 DTYPE_CODES: dict[DType, int] = {DType.F32: 0, DType.F16: 1, DType.BF16: 2}
@@ -44,7 +53,11 @@ STRUCTS = (
     "statecache_cuda_conv_args",
     "statecache_cuda_scan_args",
     "statecache_cuda_delta_args",
+    "statecache_cuda_linear_attn_args",
 )
+
+#: Variant codes of statecache_cuda_linear_attn_args, by the shape's variant.
+LINEAR_ATTN_VARIANTS = {"rwkv6": 0, "rwkv7": 1, "gla": 2}
 
 
 class CudaError(StatecacheError):
@@ -547,6 +560,41 @@ class CudaDevice(Device):
         a.qk_l2norm = int(shp.qk_l2norm)
         a.beta_sigmoid = int(shp.beta_sigmoid)
         return "gated_delta_net", (a,)
+
+    def _linear_attn_call(
+        self, shp: Any, pool: Buffer, index: tuple[Buffer, ...], tokens: tuple[Buffer, ...], u: Buffer | None, o: Buffer
+    ) -> tuple[str, tuple[Any, ...]]:
+        rt = self.runtime
+        a = self._new_args("statecache_cuda_linear_attn_args")
+        self._state_args(a, shp, pool, *index)
+        for i, buf in enumerate(tokens):
+            _view(rt, a.inputs[i], buf)
+        _view(rt, a.u, u)
+        a.o = self._ptr(o)
+        a.o_dtype = DTYPE_CODES[o.dtype]
+        a.variant = LINEAR_ATTN_VARIANTS[shp.variant]
+        a.n_head = shp.n_head
+        a.head_size = shp.head_size
+        a.scale = shp.scale
+        return "linear_attn", (a,)
+
+    def _rwkv_wkv6_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, r, k, v, w, u, o):  # type: ignore[no-untyped-def]
+        return self._linear_attn_call(shp, pool, (start_rows, snap_rows, cu_seqlens), (r, k, v, w), u, o)
+
+    def _rwkv_wkv7_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, r, w, k, v, a, b, o):  # type: ignore[no-untyped-def]
+        return self._linear_attn_call(shp, pool, (start_rows, snap_rows, cu_seqlens), (r, w, k, v, a, b), None, o)
+
+    def _gated_linear_attn_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, q, k, v, g, o):  # type: ignore[no-untyped-def]
+        return self._linear_attn_call(shp, pool, (start_rows, snap_rows, cu_seqlens), (q, k, v, g), None, o)
+
+    def _rwkv_wkv6(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(*_flat(self._rwkv_wkv6_call(*args)))
+
+    def _rwkv_wkv7(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(*_flat(self._rwkv_wkv7_call(*args)))
+
+    def _gated_linear_attn(self, *args):  # type: ignore[no-untyped-def]
+        self._launch(*_flat(self._gated_linear_attn_call(*args)))
 
     def _get_rows(self, *args):  # type: ignore[no-untyped-def]
         self._launch(*_flat(self._get_rows_call(*args)))

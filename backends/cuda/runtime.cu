@@ -91,6 +91,18 @@ const layout_entry kLayout[] = {
     SC_FIELD(statecache_cuda_delta_args, grouped),
     SC_FIELD(statecache_cuda_delta_args, qk_l2norm),
     SC_FIELD(statecache_cuda_delta_args, beta_sigmoid),
+    SC_SIZE(statecache_cuda_linear_attn_args),
+    SC_FIELD(statecache_cuda_linear_attn_args, struct_size),
+    SC_FIELD(statecache_cuda_linear_attn_args, state),
+    SC_FIELD(statecache_cuda_linear_attn_args, inputs),
+    SC_FIELD(statecache_cuda_linear_attn_args, u),
+    SC_FIELD(statecache_cuda_linear_attn_args, o),
+    SC_FIELD(statecache_cuda_linear_attn_args, o_dtype),
+    SC_FIELD(statecache_cuda_linear_attn_args, variant),
+    SC_FIELD(statecache_cuda_linear_attn_args, n_head),
+    SC_FIELD(statecache_cuda_linear_attn_args, head_size),
+    SC_FIELD(statecache_cuda_linear_attn_args, scale),
+    SC_FIELD(statecache_cuda_linear_attn_args, reserved),
 };
 
 }  // namespace

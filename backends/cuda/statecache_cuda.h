@@ -23,12 +23,17 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define STATECACHE_CUDA_ABI_VERSION 2
+#define STATECACHE_CUDA_ABI_VERSION 3
 
 /* Storage dtype codes (pool, rows buffers). */
 #define STATECACHE_CUDA_F32 0
 #define STATECACHE_CUDA_F16 1
 #define STATECACHE_CUDA_BF16 2
+
+/* Variants of statecache_cuda_linear_attn_args. */
+#define STATECACHE_CUDA_RWKV6 0
+#define STATECACHE_CUDA_RWKV7 1
+#define STATECACHE_CUDA_GLA 2
 
 /* Negative status codes (positive ones are cudaError_t). */
 #define STATECACHE_CUDA_EABI (-1)      /* struct_size mismatch */
@@ -128,6 +133,24 @@ typedef struct statecache_cuda_delta_args {
     int32_t beta_sigmoid;          /* 1: beta = sigmoid(beta) */
 } statecache_cuda_delta_args;
 
+/* RWKV-6, RWKV-7 and GLA (see Device.rwkv_wkv6 and siblings): every
+ * per-token input [T, n_head, head_size]; decays and gates in log space.
+ * Pool rows [n_head, head_size, head_size]: per head S[key i][value j]
+ * (RWKV-6, GLA) or S[value i][key j] (RWKV-7), j fastest. */
+typedef struct statecache_cuda_linear_attn_args {
+    size_t struct_size;
+    statecache_cuda_state_args state;
+    statecache_cuda_view inputs[6]; /* RWKV-6: r k v w; RWKV-7: r w k v a b; GLA: q k v g */
+    statecache_cuda_view u;         /* RWKV-6's time-first bonus [n_head, head_size]; data NULL otherwise */
+    void *o;                        /* [T, n_head, head_size] of o_dtype, contiguous */
+    int32_t o_dtype;
+    int32_t variant;                /* STATECACHE_CUDA_RWKV6, _RWKV7 or _GLA */
+    int32_t n_head;
+    int32_t head_size;
+    float scale;                    /* multiplies the output */
+    int32_t reserved;
+} statecache_cuda_linear_attn_args;
+
 /* -- version and layout ------------------------------------------------- */
 int statecache_cuda_abi_version(void);
 /* sizeof / offsetof as compiled: "struct" or "struct.field"; -1 if unknown. */
@@ -166,6 +189,7 @@ int statecache_cuda_zero_rows(void *dst, int32_t dtype, const int32_t *rows, int
 int statecache_cuda_ssm_conv(const statecache_cuda_conv_args *args, void *stream);
 int statecache_cuda_ssm_scan(const statecache_cuda_scan_args *args, void *stream);
 int statecache_cuda_gated_delta_net(const statecache_cuda_delta_args *args, void *stream);
+int statecache_cuda_linear_attn(const statecache_cuda_linear_attn_args *args, void *stream);
 
 /* -- host emulation ---------------------------------------------------------
  * The same kernel bodies run on the CPU over host pointers, one emulated
@@ -179,6 +203,7 @@ int statecache_cuda_host_zero_rows(void *dst, int32_t dtype, const int32_t *rows
 int statecache_cuda_host_ssm_conv(const statecache_cuda_conv_args *args);
 int statecache_cuda_host_ssm_scan(const statecache_cuda_scan_args *args);
 int statecache_cuda_host_gated_delta_net(const statecache_cuda_delta_args *args);
+int statecache_cuda_host_linear_attn(const statecache_cuda_linear_attn_args *args);
 
 #ifdef __cplusplus
 }

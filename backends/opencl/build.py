@@ -1,6 +1,6 @@
 """Building the OpenCL kernel families, once per device.
 
-Each family (``rows``, ``ssm_conv``, ``ssm_scan``, ``delta_net``) is one
+Each family (``rows``, ``ssm_conv``, ``ssm_scan``, ``delta_net``, ``linear_attn``) is one
 ``.cl`` file; ``common.cl`` (dtype conversions, softplus) is prepended to it.
 The stateful families are specialised by a build option, the pool's storage
 dtype (``-DPOOL_DTYPE=n``), so their inner loops carry no dtype switch; a
@@ -28,7 +28,7 @@ DTYPE_CODES: dict[DType, int] = {DType.F32: 0, DType.F16: 1, DType.BF16: 2}
 
 #: Compile-time limits of the kernels (private arrays); Device.supports checks them.
 MAX_WINDOW = 32  # ssm_conv: d_conv - 1
-MAX_HEAD_SIZE = 256  # gated_delta_net: S
+MAX_HEAD_SIZE = 256  # gated_delta_net and the linear-attention primitives: S
 # ssm_scan: d_state elements kept in private memory at a time.  One chunk for
 # every real d_state (<= 256): on PoCL a second chunk (a second pass over y
 # and the per-token softplus) cost 3x at d_state 128 with chunks of 64.
@@ -50,6 +50,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "ssm_conv": ("ssm_conv",),
     "ssm_scan": ("ssm_scan_prep", "ssm_scan", "ssm_scan_vec8"),
     "delta_net": ("gated_delta_net_gate", "gated_delta_net_l2norm", "gated_delta_net", "gated_delta_net_vec8"),
+    "linear_attn": ("linear_attn_prep", "linear_attn_kv", "linear_attn_kv_vec8", "rwkv_wkv7", "rwkv_wkv7_vec8"),
 }
 
 _FAMILY_DEFINES: dict[str, tuple[str, ...]] = {
@@ -57,6 +58,7 @@ _FAMILY_DEFINES: dict[str, tuple[str, ...]] = {
     "ssm_conv": (f"-DMAX_WINDOW={MAX_WINDOW}",),
     "ssm_scan": (f"-DKCHUNK={SCAN_KCHUNK}",),
     "delta_net": (f"-DMAX_S={MAX_HEAD_SIZE}",),
+    "linear_attn": (f"-DMAX_S={MAX_HEAD_SIZE}",),
 }
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from statecache import __version__, settings
 from statecache import primitives as P
 from statecache.backend import (
+    LINEAR_ATTN_PRIMITIVES,
     PRIMITIVES,
     PROTOCOL_VERSION,
     SUPPORTED,
@@ -194,8 +195,9 @@ class OpenCLDevice(Device):
         if op == "ssm_conv" and d_conv is not None and int(d_conv) - 1 > build.MAX_WINDOW:
             return Support(False, f"{self.id} keeps conv windows of at most {build.MAX_WINDOW} (d_conv <= 33)")
         size = params.get("head_size")
-        if op == "gated_delta_net" and size is not None and int(size) > build.MAX_HEAD_SIZE:
-            return Support(False, f"{self.id} runs gated_delta_net with head size <= {build.MAX_HEAD_SIZE}")
+        if (op == "gated_delta_net" or op in LINEAR_ATTN_PRIMITIVES) and size is not None:
+            if int(size) > build.MAX_HEAD_SIZE:
+                return Support(False, f"{self.id} runs {op} with head size <= {build.MAX_HEAD_SIZE}")
         return SUPPORTED
 
     # -- memory ---------------------------------------------------------------
@@ -691,6 +693,81 @@ class OpenCLDevice(Device):
             float(shp.scale),
             per_item,
         )
+        if "o" in plan:
+            self._narrow(scratch, plan["o"], o)
+
+    @_serialized
+    def _rwkv_wkv6(self, shp, pool, start_rows, snap_rows, cu_seqlens, r, k, v, w, u, o):  # type: ignore[no-untyped-def]
+        self._launch_linear_attn(shp, pool, (start_rows, snap_rows, cu_seqlens), {"q": r, "k": k, "v": v, "w": w}, u, o)
+
+    @_serialized
+    def _rwkv_wkv7(self, shp, pool, start_rows, snap_rows, cu_seqlens, r, w, k, v, a, b, o):  # type: ignore[no-untyped-def]
+        ins = {"r": r, "w": w, "k": k, "v": v, "a": a, "b": b}
+        self._launch_linear_attn(shp, pool, (start_rows, snap_rows, cu_seqlens), ins, None, o)
+
+    @_serialized
+    def _gated_linear_attn(self, shp, pool, start_rows, snap_rows, cu_seqlens, q, k, v, g, o):  # type: ignore[no-untyped-def]
+        ins = {"q": q, "k": k, "v": v, "w": g}  # the log-gate in the decay's place
+        self._launch_linear_attn(shp, pool, (start_rows, snap_rows, cu_seqlens), ins, None, o)
+
+    def _launch_linear_attn(
+        self,
+        shp: P.LinearAttnShape,
+        pool: Buffer,
+        index: tuple[Buffer, Buffer, Buffer],
+        ins: dict[str, Buffer],
+        u: Buffer | None,
+        o: Buffer,
+    ) -> None:
+        """RWKV-6 / GLA (``ins`` q, k, v, w: q is r for RWKV-6, w the log-gate for
+        GLA) and RWKV-7 (r, w, k, v, a, b): the decays (and RWKV-6's bonus) by
+        linear_attn_prep into scratch, then the column or row kernel."""
+        T, H, S = shp.n_tokens, shp.n_head, shp.head_size
+        rwkv6, rwkv7 = shp.variant == "rwkv6", shp.variant == "rwkv7"
+        n_e = T * H * S
+        bonus_at = n_e if rwkv6 else -1
+        plan = self._plan({"e": n_e + (T * H if rwkv6 else 0)}, *ins.items(), ("o", o))
+        scratch = self.scratch(4 * max(plan["end"], 1))
+        args = {name: self._widened(buf, scratch, plan.get(name, 0)) for name, buf in ins.items()}
+        o_args = [scratch, _long(plan["o"])] if "o" in plan else [o.storage, _long(o.offset)]
+        none3 = self._strided(None, 3)
+        if T:
+            self.kernel("linear_attn", "linear_attn_prep", pool.dtype)(
+                self.queue,
+                (T * H,),
+                None,
+                *args["w"],
+                *(args["q"] if rwkv6 else none3),
+                *(args["k"] if rwkv6 else none3),
+                *self._strided(u, 2),
+                scratch,
+                _long(bonus_at),
+                float(shp.scale),
+                _long(T),
+                _long(H),
+                _long(S),
+            )
+        rows = [pool.storage, _long(pool.offset), _long(shp.row_size), *self._state_rows(shp, *index)]
+        unit_last = [args[name][-1] == 1 for name in (("r", "k", "a", "b") if rwkv7 else ("q", "k", "v"))]
+        vec8 = S % 8 == 0 and all(unit_last)
+        if rwkv7:
+            knl = self.kernel("linear_attn", "rwkv_wkv7_vec8" if vec8 else "rwkv_wkv7", pool.dtype)
+            gsize, lsize, per_item = self._row_geometry(H * S, shp.n_seqs)
+            tokens = [*args["r"], *args["k"], *args["v"], *args["a"], *args["b"]]
+            knl(self.queue, gsize, lsize, *rows, *tokens, scratch, *o_args, _long(H), _long(S), float(shp.scale),
+                per_item)  # fmt: skip
+        else:
+            # Eight columns per work-item only on CPU devices: a GPU work-item cannot hold S float8 privately,
+            # while neighbouring work-items of the scalar kernel read neighbouring columns (coalesced).
+            vec8 = vec8 and self.kind is DeviceKind.CPU
+            knl = self.kernel("linear_attn", "linear_attn_kv_vec8" if vec8 else "linear_attn_kv", pool.dtype)
+            gsize, lsize, per_item = self._row_geometry(H * S // 8 if vec8 else H * S, shp.n_seqs)
+            if vec8:
+                per_item = max(1, per_item // 8)  # a unit is eight columns
+                gsize = (-(-(H * S // 8) // per_item), shp.n_seqs)
+            tokens = [*args["q"], *args["k"], *args["v"]]
+            knl(self.queue, gsize, lsize, *rows, *tokens, scratch, _long(bonus_at), *o_args, _long(H), _long(S),
+                _int(shp.variant == "gla"), float(shp.scale), per_item)  # fmt: skip
         if "o" in plan:
             self._narrow(scratch, plan["o"], o)
 

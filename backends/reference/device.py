@@ -10,7 +10,7 @@ import numpy as np
 
 from statecache import __version__
 from statecache.backend import PRIMITIVES, PROTOCOL_VERSION, Backend, Buffer, Caps, Device, DeviceKind
-from statecache.backends.reference import delta_net, rows, ssm_conv, ssm_scan
+from statecache.backends.reference import delta_net, linear_attn, rows, ssm_conv, ssm_scan
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.hostmem import aligned_empty, as_array, physical_memory_bytes
 from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES
@@ -97,6 +97,21 @@ class ReferenceDevice(Device):
             _opt(A_log),
             _opt(dt_bias),
         )
+
+    def _rwkv_wkv6(self, shp, pool, start_rows, snap_rows, cu_seqlens, r, k, v, w, u, o):  # type: ignore[no-untyped-def]
+        linear_attn.rwkv_wkv6(shp, as_array(pool), *self._rows(start_rows, snap_rows, cu_seqlens),
+                              *(as_array(t) for t in (r, k, v, w, u, o)))  # fmt: skip
+
+    def _rwkv_wkv7(self, shp, pool, start_rows, snap_rows, cu_seqlens, r, w, k, v, a, b, o):  # type: ignore[no-untyped-def]
+        linear_attn.rwkv_wkv7(shp, as_array(pool), *self._rows(start_rows, snap_rows, cu_seqlens),
+                              *(as_array(t) for t in (r, w, k, v, a, b, o)))  # fmt: skip
+
+    def _gated_linear_attn(self, shp, pool, start_rows, snap_rows, cu_seqlens, q, k, v, g, o):  # type: ignore[no-untyped-def]
+        linear_attn.gated_linear_attn(shp, as_array(pool), *self._rows(start_rows, snap_rows, cu_seqlens),
+                                      *(as_array(t) for t in (q, k, v, g, o)))  # fmt: skip
+
+    def _rows(self, *index_bufs: Buffer) -> tuple[np.ndarray, ...]:
+        return tuple(self.index_values(b) for b in index_bufs)
 
 
 def _opt(buf: Buffer | None) -> np.ndarray | None:

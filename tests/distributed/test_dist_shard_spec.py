@@ -26,7 +26,7 @@ def _elements(channels, window):
 def layer_and_world(draw):
     world = draw(st.sampled_from([1, 2, 4]))
     m = draw(st.integers(1, 2))  # multiples of the world size
-    fam = draw(st.sampled_from(["mamba1", "mamba2", "gdn", "kda", "rwkv6", "rwkv7", "shortconv"]))
+    fam = draw(st.sampled_from(["mamba1", "mamba2", "gdn", "kda", "rwkv6", "rwkv7", "shortconv", "gla"]))
     d_conv = draw(st.integers(2, 4))
     if fam == "mamba1":
         spec = RecurrentLayerSpec.mamba1(d_inner=world * m * 2, d_state=draw(st.integers(1, 4)), d_conv=d_conv)
@@ -42,6 +42,8 @@ def layer_and_world(draw):
         spec = RecurrentLayerSpec.kda(n_head=world * m, head_dim=draw(st.integers(1, 3)), d_conv=d_conv)
     elif fam == "shortconv":
         spec = RecurrentLayerSpec.shortconv(n_embd=world * m * 3, l_cache=d_conv)
+    elif fam == "gla":
+        spec = RecurrentLayerSpec.gla(n_head=world * m, head_dim=draw(st.integers(1, 3)))
     else:
         hs = draw(st.integers(1, 3))
         make = RecurrentLayerSpec.rwkv6 if fam == "rwkv6" else RecurrentLayerSpec.rwkv7

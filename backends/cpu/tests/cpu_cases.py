@@ -89,6 +89,29 @@ def assert_bitwise(what: str, got: np.ndarray, want: np.ndarray) -> None:
         )
 
 
+def assert_packed_call_thread_invariant(
+    monkeypatch: pytest.MonkeyPatch, op: Any, lengths: tuple[int, ...], n_cols: int = 4, seed: int = 11
+) -> None:
+    """The packed (varlen) call of ``op`` (a ``varlen_cases.Op``) over sequences of
+    ``lengths`` with a sparse snapshot table of ``n_cols`` columns gives the same
+    bits for 1, 2 and 3 threads."""
+    from statecache.conformance import varlen_cases as V
+    from statecache.conformance.cases import run_on
+
+    dev = cpu_device()
+    params = V.VarlenParams(op, lengths, n_cols, "sparse")
+    tensors, rows, _ = V.varlen_tensors(params, seed=seed)
+    call = V.varlen_call(params, rows)
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("STATECACHE_NUM_THREADS", threads)
+        got = run_on(dev, tensors, seed, call)
+        results.append({name: full for name, (_, full) in got.items() if tensors[name].output})
+    for other in results[1:]:
+        for name in results[0]:
+            assert_bitwise(f"{op.label} {name}", other[name], results[0][name])
+
+
 def nmse(got: np.ndarray, want: np.ndarray) -> float:
     g = got.astype(np.float64)
     w = want.astype(np.float64)

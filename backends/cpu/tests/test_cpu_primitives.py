@@ -11,7 +11,15 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from cpu_cases import Arg, against_reference, assert_bitwise, cpu_device, run, written_rows
+from cpu_cases import (
+    Arg,
+    against_reference,
+    assert_bitwise,
+    assert_packed_call_thread_invariant,
+    cpu_device,
+    run,
+    written_rows,
+)
 
 from statecache.conformance.primitive_cases import decay_rates, dt_values, log_decays, write_strengths
 from statecache.dtypes import DType
@@ -426,18 +434,6 @@ def _every_family(rng: np.random.Generator):  # type: ignore[no-untyped-def]
     return cases
 
 
-@pytest.fixture(params=["split", "default"])
-def split_small_calls(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Small stateful calls normally run on one thread (waking a second costs
-    more than it saves); these shapes are small, so "split" lifts that rule to
-    test the thread split itself, "default" tests the rule as shipped."""
-    lib = cpu_device()._lib
-    previous = lib.sc_set_state_parallel_min_bytes(0 if request.param == "split" else 512 << 10)
-    assert previous == 512 << 10  # the shipped default, restored below
-    yield
-    lib.sc_set_state_parallel_min_bytes(previous)
-
-
 @pytest.mark.usefixtures("split_small_calls")
 def test_results_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
     dev = cpu_device()
@@ -458,21 +454,9 @@ def test_packed_calls_do_not_depend_on_the_thread_count(monkeypatch: pytest.Monk
     """Packed (varlen) calls with snapshot tables: the same bits for 1, 2 and 3
     threads, whatever sequence lengths the split cuts through."""
     from statecache.conformance import varlen_cases as V
-    from statecache.conformance.cases import run_on
 
-    dev = cpu_device()
     for op in V.ops():
-        params = V.VarlenParams(op, (20, 0, 1, 5, 3), 4, "sparse")
-        tensors, rows, _ = V.varlen_tensors(params, seed=11)
-        call = V.varlen_call(params, rows)
-        results = []
-        for threads in ("1", "2", "3"):
-            monkeypatch.setenv("STATECACHE_NUM_THREADS", threads)
-            got = run_on(dev, tensors, 11, call)
-            results.append({name: full for name, (_, full) in got.items() if tensors[name].output})
-        for other in results[1:]:
-            for name in results[0]:
-                assert_bitwise(f"{op.label} {name}", other[name], results[0][name])
+        assert_packed_call_thread_invariant(monkeypatch, op, (20, 0, 1, 5, 3))
 
 
 @pytest.fixture
