@@ -470,7 +470,8 @@ class HybridMemory(Memory):
 
     def seq_pos_max_all(self) -> np.ndarray:
         """seq_pos_max of every sequence id as one array (batch validation)."""
-        return np.minimum(self.attn.seq_pos_max_all(), self.recr.seq_pos_max_all())
+        held: np.ndarray = np.minimum(self.attn.seq_pos_max_all(), self.recr.seq_pos_max_all())
+        return held
 
     def memory_breakdown(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -31,6 +31,11 @@ POS_CLEAN = 2**31 - 1
 POOL_PAD = 64
 
 
+#: an empty pool table (a layout's arrays before its first :meth:`SeqLayout.pool_table`)
+_NO_TABLE: np.ndarray = np.zeros((0, 0), dtype=np.int64)
+_NO_POS: np.ndarray = np.zeros(0, dtype=np.int64)
+
+
 def kpool_pad(n: int) -> int:
     """Padded pool count: a multiple of 64, at least 64, always > ``n``."""
     return max(POOL_PAD, -(-(n + 1) // POOL_PAD) * POOL_PAD)
@@ -83,9 +88,9 @@ class SeqLayout:
             self._members, self._first_pos, self._last_pos = members, first, last
         if done + 1 == n:  # the decode case: one new pool, no NumPy round trip
             j = self.pools[done]
-            members = self.cells[j : j + kpool]
-            self._members[done] = [c for _, c in members]
-            self._first_pos[done], self._last_pos[done] = members[0][0], members[-1][0]
+            pairs = self.cells[j : j + kpool]
+            self._members[done] = [c for _, c in pairs]
+            self._first_pos[done], self._last_pos[done] = pairs[0][0], pairs[-1][0]
             self._n_table = n
         elif done < n:
             starts = np.asarray(self.pools[done:n], dtype=np.int64)
@@ -102,10 +107,6 @@ class SeqLayout:
         """The lowest stream-local cell at ``pos``, or -1; O(log cells)."""
         r = bisect.bisect_left(self.cells, (pos,))
         return self.cells[r][1] if r < len(self.cells) and self.cells[r][0] == pos else -1
-
-
-_NO_TABLE = np.zeros((0, 0), dtype=np.int64)
-_NO_POS = np.zeros(0, dtype=np.int64)
 
 
 def scan_pools(layout: SeqLayout, kpool: int, by_order: bool) -> None:
@@ -299,7 +300,7 @@ class KPoolLayout:
                     if n_now == n_old + 1:  # a decode token
                         old.append(sp[n_old])
                     else:
-                        old.extend(sp.pairs_from(n_old))
+                        old.extend(sp.pairs_from(n_old))  # type: ignore[union-attr]  # a stamp: SeqCells
                     if layout.j_next + kp <= n_now:  # a pool may be complete
                         scan_pools(layout, kp, self.by_order)
                 continue
