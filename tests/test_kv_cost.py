@@ -172,6 +172,28 @@ def test_mask_from_attended_cells_equals_the_whole_book_mask(
         np.testing.assert_array_equal(got[i : i + 1], ref)
 
 
+def edit_pairs(
+    c: KVCells, s: int, op: int, rng: np.random.Generator, marks: StaleMarks, n_max: int, mark_max: int
+) -> np.ndarray:
+    """One edit of sequence ``s`` for the k-pool layout tests: ops 0-2 append up to ``n_max``
+    pairs (the decode case), 3 inserts them below the end, 4 removes a tail, 5 sets a stale
+    mark; other ops do nothing here.  Returns the cells placed."""
+    free = c.free_from(0, c.size)
+    if op <= 3 and free:
+        n = int(rng.integers(1, min(n_max, len(free)) + 1))
+        top = c.seq_pos_max(s) + 1
+        base = top if op <= 2 or top == 0 else int(rng.integers(0, top))
+        placed = rng.choice(free, size=n, replace=False).astype(np.int64)
+        c.place_seqs(placed, np.arange(base, base + n, dtype=np.int64), np.zeros((n, 2), np.int64), np.full(n, s))
+        return placed
+    if op == 4 and c.seq_pos[s]:
+        held = c.seq_pos[s].cells()
+        c.seq_rm_many(held[-int(rng.integers(1, held.size + 1)) :], s)
+    elif op == 5:
+        marks.set(s, int(rng.integers(0, mark_max)))
+    return np.zeros(0, dtype=np.int64)
+
+
 @given(seed=st.integers(0, 2**32 - 1), by_order=st.booleans(), n_steps=st.integers(1, 25))
 def test_kpool_layout_from_live_cells_matches_the_copied_pairs(seed: int, by_order: bool, n_steps: int) -> None:
     """The k-pool layout fed the live pairs (read from their end while only appends
@@ -186,18 +208,8 @@ def test_kpool_layout_from_live_cells_matches_the_copied_pairs(seed: int, by_ord
         s = int(rng.integers(0, 2))
         op = int(rng.integers(0, 7))
         free = c.free_from(0, size)
-        if op <= 3 and free:  # appends (the decode case), or an insert below the end
-            n = int(rng.integers(1, min(5, len(free)) + 1))
-            top = c.seq_pos_max(s) + 1
-            base = top if op <= 2 or top == 0 else int(rng.integers(0, top))
-            cells = rng.choice(free, size=n, replace=False).astype(np.int64)
-            c.place_seqs(cells, np.arange(base, base + n, dtype=np.int64), np.zeros((n, 2), np.int64), np.full(n, s))
-        elif op == 4 and c.seq_pos[s]:
-            held = c.seq_pos[s].cells()
-            c.seq_rm_many(held[-int(rng.integers(1, held.size + 1)) :], s)
-        elif op == 5:
-            marks.set(s, int(rng.integers(0, 8)))
-        elif op == 6 and free:  # a trial: appends the layout reads, then taken back (the stamp comes back)
+        edit_pairs(c, s, op, rng, marks, n_max=5, mark_max=8)
+        if op == 6 and free:  # a trial: appends the layout reads, then taken back (the stamp comes back)
             journal = c.attach()
             top = c.seq_pos_max(s) + 1
             cells = np.asarray(free[:2], dtype=np.int64)
@@ -340,20 +352,8 @@ def test_kpool_inputs_from_the_pool_tables_equal_a_from_scratch_build(
         s = int(rng.integers(0, n_seq))
         c = book(s)
         op = int(rng.integers(0, 7))
-        placed = np.zeros(0, dtype=np.int64)
-        free = c.free_from(0, size)
-        if op <= 3 and free:  # appends (the decode case), or an insert below the end
-            n = int(rng.integers(1, min(6, len(free)) + 1))
-            top = c.seq_pos_max(s) + 1
-            base = top if op <= 2 or top == 0 else int(rng.integers(0, top))
-            placed = rng.choice(free, size=n, replace=False).astype(np.int64)
-            c.place_seqs(placed, np.arange(base, base + n, dtype=np.int64), np.zeros((n, 2), np.int64), np.full(n, s))
-        elif op == 4 and c.seq_pos[s]:
-            held = c.seq_pos[s].cells()
-            c.seq_rm_many(held[-int(rng.integers(1, held.size + 1)) :], s)
-        elif op == 5:
-            marks.set(s, int(rng.integers(0, 12)))
-        elif op == 6 and not split:  # another sequence's cell becomes shared (pools may share rep rows)
+        placed = edit_pairs(c, s, op, rng, marks, n_max=6, mark_max=12)
+        if op == 6 and not split:  # another sequence's cell becomes shared (pools may share rep rows)
             other = int(rng.integers(0, n_seq))
             if other != s and c.seq_pos[other]:
                 c.seq_add(int(rng.choice(c.seq_pos[other].cells())), s)
