@@ -20,11 +20,13 @@ def all_cases() -> tuple[Case, ...]:
         oracle_cases,
         prefix_cases,
         primitive_cases,
+        tensor_cases,
         varlen_cases,
     )
 
     cases = [
         *device_cases.all_cases(),
+        *tensor_cases.all_cases(),
         *primitive_cases.all_cases(),
         *varlen_cases.all_cases(),
         *epilogue_cases.all_cases(),

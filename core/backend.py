@@ -16,6 +16,12 @@ A validated call is remembered per argument identity
 (:mod:`statecache.launch_memo`), so a decode loop that passes the same
 buffers call after call pays for validation once.
 
+Wherever a primitive takes a Buffer it also takes any object speaking DLPack
+(a torch tensor, a NumPy array): the first statement of every template
+method, :meth:`Device._tensors_in`, turns those into Buffers, remembered by
+the tensor's memory and geometry (:mod:`statecache.tensor_args`), so fresh
+activation tensors at the allocator's usual addresses still hit the memo.
+
 Launches may be asynchronous; :meth:`Device.synchronize` waits for all work
 queued on the device.  :meth:`Device.download` always synchronizes first.
 """
@@ -27,7 +33,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +41,10 @@ from statecache import primitives as P
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError, CapabilityError
 from statecache.launch_memo import LaunchMemo
+from statecache.tensor_args import TensorWraps
+
+if TYPE_CHECKING:
+    from statecache.dlpack import TensorMemory
 
 #: Names of every primitive of the contract, in documentation order.
 PRIMITIVES: tuple[str, ...] = (
@@ -201,7 +211,9 @@ class Buffer:
         "__weakref__",
         "_contig",
         "_derived",
+        "_geometry",
         "_index_cache",
+        "_range",
         "_shadow",
         "_shadow_gen",
         "_size",
@@ -229,19 +241,26 @@ class Buffer:
         self.device = device
         self.storage = storage
         self.dtype = dtype
-        self.shape = tuple(int(s) for s in shape)
-        self.strides = tuple(int(s) for s in strides) if strides is not None else _c_strides(self.shape)
+        # map(int, ...): a generator costs twice as much, and tensors as arguments
+        # make a Buffer for every new address of an activation tensor.
+        self.shape = shape_t = tuple(map(int, shape))
+        dense = _c_strides(shape_t)
+        self.strides = tuple(map(int, strides)) if strides is not None else dense
         self.offset = int(offset)
-        self._size = math.prod(self.shape)
+        self._size = math.prod(shape_t)
         self.capacity = int(capacity) if capacity is not None else self._size
         # Geometry never changes after construction: decide contiguity once
         # (primitives ask on every call, and decode calls are microseconds).
-        self._contig = self.strides == _c_strides(self.shape) or self._size <= 1
+        self._contig = self.strides == dense or self._size <= 1
         self._shadow: np.ndarray | None = None  # see host_indices
         self._shadow_gen = 0
         self._index_cache: Any = None  # statecache.primitives caches index facts here
         self._tokens: Buffer | None = None  # this [n_s, n_t, ...] input as [n_s * n_t, ...] (primitives.token_view)
         self._derived: dict[Any, Any] | None = None  # index buffers derived from this one (snapshot tables)
+        self._range: tuple[int, int] | bool | None = False  # byte_range(), once asked (False: not yet)
+        # A Buffer over a tensor's memory (statecache.tensor_args): what validation saw of it
+        # (class, dtype, shape, strides, offset, extent), which calls are remembered by.  None: native.
+        self._geometry: tuple[Any, ...] | None = None
 
     # -- host copy of an index buffer -----------------------------------------
     @property
@@ -298,14 +317,48 @@ class Buffer:
         last = start + sum((n - 1) * s for n, s in zip(shape_t, strides_t, strict=True))
         if not empty and last >= self.capacity:
             raise ArgumentError("view", f"view reaches element {last} of a storage of {self.capacity}")
+        return self._new_view(shape_t, strides_t, start)
+
+    def _new_view(self, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Buffer:
+        """Construct a checked view (a subclass carries its own per-storage facts over)."""
         # type(self): a backend's Buffer subclass (DLPack / CUDA array interface) survives views.
-        out = type(self)(
-            self.device, self.storage, self.dtype, shape_t, strides=strides_t, offset=start, capacity=self.capacity
+        return type(self)(
+            self.device, self.storage, self.dtype, shape, strides=strides, offset=offset, capacity=self.capacity
         )
-        return out
+
+    def byte_range(self) -> tuple[int, int] | None:
+        """``[lo, hi)``: the addresses of the bytes this buffer may touch (its
+        storage's address plus the view's extent), or None when the storage
+        does not say where it is (:func:`storage_address`)."""
+        cached = self._range
+        if cached is not False:
+            return cached  # type: ignore[return-value]
+        base = self._storage_base()
+        if base is None:
+            self._range = None
+            return None
+        item = self.dtype.itemsize
+        span = 0 if self._size == 0 else 1 + sum((n - 1) * s for n, s in zip(self.shape, self.strides))
+        lo = base + self.offset * item
+        self._range = (lo, lo + span * item)
+        return self._range
+
+    def _storage_base(self) -> int | None:
+        """The address of the storage's element 0 (:func:`storage_address`;
+        a subclass that already knows it says so)."""
+        return storage_address(self.storage)
+
+    def overlaps(self, other: Buffer) -> bool:
+        """Whether the two buffers' byte ranges intersect (False when either is
+        empty or does not know its address)."""
+        a, b = self.byte_range(), other.byte_range()
+        return a is not None and b is not None and a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]
 
     def same_storage(self, other: Buffer) -> bool:
-        return self.storage is other.storage
+        """Whether the buffers may share memory: the same storage, or storages
+        whose addressed bytes overlap (two tensors over one allocation, each
+        wrapped on its own, are two storages over the same bytes)."""
+        return self.storage is other.storage or self.overlaps(other)
 
     def numpy(self) -> np.ndarray:
         """Download a copy (synchronizes the device)."""
@@ -321,6 +374,16 @@ class Buffer:
 #: taken at.  Ids of freed storages may be reused: a new storage's first
 #: write just continues the old count, which no live Buffer holds.
 _STORAGE_WRITES: dict[int, int] = {}
+
+
+def storage_address(storage: Any) -> int | None:
+    """The address of a storage's element 0: a NumPy array's data pointer, or
+    the ``ptr`` integer of a backend's allocation object (a CUDA device
+    address); None for storages that do not say (cl.Buffer)."""
+    if isinstance(storage, np.ndarray):
+        return int(storage.__array_interface__["data"][0])
+    ptr = getattr(storage, "ptr", None)
+    return ptr if isinstance(ptr, int) else None
 
 
 def _c_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -434,20 +497,99 @@ class Device(abc.ABC):
         if not answer:
             raise CapabilityError(answer.reason)
 
+    # -- tensors as arguments: see statecache.tensor_args ------------------------
+    #: fingerprint of a DLPack tensor -> the Buffer a call gets for it.
+    _wraps: TensorWraps | None = None
+
+    def _tensors_in(self, names: str, *args: Any) -> tuple[Any, ...]:
+        """``args`` with every DLPack object (torch tensor, NumPy array ...)
+        replaced by a Buffer of this device; Buffers and None pass unchanged.
+
+        The first statement of every primitive, so that everything after it
+        (the launch memo, validation, the backend) sees only Buffers::
+
+            given = (pool, rows, x, y)
+            pool, rows, x, y = self._tensors_in("pool* rows x y*", *given)
+
+        ``given`` must stay referenced until the primitive returns: the Buffers
+        returned do not keep a tensor's memory alive, and rebinding the
+        argument names drops what may be the last reference to a temporary
+        argument (``f(torch.empty(...))``: CPython moves the caller's
+        references into the callee's locals), whose memory the allocator
+        would then hand out while the kernel still writes it.
+
+        ``names`` lists the arguments in order (error messages name them);
+        ``*`` marks one the primitive writes (a read-only tensor, or a host
+        tensor that must be copied in, is refused there).  A call with
+        Buffers only pays for one type check per argument."""
+        for arg in args:
+            if arg is not None and not isinstance(arg, Buffer):
+                break
+        else:
+            return args
+        wraps = self._wraps
+        if wraps is None:
+            wraps = self._wraps = TensorWraps()
+        return wraps.coerce(self, names, args, Buffer)
+
+    def _import_memory(self, memory: TensorMemory, dtype: DType) -> Buffer | None:
+        """A Buffer over a tensor's memory (a DLPack export), without a copy,
+        or None when this device cannot address that memory.
+
+        ``memory`` says where the elements are (``address`` with the export's
+        offset included, ``shape``, ``strides`` in elements, ``device_type``
+        and ``device_id`` as DLPack numbers them); ``dtype`` is the Buffer's.
+        The Buffer must not keep the memory alive (the tensor's owner frees
+        it; the Buffer is used only while a tensor over exactly that memory
+        is an argument of the running call) and its ``storage`` should say
+        where it is (:func:`storage_address`), so that overlaps are found.
+        The default imports nothing: host tensors are then copied in before
+        each call that reads them, and refused where a primitive writes."""
+        return None
+
+    def _dlpack_stream(self) -> int | None:
+        """The ``stream`` argument a DLPack export for this device's next
+        launch gets (CUDA: the stream launches go to); None elsewhere."""
+        return None
+
     # -- launch memo: see statecache.launch_memo ---------------------------------
     _launches: LaunchMemo | None = None
     #: (n_seqs, n_tokens) -> the cu_seqlens buffer of that equal-length form.
     _cu_cache: dict[tuple[int, int], Buffer] | None = None
 
     def _remembered(self, key: tuple[Any, ...], bufs: tuple[Any, ...], index_bufs: tuple[Any, ...]) -> Any:
-        """The remembered launch of an identical earlier call, or None."""
+        """The remembered launch of an identical earlier call, or None.
+
+        ``key`` ends with the ids of ``bufs``, in order.  When tensors have
+        been passed on this device, a call that is new by identity may still
+        match a validated call by the geometry of its tensor Buffers (see
+        :mod:`statecache.launch_memo`)."""
         memo = self._launches
         if memo is None:
             return None
         try:
-            return memo.lookup(key, self.caps, bufs, index_bufs)
+            hit = memo.lookup(key, self.caps, bufs, index_bufs)
+            if hit is None and self._wraps is not None:
+                hit = self._remembered_by_geometry(memo, key, bufs, index_bufs)
+            return hit
         except TypeError:  # an unhashable scalar: validation will say what is wrong
             return None
+
+    def _remembered_by_geometry(
+        self, memo: LaunchMemo, key: tuple[Any, ...], bufs: tuple[Any, ...], index_bufs: tuple[Any, ...]
+    ) -> Any:
+        written = _WRITTEN_AT.get(key[0])
+        if written is None:
+            return None  # a primitive matched by identity only
+        loose_key = _geometry_key(key, bufs)
+        if loose_key is None:
+            return None
+        hit = memo.lookup(loose_key, self.caps, bufs, index_bufs)
+        if hit is None or _may_overlap(bufs, written):
+            return None  # never validated in this shape, or tensors now overlap: validation says what
+        # Remember this exact combination too: the next identical call skips the geometry key.
+        memo.store(key, self.caps, bufs, index_bufs, hit.shape, None)
+        return hit
 
     def _remember(
         self,
@@ -464,6 +606,11 @@ class Device(abc.ABC):
         if memo is None:
             memo = self._launches = LaunchMemo()
         memo.store(key, self.caps, bufs, index_bufs, checked, launch)
+        if self._wraps is not None and key[0] in _WRITTEN_AT:
+            loose_key = _geometry_key(key, bufs)
+            if loose_key is not None:
+                loose = [b is not None and b._geometry is not None for b in bufs]
+                memo.store(loose_key, self.caps, bufs, index_bufs, checked, None, loose=loose)
         return launch
 
     def _prepare_launch(self, op: str, call_args: tuple[Any, ...]) -> Callable[[], None] | None:
@@ -589,6 +736,8 @@ class Device(abc.ABC):
         Rows may come from any plane of a state pool.  ``src`` and ``dst``
         must be different storages.
         """
+        given = (src, rows, dst)  # held until return: see _tensors_in
+        src, rows, dst = self._tensors_in("src rows dst*", *given)
         bufs = (src, rows, dst)
         key = ("get_rows", id(src), id(rows), id(dst))
         hit = self._remembered(key, bufs, (rows,))
@@ -615,6 +764,8 @@ class Device(abc.ABC):
         its result would depend on the launch order).  Other rows of ``dst``
         are untouched.  ``src`` and ``dst`` must be different storages.
         """
+        given = (dst, rows, src)  # held until return: see _tensors_in
+        dst, rows, src = self._tensors_in("dst* rows src", *given)
         bufs = (dst, rows, src)
         key = ("set_rows", id(dst), id(rows), id(src))
         hit = self._remembered(key, bufs, (rows,))
@@ -636,6 +787,8 @@ class Device(abc.ABC):
     def zero_rows(self, dst: Buffer, rows: Buffer) -> None:
         """``dst[rows[i], :] = 0`` for contiguous 2-D ``dst``; ``rows`` int32 [N]
         in range (duplicates allowed: zeroing twice is harmless)."""
+        given = (dst, rows)  # held until return: see _tensors_in
+        dst, rows = self._tensors_in("dst* rows", *given)
         bufs = (dst, rows)
         key = ("zero_rows", id(dst), id(rows))
         hit = self._remembered(key, bufs, (rows,))
@@ -662,6 +815,8 @@ class Device(abc.ABC):
         destination row is also a source row: every read must be independent
         of every write, whatever the launch order.
         """
+        given = (src, src_rows, dst, dst_rows)  # held until return: see _tensors_in
+        src, src_rows, dst, dst_rows = self._tensors_in("src src_rows dst* dst_rows", *given)
         bufs = (src, src_rows, dst, dst_rows)
         key = ("copy_rows", id(src), id(src_rows), id(dst), id(dst_rows))
         hit = self._remembered(key, bufs, (src_rows, dst_rows))
@@ -671,6 +826,10 @@ class Device(abc.ABC):
             else:
                 hit.launch()
             return
+        if src.storage is not dst.storage and src.overlaps(dst):
+            # Rows of one pool are compared by index; two wraps of overlapping memory
+            # are not one pool, and their rows cannot be compared.
+            raise ArgumentError("dst", "overlaps src in memory without being the same buffer")
         checked = P.check_copy_rows(self, src=src, src_rows=src_rows, dst=dst, dst_rows=dst_rows)
         self._require("copy_rows", dtype=src.dtype)
         self._require("copy_rows", dtype=dst.dtype)
@@ -752,6 +911,10 @@ class Device(abc.ABC):
         Snapshot column j is the window ending j tokens before the end,
         ``ext[s, :, n_t - j : n_t - j + W]`` (column n_t(s) is the input window).
         """
+        given = (pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens)  # held until return: see _tensors_in
+        pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens = self._tensors_in(
+            "pool* start_rows dst_rows x weight y* bias cu_seqlens", *given
+        )
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
         silu = bool(apply_silu)
@@ -862,6 +1025,10 @@ class Device(abc.ABC):
 
         Snapshot column j receives S after n_t(s) - j tokens.
         """
+        given = (pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias)  # held: see _tensors_in
+        pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias = self._tensors_in(
+            "pool* start_rows dst_rows x dt A B C y* cu_seqlens D z dt_bias", *given
+        )
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
         if cu_seqlens is None and D is None and z is None and dt_bias is None and dt_limit is None:
@@ -993,6 +1160,10 @@ class Device(abc.ABC):
 
         Snapshot column j receives M after n_t(s) - j tokens.
         """
+        given = (pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias)  # held: see _tensors_in
+        pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias = self._tensors_in(
+            "pool* start_rows dst_rows q k v g beta o* cu_seqlens A_log dt_bias", *given
+        )
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
         if cu_seqlens is None and A_log is None and dt_bias is None:
@@ -1121,6 +1292,10 @@ class Device(abc.ABC):
 
         Snapshot column j receives S after n_t(s) - j tokens.
         """
+        given = (pool, start_rows, dst_rows, r, k, v, w, u, o, cu_seqlens)  # held until return: see _tensors_in
+        pool, start_rows, dst_rows, r, k, v, w, u, o, cu_seqlens = self._tensors_in(
+            "pool* start_rows dst_rows r k v w u o* cu_seqlens", *given
+        )
         self._linear_attn_template("rwkv_wkv6", pool, start_rows, dst_rows, (r, k, v, w), u, o, n_snap, plane_stride,
                           scale, cu_seqlens)  # fmt: skip
 
@@ -1166,6 +1341,10 @@ class Device(abc.ABC):
 
         Snapshot column j receives S after n_t(s) - j tokens.
         """
+        given = (pool, start_rows, dst_rows, r, w, k, v, a, b, o, cu_seqlens)  # held until return: see _tensors_in
+        pool, start_rows, dst_rows, r, w, k, v, a, b, o, cu_seqlens = self._tensors_in(
+            "pool* start_rows dst_rows r w k v a b o* cu_seqlens", *given
+        )
         self._linear_attn_template("rwkv_wkv7", pool, start_rows, dst_rows, (r, w, k, v, a, b), None, o, n_snap,
                           plane_stride, scale, cu_seqlens)  # fmt: skip
 
@@ -1200,6 +1379,10 @@ class Device(abc.ABC):
 
         Snapshot column j receives S after n_t(s) - j tokens.
         """
+        given = (pool, start_rows, dst_rows, q, k, v, g, o, cu_seqlens)  # held until return: see _tensors_in
+        pool, start_rows, dst_rows, q, k, v, g, o, cu_seqlens = self._tensors_in(
+            "pool* start_rows dst_rows q k v g o* cu_seqlens", *given
+        )
         self._linear_attn_template("gated_linear_attn", pool, start_rows, dst_rows, (q, k, v, g), None, o, n_snap,
                           plane_stride, scale, cu_seqlens)  # fmt: skip
 
@@ -1276,6 +1459,7 @@ class Device(abc.ABC):
         args: tuple[Any, ...],
     ) -> None:
         """Run a validated stateful call, remembering it unless an input was copied."""
+        _refuse_pool_overlap(op, bufs)
         impl = getattr(self, f"_{op}")
         if call.copied:
             impl(*args)  # its copy holds this call's data: nothing to remember
@@ -1431,6 +1615,90 @@ class Device(abc.ABC):
     ) -> None:
         """GLA in the packed form (q/k/v/g/o [T, H, S]); scale in ``shp``."""
         raise NotImplementedError(f"{self.id} does not implement gated_linear_attn (not in caps.ops)")
+
+
+#: Per memo key name, the positions in ``bufs`` of the arguments the
+#: primitive writes: where a call matched by geometry must not overlap any
+#: other argument.  A primitive missing here is matched by identity only.
+_WRITTEN_AT: dict[str, tuple[int, ...]] = {
+    "get_rows": (2,),
+    "set_rows": (0,),
+    "zero_rows": (0,),
+    "copy_rows": (2,),
+    "ssm_conv": (0, 6),
+    "ssm_conv+": (0, 6),
+    "ssm_scan": (0, 8),
+    "ssm_scan+": (0, 8),
+    "gated_delta_net": (0, 8),
+    "gated_delta_net+": (0, 8),
+    # pool, start_rows, dst_rows, the per-token inputs, u, o, cu_seqlens
+    "rwkv_wkv6": (0, 8),
+    "rwkv_wkv7": (0, 10),
+    "gated_linear_attn": (0, 8),
+}
+
+
+def _geometry_key(key: tuple[Any, ...], bufs: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``key`` with the ids of tensor Buffers replaced by their geometry, or
+    None when no argument is a tensor."""
+    sigs = []
+    loose = False
+    for buf in bufs:
+        geometry = getattr(buf, "_geometry", None)  # (not a Buffer at all: validation names it)
+        if geometry is None:
+            sigs.append(id(buf))
+        else:
+            sigs.append(geometry)
+            loose = True
+    if not loose:
+        return None
+    return ("by geometry", *key[: len(key) - len(bufs)], *sigs)
+
+
+def _may_overlap(bufs: tuple[Any, ...], written: tuple[int, ...]) -> bool:
+    """Whether a written argument may share bytes with another argument where
+    either one is a tensor (native pairs were checked under the same ids)."""
+    for w in written:
+        out = bufs[w]
+        if out is None:
+            continue
+        out_range = out.byte_range()
+        out_native = out._geometry is None
+        for j, other in enumerate(bufs):
+            if j == w or other is None or (out_native and other._geometry is None):
+                continue
+            if other is out:
+                return True
+            r = other.byte_range()
+            if out_range is None or r is None or (r[0] < out_range[1] and out_range[0] < r[1]):
+                return True  # an unknown address might overlap: validate
+    return False
+
+
+#: The buffers each stateful primitive hands to ``_launch_state``, in order
+#: (pool first): the names its overlap errors use.
+_STATE_BUFFERS: dict[str, tuple[str, ...]] = {
+    "ssm_conv": ("pool", "start_rows", "dst_rows", "x", "weight", "bias", "y", "cu_seqlens"),
+    "ssm_scan": ("pool", "start_rows", "dst_rows", "x", "dt", "A", "B", "C", "y", "cu_seqlens", "D", "z", "dt_bias"),
+    "gated_delta_net": (
+        "pool", "start_rows", "dst_rows", "q", "k", "v", "g", "beta", "o", "cu_seqlens", "A_log", "dt_bias",
+    ),
+    "rwkv_wkv6": ("pool", "start_rows", "dst_rows", "r", "k", "v", "w", "u", "o", "cu_seqlens"),
+    "rwkv_wkv7": ("pool", "start_rows", "dst_rows", "r", "w", "k", "v", "a", "b", "u", "o", "cu_seqlens"),
+    "gated_linear_attn": ("pool", "start_rows", "dst_rows", "q", "k", "v", "g", "u", "o", "cu_seqlens"),
+}  # fmt: skip
+
+
+def _refuse_pool_overlap(op: str, bufs: tuple[Any, ...]) -> None:
+    """The pool is written while every other argument is read: none may share
+    its bytes (tensors over one allocation are caught by address range)."""
+    pool = bufs[0]
+    for i in range(1, len(bufs)):
+        other = bufs[i]
+        if other is not None and other is not pool and pool.overlaps(other):
+            names = _STATE_BUFFERS.get(op, ())
+            name = names[i] if i < len(names) else f"argument {i}"
+            raise ArgumentError(name, "overlaps the state pool in memory, which the primitive writes")
 
 
 class Backend(abc.ABC):

@@ -1,23 +1,47 @@
-"""The DLPack C structures (dlpack.h, ABI 1.x) as ctypes, shared by the
-backends that export or import buffers without copies.
+"""DLPack: the C structures (dlpack.h, ABI 1.x) as ctypes, and reading what a
+producer exports.
 
-Only the standard layout lives here; what a backend puts in the fields
-(device type, who frees the memory) stays in that backend.  ctypes is part of
-the standard library, so the core still imports no backend library.
+The structures are shared by the backends that export or import buffers
+without copies; what a backend puts in the fields (device type, who frees the
+memory) stays in that backend.  Reading an export (:func:`describe`) and
+naming a tensor's memory cheaply (:func:`fingerprint`) serve
+:mod:`statecache.tensor_args`, which lets every primitive take a DLPack
+tensor wherever it takes a Buffer.  ctypes is part of the standard library,
+and nothing here imports torch: a tensor is used through the DLPack protocol
+and, for speed, through methods any torch-like tensor has.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from statecache.dtypes import DType
 
 KDL_CPU = 1
 KDL_CUDA = 2
+KDL_CUDA_HOST = 3  # pinned host memory: addressable by the host like kDLCPU
+KDL_CUDA_MANAGED = 13
 
 #: DLDataType codes
 KDL_INT = 0
 KDL_UINT = 1
 KDL_FLOAT = 2
 KDL_BFLOAT = 4
+KDL_COMPLEX = 5
+KDL_BOOL = 6
+
+#: DLManagedTensorVersioned.flags bit: the consumer must not write the memory.
+DLPACK_FLAG_READ_ONLY = 1
+
+#: Device types whose exports synchronise with a consumer's stream.
+STREAM_DEVICE_TYPES = frozenset({KDL_CUDA, KDL_CUDA_MANAGED, 10})  # 10: kDLROCM
+
+#: Device types whose memory the host reads and writes directly.
+HOST_DEVICE_TYPES = frozenset({KDL_CPU, KDL_CUDA_HOST})
 
 
 class DLDevice(ctypes.Structure):
@@ -38,3 +62,371 @@ class DLTensor(ctypes.Structure):
         ("strides", ctypes.POINTER(ctypes.c_int64)),
         ("byte_offset", ctypes.c_uint64),
     ]
+
+
+class DLManagedTensor(ctypes.Structure):
+    """The legacy ("dltensor") capsule payload."""
+
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    """The DLPack 1.x ("dltensor_versioned") capsule payload."""
+
+    _fields_ = [
+        ("version_major", ctypes.c_uint32),
+        ("version_minor", ctypes.c_uint32),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", DLTensor),
+    ]
+
+
+# Private prototypes: setting argtypes on the shared ctypes.pythonapi function
+# objects would leak into (and be clobbered by) any other module doing the same.
+_capsule_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", ctypes.pythonapi))
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
+
+
+def capsule_tensor(capsule: Any) -> tuple[DLTensor, int]:
+    """The DLTensor of an unconsumed capsule (legacy or versioned) and its
+    flags (0 for a legacy capsule).  The capsule keeps ownership: dropping it
+    calls the producer's deleter, as the protocol says for unconsumed ones."""
+    name = _capsule_name(capsule)
+    ptr = _capsule_pointer(capsule, name)
+    if name == b"dltensor_versioned":
+        managed = DLManagedTensorVersioned.from_address(ptr)
+        return managed.dl_tensor, int(managed.flags)
+    if name == b"dltensor":
+        return DLManagedTensor.from_address(ptr).dl_tensor, 0
+    raise BufferError(f"not an unconsumed DLPack capsule: {name!r}")
+
+
+#: (code, bits) -> NumPy dtype of the element types statecache reads.
+_NUMPY_OF_DL: dict[tuple[int, int], np.dtype] = {
+    (KDL_FLOAT, 32): np.dtype(np.float32),
+    (KDL_FLOAT, 16): np.dtype(np.float16),
+    (KDL_BFLOAT, 16): DType.BF16.numpy,
+    (KDL_INT, 32): np.dtype(np.int32),
+    (KDL_INT, 64): np.dtype(np.int64),
+}
+
+#: (code, bits) -> the statecache dtype a buffer over that memory has.
+_DTYPE_OF_DL: dict[tuple[int, int], DType] = {
+    (KDL_FLOAT, 32): DType.F32,
+    (KDL_FLOAT, 16): DType.F16,
+    (KDL_BFLOAT, 16): DType.BF16,
+    (KDL_INT, 32): DType.I32,
+}
+
+_CODE_NAMES = {
+    KDL_INT: "int",
+    KDL_UINT: "uint",
+    KDL_FLOAT: "float",
+    KDL_BFLOAT: "bfloat",
+    KDL_COMPLEX: "complex",
+    KDL_BOOL: "bool",
+}
+
+
+class TensorMemory(NamedTuple):
+    """What a DLPack producer exported: where one tensor's elements are.
+
+    ``address`` already includes the export's byte offset; ``strides`` are
+    in elements (C order when the producer gave none)."""
+
+    address: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    code: int  # DLDataType code
+    bits: int
+    device_type: int
+    device_id: int
+    read_only: bool
+
+    @property
+    def numpy_dtype(self) -> np.dtype | None:
+        """The NumPy dtype of the elements, or None for a type statecache never reads."""
+        return _NUMPY_OF_DL.get((self.code, self.bits))
+
+    @property
+    def dtype(self) -> DType | None:
+        """The buffer dtype of the elements (int64 has none: indices are int32 inside)."""
+        return _DTYPE_OF_DL.get((self.code, self.bits))
+
+    @property
+    def is_integer(self) -> bool:
+        """Integer-like elements (bool included): what only index arguments hold."""
+        return self.code in (KDL_INT, KDL_UINT, KDL_BOOL)
+
+    @property
+    def on_host(self) -> bool:
+        return self.device_type in HOST_DEVICE_TYPES
+
+    @property
+    def itemsize(self) -> int:
+        return max(self.bits // 8, 1)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def span(self) -> int:
+        """Elements from the first to one past the last one addressed (0 when empty)."""
+        if self.size == 0:
+            return 0
+        return 1 + sum((n - 1) * s for n, s in zip(self.shape, self.strides))
+
+    def byte_range(self) -> tuple[int, int]:
+        """``[lo, hi)`` bytes this tensor may touch (empty: ``lo == hi``)."""
+        return self.address, self.address + self.span() * self.itemsize
+
+    def type_name(self) -> str:
+        if self.code == KDL_BOOL:
+            return "bool"
+        return f"{_CODE_NAMES.get(self.code, f'code {self.code} ')}{self.bits}"
+
+
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    acc = 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def read_tensor(tensor: DLTensor, flags: int = 0) -> TensorMemory:
+    ndim = int(tensor.ndim)
+    shape = tuple(int(tensor.shape[i]) for i in range(ndim))
+    strides = tuple(int(tensor.strides[i]) for i in range(ndim)) if tensor.strides else _c_strides(shape)
+    dtype = tensor.dtype
+    if int(dtype.lanes) != 1:
+        raise BufferError(f"vector element types (lanes={int(dtype.lanes)}) are not supported")
+    return TensorMemory(
+        address=int(tensor.data or 0) + int(tensor.byte_offset),
+        shape=shape,
+        strides=strides,
+        code=int(dtype.code),
+        bits=int(dtype.bits),
+        device_type=int(tensor.device.device_type),
+        device_id=int(tensor.device.device_id),
+        read_only=bool(flags & DLPACK_FLAG_READ_ONLY),
+    )
+
+
+def exportable(obj: Any) -> Any:
+    """``obj``, or the object whose DLPack export reads the same memory.
+
+    A tensor that requires grad refuses DLPack export (torch: "use
+    tensor.detach()"), because a consumer cannot record autograd history.
+    statecache's primitives are inference kernels that never take part in
+    autograd (like any custom kernel run under ``torch.no_grad()``), so the
+    detached tensor, which shares the memory and exists only for the export,
+    is exactly what they need: parameters that require grad are accepted
+    without the caller detaching them."""
+    if getattr(obj, "requires_grad", False):
+        detach = getattr(obj, "detach", None)
+        if callable(detach):
+            return detach()
+    return obj
+
+
+def describe(obj: Any, *, stream: int | None = None) -> TensorMemory:
+    """Export ``obj`` through DLPack and read where its elements are.
+
+    ``stream`` (CUDA): the stream the consumer will use; the producer makes
+    it wait for the producer's pending work (the protocol's synchronisation).
+    Raises BufferError (or the producer's own error) when the object cannot
+    be exported.  A NumPy array is read from its array interface instead: the
+    same facts without a capsule, and bf16 (ml_dtypes), which NumPy cannot
+    export through DLPack, included."""
+    if isinstance(obj, np.ndarray):
+        return _numpy_memory(obj)
+    obj = exportable(obj)
+    if stream is not None and int(obj.__dlpack_device__()[0]) not in STREAM_DEVICE_TYPES:
+        stream = None  # host memory: producers refuse a stream there
+    kwargs: dict[str, Any] = {} if stream is None else {"stream": stream}
+    try:
+        capsule = obj.__dlpack__(max_version=(1, 1), **kwargs)
+    except TypeError:  # a producer older than DLPack 1.0 (no max_version)
+        capsule = obj.__dlpack__(**kwargs)
+    tensor, flags = capsule_tensor(capsule)
+    memory = read_tensor(tensor, flags)
+    del tensor  # points into the capsule's payload, which the producer frees with it
+    return memory
+
+
+def _numpy_memory(arr: np.ndarray) -> TensorMemory:
+    dtype = arr.dtype
+    if dtype == DType.BF16.numpy:
+        code = KDL_BFLOAT
+    else:
+        code = {"f": KDL_FLOAT, "i": KDL_INT, "u": KDL_UINT, "b": KDL_BOOL}.get(dtype.kind, -1)
+    item = dtype.itemsize
+    if code < 0 or any(s % item for s in arr.strides):
+        raise BufferError(f"NumPy dtype {dtype} (strides {arr.strides}) has no DLPack equivalent")
+    return TensorMemory(
+        address=int(arr.__array_interface__["data"][0]),
+        shape=tuple(int(n) for n in arr.shape),
+        strides=tuple(int(s) // item for s in arr.strides),
+        code=code,
+        bits=8 * item,
+        device_type=KDL_CPU,
+        device_id=0,
+        read_only=not arr.flags.writeable,
+    )
+
+
+class _HostMemory:
+    """An ``__array_interface__`` over an address: NumPy makes a view of it
+    without a copy and without owning the memory (keeps only this object)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, shape: tuple[int, ...], strides: tuple[int, ...], typestr: str) -> None:
+        self.__array_interface__ = {
+            "data": (address, False),
+            "shape": shape,
+            "strides": strides,
+            "typestr": typestr,
+            "version": 3,
+        }
+
+
+#: Element types the array interface names directly.
+_TYPESTR = {np.dtype(np.float32): "<f4", np.dtype(np.float16): "<f2", np.dtype(np.int32): "<i4"}
+
+#: Plain element types NumPy's array interface names by size (bf16 is read as
+#: uint16 and relabelled: the same bits).
+_TYPESTR_BY_SIZE = {1: "|u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+
+def host_array(memory: TensorMemory, dtype: np.dtype | None = None) -> np.ndarray:
+    """A writable NumPy view (no copy, no ownership) of host memory.
+
+    The view does not keep the memory alive: use it only while the tensor
+    that exported it is."""
+    npd = dtype if dtype is not None else memory.numpy_dtype
+    if npd is None:
+        raise BufferError(f"no NumPy dtype for {memory.type_name()}")
+    if memory.span() == 0 or memory.address == 0:
+        return np.empty(memory.shape, dtype=npd)
+    item = npd.itemsize
+    strides = tuple(s * item for s in memory.strides)
+    raw = np.asarray(_HostMemory(memory.address, memory.shape, strides, _TYPESTR_BY_SIZE[item]))
+    return raw.view(npd)
+
+
+def host_flat(memory: TensorMemory, dtype: np.dtype) -> np.ndarray:
+    """The host memory a tensor addresses as one flat array of ``dtype``
+    (``memory.span()`` elements from its first element; no copy, no ownership):
+    the storage of a host buffer over it, whose shape and strides are the tensor's."""
+    span = memory.span()
+    if span == 0 or memory.address == 0:
+        return np.empty(span, dtype=dtype)
+    typestr = _TYPESTR.get(dtype)
+    if typestr is not None:  # named directly: no relabelling view (this runs per new tensor address)
+        return np.asarray(_HostMemory(memory.address, (span,), (dtype.itemsize,), typestr))
+    return np.asarray(_HostMemory(memory.address, (span,), (dtype.itemsize,), _TYPESTR_BY_SIZE[dtype.itemsize])).view(
+        dtype
+    )
+
+
+# -- fingerprints -----------------------------------------------------------------
+#
+# A fingerprint names a tensor's memory and geometry (type, data address,
+# shape, strides, element type, device; always in that order, the address
+# second) without exporting it: a decode step
+# passes fresh activation tensors every call, at the addresses the caching
+# allocator handed out the step before, and a DLPack export costs several
+# microseconds.  Torch-like tensors (``data_ptr()``, ``stride()``, ``shape``,
+# ``dtype``, ``device``) and NumPy arrays are read directly; any other
+# producer is exported every call.  The first export of each type is compared
+# with its direct reading, and a type whose methods disagree with its own
+# export is never read directly again.
+
+Fingerprint = tuple[Any, ...]
+
+
+def _torch_like(obj: Any) -> Fingerprint:
+    return (type(obj), obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.device)
+
+
+def _numpy_like(obj: Any) -> Fingerprint:
+    iface = obj.__array_interface__
+    return (type(obj), iface["data"][0], obj.shape, obj.strides, obj.dtype, obj.flags.writeable)
+
+
+def export_fingerprint(obj: Any, stream: int | None = None) -> Fingerprint:
+    """The fingerprint of a producer read by exporting it (every call: the
+    export is also the protocol's synchronisation with ``stream``)."""
+    memory = describe(obj, stream=stream)
+    return (type(obj), memory.address, memory)
+
+
+def _not_a_tensor(obj: Any) -> None:
+    return None
+
+
+#: type -> how its fingerprint is read (``_not_a_tensor`` for types without ``__dlpack__``;
+#: ``export_fingerprint`` for producers read by exporting them, which a caller
+#: with a stream to synchronise with calls with that stream).
+READERS: dict[type, Callable[[Any], Fingerprint | None]] = {}
+
+
+def reader_for(cls: type) -> Callable[[Any], Fingerprint | None]:
+    """How fingerprints of ``cls`` instances are read (decided once per type)."""
+    reader = READERS.get(cls)
+    if reader is not None:
+        return reader
+    if not callable(getattr(cls, "__dlpack__", None)):
+        reader = _not_a_tensor
+    elif all(callable(getattr(cls, m, None)) for m in ("data_ptr", "stride")) and all(
+        hasattr(cls, a) for a in ("shape", "dtype", "device")
+    ):
+        reader = _torch_like
+    elif isinstance(getattr(cls, "__array_interface__", None), property) or issubclass(cls, np.ndarray):
+        reader = _numpy_like
+    else:
+        reader = export_fingerprint
+    READERS[cls] = reader
+    return reader
+
+
+def exported_memory(fp: Fingerprint) -> TensorMemory | None:
+    """The export a fingerprint was made from, for producers that are exported
+    on every call (None for those read directly)."""
+    memory = fp[2] if len(fp) == 3 else None
+    return memory if type(memory) is TensorMemory else None
+
+
+def fingerprint(obj: Any) -> Fingerprint | None:
+    """A hashable name of the memory ``obj`` exports: equal fingerprints mean
+    the same address, shape, strides, element type and device (None: ``obj``
+    does not speak DLPack)."""
+    return reader_for(type(obj))(obj)
+
+
+def confirm_fingerprint(obj: Any, fp: Fingerprint, memory: TensorMemory) -> bool:
+    """Whether a direct reading ``fp`` agrees with the export ``memory``; a type
+    that disagrees is exported on every call from then on."""
+    reader = READERS.get(type(obj))
+    if reader is None or reader is export_fingerprint:
+        return True
+    address, shape, strides = fp[1], tuple(fp[2]), tuple(fp[3])
+    if reader is _numpy_like:  # NumPy strides are in bytes
+        item = memory.itemsize
+        strides = tuple(s // item if s % item == 0 else -1 for s in strides)
+    # The stride of an axis of length 1 is free: producers report it differently.
+    ok = address == memory.address and shape == memory.shape
+    ok = ok and all(a == b for n, a, b in zip(shape, strides, memory.strides) if n != 1)
+    if not ok:
+        READERS[type(obj)] = export_fingerprint
+    return ok

@@ -22,7 +22,19 @@ A remembered launch is reused only while it is still right:
   depend on them).
 
 Buffer geometry (shape, strides, offset, storage, dtype) is fixed at
-construction, so identity covers it.  Scalars (``n_snap``, ``plane_stride``,
+construction, so identity covers it.
+
+Tensors passed as arguments (:mod:`statecache.tensor_args`) become Buffers
+remembered by their memory's address and geometry, so a decode loop whose
+fresh tensors land at the addresses of the step before meets the same
+Buffers again.  Where the allocator hands out new addresses every step (small
+CPU tensors), a second entry per validated call matches them by *geometry*
+(``loose`` entries: the key holds each tensor Buffer's class, dtype, shape,
+strides, offset and extent instead of its identity).  Validation depends on
+nothing else about those Buffers except where they are, so before such an
+entry is used the device checks again that no written argument overlaps
+another one (:meth:`statecache.backend.Device._remembered`); the native
+Buffers and index shadows are checked as for any entry.  Scalars (``n_snap``, ``plane_stride``,
 ``scale``, ``dt_limit``, ``head_map`` ...) are part of the key.  What a
 stateful call derived while validated (the snapshot table of 1-D destination
 rows, the offsets of the equal-length form) is kept in the entry: small
@@ -47,7 +59,7 @@ MEMO_LIMIT = 4096
 class Remembered:
     """One validated call: what to check and what to run."""
 
-    __slots__ = ("caps", "launch", "refs", "shadows", "shape")
+    __slots__ = ("caps", "launch", "loose", "refs", "shadows", "shape")
 
     def __init__(
         self,
@@ -56,12 +68,14 @@ class Remembered:
         shadows: tuple[Any, ...],
         shape: Any,
         launch: Callable[[], None] | None,
+        loose: bool = False,
     ) -> None:
         self.caps = caps
         self.refs = refs
         self.shadows = shadows
         self.shape = shape  # what the validator returned (sizes or index values)
         self.launch = launch  # a backend's prepared launch, or None: call _op(shape, ...)
+        self.loose = loose  # positions without a reference are matched by the key alone
 
 
 class LaunchMemo:
@@ -78,9 +92,14 @@ class LaunchMemo:
         entry = self._entries.get(key)
         if entry is None or entry.caps is not caps:
             return None
-        for ref, buf in zip(entry.refs, bufs):
-            if (None if ref is None else ref()) is not buf:
-                return None
+        if entry.loose:
+            for ref, buf in zip(entry.refs, bufs):
+                if ref is not None and ref() is not buf:
+                    return None
+        else:
+            for ref, buf in zip(entry.refs, bufs):
+                if (None if ref is None else ref()) is not buf:
+                    return None
         for shadow, buf in zip(entry.shadows, index_bufs):
             if buf.host_indices is not shadow:
                 return None
@@ -94,14 +113,21 @@ class LaunchMemo:
         index_bufs: Sequence[Buffer],
         shape: Any,
         launch: Callable[[], None] | None,
+        loose: Sequence[bool] | None = None,
     ) -> None:
+        """Remember a validated call.  ``loose``: per buffer, True where the key
+        itself names the argument (by geometry) and its identity is not kept."""
         shadows = tuple(buf.host_indices for buf in index_bufs)
         if any(s is None for s in shadows) or not all(buf.is_contiguous for buf in index_bufs):
             return  # contents only the device knows: validate every call
         if len(self._entries) >= MEMO_LIMIT:
             self._prune()
-        refs = tuple(None if buf is None else weakref.ref(buf) for buf in bufs)
-        self._entries[key] = Remembered(caps, refs, shadows, shape, launch)
+        if loose is None:
+            refs = tuple(None if buf is None else weakref.ref(buf) for buf in bufs)
+            self._entries[key] = Remembered(caps, refs, shadows, shape, launch)
+        else:
+            refs = tuple(None if buf is None or free else weakref.ref(buf) for buf, free in zip(bufs, loose))
+            self._entries[key] = Remembered(caps, refs, shadows, shape, launch, loose=True)
 
     def _prune(self) -> None:
         # Drop entries whose buffers are gone; if that frees too little (a

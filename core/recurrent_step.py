@@ -28,6 +28,11 @@ transient buffers, the primitive runs on a transient pool of ``n_seqs``
 cells, and the results are copied back.  Only public Device primitives are
 used, so this is the same code on every backend.
 
+Every Buffer argument of the per-layer calls (``conv``, ``scan``, ``delta``,
+``wkv6``, ``wkv7``, ``gla``, ``shift``) may be a torch
+tensor (any DLPack object): it is turned into a Buffer first, before anything
+is checked or written (see :mod:`statecache.tensor_args`).
+
 Undo support (see :class:`~statecache.recurrent.RecurrentContext`): a step
 built for the memory's most recently applied ubatch reports, before its
 first write to each pool, that it is writing; with ``keep_undo_rows`` it
@@ -153,8 +158,9 @@ class RecurrentStep:
         try:
             if memo.lookup(key, dev.caps, full, (start, dst)) is not None:
                 return
-        except TypeError:  # an unhashable scalar: validation says what is wrong
-            pass
+        except TypeError:  # an unhashable scalar (a list as dt_limit): validate every call
+            validate(target, start, dst)
+            return
         validate(target, start, dst)
         memo.store(key, dev.caps, full, (start, dst), None, None)
 
@@ -233,18 +239,41 @@ class RecurrentStep:
         tensor: str = "r",
     ) -> None:
         """``ssm_conv`` on the layer's conv-window pool (``x`` [n_seqs, n_seq_tokens, ch])."""
+        given = (x, weight, y, bias)  # held until return (Device._tensors_in says why)
+        x, weight, y, bias = self.device._tensors_in("x weight y* bias", *given)
         self._primitive(
             "ssm_conv", layer, tensor, {"x": x, "weight": weight, "y": y}, {"bias": bias},
             {"apply_silu": bool(apply_silu)}, lambda row: self._conv_shapes(layer, row, x, weight, y, bias),
         )  # fmt: skip
 
     def scan(
-        self, layer: int, x: Buffer, dt: Buffer, A: Buffer, B: Buffer, C: Buffer, y: Buffer, *, tensor: str = "s"
+        self,
+        layer: int,
+        x: Buffer,
+        dt: Buffer,
+        A: Buffer,
+        B: Buffer,
+        C: Buffer,
+        y: Buffer,
+        *,
+        D: Buffer | None = None,
+        z: Buffer | None = None,
+        dt_bias: Buffer | None = None,
+        dt_limit: tuple[float, float] | None = None,
+        tensor: str = "s",
     ) -> None:
-        """``ssm_scan`` (Mamba-1/2) on the layer's state pool."""
+        """``ssm_scan`` (Mamba-1/2) on the layer's state pool, with the fused epilogues of
+        :meth:`Device.ssm_scan <statecache.backend.Device.ssm_scan>` (mamba_ssm's semantics):
+        ``dt_bias`` [n_head] added before softplus, ``dt_limit=(lo, hi)`` clamping its result,
+        the skip ``y += D * x`` (``D`` [n_head] or [n_head, head_dim]) and the gate
+        ``y *= silu(z)`` (``z`` shaped like ``x``), applied last."""
+        given = (x, dt, A, B, C, y, D, z, dt_bias)  # held until return (Device._tensors_in says why)
+        x, dt, A, B, C, y, D, z, dt_bias = self.device._tensors_in("x dt A B C y* D z dt_bias", *given)
         self._primitive(
-            "ssm_scan", layer, tensor, {"x": x, "dt": dt, "A": A, "B": B, "C": C, "y": y}, {}, {},
-            lambda row: self._scan_shapes(layer, row, x, dt, A, B, C, y),
+            "ssm_scan", layer, tensor, {"x": x, "dt": dt, "A": A, "B": B, "C": C, "y": y},
+            {"D": D, "z": z, "dt_bias": dt_bias}, {},
+            lambda row: self._scan_shapes(layer, row, x, dt, A, B, C, y, D=D, z=z, dt_bias=dt_bias),
+            {"dt_limit": dt_limit}, lambda shp: _scan_epilogues(shp, D, z, dt_bias),
         )  # fmt: skip
 
     def delta(
@@ -258,12 +287,28 @@ class RecurrentStep:
         o: Buffer,
         *,
         scale: float | None = None,
+        head_map: str = "tiled",
+        qk_l2norm: bool = False,
+        A_log: Buffer | None = None,
+        dt_bias: Buffer | None = None,
+        beta_sigmoid: bool = False,
         tensor: str = "s",
     ) -> None:
-        """``gated_delta_net`` (GDN / KDA) on the layer's state pool."""
+        """``gated_delta_net`` (GDN / KDA) on the layer's state pool, with the options of
+        :meth:`Device.gated_delta_net <statecache.backend.Device.gated_delta_net>`:
+        ``head_map`` (``"tiled"``: value head h reads q/k head ``h % H_k``; ``"grouped"``:
+        ``h // (H_v / H_k)``, as transformers and fla), ``qk_l2norm`` (q and k normalised in
+        the kernel), ``A_log`` [H_v] with optional ``dt_bias`` (``g`` is then the raw
+        projection ``a``: log-decay ``-exp(A_log) * softplus(a + dt_bias)``) and
+        ``beta_sigmoid`` (``beta`` is the raw ``b``: ``sigmoid(b)`` is used)."""
+        given = (q, k, v, g, beta, o, A_log, dt_bias)  # held until return (Device._tensors_in says why)
+        q, k, v, g, beta, o, A_log, dt_bias = self.device._tensors_in("q k v g beta o* A_log dt_bias", *given)
         self._primitive(
-            "gated_delta_net", layer, tensor, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "o": o}, {},
-            {"scale": scale}, lambda row: self._delta_shapes(layer, row, q, k, v, g, beta, o),
+            "gated_delta_net", layer, tensor, {"q": q, "k": k, "v": v, "g": g, "beta": beta, "o": o},
+            {"A_log": A_log, "dt_bias": dt_bias}, {},
+            lambda row: self._delta_shapes(layer, row, q, k, v, g, beta, o, A_log=A_log, dt_bias=dt_bias),
+            {"scale": scale, "head_map": head_map, "qk_l2norm": qk_l2norm, "beta_sigmoid": beta_sigmoid},
+            lambda shp: _delta_epilogues(shp, A_log),
         )  # fmt: skip
 
     def _primitive(
@@ -275,24 +320,36 @@ class RecurrentStep:
         optional: dict[str, Buffer | None],
         scalars: dict[str, Any],
         shapes: Callable[[int], None],
+        options: dict[str, Any] | None = None,
+        fused: Callable[[Any], frozenset[str]] | None = None,
     ) -> None:
         """Run primitive ``op`` (``Device.<op>``, validated by ``primitives.check_<op>``) on the
         layer's pool.  ``args``: its buffers in call order; ``optional``: keyword buffers;
-        ``scalars``: keyword scalars the validator does not take; ``shapes(row_size)``:
-        the checks against the ubatch and the layer."""
+        ``scalars``: keyword scalars the validator does not take; ``options``: keyword scalars
+        it takes too; ``shapes(row_size)``: the checks against the ubatch and the layer;
+        ``fused(shape)``: the epilogue names the validated call uses, asked of the device
+        before anything is written (the same refusal the primitive would raise)."""
         dev = self.device
         check = getattr(P, f"check_{op}")  # the validator the device runs too
         call = getattr(dev, op)
+        opts = options or {}
 
         # dst is a snapshot table (or its one column as 1-D rows): n_snap and plane_stride stay default
         def validate(pool: Buffer, start: Buffer, dst: Buffer) -> None:
             shapes(pool.shape[1])
-            check(dev, pool=pool, start_rows=start, dst_rows=dst, **args, **optional, n_snap=1, plane_stride=0)
+            checked = check(
+                dev, pool=pool, start_rows=start, dst_rows=dst, **args, **optional, **opts, n_snap=1, plane_stride=0
+            )
+            names = fused(checked.shape) if fused is not None else None
+            if names:
+                answer = dev.supports(op, epilogues=names)
+                if not answer:
+                    raise CapabilityError(answer.reason)
 
         def launch(pool: Buffer, start: Buffer, dst: Buffer) -> None:
-            call(pool, start, dst, *args.values(), **optional, **scalars)
+            call(pool, start, dst, *args.values(), **optional, **scalars, **opts)
 
-        key = (op, *scalars.values())
+        key = (op, *scalars.values(), *opts.values())
         self._run(layer, tensor, launch, validate, key, (*args.values(), *optional.values()))
 
     # -- linear attention and the token shift (RWKV-6, RWKV-7, GLA) ------------
@@ -310,6 +367,8 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``rwkv_wkv6`` on the layer's wkv state pool (r/k/v/w/o [n_seqs, n_seq_tokens, H, S])."""
+        given = (r, k, v, w, u, o)  # held until return (Device._tensors_in says why)
+        r, k, v, w, u, o = self.device._tensors_in("r k v w u o*", *given)
         self._linear_attn_step("rwkv_wkv6", layer, tensor, {"r": r, "k": k, "v": v, "w": w, "o": o}, scale, u)
 
     def wkv7(
@@ -327,6 +386,8 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``rwkv_wkv7`` on the layer's wkv state pool (every per-token tensor [n_seqs, n_seq_tokens, H, S])."""
+        given = (r, w, k, v, a, b, o)  # held until return (Device._tensors_in says why)
+        r, w, k, v, a, b, o = self.device._tensors_in("r w k v a b o*", *given)
         per_token = {"r": r, "w": w, "k": k, "v": v, "a": a, "b": b, "o": o}
         self._linear_attn_step("rwkv_wkv7", layer, tensor, per_token, scale)
 
@@ -343,6 +404,8 @@ class RecurrentStep:
         tensor: str = "s",
     ) -> None:
         """``gated_linear_attn`` on the layer's state pool (q/k/v/g/o [n_seqs, n_seq_tokens, H, S])."""
+        given = (q, k, v, g, o)  # held until return (Device._tensors_in says why)
+        q, k, v, g, o = self.device._tensors_in("q k v g o*", *given)
         self._linear_attn_step("gated_linear_attn", layer, tensor, {"q": q, "k": k, "v": v, "g": g, "o": o}, scale)
 
     def _linear_attn_step(
@@ -405,6 +468,8 @@ class RecurrentStep:
         ``part`` of cell row ``c``).  The output equals the previous token's x
         exactly for finite inputs (an infinite x turns ``0 * x`` into NaN in the
         token before it)."""
+        given = (x, x_prev)  # held until return (Device._tensors_in says why)
+        x, x_prev = self.device._tensors_in("x x_prev*", *given)
         dev, inp = self.device, self.inputs
         pool = self._pool(layer, tensor)
         for name, buf in (("x", x), ("x_prev", x_prev)):
@@ -497,8 +562,9 @@ class RecurrentStep:
             raise ArgumentError("bias", f"shape {_shape_of(bias, 'bias')} must be [channels={ch}]")
 
     def _scan_shapes(
-        self, layer: int, row: int, x: object, dt: object, A: object, B: object, C: object, y: object
-    ) -> None:
+        self, layer: int, row: int, x: object, dt: object, A: object, B: object, C: object, y: object, *,
+        D: object | None = None, z: object | None = None, dt_bias: object | None = None,
+    ) -> None:  # fmt: skip
         par = self._layer_params(layer)
         xs = self._tokens_dims("x", x, 4, "n_seqs, n_seq_tokens, n_head, head_dim")
         n_s, n_t = xs[:2]
@@ -529,10 +595,17 @@ class RecurrentStep:
         ys = _shape_of(y, "y")
         if ys != xs:
             raise ArgumentError("y", f"shape {ys} must be {xs} (one output per input of x)")
+        if D is not None and _shape_of(D, "D") not in ((h,), (h, hd)):
+            raise ArgumentError("D", f"shape {_shape_of(D, 'D')} must be [n_head={h}] or [n_head={h}, head_dim={hd}]")
+        if z is not None and _shape_of(z, "z") != xs:
+            raise ArgumentError("z", f"shape {_shape_of(z, 'z')} must be {xs} (one gate per input of x)")
+        if dt_bias is not None and _shape_of(dt_bias, "dt_bias") != (h,):
+            raise ArgumentError("dt_bias", f"shape {_shape_of(dt_bias, 'dt_bias')} must be [n_head={h}]")
 
     def _delta_shapes(
-        self, layer: int, row: int, q: object, k: object, v: object, g: object, beta: object, o: object
-    ) -> None:
+        self, layer: int, row: int, q: object, k: object, v: object, g: object, beta: object, o: object, *,
+        A_log: object | None = None, dt_bias: object | None = None,
+    ) -> None:  # fmt: skip
         par = self._layer_params(layer)
         vs = self._tokens_dims("v", v, 4, "n_seqs, n_seq_tokens, H_v, S")
         n_s, n_t, h_v, size = vs
@@ -558,9 +631,34 @@ class RecurrentStep:
         os_ = _shape_of(o, "o")
         if os_ != vs:
             raise ArgumentError("o", f"shape {os_} must be {vs} (one output per value of v)")
+        # the raw gate: per value head (per key dimension of it for KDA's [.., H_v, S] gate)
+        if A_log is not None and _shape_of(A_log, "A_log") != (h_v,):
+            raise ArgumentError("A_log", f"shape {_shape_of(A_log, 'A_log')} must be [H_v={h_v}]")
+        want_bias = (h_v,) if len(gs) == 3 else (h_v, size)
+        if dt_bias is not None and _shape_of(dt_bias, "dt_bias") != want_bias:
+            raise ArgumentError("dt_bias", f"shape {_shape_of(dt_bias, 'dt_bias')} must be {list(want_bias)}")
 
 
 _Launch = Callable[[Buffer, Buffer, Buffer], None]
+
+
+def _scan_epilogues(shape: P.ScanShape, D: object, z: object, dt_bias: object) -> frozenset[str]:
+    """The fused epilogues a validated ``ssm_scan`` call uses (``Caps.epilogues`` names);
+    ``shape.dt_limit`` is None for a limit that clamps nothing, as the device sees it."""
+    given = (("dt_bias", dt_bias), ("dt_limit", shape.dt_limit), ("D", D), ("z", z))
+    return frozenset(name for name, value in given if value is not None)
+
+
+def _delta_epilogues(shape: P.DeltaShape, A_log: object) -> frozenset[str]:
+    """The fused options a validated ``gated_delta_net`` call uses; the grouped map only
+    where it differs from the tiled one (1 < H_k < H_v), as the device decides."""
+    given = (
+        ("grouped_heads", shape.head_map == "grouped"),
+        ("qk_l2norm", shape.qk_l2norm),
+        ("raw_gate", A_log is not None),
+        ("beta_sigmoid", shape.beta_sigmoid),
+    )
+    return frozenset(name for name, used in given if used)
 
 
 def _shape_of(buf: Any, name: str) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import sys
 from collections.abc import Iterator
 
 from statecache.errors import SettingsError
@@ -35,7 +36,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "STATECACHE_NUM_THREADS",
         None,
-        "Threads used by the C CPU backend (default: the cores this process may use).",
+        "Threads used by the C CPU backend (default: `torch.get_num_threads()` when torch is imported in the "
+        "process, else the cores this process may use).",
     ),
     Variable(
         "STATECACHE_CACHE_DIR",
@@ -103,9 +105,45 @@ def problems() -> list[str]:
 
 
 def num_threads() -> int:
-    # Read at every kernel call (so a changed variable takes effect at once);
-    # parsing is cached per value, since a decode step is only a few us.
-    return _threads_from(os.environ.get("STATECACHE_NUM_THREADS"))
+    """Threads per C kernel: ``STATECACHE_NUM_THREADS`` when set, else torch's
+    intra-op thread count when torch is imported in this process, else the
+    cores this process may use.
+
+    Why follow torch: a runtime interleaves torch ops and statecache kernels
+    on one thread, one after the other, and both run on OpenMP (torch's pip
+    wheels ship ``libgomp.so.1``, so the process has one OpenMP runtime and
+    one pool of threads).  Teams of different sizes there leave threads
+    spinning or waking for the wrong team: measured on 2 cores with spinning
+    waits (``bench/tensor_calls.py --threads``), a small ``nn.Linear`` took
+    11 ms at p90 (84 us median) when statecache used 1 thread and torch 2,
+    and a scan 16 ms at p90 when statecache used 2 and torch 1 (the old
+    default next to ``torch.set_num_threads(1)``); with equal counts every
+    p90 stayed under 0.35 ms.  Following ``torch.get_num_threads()`` keeps
+    the counts equal, and honours a runtime that gives torch fewer threads
+    to leave cores to others.  torch is looked up, never imported.
+
+    Read at every kernel call (so a changed variable, or torch's
+    ``set_num_threads``, takes effect at once); parsing is cached per value,
+    since a decode step is only a few microseconds."""
+    value = os.environ.get("STATECACHE_NUM_THREADS")
+    if value:
+        return _threads_from(value)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        follow = _torch_threads(torch)
+        if follow is not None:
+            return follow
+    return _threads_from(None)
+
+
+def _torch_threads(torch: object) -> int | None:
+    get = getattr(torch, "get_num_threads", None)
+    if get is None:
+        return None  # torch is still being imported, or a stand-in
+    try:
+        return max(1, int(get()))
+    except Exception:
+        return None
 
 
 @functools.lru_cache(maxsize=8)

@@ -13,7 +13,6 @@ could have changed since), so a kernel cannot index out of bounds.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 from collections.abc import Sequence
@@ -22,16 +21,8 @@ from typing import Any
 import numpy as np
 
 from statecache import __version__, settings
-from statecache.backend import (
-    PRIMITIVES,
-    PROTOCOL_VERSION,
-    Backend,
-    Buffer,
-    Caps,
-    Device,
-    DeviceKind,
-)
-from statecache.dlpack import DLDataType, DLTensor
+from statecache.backend import PRIMITIVES, PROTOCOL_VERSION, Backend, Buffer, Caps, Device, DeviceKind
+from statecache.dlpack import KDL_BFLOAT, KDL_CPU, KDL_UINT, DLDataType, TensorMemory, capsule_tensor, host_flat
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError
 from statecache.hostmem import aligned_empty, physical_memory_bytes
@@ -68,43 +59,10 @@ def load_kernels() -> tuple[Any, Any, str]:
 # travels as uint16 with the capsule's dtype code relabelled (kDLUInt <->
 # kDLBfloat), which is the same bits under another name.
 
-_KDL_CPU = 1
-_KDL_UINT = 1
-_KDL_BFLOAT = 4
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
-
-
-class _DLManagedTensorVersioned(ctypes.Structure):
-    _fields_ = [
-        ("version_major", ctypes.c_uint32),
-        ("version_minor", ctypes.c_uint32),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p),
-        ("flags", ctypes.c_uint64),
-        ("dl_tensor", DLTensor),
-    ]
-
-
-# Private prototypes: setting argtypes on the shared ctypes.pythonapi function
-# objects would leak into (and be clobbered by) any other module doing the same.
-_capsule_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", ctypes.pythonapi))
-_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", ctypes.pythonapi)
-)
-
 
 def _capsule_dtype(capsule: Any) -> DLDataType:
     """The dtype field of an unconsumed DLPack capsule (legacy or versioned)."""
-    name = _capsule_name(capsule)
-    ptr = _capsule_pointer(capsule, name)
-    if name == b"dltensor_versioned":
-        return _DLManagedTensorVersioned.from_address(ptr).dl_tensor.dtype
-    if name == b"dltensor":
-        return _DLManagedTensor.from_address(ptr).dl_tensor.dtype
-    raise BufferError(f"not an unconsumed DLPack capsule: {name!r}")
+    return capsule_tensor(capsule)[0].dtype
 
 
 def _dlpack_kwargs(**kwargs: Any) -> dict[str, Any]:
@@ -122,13 +80,13 @@ def _import_dlpack(obj: Any) -> np.ndarray:
         def __dlpack__(self, **kwargs: Any) -> Any:
             capsule = obj.__dlpack__(**kwargs)
             dtype = _capsule_dtype(capsule)
-            if dtype.code == _KDL_BFLOAT and dtype.bits == 16:
-                dtype.code = _KDL_UINT
+            if dtype.code == KDL_BFLOAT and dtype.bits == 16:
+                dtype.code = KDL_UINT
                 seen_bf16.append(True)
             return capsule
 
     device_type, _ = obj.__dlpack_device__()
-    if int(device_type) != _KDL_CPU:
+    if int(device_type) != KDL_CPU:
         raise ArgumentError("obj", f"DLPack device type {int(device_type)} is not host memory (kDLCPU)")
     arr = np.from_dlpack(_Relabelled())
     if seen_bf16:
@@ -144,22 +102,25 @@ class CpuBuffer(Buffer):
 
     __slots__ = ("_cffi", "address")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, address: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.address: int = self.storage.__array_interface__["data"][0]
+        # the storage's element 0 (passed in where known: asking NumPy costs microseconds)
+        self.address: int = self.storage.__array_interface__["data"][0] if address is None else address
         self._cffi: dict[str, Any] = {}  # cffi pointers / view structs of this buffer
 
     def view(self, shape: Sequence[int], strides: Sequence[int] | None = None, offset: int = 0) -> CpuBuffer:
-        plain = super().view(shape, strides, offset)
+        out = super().view(shape, strides, offset)  # type(self): already a CpuBuffer
+        assert isinstance(out, CpuBuffer)
+        return out
+
+    def _new_view(self, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Buffer:
         return CpuBuffer(
-            self.device,
-            self.storage,
-            self.dtype,
-            plain.shape,
-            strides=plain.strides,
-            offset=plain.offset,
-            capacity=self.capacity,
-        )
+            self.device, self.storage, self.dtype, shape, strides=strides, offset=offset, capacity=self.capacity,
+            address=self.address,
+        )  # fmt: skip
+
+    def _storage_base(self) -> int:
+        return self.address
 
     def host_view(self) -> np.ndarray:
         """A writable NumPy view of exactly this buffer (shape, strides, offset)."""
@@ -195,12 +156,12 @@ class CpuBuffer(Buffer):
         kwargs = _dlpack_kwargs(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
         if self.dtype is DType.BF16:
             capsule = arr.view(np.uint16).__dlpack__(**kwargs)
-            _capsule_dtype(capsule).code = _KDL_BFLOAT
+            _capsule_dtype(capsule).code = KDL_BFLOAT
             return capsule
         return arr.__dlpack__(**kwargs)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (_KDL_CPU, 0)
+        return (KDL_CPU, 0)
 
 
 # -- device -------------------------------------------------------------------
@@ -247,7 +208,9 @@ class CpuDevice(Device):
 
     @property
     def num_threads(self) -> int:
-        """Threads per kernel: ``STATECACHE_NUM_THREADS``, read at every call."""
+        """Threads per kernel (:func:`statecache.settings.num_threads`:
+        ``STATECACHE_NUM_THREADS``, else torch's count when torch is imported,
+        else the cores), read at every call."""
         return settings.num_threads()
 
     # -- zero-copy wrapping of host memory -------------------------------------
@@ -280,6 +243,17 @@ class CpuDevice(Device):
         if not hasattr(obj, "__dlpack__"):
             raise ArgumentError("obj", f"{type(obj).__name__} does not implement __dlpack__")
         return self.from_numpy(_import_dlpack(obj))
+
+    def _import_memory(self, memory: TensorMemory, dtype: DType) -> CpuBuffer | None:
+        """Host tensors: a buffer over their memory (the kernels take any
+        strides of the per-token inputs; statecache.tensor_args keeps the
+        wrap only while the tensor is an argument)."""
+        if not memory.on_host:
+            return None
+        flat = host_flat(memory, dtype.numpy)
+        return CpuBuffer(
+            self, flat, dtype, memory.shape, strides=memory.strides, capacity=flat.size, address=memory.address
+        )
 
     # -- memory -----------------------------------------------------------------
     def _alloc(self, shape: tuple[int, ...], dtype: DType) -> Buffer:

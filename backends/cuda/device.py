@@ -2,9 +2,22 @@
 
 Buffers are plain device memory from ``cudaMalloc`` (never managed memory),
 wrapped in :class:`CudaBuffer`, which exposes ``__cuda_array_interface__``
-and ``__dlpack__`` so torch and CuPy see them without a copy.  Every copy and
-launch is asynchronous on the device's own non-blocking stream;
-:meth:`CudaDevice.synchronize` waits for it.
+and ``__dlpack__`` so torch and CuPy see them without a copy.  CUDA tensors
+(DLPack, device memory of this GPU) are taken as primitive arguments without
+a copy (:meth:`CudaDevice._import_memory`).
+
+Streams.  Every copy and launch is asynchronous on the stream current when
+it is queued (:attr:`CudaDevice.launch_stream`): the one of an enclosing
+``with device.use_stream(s):``, else, once torch has initialised CUDA in
+this process, torch's current stream on this GPU (so statecache's kernels
+order with the runtime's torch ops exactly as another torch op would, and a
+``torch.cuda.graph`` capture records them), else the device's own
+non-blocking stream.  :meth:`CudaDevice.synchronize` waits for every stream
+used since the last one.  Nothing a steady decode step does allocates or
+copies through the host (index buffers, derived tables and prepared launches
+are reused), so such a step can be captured in a CUDA graph; work that would
+break a capture (allocation, host copies, synchronisation) is refused with a
+clear error while the launch stream is capturing.
 
 The cdef is derived from ``statecache_cuda.h`` itself, so the header is the
 one description of the ABI; the library's ABI version and struct sizes are
@@ -13,11 +26,14 @@ checked when it is loaded, and a test checks every symbol and field offset.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import math
 import re
+import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +51,7 @@ from statecache.backend import (
     Support,
 )
 from statecache.backends.cuda import build
-from statecache.dlpack import DLDataType, DLDevice, DLTensor
+from statecache.dlpack import DLDataType, DLDevice, DLTensor, TensorMemory
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import StatecacheError
 from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES, L2NORM_EPS
@@ -242,6 +258,17 @@ class Allocation:
                 pass
 
 
+class ForeignMemory:
+    """Device memory another library owns (a tensor's, imported through
+    DLPack): never freed here, and never kept alive by the Buffers over it."""
+
+    __slots__ = ("__weakref__", "nbytes", "ptr")
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+
+
 #: Bytes of upload sources and launch temporaries kept alive before a forced synchronize.
 _MAX_PENDING_HOST_BYTES = 64 << 20
 
@@ -260,7 +287,7 @@ class CudaBuffer(Buffer):
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """Version 3 of Numba's CUDA Array Interface.  ``stream`` is the
-        device's stream: a consumer synchronizes with it before reading.
+        device's launch stream: a consumer synchronizes with it before reading.
         bf16 has no typestr in the interface; use ``__dlpack__`` for it."""
         if self.dtype not in _TYPESTR:
             raise AttributeError(f"{self.dtype} has no __cuda_array_interface__ typestr; use __dlpack__")
@@ -273,7 +300,7 @@ class CudaBuffer(Buffer):
             "data": (self.data_ptr(), False),
             "strides": None if self.is_contiguous else tuple(s * itemsize for s in self.strides),
             "version": 3,
-            "stream": device.stream_handle or None,
+            "stream": device.exchange_stream(),
         }
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -316,8 +343,46 @@ def _view(runtime: Runtime, view: Any, buf: Buffer | None) -> None:
     view.dtype = DTYPE_CODES[buf.dtype]
 
 
+def stream_handle_of(stream: Any) -> int:
+    """A ``cudaStream_t`` as an int, from an int or a stream object: torch's
+    (``cuda_stream``), CuPy's (``ptr``) or one with ``__cuda_stream__()``
+    (the CUDA Python protocol, returning ``(version, handle)``)."""
+    if isinstance(stream, int):
+        return stream
+    protocol = getattr(stream, "__cuda_stream__", None)
+    if callable(protocol):
+        return int(protocol()[1])
+    for attr in ("cuda_stream", "ptr", "handle"):
+        value = getattr(stream, attr, None)
+        if isinstance(value, int):
+            return value
+    raise TypeError(f"not a CUDA stream: {type(stream).__name__} (pass a cudaStream_t as an int or a stream object)")
+
+
+def _torch_stream_getter() -> Callable[[int], int] | None:
+    """Torch's current raw stream per device index, once torch has initialised
+    CUDA in this process (looked up, never imported: statecache does not
+    need torch); None before that."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        if cuda is None or not cuda.is_initialized():
+            return None
+    except Exception:  # a half-imported or stubbed torch: behave as without torch
+        return None
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # type: ignore[union-attr]
+    if callable(raw):
+        return raw  # type: ignore[no-any-return]  # (device index) -> cudaStream_t as int, no Stream object
+
+    def current(index: int) -> int:
+        return int(cuda.current_stream(index).cuda_stream)
+
+    return current
+
+
 class CudaDevice(Device):
-    """One CUDA GPU.  Launches are asynchronous on a non-blocking stream."""
+    """One CUDA GPU.  Launches are asynchronous, on the stream current when
+    they are queued (see the module doc and :attr:`launch_stream`)."""
 
     dlpack_device_type = KDL_CUDA
 
@@ -341,6 +406,7 @@ class CudaDevice(Device):
         runtime.check(lib.statecache_cuda_stream_create(stream), "cudaStreamCreateWithFlags")
         self._stream = stream[0]
         self.stream_handle = int(ffi.cast("uintptr_t", self._stream))
+        self._init_streams()
         self.caps = self._caps()
         # Host sources of queued uploads and device temporaries of queued
         # launches: both must outlive the work that reads them, so they are
@@ -375,10 +441,85 @@ class CudaDevice(Device):
     def _activate(self) -> None:
         self.runtime.check(self.runtime.lib.statecache_cuda_set_device(self.index), f"cudaSetDevice({self.index})")
 
+    # -- streams ------------------------------------------------------------------
+    def _init_streams(self) -> None:
+        #: Follow torch's current stream once torch has initialised CUDA (see the module doc).
+        self.follow_torch_stream = True
+        self._local = threading.local()  # .streams: this thread's use_stream() stack
+        self._torch_stream: Callable[[int], int] | None = None
+        self._stream_ptrs: dict[int, Any] = {}  # handle -> cffi void *, cast once
+        self._used_streams: dict[int, Any] = {}  # handle -> pointer, queued on since the last synchronize
+        self._capture_flag = self.runtime.ffi.new("int *")
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Any) -> Iterator[None]:
+        """Queue this thread's work on this device to ``stream`` inside the
+        block (a ``cudaStream_t`` as an int, ``torch.cuda.Stream``, a CuPy
+        stream ...).  The caller orders it with the producers of the tensors
+        it passes, as for any work on a stream of its own."""
+        handle = stream_handle_of(stream)
+        stack = self._local.__dict__.setdefault("streams", [])
+        stack.append(handle)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    @property
+    def launch_stream(self) -> int:
+        """The ``cudaStream_t`` (an int; 0 is the legacy default stream) that
+        work queued now goes to: ``use_stream``'s, else torch's current one
+        (``follow_torch_stream``, once torch has initialised CUDA), else the
+        device's own."""
+        return int(self._stream_now()[0])
+
+    def _stream_now(self) -> tuple[int, Any]:
+        stack = getattr(self._local, "streams", None)
+        if stack:
+            handle = stack[-1]
+        else:
+            getter = self._torch_stream
+            if getter is None and self.follow_torch_stream:
+                getter = self._torch_stream = _torch_stream_getter()
+            if getter is None or not self.follow_torch_stream:
+                return self.stream_handle, self._stream
+            handle = int(getter(self.index))
+        ptr = self._stream_ptrs.get(handle)
+        if ptr is None:
+            ptr = self._stream_ptrs[handle] = self.runtime.ffi.cast("void *", handle)
+        return handle, ptr
+
+    def exchange_stream(self) -> int | None:
+        """The launch stream as the exchange protocols number it (DLPack's
+        ``stream`` and the CUDA Array Interface's: 1 is the legacy default,
+        0 is not allowed), None where the memory is not CUDA's."""
+        if self.dlpack_device_type != KDL_CUDA:
+            return None
+        handle = self.launch_stream
+        return 1 if handle == 0 else handle
+
+    def _dlpack_stream(self) -> int | None:
+        return self.exchange_stream()
+
+    def _capturing(self, stream: Any) -> bool:
+        flag = self._capture_flag
+        status = self.runtime.lib.statecache_cuda_stream_is_capturing(stream, flag)
+        return status == 0 and bool(flag[0])
+
+    def _refuse_while_capturing(self, what: str) -> None:
+        handle, ptr = self._stream_now()
+        if self._capturing(ptr):
+            raise CudaError(
+                f"{self.id}: cannot {what} while stream {handle:#x} is being captured into a CUDA graph "
+                "(it would be recorded, or break the capture): do it before the capture begins"
+            )
+
     def _launch(self, op: str, *args: Any) -> None:
-        """Queue entry point ``statecache_cuda_<op>`` on this device's stream."""
+        """Queue entry point ``statecache_cuda_<op>`` on the launch stream."""
         self._activate()
-        status = getattr(self.runtime.lib, f"statecache_cuda_{op}")(*args, self._stream)
+        handle, stream = self._stream_now()
+        self._used_streams[handle] = stream
+        status = getattr(self.runtime.lib, f"statecache_cuda_{op}")(*args, stream)
         self.runtime.check(status, op)
 
     def _ptr(self, buf: Buffer, ctype: str = "void *") -> Any:
@@ -408,7 +549,22 @@ class CudaDevice(Device):
         return super().supports(op, **params)
 
     # -- memory -----------------------------------------------------------------
+    def _import_memory(self, memory: TensorMemory, dtype: DType) -> Buffer | None:
+        """CUDA tensors on this GPU: a buffer over their device memory (no copy,
+        not kept alive).  Host tensors are copied in by the caller instead."""
+        if memory.device_type != self.dlpack_device_type or memory.device_id != self.index:
+            return None
+        storage = self._borrowed_storage(memory, dtype)
+        return CudaBuffer(self, storage, dtype, memory.shape, strides=memory.strides, capacity=memory.span())
+
+    def _borrowed_storage(self, memory: TensorMemory, dtype: DType) -> Any:
+        return ForeignMemory(memory.address, memory.span() * dtype.itemsize)
+
     def _alloc(self, shape: tuple[int, ...], dtype: DType) -> Buffer:
+        self._refuse_while_capturing("allocate device memory")
+        return self._alloc_memory(shape, dtype)
+
+    def _alloc_memory(self, shape: tuple[int, ...], dtype: DType) -> Buffer:
         nbytes = math.prod(shape) * dtype.itemsize
         allocation = Allocation(self.runtime, self.index, nbytes)
         buf = CudaBuffer(self, allocation, dtype, shape)
@@ -417,6 +573,10 @@ class CudaDevice(Device):
         return buf
 
     def _write(self, buffer: Buffer, host: np.ndarray) -> None:
+        self._refuse_while_capturing("copy host data to the device")
+        self._copy_in(buffer, host)
+
+    def _copy_in(self, buffer: Buffer, host: np.ndarray) -> None:
         if host.nbytes:
             src = self.runtime.ffi.cast("const void *", host.ctypes.data)
             self._launch("memcpy_h2d_async", self._ptr(buffer), src, host.nbytes)
@@ -432,6 +592,10 @@ class CudaDevice(Device):
             self.synchronize()
 
     def _read(self, buffer: Buffer) -> np.ndarray:
+        self._refuse_while_capturing("copy device data to the host")
+        return self._copy_out(buffer)
+
+    def _copy_out(self, buffer: Buffer) -> np.ndarray:
         if buffer.size == 0:
             return np.empty(buffer.shape, dtype=buffer.dtype.numpy)
         span = 1 + sum((n - 1) * s for n, s in zip(buffer.shape, buffer.strides))
@@ -446,8 +610,17 @@ class CudaDevice(Device):
         return np.array(view, copy=True)
 
     def synchronize(self) -> None:
+        """Wait for the work queued on every stream used since the last call
+        (and on the device's own stream)."""
         self._activate()
-        self.runtime.check(self.runtime.lib.statecache_cuda_stream_synchronize(self._stream), "synchronize")
+        streams = {self.stream_handle: self._stream, **self._used_streams}
+        for handle, stream in streams.items():
+            if self._capturing(stream):
+                raise CudaError(
+                    f"{self.id}: cannot synchronize while stream {handle:#x} is being captured into a CUDA graph"
+                )
+            self.runtime.check(self.runtime.lib.statecache_cuda_stream_synchronize(stream), "synchronize")
+        self._used_streams.clear()
         self._pending_host.clear()
         self._pending_bytes = 0
 

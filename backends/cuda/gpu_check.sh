@@ -6,7 +6,12 @@
 # 1. builds (or finds in the cache) the CUDA library, printing the build time;
 # 2. `statecache conformance --backend cuda --require-device`: every case must
 #    pass, and a missing device is a failure, not a skip;
-# 3. `statecache conformance --perf --backend cuda`: GB/s and the ratio to the
+# 3. the GPU tests of backends/cuda/tests/test_cuda_gpu.py (needs the torch
+#    extra with CUDA for the torch ones): torch CUDA tensors as arguments on
+#    torch's current stream, and a 4-layer Mamba-2 decode step of a torch
+#    runtime captured with torch.cuda.graph and replayed (same states and
+#    outputs as eager steps, nothing allocated while capturing);
+# 4. `statecache conformance --perf --backend cuda`: GB/s and the ratio to the
 #    GPU's own device-to-device copy bandwidth for the benchmark shapes.
 # All steps share the time limit; the script exits non-zero if any step fails
 # or runs out of time (exit 124).  Set PYTHON to pick the interpreter (default:
@@ -40,6 +45,7 @@ step() {
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 step "$python" -m statecache.backends.cuda build
 step "$python" -m statecache.cli conformance --backend cuda --require-device
+step "$python" -m pytest -q -p no:cacheprovider -m cuda "$root/backends/cuda/tests/test_cuda_gpu.py"
 step "$python" -m statecache.cli conformance --perf --backend cuda
 echo "== gpu_check: exit $status"
 exit $status

@@ -170,6 +170,13 @@ extern "C" int statecache_cuda_stream_synchronize(void *stream) {
     return (int)cudaStreamSynchronize((cudaStream_t)stream);
 }
 
+extern "C" int statecache_cuda_stream_is_capturing(void *stream, int *capturing) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaError_t err = cudaStreamIsCapturing((cudaStream_t)stream, &status);
+    *capturing = err == cudaSuccess && status != cudaStreamCaptureStatusNone;
+    return (int)err;
+}
+
 extern "C" int statecache_cuda_malloc(void **ptr, size_t nbytes) {
     // Plain device memory, never managed: the pool must stay resident on the
     // device, and page migration would hide bandwidth costs.

@@ -171,6 +171,10 @@ int statecache_cuda_set_device(int device);
 int statecache_cuda_stream_create(void **stream);
 int statecache_cuda_stream_destroy(void *stream);
 int statecache_cuda_stream_synchronize(void *stream);
+/* *capturing = 1 while `stream` is being captured into a CUDA graph (any
+ * capture mode), else 0: work that must not be recorded (allocation, host
+ * copies, synchronisation) is refused before it is queued. */
+int statecache_cuda_stream_is_capturing(void *stream, int *capturing);
 int statecache_cuda_malloc(void **ptr, size_t nbytes);
 int statecache_cuda_free(void *ptr);
 int statecache_cuda_memset_async(void *ptr, int value, size_t nbytes, void *stream);

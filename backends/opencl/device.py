@@ -9,6 +9,12 @@ queue and ``download()`` synchronizes first.
 
 pyopencl is imported only when the backend is asked about availability or
 devices, so listing backends without the ``opencl`` extra never fails.
+
+Tensors as arguments: a ``cl.Buffer`` cannot be made over host memory the
+device does not own, so this device imports none (``_import_memory`` is
+the default): host tensors that a primitive only reads are copied in before
+each call, host tensors it writes are refused with an ArgumentError naming
+them, and index tensors arrive as index buffers (statecache.tensor_args).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import numpy as np
 from statecache import __version__
 from statecache.backend import PRIMITIVES, PROTOCOL_VERSION, Backend, Buffer, Caps, Device, DeviceKind
 from statecache.backends.reference import delta_net, linear_attn, rows, ssm_conv, ssm_scan
+from statecache.dlpack import TensorMemory, host_flat
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.hostmem import aligned_empty, as_array, physical_memory_bytes
 from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES
@@ -45,6 +46,13 @@ class ReferenceDevice(Device):
 
     def _read(self, buffer: Buffer) -> np.ndarray:
         return np.array(as_array(buffer), copy=True)
+
+    def _import_memory(self, memory: TensorMemory, dtype: DType) -> Buffer | None:
+        """Host tensors: a buffer over their memory, no copy."""
+        if not memory.on_host:
+            return None
+        flat = host_flat(memory, dtype.numpy)
+        return Buffer(self, flat, dtype, memory.shape, strides=memory.strides, capacity=flat.size)
 
     # primitives
     def _get_rows(self, src, rows_buf, dst, rows_host):  # type: ignore[no-untyped-def]

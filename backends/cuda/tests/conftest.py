@@ -14,6 +14,7 @@ import pytest
 
 from statecache.backends.cuda import build
 from statecache.backends.cuda.device import KDL_CPU, CudaBuffer, CudaDevice, Runtime, load_library
+from statecache.dlpack import host_flat
 from statecache.dtypes import DType
 from statecache.hostmem import aligned_empty
 
@@ -51,9 +52,26 @@ class HostAllocation:
         self.ptr = int(self.array.ctypes.data)
 
 
+class HostBorrowed:
+    """Host memory of a tensor standing in for a CUDA tensor's device memory
+    (imported without a copy, never owned)."""
+
+    __slots__ = ("__weakref__", "array", "ptr")
+
+    def __init__(self, memory, dtype: DType) -> None:  # type: ignore[no-untyped-def]
+        self.array = host_flat(memory, dtype.numpy)
+        self.ptr = int(memory.address)
+
+
 class HostEmulationDevice(CudaDevice):
     """CudaDevice whose memory is host memory and whose launches call the
-    ``statecache_cuda_host_*`` twins of the kernels."""
+    ``statecache_cuda_host_*`` twins of the kernels.
+
+    Host tensors stand in for CUDA tensors (``dlpack_device_type`` is
+    kDLCPU), so the real import, stream and capture bookkeeping of
+    CudaDevice runs; ``launched_on`` records the stream handle each launch
+    would have been queued on, and ``capturing`` pretends the launch stream
+    is being captured into a CUDA graph."""
 
     dlpack_device_type = KDL_CPU
 
@@ -71,27 +89,40 @@ class HostEmulationDevice(CudaDevice):
         self.multiprocessors = 0
         self._stream = runtime.ffi.NULL
         self.stream_handle = 0
+        self._init_streams()
         self.caps = self._caps()
         self._pending_host = []
         self._pending_bytes = 0
+        self.launched_on: list[int] = []
+        self.capturing = False
 
     def _activate(self) -> None:
         pass
 
+    def _capturing(self, stream) -> bool:  # type: ignore[no-untyped-def]
+        return self.capturing
+
     def _launch(self, op: str, *args) -> None:  # type: ignore[no-untyped-def]
+        handle, stream = self._stream_now()
+        self._used_streams[handle] = stream
+        del self.launched_on[:-64]
+        self.launched_on.append(handle)
         status = getattr(self.runtime.lib, f"statecache_cuda_host_{op}")(*args)
         self.runtime.check(status, op)
 
-    def _alloc(self, shape, dtype):  # type: ignore[no-untyped-def]
+    def _borrowed_storage(self, memory, dtype):  # type: ignore[no-untyped-def]
+        return HostBorrowed(memory, dtype)
+
+    def _alloc_memory(self, shape, dtype):  # type: ignore[no-untyped-def]
         return CudaBuffer(self, HostAllocation(int(np.prod(shape, dtype=np.int64)), dtype), dtype, shape)
 
     def _flat(self, buf) -> np.ndarray:  # type: ignore[no-untyped-def]
         return buf.storage.array
 
-    def _write(self, buffer, host) -> None:  # type: ignore[no-untyped-def]
+    def _copy_in(self, buffer, host) -> None:  # type: ignore[no-untyped-def]
         self._flat(buffer)[buffer.offset : buffer.offset + buffer.size] = host.reshape(-1)
 
-    def _read(self, buffer):  # type: ignore[no-untyped-def]
+    def _copy_out(self, buffer):  # type: ignore[no-untyped-def]
         flat = self._flat(buffer)
         item = flat.itemsize
         view = np.lib.stride_tricks.as_strided(
@@ -102,6 +133,11 @@ class HostEmulationDevice(CudaDevice):
     def synchronize(self) -> None:
         # Launches ran when queued: nothing to wait for, but what was kept
         # until the stream is past it is released here as on a GPU.
+        if self.capturing:
+            from statecache.backends.cuda.device import CudaError
+
+            raise CudaError(f"{self.id}: cannot synchronize while the stream is being captured into a CUDA graph")
+        self._used_streams.clear()
         self._pending_host.clear()
         self._pending_bytes = 0
 

@@ -21,10 +21,12 @@ class _Device:
 
     dlpack_device_type = 2
     index = 0
-    stream_handle = 0
 
     def __init__(self) -> None:
         self.synchronized = 0
+
+    def exchange_stream(self) -> int | None:
+        return None
 
     def synchronize(self) -> None:
         self.synchronized += 1

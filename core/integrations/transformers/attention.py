@@ -52,7 +52,9 @@ class KVRows:
         dev = cache.device
         self.rows: Buffer = dev.indices(actx.k_idxs())  # one upload per ubatch, shared by every layer
         mask = actx.mask()  # [n_tokens, n_kv], 0 or -inf
-        self.mask = torch.from_numpy(np.ascontiguousarray(mask)).to(bridge.torch_device, dtype)
+        # a copy: the memory hands every layer one read-only mask, and a model's
+        # attention code may edit its mask in place (one [n_tokens, n_kv] copy per ubatch)
+        self.mask = torch.tensor(mask, dtype=dtype, device=bridge.torch_device)
         self.mask = self.mask.view(self.n_s, 1, self.n_t, self.n_kv)
         self.streams = None
         if not cache.unified:

@@ -9,15 +9,15 @@ Conventions, transformers -> statecache:
 * conv: q, k and v are convolved together, channels ``[q | k | v]`` (each
   head-major), no bias, SiLU fused (``ssm_conv(apply_silu=True)``); the
   window width differs as for Mamba (``d_conv`` vs ``d_conv - 1`` columns).
-* q/k L2 norm (eps 1e-6, FLA's ``l2norm``) in torch (GLUE: switches to the
-  in-kernel q/k l2norm option).
+* q/k L2 norm (eps 1e-6, FLA's ``l2norm``): in the kernel
+  (``qk_l2norm=True``, the same formula ``x / sqrt(sum(x * x) + 1e-6)``).
 * head mapping: transformers' value head ``h`` reads q/k head
-  ``h // (H_v / H_k)`` (grouped, repeat-interleave); today's primitive reads
-  ``h % H_k`` (tiled), so q and k are repeat-interleaved to ``H_v`` heads in
-  torch (GLUE: switches to ``head_map="grouped"``).
+  ``h // (H_v / H_k)`` (grouped, repeat-interleave): ``head_map="grouped"``,
+  so q and k go to the kernel with their ``H_k`` heads, as strided views of
+  the conv output (no copy, no repeat).
 * gate and beta: ``g = -exp(A_log) * softplus(a + dt_bias)`` and
-  ``beta = sigmoid(b)`` in torch (GLUE: switches to the raw gate / beta
-  option).
+  ``beta = sigmoid(b)``: the raw projections ``a`` and ``b`` go to the
+  kernel with ``A_log``, ``dt_bias`` and ``beta_sigmoid=True``.
 * scale: ``1 / sqrt(head_k_dim)``, the primitive's default.
 * state transposition: transformers keeps ``[H_v, d_k, d_v]`` per sequence,
   statecache stores each head's block as ``[d_v, d_k]`` (key index fastest):
@@ -36,7 +36,7 @@ from statecache.spec import RecurrentLayerSpec
 
 from .bridge import Bridge, Workspace
 from .errors import UnsupportedModelError
-from .mamba import conv_arguments, neg_exp
+from .mamba import conv_arguments
 
 
 @dataclasses.dataclass
@@ -51,13 +51,12 @@ class GdnLayout:
     conv_dim: int
     conv_weight: Buffer  # [conv_dim, d_conv]
     conv_bias: Buffer | None
-    neg_A: Any  # torch [H_v]: -exp(A_log)   GLUE -> raw gate option
-    dt_bias: Any  # torch [H_v]
+    A_log: Buffer  # [H_v]: the raw gate's decay, -exp(A_log) * softplus(a + dt_bias)
+    dt_bias: Buffer  # [H_v]
 
     @property
     def spec(self) -> RecurrentLayerSpec:
-        # q and k are repeat-interleaved to H_v heads before the primitive, but the conv runs
-        # on the model's own [q | k | v] channels (H_k heads for q and k).
+        # the conv runs on the model's own [q | k | v] channels (H_k heads for q and k)
         return RecurrentLayerSpec.gdn(
             n_head=self.n_head_v, head_dim=self.head_dim, d_conv=self.d_conv, n_head_k=self.n_head_k
         )
@@ -87,20 +86,13 @@ def gdn_layout(mixer: Any, il: int, bridge: Bridge) -> GdnLayout:
         conv_dim=conv.channels,
         conv_weight=conv.weight,
         conv_bias=conv.bias,
-        neg_A=neg_exp(bridge, mixer.A_log),
-        dt_bias=mixer.dt_bias.detach().float().to(bridge.torch_device),
+        A_log=bridge.upload(mixer.A_log, (hv,)),
+        dt_bias=bridge.upload(mixer.dt_bias, (hv,)),
     )
-
-
-def _l2norm_(torch: Any, x: Any) -> Any:
-    # FLA's l2norm: x * rsqrt(sum(x^2) + 1e-6)
-    return x.mul_(torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6))
 
 
 def gdn_forward(mixer: Any, lay: GdnLayout, h: Any, step: Any, ws: Workspace) -> Any:
     """The mixer's output for hidden states ``h`` [n_s, n_t, hidden] of the applied ubatch."""
-    torch = ws.bridge.torch
-    F = torch.nn.functional
     n_s, n_t, _ = h.shape
     Hk, Hv, S, cd = lay.n_head_k, lay.n_head_v, lay.head_dim, lay.conv_dim
     q, k, v, z, b, a = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(h), mixer.in_proj_ba(h))
@@ -109,23 +101,20 @@ def gdn_forward(mixer: Any, lay: GdnLayout, h: Any, step: Any, ws: Workspace) ->
     qkv[..., :kd].copy_(q.reshape(n_s, n_t, kd))
     qkv[..., kd : 2 * kd].copy_(k.reshape(n_s, n_t, kd))
     qkv[..., 2 * kd :].copy_(v.reshape(n_s, n_t, Hv * S))
-    conv_buf, conv = ws.get("conv_out", (n_s, n_t, cd))
+    conv_buf, _ = ws.get("conv_out", (n_s, n_t, cd))
     step.conv(lay.il, qkv_buf, lay.conv_weight, conv_buf, bias=lay.conv_bias, apply_silu=True)
-    rep = Hv // Hk
-    q_buf, qt = ws.get("q", (n_s, n_t, Hv, S))
-    k_buf, kt = ws.get("k", (n_s, n_t, Hv, S))
-    # GLUE -> head_map="grouped" and in-kernel l2norm: repeat-interleave the normalised q/k heads
-    qn = _l2norm_(torch, conv[..., :kd].reshape(n_s, n_t, Hk, S).clone())
-    kn = _l2norm_(torch, conv[..., kd : 2 * kd].reshape(n_s, n_t, Hk, S).clone())
-    qt.view(n_s, n_t, Hk, rep, S).copy_(qn.unsqueeze(3).expand(n_s, n_t, Hk, rep, S))
-    kt.view(n_s, n_t, Hk, rep, S).copy_(kn.unsqueeze(3).expand(n_s, n_t, Hk, rep, S))
-    vv = ws.sub("conv_out", (n_s, n_t, cd), "v", (n_s, n_t, Hv, S), (n_t * cd, cd, S, 1), 2 * kd)
-    g_buf, g = ws.get("g", (n_s, n_t, Hv))
-    beta_buf, beta = ws.get("beta", (n_s, n_t, Hv))
-    # GLUE -> raw gate option: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
-    torch.mul(F.softplus(a.float() + lay.dt_bias), lay.neg_A, out=g)
-    torch.sigmoid(b.float(), out=beta)
+    cshape, cstr = (n_s, n_t, cd), (n_t * cd, cd, S, 1)
+    qq = ws.sub("conv_out", cshape, "q", (n_s, n_t, Hk, S), cstr, 0)
+    kk = ws.sub("conv_out", cshape, "k", (n_s, n_t, Hk, S), cstr, kd)
+    vv = ws.sub("conv_out", cshape, "v", (n_s, n_t, Hv, S), cstr, 2 * kd)
+    a_raw, a_t = ws.get("a", (n_s, n_t, Hv))  # the raw gate and beta projections
+    b_raw, b_t = ws.get("b", (n_s, n_t, Hv))
+    a_t.copy_(a)
+    b_t.copy_(b)
     o_buf, o = ws.get("o", (n_s, n_t, Hv, S))
-    step.delta(lay.il, q_buf, k_buf, vv, g_buf, beta_buf, o_buf)
+    step.delta(
+        lay.il, qq, kk, vv, a_raw, b_raw, o_buf, head_map="grouped", qk_l2norm=True, A_log=lay.A_log,
+        dt_bias=lay.dt_bias, beta_sigmoid=True,
+    )  # fmt: skip
     out = mixer.norm(o.reshape(-1, S).to(h.dtype), z.reshape(-1, S))
     return mixer.out_proj(out.reshape(n_s, n_t, Hv * S))

@@ -345,11 +345,14 @@ class Engine:
         self.forwards += 1
         self.steps += 1
         rows = logits.cpu().numpy()
+        best = rows.argmax(axis=1).tolist()  # every row's greedy token in one pass (a loop per row costs more)
         row = 0
         progressed = []
         for req, n_fed, drafts, scratch in plans:
             n_out = 1 + len(drafts)
-            self._accept(req, rows[row : row + n_out], logits[row : row + n_out], n_fed, drafts, scratch)
+            self._accept(
+                req, rows[row : row + n_out], logits[row : row + n_out], n_fed, drafts, scratch, best[row : row + n_out]
+            )
             row += n_out
             progressed.append(req.id)
         if any(r.finished for r, *_ in plans):
@@ -357,9 +360,17 @@ class Engine:
         return progressed
 
     def _accept(
-        self, req: Request, rows: np.ndarray, trows: Any, n_fed: int, drafts: list[int], scratch: int | None
+        self,
+        req: Request,
+        rows: np.ndarray,
+        trows: Any,
+        n_fed: int,
+        drafts: list[int],
+        scratch: int | None,
+        best: list[int],
     ) -> None:
-        """Choose the new tokens of one request from its logits rows and roll back what was rejected."""
+        """Choose the new tokens of one request from its logits rows (``best``: each row's
+        argmax) and roll back what was rejected."""
         mem = self.lm.memory
         s = req.sampling
         new: list[int] = []
@@ -367,7 +378,7 @@ class Engine:
         for i in range(len(drafts) + 1):
             d = drafts[i] if i < len(drafts) else None
             if s.greedy:
-                t = int(np.argmax(rows[i]))
+                t = best[i]
             else:
                 t = speculative_pick(s.probs(rows[i]), d, req.rng)
             new.append(t)

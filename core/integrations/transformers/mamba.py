@@ -14,18 +14,20 @@ docs/integrations/transformers.md):
   newest input included), statecache the ``d_conv - 1`` columns the next
   token needs; the arithmetic is the same, only the stored window differs.
 * conv bias and SiLU: ``ssm_conv(bias=conv1d.bias, apply_silu=True)``, fused.
-* dt bias and softplus: transformers computes ``softplus(dt + dt_bias)``;
-  statecache's scan applies the softplus itself, so the bias is added in
-  torch before the call (GLUE: switches to ``ssm_scan(dt_bias=)``).
+* dt bias and softplus: transformers computes ``softplus(dt + dt_bias)``, as
+  the scan's fused ``dt_bias`` does: the raw dt columns of ``in_proj``'s
+  output go to the scan as they are (a strided view, no copy).  Mamba-1's
+  bias is ``dt_proj.bias``: the projection runs without it and the bias is
+  the scan's ``dt_bias`` (mamba_ssm's ``delta_bias``).
 * dt limit: the chunked path clamps the softplus output to
-  ``time_step_limit``; for a finite limit the clamped value is passed through
-  the inverse softplus (GLUE: switches to ``ssm_scan(dt_limit=)``).
-* D skip: ``y += D * x`` in torch (GLUE: switches to ``ssm_scan(D=)``).
+  ``time_step_limit``: the scan's ``dt_limit`` (``(0, inf)`` is no clamp).
+* D skip: ``y += D * x``, the scan's ``D`` (per head; Mamba-1: per channel).
 * gating and norm placement: Mamba-1 multiplies by ``silu(z)`` after the D
-  skip (GLUE: ``ssm_scan(z=)``); Mamba-2 hands ``y`` and ``z`` to the model's
-  own gated RMSNorm, which gates *before* normalising per group
-  (``norm_before_gate=False``); a fused z gate would leave that norm with
-  ``gate=None``.
+  skip, the scan's ``z`` (z is a strided view of ``in_proj``'s output), as
+  does Falcon-H1 without ``mamba_rms_norm``; Mamba-2 hands ``y`` and ``z`` to
+  the model's own gated RMSNorm, which gates *before* normalising per group
+  (``norm_before_gate=False``), so that z is not fused: the norm needs the
+  ungated ``y``.
 * group and head mapping: Mamba-2 head ``h`` reads B/C group
   ``h // (n_head / n_group)`` in both (repeat-interleave); Mamba-1 is the
   scan with ``head_dim = 1``, ``n_head = d_inner``, one group and a
@@ -94,7 +96,7 @@ def _dt_limit(mixer: Any) -> tuple[float, float] | None:
 
 @dataclasses.dataclass
 class Mamba2Layout:
-    """Primitive arguments of one Mamba-2 mixer (shapes, uploaded parameters, glue tensors)."""
+    """Primitive arguments of one Mamba-2 mixer (shapes, uploaded parameters)."""
 
     il: int
     d_inner: int
@@ -108,9 +110,9 @@ class Mamba2Layout:
     conv_weight: Buffer  # [conv_dim, d_conv]
     conv_bias: Buffer | None
     A: Buffer  # [n_head]: -exp(A_log)
-    dt_bias: Any  # torch [n_head]   GLUE -> ssm_scan(dt_bias=)
-    D: Any  # torch [n_head, 1]       GLUE -> ssm_scan(D=)
-    dt_limit: tuple[float, float] | None  # GLUE -> ssm_scan(dt_limit=)
+    dt_bias: Buffer  # [n_head], added to dt before softplus
+    D: Buffer  # [n_head], the skip y += D * x
+    dt_limit: tuple[float, float] | None  # clamp of softplus(dt + dt_bias), None: no clamp
     in_scale: float | None = None  # Falcon-H1: ssm_in_multiplier on the mixer's input
     proj_scale: Any = None  # Falcon-H1: mup_vector, per feature of [z | xBC | dt]
     gated_norm: bool = True  # the model's gated RMSNorm, else y * silu(z) (Falcon-H1 without mamba_rms_norm)
@@ -142,7 +144,6 @@ def mamba2_layout(mixer: Any, il: int, bridge: Bridge) -> Mamba2Layout:
             f"layer {il} ({type(mixer).__name__}): in_proj gives {proj} features and the conv {conv.channels} "
             f"channels, expected z, xBC and dt ({d_inner + conv_dim + n_head}) and xBC ({conv_dim})"
         )
-    dev = bridge.torch_device
     return Mamba2Layout(
         il=il,
         d_inner=d_inner,
@@ -156,8 +157,8 @@ def mamba2_layout(mixer: Any, il: int, bridge: Bridge) -> Mamba2Layout:
         conv_weight=conv.weight,
         conv_bias=conv.bias,
         A=bridge.upload(neg_exp(bridge, mixer.A_log)),
-        dt_bias=mixer.dt_bias.detach().float().to(dev),
-        D=mixer.D.detach().float().to(dev).reshape(n_head, 1),
+        dt_bias=bridge.upload(mixer.dt_bias, (n_head,)),
+        D=bridge.upload(mixer.D, (n_head,)),
         dt_limit=_dt_limit(mixer),
         # Falcon-H1's muP multipliers: input scale, and a per-feature scale of the projection
         in_scale=float(mixer.ssm_in_multiplier) if hasattr(mixer, "ssm_in_multiplier") else None,
@@ -166,19 +167,8 @@ def mamba2_layout(mixer: Any, il: int, bridge: Bridge) -> Mamba2Layout:
     )
 
 
-def _dt_into(torch: Any, out: Any, dt_raw: Any, dt_bias: Any, limit: tuple[float, float] | None) -> None:
-    """``out = dt_raw + dt_bias``, or, for a finite ``time_step_limit``, the value whose
-    softplus is ``clamp(softplus(dt_raw + dt_bias), *limit)`` (the scan applies softplus)."""
-    if limit is None:
-        torch.add(dt_raw, dt_bias, out=out)
-        return
-    d = torch.nn.functional.softplus(dt_raw + dt_bias).clamp_(limit[0], limit[1])
-    out.copy_(d + torch.log(-torch.expm1(-d)))
-
-
 def mamba2_forward(mixer: Any, lay: Mamba2Layout, h: Any, step: Any, ws: Workspace) -> Any:
     """The mixer's output for hidden states ``h`` [n_s, n_t, hidden] of the applied ubatch."""
-    torch = ws.bridge.torch
     n_s, n_t, _ = h.shape
     E, cd, H, P, G, N = lay.d_inner, lay.conv_dim, lay.n_head, lay.head_dim, lay.n_group, lay.d_state
     _, proj = ws.get("zxbcdt", (n_s, n_t, lay.proj))
@@ -189,22 +179,20 @@ def mamba2_forward(mixer: Any, lay: Mamba2Layout, h: Any, step: Any, ws: Workspa
         proj.mul_(lay.proj_scale.reshape(lay.proj))
     shape = (n_s, n_t, lay.proj)
     xbc_in = ws.sub("zxbcdt", shape, "xbc", (n_s, n_t, cd), (n_t * lay.proj, lay.proj, 1), E)
-    conv_buf, conv = ws.get("conv_out", (n_s, n_t, cd))
+    conv_buf, _ = ws.get("conv_out", (n_s, n_t, cd))
     step.conv(lay.il, xbc_in, lay.conv_weight, conv_buf, bias=lay.conv_bias, apply_silu=True)
     cshape = (n_s, n_t, cd)
     x = ws.sub("conv_out", cshape, "x", (n_s, n_t, H, P), (n_t * cd, cd, P, 1), 0)
     B = ws.sub("conv_out", cshape, "B", (n_s, n_t, G, N), (n_t * cd, cd, N, 1), E)
     C = ws.sub("conv_out", cshape, "C", (n_s, n_t, G, N), (n_t * cd, cd, N, 1), E + G * N)
-    dt_buf, dt = ws.get("dt", (n_s, n_t, H))
-    _dt_into(torch, dt, proj[..., E + cd :], lay.dt_bias, lay.dt_limit)
+    pstr = (n_t * lay.proj, lay.proj)
+    dt = ws.sub("zxbcdt", shape, "dt", (n_s, n_t, H), (*pstr, 1), E + cd)  # raw: bias and softplus fused
     y_buf, y = ws.get("y", (n_s, n_t, H, P))
-    step.scan(lay.il, x, dt_buf, lay.A, B, C, y_buf)
-    y.addcmul_(conv[..., :E].view(n_s, n_t, H, P), lay.D)  # D skip
+    # the model's gated RMSNorm gates y before normalising it: z stays out of the scan then
+    z = None if lay.gated_norm else ws.sub("zxbcdt", shape, "z", (n_s, n_t, H, P), (*pstr, P, 1), 0)
+    step.scan(lay.il, x, dt, lay.A, B, C, y_buf, D=lay.D, z=z, dt_bias=lay.dt_bias, dt_limit=lay.dt_limit)
     y3 = y.view(n_s, n_t, E)
-    if lay.gated_norm:  # the model's gated RMSNorm (Mamba-2: gate, then normalise per group)
-        out = mixer.norm(y3.to(h.dtype), proj[..., :E].to(h.dtype))
-    else:
-        out = y3.mul_(ws.bridge.torch.nn.functional.silu(proj[..., :E]))
+    out = mixer.norm(y3.to(h.dtype), proj[..., :E].to(h.dtype)) if lay.gated_norm else y3
     return mixer.out_proj(out.to(h.dtype))
 
 
@@ -223,7 +211,9 @@ class Mamba1Layout:
     conv_weight: Buffer  # [d_inner, d_conv]
     conv_bias: Buffer | None
     A: Buffer  # [d_inner, d_state]: -exp(A_log)
-    D: Any  # torch [d_inner]   GLUE -> ssm_scan(D=)
+    D: Buffer  # [d_inner], the skip y += D * x
+    dt_weight: Any  # torch [d_inner, dt_rank]: dt_proj without its bias
+    dt_bias: Buffer | None  # [d_inner]: dt_proj's bias, added before softplus in the scan
     bcdt_norm: bool  # FalconMamba-style RMS norms on B, C and dt before the scan
 
     @property
@@ -235,22 +225,26 @@ def mamba1_layout(mixer: Any, il: int, bridge: Bridge) -> Mamba1Layout:
     """Map a transformers Mamba-1 mixer (MambaMixer, FalconMambaMixer, JambaMambaMixer) onto
     ``ssm_conv`` / ``ssm_scan`` arguments (the Mamba-1 variant: head_dim 1, A [d_inner, d_state])."""
     conv = conv_arguments(mixer, il, bridge)
+    d_inner = int(mixer.intermediate_size)
     return Mamba1Layout(
         il=il,
-        d_inner=int(mixer.intermediate_size),
+        d_inner=d_inner,
         d_state=int(mixer.ssm_state_size),
         d_conv=conv.d_conv,
         dt_rank=int(mixer.time_step_rank),
         conv_weight=conv.weight,
         conv_bias=conv.bias,
         A=bridge.upload(neg_exp(bridge, mixer.A_log)),
-        D=mixer.D.detach().float().to(bridge.torch_device),
+        D=bridge.upload(mixer.D, (d_inner,)),
+        dt_weight=mixer.dt_proj.weight,
+        dt_bias=None if mixer.dt_proj.bias is None else bridge.upload(mixer.dt_proj.bias, (d_inner,)),
         bcdt_norm=hasattr(mixer, "b_layernorm"),
     )
 
 
 def mamba1_forward(mixer: Any, lay: Mamba1Layout, h: Any, step: Any, ws: Workspace) -> Any:
     """The Mamba-1 mixer's output for ``h`` [n_s, n_t, hidden] of the applied ubatch."""
+    torch = ws.bridge.torch
     n_s, n_t, _ = h.shape
     E, N, R = lay.d_inner, lay.d_state, lay.dt_rank
     _, xz = ws.get("xz", (n_s, n_t, 2 * E))
@@ -269,11 +263,13 @@ def mamba1_forward(mixer: Any, lay: Mamba1Layout, h: Any, step: Any, ws: Workspa
     B = ws.sub("xdbl", (n_s, n_t, W), "B", (n_s, n_t, 1, N), (n_t * W, W, N, 1), R)
     C = ws.sub("xdbl", (n_s, n_t, W), "C", (n_s, n_t, 1, N), (n_t * W, W, N, 1), R + N)
     dt_buf, dt = ws.get("dt", (n_s, n_t, E))
-    dt.copy_(mixer.dt_proj(dt_low.to(h.dtype)))  # dt_proj's bias is the dt bias: GLUE -> ssm_scan(dt_bias=)
+    # dt_proj without its bias: the scan adds it before softplus (mamba_ssm's delta_bias)
+    if dt_low.dtype == dt.dtype == lay.dt_weight.dtype:
+        torch.matmul(dt_low, lay.dt_weight.t(), out=dt)
+    else:
+        dt.copy_(torch.nn.functional.linear(dt_low.to(h.dtype), lay.dt_weight))
     x4 = ws.sub("conv_out", (n_s, n_t, E), "x4", (n_s, n_t, E, 1), (n_t * E, E, 1, 1), 0)
+    z4 = ws.sub("xz", (n_s, n_t, 2 * E), "z4", (n_s, n_t, E, 1), (n_t * 2 * E, 2 * E, 1, 1), E)
     y_buf, y = ws.get("y", (n_s, n_t, E, 1))
-    step.scan(lay.il, x4, dt_buf, lay.A, B, C, y_buf)
-    y2 = y.view(n_s, n_t, E)
-    y2.addcmul_(conv, lay.D)  # D skip
-    y2.mul_(ws.bridge.torch.nn.functional.silu(xz[..., E:]))  # z gate, after the skip
-    return mixer.out_proj(y2.to(h.dtype))
+    step.scan(lay.il, x4, dt_buf, lay.A, B, C, y_buf, D=lay.D, z=z4, dt_bias=lay.dt_bias)  # y = (scan + D x) silu(z)
+    return mixer.out_proj(y.view(n_s, n_t, E).to(h.dtype))

@@ -1,0 +1,282 @@
+"""Tensors as primitive arguments: any DLPack object wherever a Buffer goes.
+
+Every primitive (and every ``step.*`` call) first passes its buffer
+arguments through :meth:`Device._tensors_in
+<statecache.backend.Device._tensors_in>`, which leaves Buffers and None as
+they are and turns any object speaking DLPack (``__dlpack__``,
+``__dlpack_device__``: a torch tensor, a NumPy array, ...) into a Buffer:
+
+* **float tensors** (f32, f16, bf16) become a Buffer over the tensor's own
+  memory, without a copy, when the device can address that memory (host
+  tensors on host devices, CUDA tensors on the cuda device:
+  :meth:`Device._import_memory`).  A host tensor on a device that cannot
+  address host memory (opencl) is copied in, every call, when the primitive
+  only reads it, and refused when the primitive writes it.
+* **index tensors** (int32 or int64) are copied into an int32 index buffer
+  the device owns, with the host copy that validation checks.
+
+What is remembered, and why it is safe
+--------------------------------------
+Exporting a tensor costs microseconds, and a newly wrapped buffer would be
+validated again on every call (the launch memo, :mod:`statecache.launch_memo`,
+remembers calls by buffer identity).  So wraps are remembered per device,
+keyed by the tensor's *fingerprint* (:func:`statecache.dlpack.fingerprint`:
+type, data address, shape, strides, element type, device), never by the
+tensor object: a decode step's fresh ``nn.Linear`` outputs land at the
+addresses the allocator handed out the step before, get the same
+fingerprints, hence the same Buffer objects, and the launch memo recognises
+the call.
+
+* A float wrap never keeps the tensor's memory alive (so the allocator can
+  hand the same block out again) and is used only while a tensor with that
+  fingerprint is an argument of the current call, so its memory is alive and
+  is exactly that tensor's (every caller of ``_tensors_in`` keeps the objects
+  it was given referenced until it returns: the last reference to a
+  temporary argument may be the callee's own parameter).  If the memory was freed and reused at the same
+  address with the same geometry, the new tensor *is* that memory: kernels
+  read a float input's contents at launch time, and nothing about a float
+  input's contents was validated.
+* An index tensor's *contents* were validated (range, duplicates), and a
+  tensor at the same address may hold other values next call (rewritten in
+  place, or freed and reallocated).  So every call compares the tensor's
+  current values with the ones in the device copy, and a change rewrites the
+  copy, which replaces its host shadow: the launch memo then validates the
+  call again, as for any rewritten index buffer.  (Reading the values of a
+  CUDA index tensor is a device-to-host copy per call: pass index Buffers,
+  ``device.indices(...)``, in a decode loop.)
+* A read-only export (a NumPy array that is not writeable) is refused where
+  the primitive writes.
+* Tensors that overlap in memory are compared by address range, not by
+  object: an output over the same memory as an input is refused even when
+  both were passed as separate tensors over one storage
+  (:meth:`statecache.backend.Buffer.same_storage`).
+
+Parameters that require grad are read through ``.detach()``
+(:func:`statecache.dlpack.exportable` says why).  Nothing here imports
+torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from statecache.dlpack import (
+    KDL_INT,
+    READERS,
+    TensorMemory,
+    confirm_fingerprint,
+    describe,
+    export_fingerprint,
+    exported_memory,
+    fingerprint,
+    host_array,
+    reader_for,
+)
+from statecache.dtypes import DType
+from statecache.errors import ArgumentError
+
+if TYPE_CHECKING:
+    from statecache.backend import Buffer, Device
+
+#: Wraps kept per device.  A decode loop meets a few fingerprints per layer
+#: and step; prefill shapes come and go.  Past the limit the oldest half goes.
+WRAP_LIMIT = 2048
+
+_INT32 = np.iinfo(np.int32)
+
+
+class _Wrap:
+    """A remembered tensor: the Buffer a call gets, and how to refresh it."""
+
+    __slots__ = ("buffer", "host", "kind", "last", "read_only", "wide", "words")
+
+    BORROWED = 0  # a Buffer over the tensor's own memory
+    COPIED = 1  # a device buffer the host tensor is copied into before each call
+    INDEX = 2  # an int32 device copy of an integer tensor, refreshed when its values change
+
+    def __init__(self, kind: int, buffer: Buffer, *, read_only: bool = False) -> None:
+        self.kind = kind
+        self.buffer = buffer
+        self.read_only = read_only
+        self.host: np.ndarray | None = None  # host view of the tensor (COPIED, host INDEX)
+        self.words: Buffer | None = None  # device-memory INDEX: the tensor's memory as int32 words
+        self.last: bytes | None = None  # INDEX: the values the device copy holds
+        self.wide = False  # INDEX: the tensor holds int64
+
+
+@functools.lru_cache(maxsize=256)
+def argument_names(names: str) -> tuple[tuple[str, bool], ...]:
+    """``"pool* rows x y*"`` -> ``(("pool", True), ("rows", False), ...)``:
+    ``*`` marks an argument the primitive writes."""
+    return tuple((n.rstrip("*"), n.endswith("*")) for n in names.split())
+
+
+def _name(names: str, i: int) -> str:
+    spec = argument_names(names)
+    return spec[i][0] if i < len(spec) else f"argument {i}"
+
+
+class TensorWraps:
+    """One device's remembered wraps, by fingerprint."""
+
+    __slots__ = ("_templates", "_wraps")
+
+    def __init__(self) -> None:
+        self._wraps: dict[Any, _Wrap] = {}
+        # fingerprint without the address -> that tensor's export with address 0: a tensor of a
+        # known type and geometry at a new address needs no export (several microseconds)
+        self._templates: dict[Any, TensorMemory] = {}
+
+    def __len__(self) -> int:
+        return len(self._wraps)
+
+    def clear(self) -> None:
+        self._wraps.clear()
+
+    def coerce(self, dev: Device, names: str, args: tuple[Any, ...], buffer_type: type) -> tuple[Any, ...]:
+        """``args`` with every DLPack object replaced by a Buffer of ``dev``
+        (``buffer_type``: the Buffer class, passed in by the module that defines it)."""
+        wraps = self._wraps
+        out = list(args)
+        for i, obj in enumerate(args):
+            if obj is None or isinstance(obj, buffer_type):
+                continue
+            # Inlined fingerprint and lookup: this loop runs for every tensor of every call.
+            reader = READERS.get(type(obj))
+            if reader is None:
+                reader = reader_for(type(obj))
+            try:
+                fp = reader(obj) if reader is not export_fingerprint else reader(obj, dev._dlpack_stream())
+            except Exception as exc:  # a producer that cannot export this tensor
+                raise ArgumentError(_name(names, i), f"cannot be read through DLPack: {exc}") from None
+            if fp is None:
+                continue  # not a tensor: validation says what is wrong with it
+            wrap = wraps.get(fp)
+            if wrap is not None and wrap.kind == _Wrap.BORROWED and not wrap.read_only:
+                out[i] = wrap.buffer
+            else:
+                out[i] = self._buffer_for(dev, obj, fp, wrap, names, i)
+        return tuple(out)
+
+    def _buffer_for(self, dev: Device, obj: Any, fp: Any, wrap: _Wrap | None, names: str, i: int) -> Buffer:
+        name, written = argument_names(names)[i]
+        if wrap is None:
+            wrap = self._new(dev, obj, fp, name)
+        kind = wrap.kind
+        if kind == _Wrap.BORROWED:
+            if written and wrap.read_only:
+                raise ArgumentError(name, "is a read-only tensor, and this primitive writes it")
+            return wrap.buffer
+        if kind == _Wrap.INDEX:
+            _refresh_index(dev, wrap, name)
+            return wrap.buffer
+        if written:
+            raise ArgumentError(
+                name,
+                f"is a host tensor, which {dev.id} cannot write in place: pass one of its Buffers "
+                "(device.alloc) and read the result with device.download",
+            )
+        dev.write(wrap.buffer, wrap.host)  # copied in: its contents may have changed since the last call
+        return wrap.buffer
+
+    def _new(self, dev: Device, obj: Any, fp: Any, name: str) -> _Wrap:
+        exported = exported_memory(fp)
+        shape_key = None if exported is not None else (fp[0], *fp[2:])
+        template = None if shape_key is None else self._templates.get(shape_key)
+        if exported is not None:
+            memory = exported
+        elif template is not None:
+            memory = TensorMemory(fp[1], *template[1:])  # (not _replace: several times slower)
+        else:
+            try:
+                memory = describe(obj, stream=dev._dlpack_stream())
+            except Exception as exc:
+                raise ArgumentError(name, f"cannot be read through DLPack: {exc}") from None
+            if not confirm_fingerprint(obj, fp, memory):
+                fp = fingerprint(obj)  # this type is exported on every call from now on
+            elif shape_key is not None:
+                if len(self._templates) >= WRAP_LIMIT:
+                    self._templates.clear()
+                self._templates[shape_key] = memory._replace(address=0)
+        if memory.is_integer:
+            wrap = _index_wrap(dev, memory, name)
+        else:
+            wrap = _float_wrap(dev, memory, name)
+        wraps = self._wraps
+        if len(wraps) >= WRAP_LIMIT:
+            for key in list(wraps)[: WRAP_LIMIT // 2]:
+                del wraps[key]
+        wraps[fp] = wrap
+        return wrap
+
+
+def _float_wrap(dev: Device, memory: TensorMemory, name: str) -> _Wrap:
+    dtype = memory.dtype
+    if dtype is None or dtype is DType.I32:
+        raise ArgumentError(name, f"dtype {memory.type_name()} must be float32, float16 or bfloat16")
+    if any(s < 0 for s in memory.strides):
+        raise ArgumentError(name, f"has negative strides {memory.strides}: pass a copy (.contiguous())")
+    if memory.address % memory.itemsize:
+        raise ArgumentError(name, f"is not aligned to its {memory.itemsize}-byte elements: pass a copy")
+    buf = dev._import_memory(memory, dtype)
+    if buf is not None:
+        buf._geometry = (type(buf), buf.dtype, buf.shape, buf.strides, buf.offset, buf.capacity)
+        return _Wrap(_Wrap.BORROWED, buf, read_only=memory.read_only)
+    if not memory.on_host:
+        raise ArgumentError(
+            name,
+            f"lives on DLPack device {(memory.device_type, memory.device_id)}, which {dev.id} cannot address; "
+            "pass a tensor in host memory or one of the device's Buffers",
+        )
+    wrap = _Wrap(_Wrap.COPIED, dev.alloc(memory.shape, dtype))
+    wrap.host = host_array(memory)
+    return wrap
+
+
+def _index_wrap(dev: Device, memory: TensorMemory, name: str) -> _Wrap:
+    if memory.code != KDL_INT or memory.bits not in (32, 64):
+        raise ArgumentError(name, f"dtype {memory.type_name()} is not an index type: use int32 or int64")
+    wrap = _Wrap(_Wrap.INDEX, dev.alloc(memory.shape, DType.I32))
+    wrap.wide = memory.bits == 64
+    if memory.on_host:
+        wrap.host = host_array(memory)
+        return wrap
+    # Device memory: read through the device as int32 words (an int64 is two,
+    # low word first on every little-endian device statecache runs on).
+    if wrap.wide:
+        words = memory._replace(
+            code=KDL_INT, bits=32, shape=(*memory.shape, 2), strides=(*(2 * s for s in memory.strides), 1)
+        )
+    else:
+        words = memory
+    wrap.words = dev._import_memory(words, DType.I32)
+    if wrap.words is None:
+        raise ArgumentError(
+            name,
+            f"lives on DLPack device {(memory.device_type, memory.device_id)}, which {dev.id} cannot read; "
+            "pass a host tensor or an index Buffer (device.indices)",
+        )
+    return wrap
+
+
+def _refresh_index(dev: Device, wrap: _Wrap, name: str) -> None:
+    """Make the device copy hold the tensor's current values (validated again
+    by the primitive when they changed)."""
+    if wrap.host is not None:
+        values = wrap.host
+    else:
+        assert wrap.words is not None
+        words = dev.download(wrap.words)  # synchronizes: the values the producer wrote are there
+        values = np.ascontiguousarray(words).view(np.int64).reshape(wrap.buffer.shape) if wrap.wide else words
+    raw = values.tobytes()
+    if raw == wrap.last:
+        return
+    if values.dtype != np.int32 and values.size and (values.min() < _INT32.min or values.max() > _INT32.max):
+        bad = values[(values < _INT32.min) | (values > _INT32.max)].flat[0]
+        raise ArgumentError(name, f"index {int(bad)} does not fit in int32")
+    wrap.last = None  # a failed write must not leave the old values marked current
+    dev.write(wrap.buffer, values)
+    wrap.last = raw

@@ -1,0 +1,33 @@
+"""docs/embedding.md, section "Passing torch tensors": its examples run as written."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "embedding.md"
+
+
+def _section(title: str) -> str:
+    text = DOC.read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+BLOCKS = re.findall(r"```python\n(.*?)```", _section("Passing torch tensors"), flags=re.S)
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_passing_torch_tensors_examples_run(index) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    exec(compile(BLOCKS[index], f"docs/embedding.md[tensors block {index}]", "exec"), {})
+
+
+def test_the_section_has_an_example_and_names_the_bench() -> None:
+    assert BLOCKS
+    section = _section("Passing torch tensors")
+    for needle in ("bench/tensor_calls.py", "STATECACHE_NUM_THREADS", "use_stream", "torch.cuda.graph"):
+        assert needle in section, needle
