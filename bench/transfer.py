@@ -12,17 +12,20 @@ round, interleaved so both see the same machine load:
 * ``plain``: ``dist.send`` of a ``uint8`` tensor as large as the sequence's
   payload, timed on the receiver from a barrier to the end of ``dist.recv``;
 * ``sequence``: ``send_sequence`` / ``recv_sequence``, timed on the receiver
-  from the same barrier until the state is installed in its memory (so it
-  includes the sender's ``state_write``, both answers, the receiver's checks
-  and its ``state_read``);
-* ``protocol``: the same messages and checks around a blob written before
-  the clock starts and not read into the memory: what the transfer itself
-  costs over a plain send.
+  from the same barrier until the state is installed in its memory: the
+  sender gathers the sequence's rows (and snapshot planes) into one host
+  buffer behind their metadata, both answer, the receiver checks the
+  metadata and writes the rows into its memory;
+* ``state format``: the same with ``rows=False``: the sender's ``state_write``
+  blob, the receiver's ``state_read`` (the fallback, with the format's CRC-32
+  of every section on both sides);
+* ``protocol``: the messages and checks around a blob written before the
+  clock starts and not read into the memory.
 
-Prints the median GB/s of each and the ratios (target: >= 0.8), then how long
-the memory's own ``state_write`` and ``state_read`` of the sequence take in
-one process, which is where the rest of the time goes.  The rows
-hold garbage (nothing is computed): only bytes and bookkeeping matter here.
+Prints the median GB/s of each and the ratios (target: >= 0.8), then where a
+transfer's time goes besides the wire, measured in one process: the sender's
+gather, the receiver's checks and install, and ``state_write`` / ``state_read``.
+The rows hold garbage (nothing is computed): only bytes and bookkeeping matter.
 """
 
 from __future__ import annotations
@@ -90,9 +93,9 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     n = int(nbytes.item())
     plain = torch.ones(n, dtype=torch.uint8) if rank == 0 else torch.empty(n, dtype=torch.uint8)
     blob = mem.state_write(0) if rank == 0 else b""
-    times: dict[str, list[float]] = {"plain": [], "protocol": [], "sequence": []}
+    times: dict[str, list[float]] = {"plain": [], "protocol": [], "sequence": [], "state format": []}
     for r in range(args.rounds + 1):  # round 0 warms up
-        for kind in ("plain", "protocol", "sequence"):
+        for kind in times:
             if rank == 1:
                 mem.seq_rm(0, -1, -1)  # a decode instance receives into a free sequence
             dist.barrier()
@@ -108,23 +111,33 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
                     T._check_positions(data, args.tokens - 1)
                     ch.answer(T.OK)
             elif rank == 0:
-                send_sequence(mem, 0, 1, checksum=args.checksum, timeout=300)
+                send_sequence(mem, 0, 1, checksum=args.checksum, timeout=300, rows=kind == "sequence")
             else:
                 recv_sequence(mem, 0, 0, timeout=300)
             if r:
                 times[kind].append(time.perf_counter() - t0)
-    if rank == 0:  # where the time goes: the memory's own serialisation, in this process
+    if rank == 0:  # where the time goes besides the wire, in this process
         blob = mem.state_write(0)
         other = spec_and_memory(args.device, args.tokens)[1]
-        for _ in range(args.rounds):
+        for _ in range(args.rounds + 1):
             t0 = time.perf_counter()
-            mem.state_write(0)
+            data, meta_bytes, gather = T._rows_payload(mem, 0, 0)
+            gather()
             t1 = time.perf_counter()
-            other.state_read(blob, 0)
-            times.setdefault("state_write", []).append(t1 - t0)
-            times.setdefault("state_read", []).append(time.perf_counter() - t1)
+            T._check_positions(data[:meta_bytes], args.tokens - 1, data[meta_bytes:])
+            T._read(other, data[:meta_bytes], data[meta_bytes:], 0, 0)
+            t2 = time.perf_counter()
             other.seq_rm(0, -1, -1)
-        out.put(("serialisation", {k: v for k, v in times.items() if k.startswith("state_")}))
+            t3 = time.perf_counter()
+            mem.state_write(0)
+            t4 = time.perf_counter()
+            other.state_read(blob, 0)
+            t5 = time.perf_counter()
+            other.seq_rm(0, -1, -1)
+            for k, t in (("gather", t1 - t0), ("install", t2 - t1), ("state_write", t4 - t3), ("state_read", t5 - t4)):
+                times.setdefault(k, []).append(t)
+        local = ("gather", "install", "state_write", "state_read")
+        out.put(("serialisation", {k: v[1:] for k, v in times.items() if k in local}))
     if rank == 1:
         assert mem.seq_pos_max(0) == args.tokens - 1
         out.put(("wire", (n, times)))
@@ -160,11 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  sequence transfer   {gbps['sequence']:7.2f} GB/s  ({med['sequence'] * 1e3:8.1f} ms)")
     ratio = gbps["sequence"] / gbps["plain"]
     print(f"  ratio               {ratio:7.2f}   (target >= 0.8)")
-    print(f"  protocol only       {gbps['protocol']:7.2f} GB/s  ({med['protocol'] * 1e3:8.1f} ms)  ratio "
-          f"{gbps['protocol'] / gbps['plain']:.2f}: the transfer of an already written blob")  # fmt: skip
-    print("where the sequence's time goes (the memory's serialisation, one process):")
-    for k, side in (("state_write", "sender"), ("state_read", "receiver")):
-        print(f"  {k + ' (' + side + ')':22s}{gbps[k]:7.2f} GB/s  ({med[k] * 1e3:8.1f} ms)")
+    for k, what in (
+        ("state format", "rows=False: state_write, state_read"),
+        ("protocol", "a state-format blob written beforehand, its CRCs checked"),
+    ):
+        print(f"  {k:20s}{gbps[k]:7.2f} GB/s  ({med[k] * 1e3:8.1f} ms)  ratio {gbps[k] / gbps['plain']:.2f}: {what}")
+    print("where a transfer's time goes besides the wire (one process):")
+    for k, what in (("gather", "sender: metadata + rows into one buffer"), ("install", "receiver: checks + writes"),
+                    ("state_write", "sender, state format"), ("state_read", "receiver, state format")):  # fmt: skip
+        print(f"  {k:20s}{gbps[k]:7.2f} GB/s  ({med[k] * 1e3:8.1f} ms)  {what}")
     return 0
 
 

@@ -664,8 +664,12 @@ class Device(abc.ABC):
             buffer.host_indices = host.copy()
         else:
             buffer.host_indices = None
-            # Convert through float32: the same rounding on every backend.
-            host = np.ascontiguousarray(host.astype(np.float32, copy=False).astype(buffer.dtype.numpy))
+            # Convert through float32: the same rounding on every backend.  Data already in
+            # the buffer's dtype is copied as it is (the round trip is exact, and costs two
+            # passes over e.g. a restored K/V cache).
+            if host.dtype != buffer.dtype.numpy:
+                host = host.astype(np.float32, copy=False).astype(buffer.dtype.numpy)
+            host = np.ascontiguousarray(host)
         self._write(buffer, host)
 
     def download(self, buffer: Buffer) -> np.ndarray:

@@ -8,11 +8,13 @@ C kernels (vector loads) and costs nothing here.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
 from statecache.backend import Buffer
 from statecache.dtypes import DType
+from statecache.errors import ArgumentError
 
 ALIGNMENT = 64
 
@@ -43,3 +45,56 @@ def as_array(buf: Buffer) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(
         flat[buf.offset :], shape=buf.shape, strides=tuple(s * item for s in buf.strides), writeable=False
     )
+
+
+def gather_rows(device: Any, buf: Buffer, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows ``idx`` of the 2-D buffer ``buf`` as host bytes (``uint8``, ``len(idx) * row
+    bytes``), written into ``out`` when given.  Only those rows cross to the host: on a
+    host-visible device one gather straight from the buffer's memory, elsewhere the
+    device's ``get_rows`` into a buffer of just those rows and one download."""
+    n_rows, width = int(idx.size), int(buf.shape[1])
+    nbytes = n_rows * width * buf.dtype.itemsize
+    if out is None:
+        out = np.empty(nbytes, dtype=np.uint8)
+    if not n_rows:
+        return out
+    dst = out.view(buf.dtype.numpy).reshape(n_rows, width)
+    if device.caps.host_visible and isinstance(buf.storage, np.ndarray) and buf.is_contiguous:
+        if idx.min() < 0 or idx.max() >= buf.shape[0]:
+            raise ArgumentError("idx", f"rows outside [0, {buf.shape[0]})")
+        device.synchronize()
+        run = _as_run(idx)
+        if run is not None:  # a sequence's cells are often one run: a plain copy
+            np.copyto(dst, as_array(buf)[run])
+        else:
+            np.take(as_array(buf), idx, axis=0, out=dst, mode="clip")  # "raise" would buffer the whole output
+        return out
+    tmp = device.alloc((n_rows, width), buf.dtype)
+    device.get_rows(buf, device.indices(idx), tmp)
+    dst[...] = device.download(tmp)
+    return out
+
+
+def scatter_rows(device: Any, buf: Buffer, idx: np.ndarray, rows: np.ndarray) -> None:
+    """``buf[idx[i]] = rows[i]`` for host rows already in ``buf``'s dtype and distinct
+    ``idx`` (a restore's destination cells): one copy straight into a host-visible
+    buffer's memory, elsewhere one upload and the device's ``set_rows``."""
+    if not idx.size:
+        return
+    if device.caps.host_visible and isinstance(buf.storage, np.ndarray) and buf.is_contiguous:
+        if idx.min() < 0 or idx.max() >= buf.shape[0]:
+            raise ArgumentError("idx", f"rows outside [0, {buf.shape[0]})")
+        device.synchronize()
+        flat: np.ndarray = buf.storage
+        run = _as_run(idx)
+        flat[buf.offset : buf.offset + buf.size].reshape(buf.shape)[idx if run is None else run] = rows
+        return
+    device.set_rows(buf, device.indices(idx), device.upload(rows, buf.dtype))
+
+
+def _as_run(idx: np.ndarray) -> slice | None:
+    """``idx`` as a slice when it is one ascending run of rows (copies then need no index)."""
+    first, n = int(idx[0]), int(idx.size)
+    if n > 1 and int(idx[-1]) - first == n - 1 and bool((np.diff(idx) == 1).all()):
+        return slice(first, first + n)
+    return None

@@ -481,16 +481,18 @@ class HybridMemory(Memory):
         return out
 
     # -- state ------------------------------------------------------------------------
-    def _attn_sections(self, seq: int, flags: int) -> list[tuple[bytes, bytes]]:
+    def _attn_sections(self, seq: int, flags: int) -> list[tuple[bytes, bytes | Writer]]:
         if isinstance(self.attn, KVCacheISWA):
             return self.attn.state_sections(seq, flags)
         if flags & StateFlags.PARTIAL_ONLY:
             return []
         w = Writer()
         self.attn.state_write_into(w, seq)
-        return [(TAG_KV, w.getvalue())]
+        return [(TAG_KV, w)]
 
-    def state_sections(self, seq: int = -1, flags: int = StateFlags.NONE) -> list[tuple[bytes, bytes]]:
+    def state_sections(self, seq: int = -1, flags: int = StateFlags.NONE) -> list[tuple[bytes, bytes | Writer]]:
+        """``(tag, payload)`` per section; a payload may be the :class:`Writer` holding it
+        (:func:`~statecache.state_io.pack_sections` takes either)."""
         return [*self._attn_sections(seq, flags), (TAG_RECR, self.recr.write_section(seq, flags))]
 
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:

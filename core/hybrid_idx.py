@@ -272,12 +272,12 @@ class HybridIdxMemory(HybridMemory):
         return out
 
     # -- state ------------------------------------------------------------------------------
-    def state_sections(self, seq: int = -1, flags: int = StateFlags.NONE) -> list[tuple[bytes, bytes]]:
+    def state_sections(self, seq: int = -1, flags: int = StateFlags.NONE) -> list[tuple[bytes, bytes | Writer]]:
         out = super().state_sections(seq, flags)
         if not flags & StateFlags.PARTIAL_ONLY:
             w = Writer()
             self.idx.state_write_into(w, seq)
-            out.append((TAG_IDX, w.getvalue()))
+            out.append((TAG_IDX, w))
         return out
 
     def parse_all(self, sections: Any, seq: int, flags: int) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from statecache.backend import Buffer, Device
 from statecache.batch import SeqIds
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, StateError
+from statecache.hostmem import scatter_rows
 from statecache.kv_cells import EMPTY, CellJournal, KVCells
 from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from
 from statecache.memory import (
@@ -643,7 +644,7 @@ class KVCache(Memory):
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
         w = Writer()
         self.state_write_into(w, seq)
-        return pack_sections([(TAG_KV, w.getvalue())], flags)
+        return pack_sections([(TAG_KV, w)], flags)
 
     def state_write_into(self, w: Writer, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
@@ -656,7 +657,7 @@ class KVCache(Memory):
         for strm in streams:
             cells = self.cells[strm]
             if seq >= 0:
-                idxs = np.array(sorted(idx for _, idx in cells.seq_pos[seq]), dtype=np.int64)
+                idxs = np.flatnonzero(cells.seq[:, seq])  # the sequence's cells, in cell order
             else:
                 idxs = np.flatnonzero(cells.pos != EMPTY)
             ext = cells.ext[idxs]
@@ -664,15 +665,21 @@ class KVCache(Memory):
             w.u32(int(idxs.size) | (KV_CELL_COUNT_EXT if has_ext else 0))
             if not idxs.size:
                 continue
-            for k, idx in enumerate(idxs):
-                w.i32(int(cells.pos[idx]))
-                ids = [seq] if seq >= 0 else cells.seqs_of(int(idx))
-                w.u32(len(ids))
-                for s in ids:
-                    w.i32(s)
+            if seq >= 0:  # one owner per cell: fixed-size records, written at once
+                rec = [cells.pos[idxs], np.ones(idxs.size, dtype=np.int64), np.full(idxs.size, seq)]
                 if has_ext:
-                    w.i32(int(ext[k, 0]))
-                    w.i32(int(ext[k, 1]))
+                    rec += [ext[:, 0], ext[:, 1]]
+                w.raw(np.stack(rec, axis=1).astype("<i4"))
+            else:
+                for k, idx in enumerate(idxs):
+                    w.i32(int(cells.pos[idx]))
+                    ids = cells.seqs_of(int(idx))
+                    w.u32(len(ids))
+                    for s in ids:
+                        w.i32(s)
+                    if has_ext:
+                        w.i32(int(ext[k, 0]))
+                        w.i32(int(ext[k, 1]))
             rows = idxs + strm * self.size
             w.u32(len(self.layers))
             for bufs in (self.k, self.v):
@@ -683,8 +690,7 @@ class KVCache(Memory):
                     w.u32(layer.il)
                     w.i32(DTYPE_CODES[self.dtype])
                     w.u64(buf.shape[1] * self.dtype.itemsize)
-                    data = self.device.download(buf)[rows]
-                    w.raw(np.ascontiguousarray(data).tobytes())
+                    w.rows(self.device, buf, rows)  # only the sequence's rows leave the device
 
     def state_parse(self, r: Reader, seq: int = -1, flags: int = StateFlags.NONE) -> KVStatePlan:
         """Validate a KV section and choose destination cells; changes nothing.
@@ -707,37 +713,18 @@ class KVCache(Memory):
             count = word & ~KV_CELL_COUNT_EXT
             if count > self.size:
                 raise StateError(f"{self.name}.cell_count", f"{count} cells do not fit a stream of {self.size}")
-            pos = np.zeros(count, dtype=np.int64)
-            ext = np.zeros((count, 2), dtype=np.int64)
-            sets: list[tuple[int, ...]] = []
-            for c in range(count):
-                p = r.i32(f"{self.name}.pos")
-                if p < 0:
-                    raise StateError(f"{self.name}.pos", f"cell {c} has negative position {p}")
-                n_ids = r.u32(f"{self.name}.n_seq_id")
-                if seq >= 0 and n_ids != 1:
-                    raise StateError(f"{self.name}.n_seq_id", f"a per-sequence blob needs 1 id per cell, got {n_ids}")
-                if n_ids == 0 or n_ids > self.n_seq_max:
-                    raise StateError(f"{self.name}.n_seq_id", f"cell {c} lists {n_ids} sequences")
-                ids = tuple(r.i32(f"{self.name}.seq_id") for _ in range(n_ids))
-                if seq < 0:
-                    if any(not 0 <= s < self.n_seq_max for s in ids) or len(set(ids)) != len(ids):
-                        raise StateError(f"{self.name}.seq_id", f"cell {c}: bad sequence ids {ids}")
-                    if not self.unified and ids != (strm,):
-                        raise StateError(f"{self.name}.seq_id", f"cell {c} of stream {strm} holds {ids}")
-                    sets.append(ids)
-                else:
-                    sets.append((seq,))
-                pos[c] = p
-                if has_ext:
-                    ext[c] = (r.i32(f"{self.name}.ext_x"), r.i32(f"{self.name}.ext_y"))
-                else:
-                    ext[c] = (p, p)
+            one_owner = one_owner_records(r, count, has_ext) if seq >= 0 else None
+            if one_owner is not None:  # a sequence's blob: fixed-size records, checked at once
+                pos, ext = one_owner
+                sets: list[tuple[int, ...]] = [(seq,)] * count
+            else:
+                pos, ext, sets = self._parse_cells(r, count, has_ext, seq, strm)
             # M-RoPE: an image's cells share a temporal position, never a whole (pos, x, y)
-            keys = list(zip(pos.tolist(), ext[:, 0].tolist(), ext[:, 1].tolist()))
-            if seq >= 0 and len(set(keys)) != count:
+            whole = np.stack([pos, ext[:, 0], ext[:, 1]], axis=1)
+            if seq >= 0 and count and np.unique(whole, axis=0).shape[0] != count:
                 raise StateError(f"{self.name}.pos", "duplicate positions in a per-sequence blob")
             if seq < 0:
+                keys = list(zip(pos.tolist(), ext[:, 0].tolist(), ext[:, 1].tolist()))
                 held = [(q, *key) for key, ids in zip(keys, sets) for q in ids]
                 if len(set(held)) != len(held):
                     dup = next(h for k, h in enumerate(held) if h in held[:k])
@@ -767,8 +754,7 @@ class KVCache(Memory):
                                 f"{self.name}.{kind}_row_bytes",
                                 f"{row_bytes} bytes per row, this layer has {width * self.dtype.itemsize}",
                             )
-                        raw = r.raw(row_bytes * count, f"{self.name}.{kind}_data")
-                        store[layer.il].append(np.frombuffer(raw, dtype=self.dtype.numpy).reshape(count, width))
+                        store[layer.il].append(r.rows(count, row_bytes, self.dtype, f"{self.name}.{kind}_data"))
             else:
                 for store in (k_rows, v_rows):
                     for il in store:
@@ -790,6 +776,39 @@ class KVCache(Memory):
             exts.append(ext)
         return KVStatePlan(seq, placements, k_rows, v_rows, exts)
 
+    def _parse_cells(
+        self, r: Reader, count: int, has_ext: bool, seq: int, strm: int
+    ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, ...]]]:
+        """The cells of one stream read field by field: positions, 2-D extensions and
+        sequence sets, each field checked (and named) as it is read."""
+        pos = np.zeros(count, dtype=np.int64)
+        ext = np.zeros((count, 2), dtype=np.int64)
+        sets: list[tuple[int, ...]] = []
+        for c in range(count):
+            p = r.i32(f"{self.name}.pos")
+            if p < 0:
+                raise StateError(f"{self.name}.pos", f"cell {c} has negative position {p}")
+            n_ids = r.u32(f"{self.name}.n_seq_id")
+            if seq >= 0 and n_ids != 1:
+                raise StateError(f"{self.name}.n_seq_id", f"a per-sequence blob needs 1 id per cell, got {n_ids}")
+            if n_ids == 0 or n_ids > self.n_seq_max:
+                raise StateError(f"{self.name}.n_seq_id", f"cell {c} lists {n_ids} sequences")
+            ids = tuple(r.i32(f"{self.name}.seq_id") for _ in range(n_ids))
+            if seq < 0:
+                if any(not 0 <= s < self.n_seq_max for s in ids) or len(set(ids)) != len(ids):
+                    raise StateError(f"{self.name}.seq_id", f"cell {c}: bad sequence ids {ids}")
+                if not self.unified and ids != (strm,):
+                    raise StateError(f"{self.name}.seq_id", f"cell {c} of stream {strm} holds {ids}")
+                sets.append(ids)
+            else:
+                sets.append((seq,))
+            pos[c] = p
+            if has_ext:
+                ext[c] = (r.i32(f"{self.name}.ext_x"), r.i32(f"{self.name}.ext_y"))
+            else:
+                ext[c] = (p, p)
+        return pos, ext, sets
+
     def state_commit(self, plan: KVStatePlan) -> None:
         self._version += 1
         if plan.seq >= 0:
@@ -801,17 +820,18 @@ class KVCache(Memory):
                 continue
             cells = self.cells[strm]
             ext = plan.exts[k_strm] if plan.exts else np.stack([pos, pos], axis=1)
-            for k in range(dest.size):
-                idx = int(dest[k])
-                cells.pos_set(idx, int(pos[k]), (int(ext[k, 0]), int(ext[k, 1])))
-                for s in sets[k]:
-                    cells.seq_add(idx, s)
-            rows = self.device.indices(dest + strm * self.size)
+            if plan.seq >= 0:  # one owner per cell, all free once seq_rm ran: one bulk placement
+                cells.place_seqs(dest, pos, ext, np.full(dest.size, plan.seq, dtype=np.int64))
+            else:
+                for k in range(dest.size):
+                    idx = int(dest[k])
+                    cells.pos_set(idx, int(pos[k]), (int(ext[k, 0]), int(ext[k, 1])))
+                    for s in sets[k]:
+                        cells.seq_add(idx, s)
+            rows = dest + strm * self.size
             for store, bufs in ((plan.k_rows, self.k), (plan.v_rows, self.v)):
                 for il, per_stream in store.items():
-                    data = per_stream[k_strm]
-                    src = self.device.upload(data.astype(np.float32), self.dtype)
-                    self.device.set_rows(bufs[il], rows, src)
+                    scatter_rows(self.device, bufs[il], rows, per_stream[k_strm])  # already in the cache's dtype
             self.book.heads[strm] = 0
 
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
@@ -1201,6 +1221,23 @@ def plan_positions(plan: KVStatePlan) -> dict[int, set[int]]:
     return out
 
 
+def one_owner_records(r: Reader, count: int, has_ext: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """Positions and 2-D extensions of the ``count`` cells of a per-sequence blob, read
+    at once when every record is well formed (``pos >= 0, 1, id`` and the extension when
+    ``has_ext``; the id is the blob's, not the reader's); None, with nothing consumed,
+    otherwise, so that the field-by-field reading names the bad field."""
+    width = 5 if has_ext else 3
+    n = count * width * 4
+    if not count or r.off + n > len(r.data):
+        return None
+    rec = np.frombuffer(r.data[r.off : r.off + n], dtype="<i4").reshape(count, width).astype(np.int64)
+    if not ((rec[:, 1] == 1).all() and (rec[:, 0] >= 0).all()):
+        return None
+    r.raw(n, "cells")
+    ext = rec[:, 3:5] if has_ext else np.stack([rec[:, 0], rec[:, 0]], axis=1)
+    return rec[:, 0].copy(), np.ascontiguousarray(ext)
+
+
 def _combine(a: MemoryStatus, b: MemoryStatus) -> MemoryStatus:
     from statecache.memory import status_combine
 
@@ -1382,15 +1419,15 @@ class KVCacheISWA(Memory):
             self.base.state_write_into(w, seq)
         self.swa.state_write_into(w, seq)
 
-    def state_sections(self, seq: int = -1, flags: int = StateFlags.NONE) -> list[tuple[bytes, bytes]]:
-        """Base section unless ``PARTIAL_ONLY``, then the window section."""
-        out = []
+    def state_sections(self, seq: int = -1, flags: int = StateFlags.NONE) -> list[tuple[bytes, bytes | Writer]]:
+        """Base section unless ``PARTIAL_ONLY``, then the window section (payloads as their Writers)."""
+        out: list[tuple[bytes, bytes | Writer]] = []
         for tag, cache in ((TAG_KV_BASE, self.base), (TAG_KV_SWA, self.swa)):
             if tag == TAG_KV_BASE and flags & StateFlags.PARTIAL_ONLY:
                 continue
             w = Writer()
             cache.state_write_into(w, seq)
-            out.append((tag, w.getvalue()))
+            out.append((tag, w))
         return out
 
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:

@@ -52,6 +52,7 @@ from statecache.backend import Buffer, Device
 from statecache.batch import BatchAllocator, SeqIds, UBatch
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, BatchError, InvariantError, StatecacheWarning, StateError
+from statecache.hostmem import scatter_rows
 from statecache.launch_memo import LaunchMemo
 from statecache.memory import (
     POS_MAX,
@@ -69,9 +70,21 @@ from statecache.memory import (
     normalize_range,
 )
 from statecache.spec import MemorySpec, RecurrentLayerSpec
-from statecache.state_io import CODE_DTYPES, DTYPE_CODES, Reader, Writer, find_section, pack_sections, unpack_sections
+from statecache.state_io import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    Reader,
+    Writer,
+    find_section,
+    pack_sections,
+    planes_apart,
+    unpack_sections,
+)
 
 SECTION_TAG = b"RECR"
+#: Sanity bound on the snapshot planes a transfer may announce per cell (a memory keeps
+#: ``caps.max_snapshots`` at most, 16 by default; anything near this is a corrupt count).
+MAX_PLANES = 4096
 _EMPTY_ROWS = np.zeros(0, dtype=np.int64)
 _EMPTY_ROWS.flags.writeable = False
 
@@ -1023,9 +1036,9 @@ class RecurrentMemory(Memory):
             return [c] if c >= 0 else []
         return np.flatnonzero(b.n_own > 0).tolist()
 
-    def write_section(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
-        """The recurrent section payload (the logical state: a pending rollback is
-        written from its plane)."""
+    def write_section(self, seq: int = -1, flags: int = StateFlags.NONE) -> Writer:
+        """The recurrent section payload, as the :class:`Writer` holding it (the logical
+        state: a pending rollback is written from its plane)."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         b = self._book
         cells = self._cells_for(seq)
@@ -1045,8 +1058,7 @@ class RecurrentMemory(Memory):
         w.u32(0)  # s_trans
         w.u32(self.spec.n_layer)
         w.u32(len(self.pools))
-        rows = [int(b.src[c]) if b.src[c] >= 0 else c for c in cells]
-        idx = self.device.indices(rows) if rows else None
+        rows = np.array([int(b.src[c]) if b.src[c] >= 0 else c for c in cells], dtype=np.int64)
         for layer, pools in self.pools.items():
             w.u32(layer)
             w.u32(len(pools))
@@ -1055,11 +1067,35 @@ class RecurrentMemory(Memory):
                 w.i32(DTYPE_CODES[buf.dtype])
                 row_bytes = buf.shape[1] * buf.dtype.itemsize
                 w.u64(row_bytes)
-                if idx is not None:
-                    tmp = self.device.alloc((len(rows), buf.shape[1]), buf.dtype)
-                    self.device.get_rows(buf, idx, tmp)
-                    w.raw(np.ascontiguousarray(self.device.download(tmp)).tobytes())
-        return w.getvalue()
+                if rows.size:
+                    w.rows(self.device, buf, rows)
+        if planes_apart():
+            self._write_planes(w, cells)
+        return w
+
+    def _valid_planes(self, c: int) -> np.ndarray:
+        """Pool rows of cell ``c``'s snapshot planes still valid behind its logical state
+        (the state one, two, ... positions back), nearest first.  A pending rollback's
+        logical state is a plane itself: only the planes behind it count."""
+        b = self._book
+        src = int(b.src[c])
+        if src < 0 or src % self.size != c or not self.has_layers:
+            return _EMPTY_ROWS
+        depth = int(b.snap_end[c]) - int(b.pos[c])  # of a pending rollback (planes rotate: see the module doc)
+        behind = np.arange(1, int(b.snap_valid[c]) - depth, dtype=np.int64)
+        return (src // self.size - behind) % self.n_snap * self.size + c
+
+    def _write_planes(self, w: Writer, cells: Sequence[int]) -> None:
+        """Outside the state format (see :func:`statecache.state_io.planes_apart`): per cell the
+        number of valid planes behind its state, then per state tensor their rows."""
+        planes = [self._valid_planes(c) for c in cells]
+        for p in planes:
+            w.u32(int(p.size))
+        rows = np.concatenate(planes) if planes else _EMPTY_ROWS
+        for pools in self.pools.values():
+            for buf in pools.values():
+                if rows.size:
+                    w.rows(self.device, buf, rows)
 
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
         return pack_sections([(SECTION_TAG, self.write_section(seq, flags))], flags)
@@ -1111,10 +1147,27 @@ class RecurrentMemory(Memory):
                     r.fail(f"layer[{layer}].{name}.type", f"is code {code}, this memory stores {buf.dtype}")
                 row_bytes = buf.shape[1] * buf.dtype.itemsize
                 r.expect(f"layer[{layer}].{name}.row_bytes", r.u64(f"layer[{layer}].{name}.row_bytes"), row_bytes)
-                raw = r.raw(row_bytes * n_cells, f"layer[{layer}].{name}.rows")
-                data[layer][name] = np.frombuffer(raw, dtype=buf.dtype.numpy).reshape(n_cells, buf.shape[1]).copy()
+                data[layer][name] = r.rows(n_cells, row_bytes, buf.dtype, f"layer[{layer}].{name}.rows")
+        planes = self._parse_planes(r, n_cells) if planes_apart() else None
         r.at_end()
-        return {"seq": seq, "cells": cells, "data": data}
+        return {"seq": seq, "cells": cells, "data": data, "planes": planes}
+
+    def _parse_planes(self, r: Reader, n_cells: int) -> tuple[list[int], dict[int, dict[str, np.ndarray]]]:
+        """The snapshot planes :meth:`_write_planes` wrote: per cell how many, per tensor the rows."""
+        counts = []
+        for i in range(n_cells):
+            n = r.u32(f"cell[{i}].n_planes")
+            if n > MAX_PLANES:
+                r.fail(f"cell[{i}].n_planes", f"is {n}; no memory keeps more than {MAX_PLANES} planes")
+            counts.append(n)
+        total = sum(counts)
+        data: dict[int, dict[str, np.ndarray]] = {}
+        for layer, pools in self.pools.items():
+            data[layer] = {}
+            for name, buf in pools.items():
+                row_bytes = buf.shape[1] * buf.dtype.itemsize
+                data[layer][name] = r.rows(total, row_bytes, buf.dtype, f"layer[{layer}].{name}.planes")
+        return counts, data
 
     def apply_section(self, plan: dict[str, Any]) -> None:
         """Install a validated restore plan (cannot fail on a plan from parse_section)."""
@@ -1141,10 +1194,35 @@ class RecurrentMemory(Memory):
             b.used = len(cells)
         self._version += 1
         if targets:
-            idx = self.device.indices(targets)
+            idx = np.asarray(targets, dtype=np.int64)
             for layer, pools in self.pools.items():
                 for name, buf in pools.items():
-                    self.device.set_rows(buf, idx, self.device.upload(data[layer][name], buf.dtype))
+                    scatter_rows(self.device, buf, idx, data[layer][name])
+        if plan.get("planes") is not None:
+            self._install_planes(targets, cells, *plan["planes"])
+
+    def _install_planes(
+        self, targets: Sequence[int], cells: Sequence[tuple[int, Any]], counts: list[int], data: dict[int, Any]
+    ) -> None:
+        """Put the planes a transfer carried behind the restored states: plane ``j`` of
+        the target cell gets the state ``j`` positions back, as many as this memory keeps
+        (``n_snap - 1``), and the cell offers rollbacks that deep."""
+        b = self._book
+        dst: list[int] = []
+        src: list[int] = []
+        start = 0
+        for c, (p, _), n in zip(targets, cells, counts, strict=True):
+            keep = min(n, self.n_snap - 1) if self.has_layers else 0
+            live = int(b.src[c]) // self.size  # the restored state's plane: the others rotate back from it
+            dst += [(live - j) % self.n_snap * self.size + c for j in range(1, keep + 1)]
+            src += range(start, start + keep)
+            start += n
+            b.snap_end[c], b.snap_valid[c] = p, 1 + keep
+        if dst:
+            idx, sel = np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
+            for layer, pools in self.pools.items():
+                for name, buf in pools.items():
+                    scatter_rows(self.device, buf, idx, data[layer][name][sel])
 
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         if hasattr(data, "read") and not isinstance(data, bytes | bytearray | memoryview):

@@ -27,10 +27,15 @@ every part, and only then applies any.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+import numpy as np
 
 from statecache.dtypes import DType
 from statecache.errors import StateError
@@ -52,26 +57,122 @@ DTYPE_CODES: dict[DType, int] = {DType.F32: 0, DType.F16: 1, DType.BF16: 30, DTy
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 
+@dataclasses.dataclass
+class RowSink:
+    """Where :meth:`Writer.rows` records row blocks while :func:`rows_apart` is active:
+    ``blocks`` lists ``(device, buffer, row indices)`` in the order the payload
+    would hold them, ``nbytes`` their total size.  :meth:`gather` copies them back
+    to back into one host buffer (the device's rows, without the metadata)."""
+
+    blocks: list[tuple[Any, Any, np.ndarray]] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+
+    def gather(self, out: np.ndarray, progress: Any = None) -> None:
+        """Every recorded block, back to back, into ``out`` (``uint8``, ``nbytes`` long);
+        ``progress(n)``, when given, hears after each block that ``out[:n]`` is ready."""
+        from statecache.hostmem import gather_rows  # hostmem sits above the backend protocol
+
+        off = 0
+        for device, buf, idx in self.blocks:
+            n = idx.size * buf.shape[1] * buf.dtype.itemsize
+            gather_rows(device, buf, idx, out[off : off + n])
+            off += n
+            if progress is not None:
+                progress(off)
+
+
+@dataclasses.dataclass
+class RowSource:
+    """Row blocks for :meth:`Reader.rows` while :func:`rows_apart` is active: taken
+    from ``data`` (``uint8``) in order, from ``offset`` on."""
+
+    data: np.ndarray
+    offset: int = 0
+
+    def take(self, n: int, field: str) -> np.ndarray:
+        if self.offset + n > self.data.size:
+            raise StateError(field, f"truncated rows: needs {n} bytes, {self.data.size - self.offset} left")
+        out = self.data[self.offset : self.offset + n]
+        self.offset += n
+        return out
+
+    def at_end(self) -> None:
+        if self.offset != self.data.size:
+            raise StateError("rows", f"{self.data.size - self.offset} row bytes were sent but not read")
+
+
+_ROWS: contextvars.ContextVar[RowSink | RowSource | None] = contextvars.ContextVar("statecache_rows", default=None)
+
+
+@contextlib.contextmanager
+def rows_apart(where: RowSink | RowSource) -> Iterator[RowSink | RowSource]:
+    """Within this context the row blocks of every state payload live apart from its
+    metadata: a :class:`Writer` records them into the :class:`RowSink` (the blob then
+    holds metadata only, with each block's type code and row size), a :class:`Reader`
+    takes them from the :class:`RowSource`.  A sequence transfer moves the rows as one
+    contiguous tensor this way, while the same parsers validate the metadata as they
+    validate a blob.  A blob written apart is not the state format (its rows are
+    elsewhere, and a recurrent section carries its snapshot planes, see
+    :func:`planes_apart`); never store one."""
+    token = _ROWS.set(where)
+    try:
+        yield where
+    finally:
+        _ROWS.reset(token)
+
+
+def planes_apart() -> bool:
+    """True inside :func:`rows_apart`: a recurrent section then also carries the
+    sequence's snapshot planes that are still valid (the state format holds plane 0
+    only; a transfer keeps the rollback budget)."""
+    return _ROWS.get() is not None
+
+
 class Writer:
     """Accumulates little-endian fields."""
 
     def __init__(self) -> None:
-        self._parts: list[bytes] = []
+        self._parts: list[bytes | memoryview] = []
+        self.nbytes = 0
+
+    def _add(self, part: bytes | memoryview) -> None:
+        self._parts.append(part)
+        self.nbytes += len(part)
 
     def u8(self, v: int) -> None:
-        self._parts.append(struct.pack("<B", v))
+        self._add(struct.pack("<B", v))
 
     def u32(self, v: int) -> None:
-        self._parts.append(struct.pack("<I", v))
+        self._add(struct.pack("<I", v))
 
     def i32(self, v: int) -> None:
-        self._parts.append(struct.pack("<i", v))
+        self._add(struct.pack("<i", v))
 
     def u64(self, v: int) -> None:
-        self._parts.append(struct.pack("<Q", v))
+        self._add(struct.pack("<Q", v))
 
-    def raw(self, data: bytes | bytearray | memoryview) -> None:
-        self._parts.append(bytes(data))
+    def raw(self, data: bytes | bytearray | memoryview | np.ndarray) -> None:
+        """Append bytes; a contiguous array is kept as a view until :meth:`getvalue`
+        (one copy, the join, instead of two)."""
+        if isinstance(data, bytes):
+            self._add(data)
+        elif isinstance(data, np.ndarray) and data.flags.c_contiguous:
+            self._add(memoryview(data.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+        else:
+            self._add(bytes(data))
+
+    def rows(self, device: Any, buf: Any, idx: np.ndarray) -> None:
+        """The rows ``idx`` of the 2-D device buffer ``buf``, back to back (gathered
+        on the device, one copy to the host); recorded instead inside :func:`rows_apart`."""
+        where = _ROWS.get()
+        if isinstance(where, RowSink):
+            idx = np.asarray(idx, dtype=np.int64)
+            where.blocks.append((device, buf, idx))
+            where.nbytes += idx.size * buf.shape[1] * buf.dtype.itemsize
+            return
+        from statecache.hostmem import gather_rows
+
+        self.raw(gather_rows(device, buf, np.asarray(idx, dtype=np.int64)))
 
     def name(self, s: str) -> None:
         b = s.encode()
@@ -80,6 +181,17 @@ class Writer:
 
     def getvalue(self) -> bytes:
         return b"".join(self._parts)
+
+    def crc32(self) -> int:
+        """zlib CRC-32 of everything written so far (without joining it)."""
+        crc = 0
+        for part in self._parts:
+            crc = zlib.crc32(part, crc)
+        return crc
+
+    @property
+    def parts(self) -> list[bytes | memoryview]:
+        return self._parts
 
 
 class Reader:
@@ -117,6 +229,20 @@ class Reader:
     def raw(self, n: int, field: str) -> memoryview:
         return self._take(n, field)
 
+    def rows(self, n_rows: int, row_bytes: int, dtype: DType, field: str) -> np.ndarray:
+        """``n_rows`` rows of ``row_bytes`` as a read-only ``dtype`` array ``[n_rows, width]``
+        (a view, no copy); taken from the :class:`RowSource` inside :func:`rows_apart`."""
+        raw = self.row_bytes(n_rows * row_bytes, field)
+        return raw.view(dtype.numpy).reshape(n_rows, row_bytes // dtype.itemsize)
+
+    def row_bytes(self, n: int, field: str) -> np.ndarray:
+        """``n`` bytes of row data as a ``uint8`` view (from the :class:`RowSource`
+        inside :func:`rows_apart`)."""
+        where = _ROWS.get()
+        if isinstance(where, RowSource):
+            return where.take(n, self._f(field))
+        return np.frombuffer(self._take(n, field), dtype=np.uint8)
+
     def name(self, field: str) -> str:
         n = self.u8(field)
         try:
@@ -136,17 +262,23 @@ class Reader:
             raise StateError(self._f("length"), f"{len(self.data) - self.off} unread trailing bytes")
 
 
-def pack_sections(sections: Sequence[tuple[bytes, bytes]], flags: int = 0) -> bytes:
-    """A whole blob from ``(tag, payload)`` pairs (the current format version, with checksums)."""
+def pack_sections(sections: Sequence[tuple[bytes, bytes | Writer]], flags: int = 0) -> bytes:
+    """A whole blob from ``(tag, payload)`` pairs (the current format version, with
+    checksums).  A payload may be the :class:`Writer` that wrote it: its parts are
+    then copied once, into the blob, instead of being joined first."""
     flags = int(flags)
     if flags & ~KNOWN_FLAGS:
         raise ValueError(f"unknown state flags {flags:#x} (known: {KNOWN_FLAGS:#x})")
-    parts = [_HEADER.pack(MAGIC, FORMAT_VERSION, flags, len(sections))]
+    parts: list[bytes | memoryview] = [_HEADER.pack(MAGIC, FORMAT_VERSION, flags, len(sections))]
     for tag, payload in sections:
         if len(tag) != 4:
             raise ValueError(f"section tag {tag!r} must be 4 bytes")
-        parts.append(_SECTION.pack(tag, len(payload), zlib.crc32(payload)))
-        parts.append(bytes(payload))
+        if isinstance(payload, Writer):
+            parts.append(_SECTION.pack(tag, payload.nbytes, payload.crc32()))
+            parts += payload.parts
+        else:
+            parts.append(_SECTION.pack(tag, len(payload), zlib.crc32(payload)))
+            parts.append(bytes(payload))
     return b"".join(parts)
 
 

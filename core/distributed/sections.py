@@ -25,9 +25,9 @@ import numpy as np
 from statecache.dtypes import DType
 from statecache.errors import StateError
 from statecache.hybrid_idx import TAG_IDX
-from statecache.kv_cache import KV_CELL_COUNT_EXT, TAG_KV, TAG_KV_BASE, TAG_KV_SWA
+from statecache.kv_cache import KV_CELL_COUNT_EXT, TAG_KV, TAG_KV_BASE, TAG_KV_SWA, one_owner_records
 from statecache.recurrent import SECTION_TAG as TAG_RECR
-from statecache.state_io import CODE_DTYPES, Reader, Writer
+from statecache.state_io import CODE_DTYPES, Reader, Writer, planes_apart
 
 #: Sections laid out as a KV cache: K rows, then V rows unless the cache is key-only.
 KV_TAGS = {TAG_KV: True, TAG_KV_BASE: True, TAG_KV_SWA: True, TAG_IDX: False}
@@ -111,8 +111,7 @@ class _Cutter:
         self.parts.append(bytes(self.data[self.start : self.r.off]))
         code = self.r.i32(f"{field}.type")
         row_bytes = self.r.u64(f"{field}.row_bytes")
-        raw = self.r.raw(n_rows * row_bytes, f"{field}.rows")
-        rows = np.frombuffer(raw, dtype=np.uint8).reshape(n_rows, row_bytes)
+        rows = self.r.row_bytes(n_rows * row_bytes, f"{field}.rows").reshape(n_rows, row_bytes)
         self.parts.append(RowBlock(key, f"{self.r.where}.{field}", code, rows))
         self.start = self.r.off
 
@@ -133,11 +132,17 @@ def _parse_recurrent(tag: bytes, payload: Any) -> Section:
             r.i32(f"cell[{i}].seq_id[{k}]")
     r.u32("s_trans")
     r.u32("n_layer")
+    row_sizes = []
     for _ in range(r.u32("n_state_layers")):
         layer = r.u32("layer")
         for _ in range(r.u32(f"layer[{layer}].n_tensors")):
             name = r.name(f"layer[{layer}].tensor")
             c.block(("recr", layer, name), f"layer[{layer}].{name}", n)
+            row_sizes.append(c.parts[-1].rows.shape[1])  # type: ignore[union-attr]
+    if planes_apart():  # a transfer's snapshot planes (metadata here: only positions are read)
+        total = sum(r.u32(f"cell[{i}].n_planes") for i in range(n))
+        for size in row_sizes:
+            r.row_bytes(total * size, "planes")
     return Section(tag, c.finish(), positions)
 
 
@@ -149,9 +154,9 @@ def _parse_kv(tag: bytes, payload: Any) -> Section:
         word = r.u32(f"stream[{strm}].cell_count")
         count = word & ~KV_CELL_COUNT_EXT
         ext = bool(word & KV_CELL_COUNT_EXT)
-        one_owner = _one_owner_cells(r, count, ext)
+        one_owner = one_owner_records(r, count, ext)
         if one_owner is not None:  # a sequence's blob: fixed-size records, read at once
-            positions += one_owner
+            positions += one_owner[0].tolist()
         for i in range(0 if one_owner is not None else count):
             positions.append(r.i32(f"stream[{strm}].cell[{i}].pos"))
             for _ in range(r.u32(f"stream[{strm}].cell[{i}].n_seq_id")):
@@ -167,21 +172,6 @@ def _parse_kv(tag: bytes, payload: Any) -> Section:
                 il = r.u32(f"stream[{strm}].{kind}_layer")
                 c.block((kind, il), f"stream[{strm}].{kind}[{il}]", count)
     return Section(tag, c.finish(), positions)
-
-
-def _one_owner_cells(r: Reader, count: int, ext: bool) -> list[int] | None:
-    """The positions of ``count`` cells that each have exactly one owner (``pos, 1, seq``
-    and the 2-D extension when ``ext``), consumed from ``r``; None (nothing consumed)
-    when they are not all such cells."""
-    width = 5 if ext else 3
-    n = count * width * 4
-    if not count or r.off + n > len(r.data):
-        return None
-    rec = np.frombuffer(r.data[r.off : r.off + n], dtype="<i4").reshape(count, width)
-    if not (rec[:, 1] == 1).all():
-        return None
-    r.raw(n, "cells")
-    return [int(p) for p in rec[:, 0]]
 
 
 def parse_section(tag: bytes, payload: Any) -> Section:

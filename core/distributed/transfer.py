@@ -2,52 +2,65 @@
 
 Disaggregated serving prefills a request on one instance and decodes it on
 another; for a recurrent or hybrid model the decode side needs everything
-the sequence owns: its recurrent rows in every layer, its K/V cells with
-their positions, its indexer rows, and its book entries.  That is exactly
-``memory.state_write(seq)``: the validated state format
-(docs/state-format.md), written from the sequence's rows alone whatever the
-memory's size, streams or backend, and read by ``state_read`` with every
-size, dtype and position checked before anything is written.  So a transfer
-is that blob, sent as one contiguous ``uint8`` tensor (a host tensor over
-gloo, a CUDA tensor over NCCL), in a small protocol that keeps the receiver
-safe:
+the sequence owns: its recurrent rows in every layer with the snapshot
+planes still valid, its K/V cells with their positions, its indexer rows,
+and its book entries.
+
+The payload is the sequence's rows themselves, as one contiguous ``uint8``
+tensor (a host tensor over gloo, a CUDA tensor over NCCL): the metadata of
+``memory.state_write(seq)`` (positions, owners, layers, dtype codes, row
+sizes: everything but the row data, see
+:func:`statecache.state_io.rows_apart`), followed by every row block of the
+sequence, each gathered from the device's pool by its rows alone (only the
+sequence's cells and planes cross to the host, with one copy).  The
+receiver reads that metadata with the memory's own ``state_read`` while the
+rows come from the tensor, so sizes, dtypes, layers, positions and room are
+checked exactly as for a blob, before anything is written.  Memories of
+different sizes, stream layouts and backends exchange sequences this way;
+``rows=False`` sends the whole state-format blob instead (the fallback: any
+memory whose ``state_write`` writes its rows inline still works with
+``rows=True``, its blob simply carries them).
+
+The protocol keeps the receiver safe:
 
 1. the sender sends a header: magic, protocol version, payload bytes, the
    sequence's first and last position, the state flags, an optional CRC-32
-   of the payload, and a hash of the header itself;
+   of the payload, where the metadata ends, the message size of the rows,
+   and a hash of the header itself;
 2. the receiver checks the header (a corrupt one, or a payload larger than
    its memory could ever hold, is refused before it allocates anything) and
    answers *go* or *refused*;
-3. the sender sends the payload; the receiver waits for it within
-   ``timeout`` seconds (a sender that dies or stalls raises
-   :class:`~statecache.distributed.errors.TransferError`), checks the CRC
-   when one was sent and that every part's last position is the header's,
-   then ``state_read``\\ s it into its sequence;
+3. the sender sends the payload, its rows in :data:`CHUNK_BYTES` messages,
+   each as soon as it is gathered (gathering overlaps the wire); the receiver
+   waits for them within ``timeout`` seconds (a sender that dies or stalls
+   raises :class:`~statecache.distributed.errors.TransferError`), checks the
+   CRC when one was sent, that every part's last position is the header's
+   and that the metadata uses every row byte, then reads it into its sequence;
 4. the receiver answers *accepted* or why not; the sender raises if not.
 
 The receiving memory changes only in step 3's final read, which validates
-the whole blob first and changes nothing when it refuses it; if writing
+the whole state first and changes nothing when it refuses it; if writing
 fails after validation, the sequence's previous state (saved before the
-read) is put back.  So a transfer that fails anywhere leaves the receiver
-as it was, and raises an error that says where it failed.
+read, with its planes) is put back.  So a transfer that fails anywhere
+leaves the receiver as it was, and raises an error that says where it failed.
 
-Limits: snapshot planes are not part of the state format, so after a
-transfer the sequence has no rollback budget until its next multi-token
-write (as after any ``state_read``).  The rows are staged through host memory
-on each side (``state_write`` downloads them), also for NCCL: a truly
-device-to-device row path needs a memory hook that exposes a sequence's
-rows as device buffers.  After a transfer fails mid-payload the pair's
-message stream is out of step (a send may still be pending): use a fresh
-``tag`` (gloo) or a fresh group for the next one.
+Limits: the rows are staged through host memory on each side, also for NCCL
+(a device that is not host-visible gathers them with ``get_rows`` and
+downloads only those); the receiver keeps as many planes as its own
+``n_rs_seq`` allows.  After a transfer fails mid-payload the pair's message
+stream is out of step (a send may still be pending): use a fresh ``tag``
+(gloo) or a fresh group for the next one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -56,13 +69,18 @@ from statecache.distributed.errors import TransferError
 from statecache.distributed.wire import as_tensor, group_device, host_view, post, torch_dist, wait
 from statecache.errors import StateError
 from statecache.memory import StateFlags
-from statecache.state_io import unpack_sections
+from statecache.state_io import RowSink, RowSource, rows_apart, unpack_sections
 
 MAGIC = 0x5343_5351  # "SCSQ"
-PROTOCOL = 1
+PROTOCOL = 2
 ANSWER = 0x5343_4F4B  # "SCOK": the magic of every answer
-_HEADER_WORDS = 8
+_HEADER_WORDS = 10
 _CRC_PRESENT = 1 << 16  # in the header's flags word, above the state flags
+_ROWS_APART = 1 << 17  # the payload is metadata, then the rows (see statecache.state_io.rows_apart)
+#: Rows travel in messages of this size, each sent as soon as it is gathered, so that
+#: gathering the next overlaps the wire (the receiver posts every receive at once).
+CHUNK_BYTES = 8 << 20
+_MAX_CHUNKS = 1 << 16
 
 OK = 0
 BAD_HEADER = 1
@@ -98,8 +116,19 @@ def _header_hash(words: list[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
 
 
-def _header(nbytes: int, pos_min: int, pos_max: int, flags: int, crc: int | None) -> list[int]:
-    words = [MAGIC, PROTOCOL, nbytes, pos_min, pos_max, flags | (_CRC_PRESENT if crc is not None else 0), crc or 0]
+def _header(
+    nbytes: int,
+    pos_min: int,
+    pos_max: int,
+    flags: int,
+    crc: int | None,
+    meta_bytes: int | None = None,
+    chunk: int = 0,
+) -> list[int]:
+    """The header words; ``meta_bytes``: the payload is that much metadata, then rows;
+    ``chunk``: the payload comes in messages of that many bytes (0: one message)."""
+    word = flags | (_CRC_PRESENT if crc is not None else 0) | (_ROWS_APART if meta_bytes is not None else 0)
+    words = [MAGIC, PROTOCOL, nbytes, pos_min, pos_max, word, crc or 0, meta_bytes or 0, chunk]
     return [*words, _header_hash(words)]
 
 
@@ -107,12 +136,16 @@ def _check_header(words: list[int]) -> str | None:
     """Why the header is corrupt, or None."""
     if words[0] != MAGIC:
         return f"magic is {words[0]:#x}, expected {MAGIC:#x}"
-    if words[7] != _header_hash(words):
+    if words[_HEADER_WORDS - 1] != _header_hash(words):
         return "the header hash does not match its fields"
     if words[1] != PROTOCOL:
         return f"protocol version {words[1]}, this library speaks {PROTOCOL}"
     if words[2] < -1:
         return f"payload size {words[2]}"
+    if words[5] & _ROWS_APART and not 0 < words[7] <= words[2]:
+        return f"metadata of {words[7]} bytes in a payload of {words[2]}"
+    if words[8] < 0 or (words[8] and words[2] > words[8] * _MAX_CHUNKS):
+        return f"messages of {words[8]} bytes for a payload of {words[2]}"
     return None
 
 
@@ -130,9 +163,11 @@ class _Channel:
     def send(self, t: Any, what: str) -> Any:
         return post(lambda: self.dist.isend(t, self.peer, group=self.group, tag=self.tag), self.peer, what)
 
+    def post_recv(self, t: Any, what: str) -> Any:
+        return post(lambda: self.dist.irecv(t, self.peer, group=self.group, tag=self.tag), self.peer, what)
+
     def recv(self, t: Any, what: str) -> Any:
-        work = post(lambda: self.dist.irecv(t, self.peer, group=self.group, tag=self.tag), self.peer, what)
-        wait(work, self.timeout, self.peer, what)
+        wait(self.post_recv(t, what), self.timeout, self.peer, what)
         return t
 
     def answer(self, code: int) -> None:
@@ -159,18 +194,27 @@ def send_sequence(
     timeout: float = 60.0,
     checksum: bool = False,
     tag: int = 0,
+    rows: bool = True,
 ) -> Transfer:
     """Send sequence ``seq_id`` of ``memory`` to global rank ``dst`` (which calls
     :func:`recv_sequence`).  The sender's memory is only read.  Raises
     :class:`TransferError` when the receiver refuses (the reason in words), dies or
     does not answer within ``timeout`` seconds.  ``checksum``: add a CRC-32 of the
     payload (one more pass over it on each side; gloo and NCCL deliver intact bytes,
-    so it guards against bugs, not the wire)."""
+    so it guards against bugs, not the wire; the rows are then gathered before they
+    are sent).  ``rows``: send the sequence's rows and snapshot planes as a tensor
+    behind their metadata (default); False sends the state-format blob of
+    ``state_write`` (no planes: the receiver can roll back only after its next
+    multi-token write)."""
     t0 = time.perf_counter()
     ch = _Channel(dst, group, tag, timeout)
     try:
         pos_min, pos_max = int(memory.seq_pos_min(seq_id)), int(memory.seq_pos_max(seq_id))
-        blob = memory.state_write(seq_id, flags)
+        fill = None
+        if rows:
+            payload, meta_bytes, fill = _rows_payload(memory, seq_id, int(flags))
+        else:
+            payload, meta_bytes = memory.state_write(seq_id, flags), None
     except Exception:
         try:  # tell the receiver not to wait for a payload
             abort = ch.ints(_header(-1, -1, -1, int(flags), None))
@@ -178,21 +222,73 @@ def send_sequence(
         except TransferError:
             pass
         raise
-    _offer(ch, blob, pos_min, pos_max, int(flags), checksum, f"sequence {seq_id}")
-    return Transfer(len(blob), pos_min, pos_max, time.perf_counter() - t0)
+    _offer(ch, payload, pos_min, pos_max, int(flags), checksum, f"sequence {seq_id}", meta_bytes, fill)
+    return Transfer(len(payload), pos_min, pos_max, time.perf_counter() - t0)
 
 
-def _offer(ch: _Channel, blob: bytes, pos_min: int, pos_max: int, flags: int, checksum: bool, what: str) -> None:
-    """The sender's side of the protocol for one payload (see the module docstring)."""
-    crc = zlib.crc32(blob) if checksum else None
-    sent = ch.send(ch.ints(_header(len(blob), pos_min, pos_max, flags, crc)), "sending the header")
+def _rows_payload(memory: Any, seq_id: int, flags: int) -> tuple[np.ndarray, int, Callable[..., None]]:
+    """The sequence as one contiguous host buffer: the metadata of its state (the state
+    format's, with the valid snapshot planes), then every row block (only the sequence's
+    rows); the metadata's length; and ``fill(progress=None)``, which gathers the rows
+    from the device into the buffer block by block, calling ``progress(n)`` when the
+    first ``n`` bytes of the buffer are ready."""
+    sink = RowSink()
+    with rows_apart(sink):
+        meta = memory.state_write(seq_id, flags)
+    out = _buffer("send", np, len(meta) + sink.nbytes)
+    out[: len(meta)] = np.frombuffer(meta, dtype=np.uint8)
+
+    def fill(progress: Callable[[int], None] | None = None) -> None:
+        sink.gather(out[len(meta) :], None if progress is None else lambda n: progress(len(meta) + n))
+        if progress is not None:
+            progress(len(out))
+
+    return out, len(meta), fill
+
+
+def _offer(
+    ch: _Channel,
+    blob: bytes | np.ndarray,
+    pos_min: int,
+    pos_max: int,
+    flags: int,
+    checksum: bool,
+    what: str,
+    meta_bytes: int | None = None,
+    fill: Callable[..., None] | None = None,
+) -> None:
+    """The sender's side of the protocol for one payload (see the module docstring).
+    ``fill``: the payload's rows are not gathered yet; ``fill(progress)`` gathers them
+    and the payload goes in :data:`CHUNK_BYTES` messages as they become ready."""
+    if fill is not None and checksum:  # the CRC goes in the header: everything first
+        fill()
+        fill = None
+    crc = zlib.crc32(blob if isinstance(blob, bytes) else blob.data) if checksum else None
+    chunk = CHUNK_BYTES if fill is not None else 0
+    header = _header(len(blob), pos_min, pos_max, flags, crc, meta_bytes, chunk)
+    sent = ch.send(ch.ints(header), "sending the header")
     code = ch.hear("waiting for the answer to the header")
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
-    sent_payload = ch.send(as_tensor(blob, ch.device), "sending the payload")
+    tensor = as_tensor(blob, ch.device)
+    works: list[Any] = []
+    if fill is None:
+        works.append(ch.send(tensor, "sending the payload"))
+    else:
+
+        def progress(ready: int) -> None:  # send every whole chunk that is ready (the rest at the end)
+            while len(works) * chunk < len(blob):
+                lo = len(works) * chunk
+                hi = min(lo + chunk, len(blob))
+                if hi > ready:
+                    return
+                works.append(ch.send(tensor[lo:hi], "sending the payload"))
+
+        fill(progress)
     code = ch.hear("waiting for the answer to the payload")
     wait(sent, ch.timeout, ch.peer, "sending the header")
-    wait(sent_payload, ch.timeout, ch.peer, "sending the payload")
+    for work in works:
+        wait(work, ch.timeout, ch.peer, "sending the payload")
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
 
@@ -218,7 +314,8 @@ def recv_sequence(
     sequence ``seq_id`` of ``memory``, replacing what ``seq_id`` held.
 
     Works between memories of different sizes, stream layouts and backends (the
-    state format carries the sequence, not the memory).  Raises
+    state format's metadata describes the sequence, not the memory); of the
+    snapshot planes that arrive, this memory keeps as many as its ``n_rs_seq``.  Raises
     :class:`TransferError` (no or a corrupt header, a payload over ``max_bytes``, a
     sender that dies or stalls past ``timeout`` seconds, a bad checksum or
     positions) or :class:`~statecache.errors.StateError` (the memory refused the
@@ -227,23 +324,26 @@ def recv_sequence(
     t0 = time.perf_counter()
     ch = _Channel(src, group, tag, timeout)
     limit = default_max_bytes(memory) if max_bytes is None else int(max_bytes)
-    data, (nbytes, pos_min, pos_max, flags) = _take(ch, limit)
+    data, (nbytes, pos_min, pos_max, flags, meta_bytes) = _take(ch, limit)
+    meta, rows = data, None
+    if meta_bytes >= 0:  # metadata, then the rows
+        meta, rows = data[:meta_bytes], np.frombuffer(data, dtype=np.uint8)[meta_bytes:]
     try:
-        _check_positions(data, pos_max)
+        _check_positions(meta, pos_max, rows)
     except StateError:
         ch.answer(REFUSED)
         raise
     # what a failure after validation must put back (an empty destination: nothing to save)
     held = max(memory.seq_pos_min(seq_id), memory.seq_pos_max(seq_id)) >= 0  # either part of a hybrid
-    backup = memory.state_write(seq_id, flags) if held else None
+    backup = _save(memory, seq_id, flags) if held else None
     try:
-        memory.state_read(data, seq_id, flags)
+        _read(memory, meta, rows, seq_id, flags)
     except StateError:
         ch.answer(REFUSED)  # state_read validates everything before writing: nothing changed
         raise
     except BaseException:
         if backup is not None:
-            memory.state_read(backup, seq_id, flags)  # failed after validating: put the old state back
+            _read(memory, *backup, seq_id, flags)  # failed after validating: put the old state back
         else:
             memory.seq_rm(seq_id, -1, -1)
         ch.answer(FAILED)
@@ -252,16 +352,37 @@ def recv_sequence(
     return Transfer(nbytes, pos_min, pos_max, time.perf_counter() - t0)
 
 
-def _take(ch: _Channel, limit: int) -> tuple[memoryview, tuple[int, int, int, int]]:
+def _save(memory: Any, seq_id: int, flags: int) -> tuple[bytes, np.ndarray]:
+    """Sequence ``seq_id`` as metadata and rows, its snapshot planes included, so that
+    putting it back (:func:`_read`) restores its rollback budget too."""
+    sink = RowSink()
+    with rows_apart(sink):
+        meta = memory.state_write(seq_id, flags)
+    rows = np.empty(sink.nbytes, dtype=np.uint8)
+    sink.gather(rows)
+    return meta, rows
+
+
+def _read(memory: Any, meta: Any, rows: np.ndarray | None, seq_id: int, flags: int) -> None:
+    """``state_read`` of a blob, or of metadata whose rows are apart."""
+    if rows is None:
+        memory.state_read(meta, seq_id, flags)
+        return
+    with rows_apart(RowSource(rows)):
+        memory.state_read(meta, seq_id, flags)
+
+
+def _take(ch: _Channel, limit: int) -> tuple[memoryview, tuple[int, int, int, int, int]]:
     """The receiver's side up to a payload it has checked: ``(payload, (bytes, pos_min,
-    pos_max, state flags))``; the final answer is the caller's."""
+    pos_max, state flags, metadata bytes or -1 for a whole blob))``; the final answer
+    is the caller's."""
     src = ch.peer
     words = [int(x) for x in ch.recv(ch.ints([0] * _HEADER_WORDS), "receiving the header").tolist()]
     bad = _check_header(words)
     if bad is not None:
         ch.answer(BAD_HEADER)
         raise TransferError(src, f"corrupt header from rank {src}: {bad}; nothing was received")
-    nbytes, pos_min, pos_max, flags_word, crc = words[2:7]
+    nbytes, pos_min, pos_max, flags_word, crc, meta_bytes, chunk = words[2:9]
     if nbytes == -1:
         raise TransferError(src, f"rank {src} could not write the sequence it was to send; nothing was received")
     if nbytes > limit:
@@ -269,12 +390,18 @@ def _take(ch: _Channel, limit: int) -> tuple[memoryview, tuple[int, int, int, in
         raise TransferError(src, f"rank {src} announced {nbytes} bytes, more than max_bytes={limit}; refused")
     ch.answer(OK)
     payload = _receive_buffer(ch, nbytes)
-    ch.recv(payload, "receiving the payload")
+    if not chunk:
+        ch.recv(payload, "receiving the payload")
+    else:  # every message posted at once, into its place
+        what = "receiving the payload"
+        works = [ch.post_recv(payload[lo : lo + chunk], what) for lo in range(0, nbytes, chunk)]
+        for work in works:
+            wait(work, ch.timeout, src, what)
     data = host_view(payload)
     if flags_word & _CRC_PRESENT and zlib.crc32(data) != crc:
         ch.answer(BAD_CHECKSUM)
         raise TransferError(src, f"the payload from rank {src} does not match its CRC-32; nothing was written")
-    return data, (nbytes, pos_min, pos_max, flags_word & 0xFFFF)
+    return data, (nbytes, pos_min, pos_max, flags_word & 0xFFFF, meta_bytes if flags_word & _ROWS_APART else -1)
 
 
 _BUFFERS = threading.local()
@@ -284,13 +411,22 @@ def _receive_buffer(ch: _Channel, nbytes: int) -> Any:
     """``nbytes`` of a receive buffer kept for the next transfer (per thread and device):
     touching fresh pages for every payload costs about as much as receiving it.  The
     payload is only read until ``state_read`` has copied it, so reuse is safe."""
-    key = str(ch.device)
+    return _buffer(str(ch.device), ch.torch, nbytes, ch.device)
+
+
+def _buffer(key: str, lib: Any, nbytes: int, device: Any = None) -> Any:
+    """A kept ``uint8`` buffer of at least ``nbytes`` (a torch tensor on ``device``, or a
+    NumPy array when ``lib`` is NumPy: the sender's host buffer), its first ``nbytes``."""
     cache = getattr(_BUFFERS, "by_device", None)
     if cache is None:
         cache = _BUFFERS.by_device = {}
     buf = cache.get(key)
-    if buf is None or buf.numel() < nbytes:
-        buf = cache[key] = ch.torch.empty(nbytes, dtype=ch.torch.uint8, device=ch.device)
+    if buf is None or buf.shape[0] < nbytes:
+        if lib is np:
+            buf = np.empty(nbytes, dtype=np.uint8)
+        else:
+            buf = lib.empty(nbytes, dtype=lib.uint8, device=device)
+        cache[key] = buf
     return buf[:nbytes]
 
 
@@ -299,15 +435,20 @@ def release_buffers() -> None:
     _BUFFERS.by_device = {}
 
 
-def _check_positions(data: Any, pos_max: int) -> None:
-    """Every part of the blob ends at the header's last position (an empty sequence: no cells)."""
+def _check_positions(data: Any, pos_max: int, rows: np.ndarray | None = None) -> None:
+    """Every part of the blob ends at the header's last position (an empty sequence: no
+    cells); with ``rows`` apart, the metadata's row blocks also use every row byte."""
     from statecache.distributed.sections import parse_section
 
-    _, sections = unpack_sections(data)
-    for tag, payload in sections:
-        sec = parse_section(tag, payload)
-        last = max(sec.positions) if sec.positions else -1
-        if last != pos_max:
-            raise StateError(
-                f"{sec.name}.pos", f"the sequence ends at position {last} there, the header says {pos_max}"
-            )
+    source = RowSource(rows) if rows is not None else None
+    with rows_apart(source) if source is not None else contextlib.nullcontext():
+        _, sections = unpack_sections(data)
+        for tag, payload in sections:
+            sec = parse_section(tag, payload)
+            last = max(sec.positions) if sec.positions else -1
+            if last != pos_max:
+                raise StateError(
+                    f"{sec.name}.pos", f"the sequence ends at position {last} there, the header says {pos_max}"
+                )
+    if source is not None:
+        source.at_end()

@@ -124,6 +124,25 @@ def _expect_failure(mem: Any, fn: Any) -> tuple[str, str, bool]:
     return "no error", "", _same(before, _snapshot(mem))
 
 
+ROLLBACK = 3
+
+
+def _rollback_and_decode(mem: Any, seq: int, w: Any) -> list[Any]:
+    """Per depth ROLLBACK + 1 .. 1: whether ``seq_rm`` rolled the sequence back that far,
+    and the logits of decoding on from there.  Replaying the removed tokens afterwards
+    leaves planes for every smaller depth, hence the descending order."""
+    out = []
+    end = len(PROMPT)
+    for depth in range(ROLLBACK + 1, 0, -1):
+        ok = mem.seq_rm(seq, end - depth, -1)
+        logits = decode(mem, w, {seq: DECODE[0][0]})[seq] if ok else None
+        out.append((ok, logits))
+        if ok:  # back to the prompt's end: roll back the decoded token, replay the removed ones
+            assert mem.seq_rm(seq, end - depth, -1)
+            decode(mem, w, {seq: PROMPT[end - depth :]})
+    return out
+
+
 def transfer(rank: int, world: int) -> Any:
     import torch.distributed as dist
 
@@ -138,7 +157,12 @@ def transfer(rank: int, world: int) -> Any:
         mem = make_memory(cpu, spec, n_seq_max=3)
         decode(mem, w, {2: PROMPT})
         sent = send_sequence(mem, 2, 1, tag=1)  # to a cpu memory of another size, into sequence 0
-        send_sequence(mem, 2, 1, tag=2)  # to a reference-backend memory
+        send_sequence(mem, 2, 1, tag=2, rows=False)  # the state format, to a reference-backend memory
+        # with rollback planes: the receiver rolls back like the sender
+        deep = make_memory(cpu, spec, n_seq_max=1, n_rs_seq=ROLLBACK)
+        decode(deep, w, {0: PROMPT})
+        send_sequence(deep, 0, 1, tag=12)
+        out["rolled"] = _rollback_and_decode(deep, 0, w)
         out["sent"] = (sent.nbytes, sent.pos_min, sent.pos_max)
         out["blob"] = mem.state_write(2)
         out["logits"] = [decode(mem, w, {2: s[0]})[2] for s in DECODE]
@@ -184,6 +208,10 @@ def transfer(rank: int, world: int) -> Any:
     mem_ref = make_memory(ref, spec, n_seq_max=1, n_ctx=32)
     recv_sequence(mem_ref, 0, 0, tag=2)
     out["ref_blob"] = mem_ref.state_write(0)
+    deep = make_memory(cpu, spec, n_seq_max=2, n_ctx=64, n_rs_seq=ROLLBACK)
+    decode(deep, w, {0: [2, 2, 2]})  # the receiving sequence is another one, with a state of its own
+    recv_sequence(deep, 1, 0, tag=12)
+    out["rolled"] = _rollback_and_decode(deep, 1, w)
     out["logits"] = [decode(mem, w, s)[0] for s in DECODE]
     out["ref_logits"] = [decode(mem_ref, w, s)[0] for s in DECODE]
     out["other_untouched"] = mem.state_write(1) == other_before

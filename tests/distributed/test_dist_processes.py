@@ -106,6 +106,15 @@ def test_transfer_to_another_backend_carries_the_same_rows_and_positions(two_ran
         assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
 
 
+def test_a_transferred_sequence_rolls_back_like_the_sender(two_ranks):
+    """The snapshot planes still valid travel with the rows: every rollback depth the sender
+    accepts the receiver accepts, and decoding from there is bitwise the sender's."""
+    sent, got = two_ranks[0]["transfer"]["rolled"], two_ranks[1]["transfer"]["rolled"]
+    assert [ok for ok, _ in sent] == [ok for ok, _ in got] == [False] + [True] * workers.ROLLBACK
+    for (_, a), (_, b) in zip(sent[1:], got[1:], strict=True):
+        assert np.array_equal(a, b)
+
+
 @pytest.mark.parametrize(
     ("case", "code", "error", "words"),
     [
