@@ -52,6 +52,8 @@ import bisect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from statecache.errors import ArgumentError, StateError
 from statecache.kv_cache import (
     TAG_KV,
@@ -465,6 +467,11 @@ class HybridMemory(Memory):
 
     def seq_pos_max(self, seq: int) -> int:
         return min(self.attn.seq_pos_max(seq), self.recr.seq_pos_max(seq))
+
+    def seq_pos_max_all(self) -> np.ndarray:
+        """seq_pos_max of every sequence id as one array (batch validation)."""
+        held: np.ndarray = np.minimum(self.attn.seq_pos_max_all(), self.recr.seq_pos_max_all())
+        return held
 
     def memory_breakdown(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -134,6 +134,13 @@ class HybridIdxMemory(HybridMemory):
         strm = 0 if self.idx.unified else s  # s is a loop index in range: no check (once per sequence and apply)
         return strm, self.idx.cells[strm].seq_pos[s]
 
+    def _live_pairs(self) -> list[SeqCells]:
+        """The live pairs of every sequence, in its stream (what :meth:`_pairs_view` returns)."""
+        cells = self.idx.cells
+        if self.idx.unified:
+            return cells[0].seq_pos[: self.idx.n_seq_max]
+        return [cells[s].seq_pos[s] for s in range(self.idx.n_seq_max)]
+
     # -- plans ----------------------------------------------------------------------
     def _batch_context(
         self, ubs: Sequence[UBatch], plans: tuple[Any, Any], attn: MemoryContext, recr: MemoryContext
@@ -342,7 +349,7 @@ class HybridIdxContext(HybridContext):
         if not super().apply():
             return False
         mem = self.mem
-        forced = mem.layout.update(mem._pairs_view, mem.marks)
+        forced = mem.layout.update(mem._pairs_view, mem.marks, mem._live_pairs())
         tokens = self.tokens()
         first = self.stale_batch if self.i_cur == 0 else None
         ub = self.get_ubatch()

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,6 +29,11 @@ from statecache.kv_cells import SeqCells
 POS_CLEAN = 2**31 - 1
 #: Pool counts are padded to this multiple (graph shapes stay stable).
 POOL_PAD = 64
+
+
+#: an empty pool table (a layout's arrays before its first :meth:`SeqLayout.pool_table`)
+_NO_TABLE: np.ndarray = np.zeros((0, 0), dtype=np.int64)
+_NO_POS: np.ndarray = np.zeros(0, dtype=np.int64)
 
 
 def kpool_pad(n: int) -> int:
@@ -47,9 +54,59 @@ class SeqLayout:
     #: last made equal to them: while the stamp is unchanged, those pairs are still its first ones and
     #: only appends happened since, so :meth:`KPoolLayout.update` reads just the new pairs
     src_stamp: int | None = dataclasses.field(default=None, compare=False)
+    #: ``pools`` as arrays, filled up to ``_n_table`` pools (:meth:`pool_table`): pools and their
+    #: members are only appended between edits, so the arrays grow by the new pools alone, and the
+    #: graph inputs copy them with NumPy instead of a Python loop over every pool of the context
+    _members: np.ndarray = dataclasses.field(default_factory=lambda: _NO_TABLE, compare=False, repr=False)
+    _first_pos: np.ndarray = dataclasses.field(default_factory=lambda: _NO_POS, compare=False, repr=False)
+    _last_pos: np.ndarray = dataclasses.field(default_factory=lambda: _NO_POS, compare=False, repr=False)
+    _n_table: int = dataclasses.field(default=0, compare=False, repr=False)
 
     def copy(self) -> SeqLayout:
         return SeqLayout(self.strm, list(self.cells), self.pos_min, list(self.pools), self.j_next, self.src_stamp)
+
+    def truncate(self, n_cells: int, n_pools: int, j_next: int, stamp: int | None) -> None:
+        """Put back the lengths of an earlier :meth:`KPoolLayout.mark` (the table keeps only its
+        first ``n_pools`` rows: the pools appended later may come back different)."""
+        del self.cells[n_cells:]
+        del self.pools[n_pools:]
+        self.j_next, self.src_stamp = j_next, stamp
+        self._n_table = min(self._n_table, n_pools)
+
+    def pool_table(self, kpool: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per pool: its members' stream-local cells ``(n_pools, kpool)``, its first and last
+        position ``(n_pools,)`` (views, valid until the layout changes).  O(pools added since
+        the last call): each pool's row is converted once."""
+        n, done = len(self.pools), self._n_table
+        if self._members.shape[0] < n or self._members.shape[1] != kpool:  # grow (amortised O(1) a pool)
+            cap = max(n, 2 * self._members.shape[0], 16)
+            members = np.empty((cap, kpool), dtype=np.int64)
+            first, last = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64)
+            if done:
+                members[:done], first[:done] = self._members[:done], self._first_pos[:done]
+                last[:done] = self._last_pos[:done]
+            self._members, self._first_pos, self._last_pos = members, first, last
+        if done + 1 == n:  # the decode case: one new pool, no NumPy round trip
+            j = self.pools[done]
+            pairs = self.cells[j : j + kpool]
+            self._members[done] = [c for _, c in pairs]
+            self._first_pos[done], self._last_pos[done] = pairs[0][0], pairs[-1][0]
+            self._n_table = n
+        elif done < n:
+            starts = np.asarray(self.pools[done:n], dtype=np.int64)
+            lo = int(starts[0])
+            block = np.asarray(self.cells[lo : int(starts[-1]) + kpool], dtype=np.int64).reshape(-1, 2)
+            rows = (starts - lo)[:, None] + np.arange(kpool)
+            self._members[done:n] = block[rows, 1]
+            self._first_pos[done:n] = block[rows[:, 0], 0]
+            self._last_pos[done:n] = block[rows[:, -1], 0]
+            self._n_table = n
+        return self._members[:n], self._first_pos[:n], self._last_pos[:n]
+
+    def first_cell_at(self, pos: int) -> int:
+        """The lowest stream-local cell at ``pos``, or -1; O(log cells)."""
+        r = bisect.bisect_left(self.cells, (pos,))
+        return self.cells[r][1] if r < len(self.cells) and self.cells[r][0] == pos else -1
 
 
 def scan_pools(layout: SeqLayout, kpool: int, by_order: bool) -> None:
@@ -146,10 +203,10 @@ class KPoolInputs:
     new_pool_pos: np.ndarray | None = None  # int32 (4 * n_new_g,), section-major
 
 
-@dataclasses.dataclass(frozen=True)
-class Token:
+class Token(NamedTuple):
     """A ubatch token as the k-pool needs it: position, sequence ids (the
-    first is the primary one), its own stream-local cell."""
+    first is the primary one), its own stream-local cell.  A named tuple: one
+    is made per token and ubatch (256 a decode step at 256 sequences)."""
 
     pos: int
     seqs: tuple[int, ...]
@@ -178,16 +235,17 @@ class KPoolLayout:
     def g(self, s: int, cell: int) -> int:
         return self.seqs[s].strm * self.kv_size + cell
 
+    def pool_counts(self) -> list[int]:
+        """Pools per sequence."""
+        return [len(layout.pools) for layout in self.seqs]
+
     def pool_start(self) -> list[int]:
-        out, acc = [], 0
-        for layout in self.seqs:
-            out.append(acc)
-            acc += len(layout.pools)
-        return out
+        """Global index of each sequence's first pool (sequences in order)."""
+        return [0, *itertools.accumulate(self.pool_counts())][:-1]
 
     @property
     def n_pool_real(self) -> int:
-        return sum(len(layout.pools) for layout in self.seqs)
+        return sum(self.pool_counts())
 
     def members(self, s: int, k: int) -> list[tuple[int, int]]:
         layout = self.seqs[s]
@@ -195,9 +253,16 @@ class KPoolLayout:
         return layout.cells[j : j + self.kpool]
 
     def update(
-        self, pairs_of: Callable[[int], tuple[int, Sequence[tuple[int, int]] | SeqCells]], marks: StaleMarks
+        self,
+        pairs_of: Callable[[int], tuple[int, Sequence[tuple[int, int]] | SeqCells]],
+        marks: StaleMarks,
+        live: Sequence[SeqCells] | None = None,
     ) -> dict[int, int]:
         """Bring every layout up to date with the cells (append-only when clean).
+
+        ``live``, when given, are the live pairs of every sequence (what ``pairs_of`` returns,
+        in the stream the layout was built from): a clean sequence whose pairs still have the
+        stamp and length its layout was made from is unchanged, and is skipped without a call.
 
         Returns extra stale positions: a clean sequence whose cells changed
         other than by a suffix append (docs/memory-semantics.md#kpool-hazards H1, e.g. a token inserted
@@ -205,18 +270,39 @@ class KPoolLayout:
         that differs, where upstream would rebuild without re-pooling.
         """
         forced: dict[int, int] = {}
-        for s in range(self.n_seq_max):
+        todo: Sequence[int] = range(self.n_seq_max)
+        clean_all = (marks.marks == POS_CLEAN).tolist()
+        if live is not None:  # skip, without a call, every sequence whose pairs did not change
+            todo = [
+                s
+                for s, (sp, x, clean) in enumerate(zip(live, self.seqs, clean_all))
+                if not (clean and sp.stamp == x.src_stamp and len(sp) == len(x.cells) and x.cells)
+            ]
+        kp = self.kpool
+        for s in todo:
             strm, sp = pairs_of(s)
             layout = self.seqs[s]
             old = layout.cells
-            clean = marks.is_clean(s)
+            clean = clean_all[s]
             stamp = sp.stamp if isinstance(sp, SeqCells) else None
-            if clean and old and isinstance(sp, SeqCells) and stamp == layout.src_stamp and strm == layout.strm:
+            n_old, n_now = len(old), len(sp)
+            if (
+                clean
+                and n_old
+                and stamp is not None
+                and stamp == layout.src_stamp
+                and strm == layout.strm
+                and n_now >= n_old  # fewer pairs under the stamp: appends it saw were rolled back
+            ):
                 # the pairs it was built from are still the first ones: read only the appended
                 # ones (O(new pairs), where comparing the whole list cost the context)
-                if len(sp) > len(old):
-                    old.extend(sp.pairs_from(len(old)))
-                    scan_pools(layout, self.kpool, self.by_order)
+                if n_now > n_old:
+                    if n_now == n_old + 1:  # a decode token
+                        old.append(sp[n_old])
+                    else:
+                        old.extend(sp.pairs_from(n_old))  # type: ignore[union-attr]  # a stamp: SeqCells
+                    if layout.j_next + kp <= n_now:  # a pool may be complete
+                        scan_pools(layout, kp, self.by_order)
                 continue
             if clean and old and sp and layout.pos_min == sp[0][0] and strm == layout.strm:
                 cut = bisect.bisect_right(sp, old[-1])
@@ -242,9 +328,7 @@ class KPoolLayout:
     def restore(self, mark: list[tuple[SeqLayout, int, int, int, int | None]]) -> None:
         """Put every layout back as it was at :meth:`mark` (undo)."""
         for x, n_cells, n_pools, j_next, stamp in mark:
-            del x.cells[n_cells:]
-            del x.pools[n_pools:]
-            x.j_next, x.src_stamp = j_next, stamp
+            x.truncate(n_cells, n_pools, j_next, stamp)
         self.seqs = [m[0] for m in mark]
 
     # -- per-ubatch state (docs/memory-semantics.md#kpool-new) -----------------
@@ -280,8 +364,9 @@ class KPoolLayout:
         """Which pools are new this ubatch.  ``stale_batch`` is the copy of the
         marks taken when the batch was planned, given only for its first ubatch;
         ``forced`` are the extra marks returned by :meth:`update`."""
-        starts = self.pool_start()
-        n_real = self.n_pool_real
+        counts = self.pool_counts()
+        starts = [0, *itertools.accumulate(counts)]
+        n_real = starts.pop()
         if reserve:
             n_real_r = max(n_real, self.n_pool_max)
             return KPoolState(n_real_r, kpool_pad(n_real_r), np.ones(n_real, dtype=bool), n_real_r, max(n_real_r, 1))
@@ -298,12 +383,10 @@ class KPoolLayout:
         stale = np.full(self.n_seq_max, POS_CLEAN, dtype=np.int64) if stale_batch is None else stale_batch.copy()
         for s, p in (forced or {}).items():
             stale[s] = min(int(stale[s]), p)
-        for s, f in enumerate(stale.tolist()):
-            if f == POS_CLEAN:
-                continue
-            for k in range(len(self.seqs[s].pools)):
-                if self.members(s, k)[-1][0] >= f:
-                    mark(s, k)
+        for s in np.flatnonzero(stale != POS_CLEAN).tolist():
+            last_pos = self.seqs[s].pool_table(self.kpool)[2]
+            for k in np.flatnonzero(last_pos >= stale[s]).tolist():  # the pools from the mark on
+                mark(s, k)
         for tok in tokens:
             for s in tok.seqs:
                 if self.by_order:
@@ -337,43 +420,48 @@ class KPoolLayout:
         kp = self.kpool
         S = int(n_kv)
         n_pool = state.n_kpool
-        starts = self.pool_start()
         seqs_in_ub = {s for tok in tokens for s in tok.seqs}
         first = tokens[0]
         s0 = first.seqs[0]
-        dummy = next((self.g(s0, c) for p, c in self.seqs[s0].cells if p == first.pos), None)
-        if dummy is None:
+        dummy_cell = self.seqs[s0].first_cell_at(first.pos)
+        if dummy_cell < 0:
             raise AssertionError(f"no cell of seq {s0} at pos {first.pos} for the padded pools")
 
-        pool_cells = np.full(n_pool, dummy, dtype=np.int32)
+        # Every pool of every sequence, in global order (sequence, then pool): the per-sequence
+        # tables grow by the pools added since the last step, and are joined with NumPy copies
+        # (no Python work per pool of the context).
+        tables = [layout.pool_table(kp) for layout in self.seqs]
+        counts = np.fromiter((len(layout.pools) for layout in self.seqs), dtype=np.int64, count=len(self.seqs))
+        starts = np.zeros(len(self.seqs), dtype=np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        n_real = int(counts.sum())
+        assert state.is_new.shape == (n_real,), "the k-pool state was built for another layout"
+        assert n_real < n_pool, "the last padded pool must never be real"
+        local = np.concatenate([t[0] for t in tables]) if n_real else np.zeros((0, kp), dtype=np.int64)
+        strms = np.fromiter((layout.strm for layout in self.seqs), dtype=np.int64, count=len(self.seqs))
+        offset = np.repeat(strms * self.kv_size, counts)  # stream-local cell -> global row
+        reps = local[:, -1] + offset
+
+        pool_cells = np.full(n_pool, self.g(s0, dummy_cell), dtype=np.int32)
+        pool_cells[:n_real] = reps
         pool_idxs = np.full((n_pool, kp), S, dtype=np.int32)
-        reps: list[int] = []
-        new_rows: list[list[int]] = []
-        new_reps: list[int] = []
-        new_first: list[tuple[int, int, int]] = []  # (pos, stream, cell) of each new entry's first member
-        for s, layout in enumerate(self.seqs):
-            inert = self.n_stream > 1 and s not in seqs_in_ub
-            for k in range(len(layout.pools)):
-                ip = starts[s] + k
-                assert ip + 1 < n_pool, "the last padded pool must never be real"
-                mem = self.members(s, k)
-                rep = self.g(s, mem[-1][1])
-                pool_cells[ip] = rep
-                reps.append(rep)
-                if not inert:
-                    pool_idxs[ip] = [c for _, c in mem]
-                if state.is_new[ip]:
-                    new_rows.append([self.g(s, c) for _, c in mem])
-                    new_reps.append(rep)
-                    new_first.append((mem[0][0], layout.strm, mem[0][1]))
-        assert len(new_rows) == state.n_new
+        if self.n_stream > 1:  # another stream's pools are inert: only the ubatch's sequences are indexed
+            active = np.zeros(len(self.seqs), dtype=bool)
+            active[sorted(seqs_in_ub)] = True
+            rows = np.repeat(active, counts)
+            pool_idxs[:n_real][rows] = local[rows]
+        else:
+            pool_idxs[:n_real] = local
+        new = np.flatnonzero(state.is_new)
+        assert new.size == state.n_new
+        new_rows = local[new] + offset[new, None]
+        new_reps = reps[new]
 
         n_tok = len(tokens)
         pool_mask = np.full((n_tok, n_pool), -np.inf, dtype=np.float32)
         tail_idxs = np.full((n_tok, kp - 1), S, dtype=np.int32)
         nvs = np.zeros(n_tok, dtype=np.int64)
-        n_tails = np.zeros(n_tok, dtype=np.int64)
-        for i, tok in enumerate(tokens):
+        for i, tok in enumerate(tokens):  # O(log cells) per token
             s = tok.seqs[0]
             layout = self.seqs[s]
             if self.by_order:
@@ -383,30 +471,29 @@ class KPoolLayout:
                 for k in range(min(n_tail, kp - 1)):
                     tail_idxs[i, k] = layout.cells[r - k][1]
             else:
-                nv = sum(1 for k in range(len(layout.pools)) if self.members(s, k)[-1][0] <= tok.pos)
+                last_pos = tables[s][2]
+                if last_pos.size and last_pos[-1] <= tok.pos:  # a decode token: every pool is visible
+                    nv = int(last_pos.size)
+                else:
+                    nv = int(np.searchsorted(last_pos, tok.pos, side="right"))  # pools ending at or before pos
                 n_tail = (tok.pos - layout.pos_min + 1) % kp
-                first_at: dict[int, int] = {}
-                for p, c in layout.cells:
-                    first_at.setdefault(p, c)
                 for k in range(min(n_tail, kp - 1)):
-                    tail_idxs[i, k] = first_at.get(tok.pos - k, S)
-            pool_mask[i, starts[s] : starts[s] + nv] = 0.0
+                    c = layout.first_cell_at(tok.pos - k)
+                    if c >= 0:
+                        tail_idxs[i, k] = c
+            st = int(starts[s])
+            pool_mask[i, st : st + nv] = 0.0
             nvs[i] = nv
-            n_tails[i] = n_tail
 
-        # Pad scatter rows: distinct rows that are never a current rep.
-        real_reps = set(reps)
+        # Pad scatter rows: distinct rows that are never a current rep (the lowest such rows:
+        # among the first n_pad + n_real rows at least n_pad are free of reps).
         n_pad_new = state.n_new_g - state.n_new
-        pads: list[int] = []
-        counter = 0
-        for _ in range(n_pad_new):
-            while counter in real_reps:
-                counter += 1
-            pads.append(counter)
-            counter += 1
-        assert all(pc < self.kv_size * self.n_stream for pc in pads)
-        new_pool_idxs = np.array(new_rows + [[pc] * kp for pc in pads], dtype=np.int32).reshape(state.n_new_g, kp)
-        new_pool_rep = np.array(new_reps + pads, dtype=np.int64)
+        taken = np.zeros(n_pad_new + n_real, dtype=bool)
+        taken[reps[reps < taken.size]] = True
+        pads = np.flatnonzero(~taken)[:n_pad_new]
+        assert (pads < self.kv_size * self.n_stream).all()
+        new_pool_idxs = np.concatenate([new_rows, np.repeat(pads[:, None], kp, axis=1)]).astype(np.int32)
+        new_pool_rep = np.concatenate([new_reps, pads]).astype(np.int64)
 
         sel_mask = None
         if n_sel is not None:
@@ -423,7 +510,9 @@ class KPoolLayout:
         if with_pos:
             ng = state.n_new_g
             new_pool_pos = np.zeros(4 * ng, dtype=np.int32)
-            for e, (p, strm, c) in enumerate(new_first):
+            new_first_pos = np.concatenate([t[1] for t in tables])[new] if n_real else new
+            new_strm = np.repeat(strms, counts)[new]
+            for e, (p, strm, c) in enumerate(zip(new_first_pos.tolist(), new_strm.tolist(), local[new, 0].tolist())):
                 x, y = ext_of(strm, c) if ext_of is not None else (0, 0)
                 new_pool_pos[e] = p
                 new_pool_pos[ng + e] = y

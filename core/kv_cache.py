@@ -600,6 +600,15 @@ class KVCache(Memory):
     def seq_pos_max(self, seq: int) -> int:
         return self.cells[self.stream_of(seq)].seq_pos_max(seq)
 
+    def seq_pos_max_all(self) -> np.ndarray:
+        """seq_pos_max of every sequence id in [0, n_seq_max) as one array (batch validation reads it
+        once per batch instead of one checked call per sequence)."""
+        n = self.n_seq_max
+        cells = self.cells
+        if self.unified:
+            return np.fromiter((sp.last_pos() for sp in cells[0].seq_pos[:n]), dtype=np.int64, count=n)
+        return np.fromiter((cells[s].seq_pos[s].last_pos() for s in range(n)), dtype=np.int64, count=n)
+
     def memory_breakdown(self) -> dict[str, int]:
         return {self.device.id: sum(b.nbytes for b in self.buffers())}
 
@@ -1394,6 +1403,9 @@ class KVCacheISWA(Memory):
 
     def seq_pos_max(self, seq: int) -> int:
         return self.swa.seq_pos_max(seq)
+
+    def seq_pos_max_all(self) -> np.ndarray:
+        return self.swa.seq_pos_max_all()
 
     def memory_breakdown(self) -> dict[str, int]:
         out: dict[str, int] = {}

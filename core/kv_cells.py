@@ -128,7 +128,11 @@ class SeqCells(Sequence[tuple[int, int]]):
         if isinstance(i, slice):
             keys = self.keys[i]
             return list(zip((keys >> _CELL_BITS).tolist(), (keys & _CELL_MASK).tolist(), strict=True))
-        k = int(self.keys[i])
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"pair {i} out of range ({self._n} pairs)")
+        k = int(self._keys[i])  # no view of the keys: one read (the k-pool layout's decode append)
         return (k >> _CELL_BITS, k & _CELL_MASK)
 
     def __eq__(self, other: object) -> bool:
@@ -240,7 +244,7 @@ class CellJournal:
     (:meth:`KVCells.attach`), and the book's counters: :meth:`KVCells.rollback`
     puts the stream back exactly as it was at attach time."""
 
-    __slots__ = ("empty_before", "has_shift", "removals", "saved", "used")
+    __slots__ = ("empty_before", "has_shift", "removals", "saved", "stamps", "used")
 
     def __init__(self, cells: KVCells) -> None:
         #: cell -> (pos, ext x, ext y, shift, sequences) of a cell that held a position at its first touch
@@ -250,6 +254,9 @@ class CellJournal:
         self.used = cells.used
         self.has_shift = cells.has_shift
         self.removals = cells.removals
+        #: each sequence's (stamp, pair count) at attach: given back by a rollback that finds the
+        #: same pairs (O(sequences), so a reader of the pairs need not read them again)
+        self.stamps = [(sc.stamp, len(sc)) for sc in cells.seq_pos]
 
     def touch(self, cells: KVCells, i: int) -> None:
         if i in self.saved or i in self.empty_before:
@@ -528,6 +535,13 @@ class KVCells:
                 self.seq_add(i, s)
         self.has_shift = journal.has_shift
         self.removals = journal.removals
+        if not journal.saved:
+            # Only cells empty at attach were touched (trial placements), and they are empty
+            # again: every sequence holds exactly its pairs of then, so it gets its stamp of then
+            # back (the k-pool layout then reads no pair again at the next apply).
+            for sc, (stamp, n) in zip(self.seq_pos, journal.stamps, strict=True):
+                if len(sc) == n:
+                    sc.stamp = stamp
         if self.used != journal.used:
             raise InvariantError("kv-journal", f"rollback left {self.used} cells used, expected {journal.used}")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from statecache.batch import Batch, BatchAllocator, UBatch
 from statecache.errors import BatchError
@@ -124,6 +126,39 @@ def test_split_equal_shapes(n_ubatch: int, sequential: bool) -> None:
     # output order recoverable: out_ids is the batch index of each output in emission order
     assert sorted(b.out_ids) == list(range(23))
     assert b.out_ids == np.concatenate([u.token_idx[u.output] for u in ubs]).tolist()
+
+
+@given(
+    seqs=st.lists(st.integers(0, 6), min_size=1, max_size=40),
+    n_ubatch=st.integers(1, 12),
+    n_keep_tail=st.integers(0, 3),
+)
+def test_split_equal_picks_sets_by_first_unused_token(seqs: list[int], n_ubatch: int, n_keep_tail: int) -> None:
+    """Non-sequential equal split of a batch without coupled tokens: each ubatch takes the
+    first n_ubatch sequences in order of their first unused token, and from each the same
+    number of its earliest unused tokens (the rule the per-token loop applied; with a kept
+    tail, some of those sequences may wait for a later ubatch)."""
+    b = BatchAllocator(7)
+    b.init(Batch(tokens=list(range(len(seqs))), seq_ids=seqs), None, output_all=True)
+    n_ubatch = max(n_ubatch, n_keep_tail + 1)
+    used = [False] * len(seqs)
+    for u in drain(b, lambda: b.split_equal(n_ubatch, False, n_keep_tail)):
+        order: list[int] = []
+        for i, s in enumerate(seqs):
+            if not used[i] and s not in order:
+                order.append(s)
+        got = [ids[0] for ids in u.set_seq_ids]
+        if n_keep_tail:  # the keep-tail rule may leave some of them out of this ubatch
+            assert got == [s for s in order[:n_ubatch] if s in got] and got
+        else:
+            assert got == order[:n_ubatch]
+        want = got
+        for k, s in enumerate(want):
+            mine = u.token_idx[k * u.n_seq_tokens : (k + 1) * u.n_seq_tokens].tolist()
+            assert mine == [i for i, q in enumerate(seqs) if q == s and not used[i]][: u.n_seq_tokens]
+        for i in u.token_idx.tolist():
+            used[i] = True
+    assert all(used)
 
 
 def test_split_equal_caps_sets_at_n_ubatch() -> None:

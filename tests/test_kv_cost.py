@@ -6,13 +6,15 @@ the cells each token attends equals the reference mask over the whole book."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from statecache.errors import InvariantError
-from statecache.kpool import KPoolLayout, StaleMarks, rebuild
+from statecache.kpool import KPoolLayout, KPoolState, StaleMarks, Token, rebuild
 from statecache.kv_cells import BLOCK, EMPTY, KVCells
 from statecache.kv_mask import SWAType, build_mask, build_mask_seqs
 
@@ -85,6 +87,35 @@ def test_journal_rollback_is_exact_and_counts_stay_in_step(seed: int, n_ops: int
     assert c._journal is None
 
 
+@given(seed=st.integers(0, 2**32 - 1), n_ops=st.integers(1, 12), fill=st.floats(0.0, 0.9), only_place=st.booleans())
+def test_rollback_gives_back_a_stamp_only_with_the_same_pairs(
+    seed: int, n_ops: int, fill: float, only_place: bool
+) -> None:
+    """The stamp contract across a rollback: a sequence that has its stamp of before the
+    attach holds exactly its pairs of then; after trial placements alone, every sequence
+    gets its stamp back (a reader of the pairs, the k-pool layout, then reads none again)."""
+    rng = np.random.default_rng(seed)
+    c = random_book(rng, int(rng.integers(1, 4 * BLOCK)), fill)
+    before = [(sc.stamp, list(sc)) for sc in c.seq_pos]
+    journal = c.attach()
+    for _ in range(n_ops):
+        if only_place:
+            free = np.flatnonzero(c.pos == EMPTY)
+            if free.size:
+                i = int(rng.choice(free))
+                c.pos_set(i, int(rng.integers(0, 3 * BLOCK)))
+                c.seq_add(i, int(rng.integers(0, N_SEQ)))
+        else:
+            mutate(c, rng)
+    c.rollback(journal)
+    for sc, (stamp, pairs) in zip(c.seq_pos, before, strict=True):
+        assert list(sc) == pairs
+        if sc.stamp == stamp:
+            assert len(sc) == len(pairs)
+        elif only_place:
+            raise AssertionError("trial placements alone rolled back, yet a stamp changed")
+
+
 @given(seed=st.integers(0, 2**32 - 1), fill=st.floats(0.0, 1.0))
 def test_free_from_is_the_cyclic_scan(seed: int, fill: float) -> None:
     rng = np.random.default_rng(seed)
@@ -141,6 +172,28 @@ def test_mask_from_attended_cells_equals_the_whole_book_mask(
         np.testing.assert_array_equal(got[i : i + 1], ref)
 
 
+def edit_pairs(
+    c: KVCells, s: int, op: int, rng: np.random.Generator, marks: StaleMarks, n_max: int, mark_max: int
+) -> np.ndarray:
+    """One edit of sequence ``s`` for the k-pool layout tests: ops 0-2 append up to ``n_max``
+    pairs (the decode case), 3 inserts them below the end, 4 removes a tail, 5 sets a stale
+    mark; other ops do nothing here.  Returns the cells placed."""
+    free = c.free_from(0, c.size)
+    if op <= 3 and free:
+        n = int(rng.integers(1, min(n_max, len(free)) + 1))
+        top = c.seq_pos_max(s) + 1
+        base = top if op <= 2 or top == 0 else int(rng.integers(0, top))
+        placed = rng.choice(free, size=n, replace=False).astype(np.int64)
+        c.place_seqs(placed, np.arange(base, base + n, dtype=np.int64), np.zeros((n, 2), np.int64), np.full(n, s))
+        return placed
+    if op == 4 and c.seq_pos[s]:
+        held = c.seq_pos[s].cells()
+        c.seq_rm_many(held[-int(rng.integers(1, held.size + 1)) :], s)
+    elif op == 5:
+        marks.set(s, int(rng.integers(0, mark_max)))
+    return np.zeros(0, dtype=np.int64)
+
+
 @given(seed=st.integers(0, 2**32 - 1), by_order=st.booleans(), n_steps=st.integers(1, 25))
 def test_kpool_layout_from_live_cells_matches_the_copied_pairs(seed: int, by_order: bool, n_steps: int) -> None:
     """The k-pool layout fed the live pairs (read from their end while only appends
@@ -153,20 +206,24 @@ def test_kpool_layout_from_live_cells_matches_the_copied_pairs(seed: int, by_ord
     marks = StaleMarks(2)
     for _ in range(n_steps):
         s = int(rng.integers(0, 2))
-        op = int(rng.integers(0, 6))
+        op = int(rng.integers(0, 7))
         free = c.free_from(0, size)
-        if op <= 3 and free:  # appends (the decode case), or an insert below the end
-            n = int(rng.integers(1, min(5, len(free)) + 1))
+        edit_pairs(c, s, op, rng, marks, n_max=5, mark_max=8)
+        if op == 6 and free:  # a trial: appends the layout reads, then taken back (the stamp comes back)
+            journal = c.attach()
             top = c.seq_pos_max(s) + 1
-            base = top if op <= 2 or top == 0 else int(rng.integers(0, top))
-            cells = rng.choice(free, size=n, replace=False).astype(np.int64)
-            c.place_seqs(cells, np.arange(base, base + n, dtype=np.int64), np.zeros((n, 2), np.int64), np.full(n, s))
-        elif op == 4 and c.seq_pos[s]:
-            held = c.seq_pos[s].cells()
-            c.seq_rm_many(held[-int(rng.integers(1, held.size + 1)) :], s)
-        elif op == 5:
-            marks.set(s, int(rng.integers(0, 8)))
-        forced_live = live.update(lambda q: (0, c.seq_pos[q]), marks)
+            cells = np.asarray(free[:2], dtype=np.int64)
+            c.place_seqs(
+                cells,
+                np.arange(top, top + cells.size, dtype=np.int64),
+                np.zeros((cells.size, 2), np.int64),
+                np.full(cells.size, s),
+            )
+            assert live.update(lambda q: (0, c.seq_pos[q]), marks) == copied.update(
+                lambda q: (0, c.seq_cells(q)), marks
+            )
+            c.rollback(journal)
+        forced_live = live.update(lambda q: (0, c.seq_pos[q]), marks, c.seq_pos if rng.random() < 0.5 else None)
         forced_copied = copied.update(lambda q: (0, c.seq_cells(q)), marks)
         assert forced_live == forced_copied
         for q in range(2):
@@ -185,3 +242,196 @@ def test_oldest_alone_is_the_naive_pick(seed: int, fill: float, need: int) -> No
     p_end = int(rng.integers(-2, 3 * BLOCK + 2))
     naive = [cell for p, cell in c.seq_cells(s) if p < p_end and c.seq_count(cell) == 1][:need]
     assert c.oldest_alone(s, p_end, need) == naive
+
+
+def reference_kpool_inputs(lay: KPoolLayout, state: KPoolState, tokens: list[Token], n_kv: int, **kw: Any) -> Any:
+    """The k-pool graph inputs by plain loops over every pool and cell of the layout
+    (docs/memory-semantics.md#kpool-inputs), the oracle of the incremental build."""
+    kp, S, n_pool = lay.kpool, n_kv, state.n_kpool
+    starts = lay.pool_start()
+    in_ub = {s for t in tokens for s in t.seqs}
+    dummy = next(lay.g(tokens[0].seqs[0], c) for p, c in lay.seqs[tokens[0].seqs[0]].cells if p == tokens[0].pos)
+    pool_cells = np.full(n_pool, dummy, dtype=np.int32)
+    pool_idxs = np.full((n_pool, kp), S, dtype=np.int32)
+    reps, new_rows, new_first = [], [], []
+    for s, layout in enumerate(lay.seqs):
+        for k in range(len(layout.pools)):
+            ip, mem = starts[s] + k, lay.members(s, k)
+            pool_cells[ip] = lay.g(s, mem[-1][1])
+            reps.append(lay.g(s, mem[-1][1]))
+            if lay.n_stream == 1 or s in in_ub:
+                pool_idxs[ip] = [c for _, c in mem]
+            if state.is_new[ip]:
+                new_rows.append([lay.g(s, c) for _, c in mem])
+                new_first.append((mem[0][0], layout.strm, mem[0][1]))
+    pool_mask = np.full((len(tokens), n_pool), -np.inf, dtype=np.float32)
+    tail_idxs = np.full((len(tokens), kp - 1), S, dtype=np.int32)
+    nvs = []
+    for i, tok in enumerate(tokens):
+        s = tok.seqs[0]
+        layout = lay.seqs[s]
+        if lay.by_order:
+            r = layout.cells.index((tok.pos, tok.cell))
+            nv, n_tail = min(len(layout.pools), (r + 1) // kp), (r + 1) % kp
+            tails = [layout.cells[r - k][1] for k in range(min(n_tail, kp - 1))]
+        else:
+            nv = sum(1 for k in range(len(layout.pools)) if lay.members(s, k)[-1][0] <= tok.pos)
+            n_tail = (tok.pos - layout.pos_min + 1) % kp
+            first_at: dict[int, int] = {}
+            for p, c in layout.cells:
+                first_at.setdefault(p, c)
+            tails = [first_at.get(tok.pos - k, S) for k in range(min(n_tail, kp - 1))]
+        tail_idxs[i, : len(tails)] = tails
+        pool_mask[i, starts[s] : starts[s] + nv] = 0.0
+        nvs.append(nv)
+    pads, counter = [], 0
+    for _ in range(state.n_new_g - state.n_new):
+        while counter in set(reps):
+            counter += 1
+        pads.append(counter)
+        counter += 1
+    sel_mask = None
+    if kw.get("n_sel") is not None:
+        n_sel = kw["n_sel"]
+        sel_mask = np.full((len(tokens), n_sel), -np.inf, dtype=np.float32)
+        for i in range(len(tokens)):
+            sel_mask[i, : kp * min(nvs[i], n_sel // kp)] = 0.0
+            if n_sel % kp == kp - 1:
+                sel_mask[i, kp * (n_sel // kp) :] = np.where(tail_idxs[i] != S, 0.0, -np.inf)
+    ng = state.n_new_g
+    new_pool_pos = np.zeros(4 * ng, dtype=np.int32)
+    for e, (p, strm, c) in enumerate(new_first):
+        x, y = kw["ext_of"](strm, c)
+        new_pool_pos[[e, ng + e, 2 * ng + e, 3 * ng + e]] = [p, y, x, p]
+    return {
+        "pool_cells": pool_cells,
+        "pool_idxs": pool_idxs,
+        "pool_mask": pool_mask,
+        "tail_idxs": tail_idxs,
+        "new_pool_idxs": np.array(new_rows + [[pc] * kp for pc in pads], dtype=np.int32).reshape(ng, kp),
+        "new_pool_rep": np.array([r[-1] for r in new_rows] + pads, dtype=np.int64),
+        "sel_mask": sel_mask,
+        "new_pool_pos": new_pool_pos,
+    }
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    by_order=st.booleans(),
+    split=st.booleans(),
+    n_steps=st.integers(1, 30),
+    n_sel_tail=st.booleans(),
+)
+def test_kpool_inputs_from_the_pool_tables_equal_a_from_scratch_build(
+    seed: int, by_order: bool, split: bool, n_steps: int, n_sel_tail: bool
+) -> None:
+    """The k-pool graph inputs (and the new-pool state) built from per-sequence pool tables
+    that grow by the new pools only, across appends, inserts below cached pairs, removals,
+    shared cells, stale marks and undo (a restored layout mark, then different appends),
+    equal the inputs built by plain loops over a layout rebuilt from scratch."""
+    rng = np.random.default_rng(seed)
+    size, n_seq, kp = 64, 3, 4
+    n_stream = n_seq if split else 1
+    books = [KVCells(size, n_seq) for _ in range(n_stream)]
+    book = (lambda s: books[s]) if split else (lambda s: books[0])
+    strm_of = (lambda s: s) if split else (lambda s: 0)
+    lay = KPoolLayout(kp, by_order, n_seq, size, n_stream)
+    marks = StaleMarks(n_seq)
+    n_sel = kp * 3 + (kp - 1 if n_sel_tail else 0)
+
+    def ext_of(strm: int, c: int) -> tuple[int, int]:
+        return strm * 1000 + c, 3 * c + 1
+
+    def live_pairs(q: int) -> tuple[int, Any]:
+        return strm_of(q), book(q).seq_pos[q]
+
+    def copied_pairs(q: int) -> tuple[int, Any]:
+        return strm_of(q), book(q).seq_cells(q)
+
+    for _ in range(n_steps):
+        s = int(rng.integers(0, n_seq))
+        c = book(s)
+        op = int(rng.integers(0, 7))
+        placed = edit_pairs(c, s, op, rng, marks, n_max=6, mark_max=12)
+        if op == 6 and not split:  # another sequence's cell becomes shared (pools may share rep rows)
+            other = int(rng.integers(0, n_seq))
+            if other != s and c.seq_pos[other]:
+                c.seq_add(int(rng.choice(c.seq_pos[other].cells())), s)
+        before = lay.mark()
+        live = rng.random() < 0.5
+        live_list = [book(q).seq_pos[q] for q in range(n_seq)] if live and rng.random() < 0.7 else None
+        forced = lay.update(live_pairs if live else copied_pairs, marks, live_list)
+        ref = KPoolLayout(kp, by_order, n_seq, size, n_stream)
+        ref.seqs = [rebuild(book(q).seq_cells(q), strm_of(q), kp, by_order) for q in range(n_seq)]
+        holders = [(q, p, cell) for q in range(n_seq) for p, cell in book(q).seq_cells(q)]
+        if holders:
+            picks = rng.choice(len(holders), size=int(rng.integers(1, min(5, len(holders)) + 1)), replace=False)
+            tokens = [Token(holders[i][1], (holders[i][0],), holders[i][2]) for i in picks.tolist()]
+            stale = marks.copy() if rng.random() < 0.5 else None
+            got_state = lay.build_state(tokens, stale, len({t.seqs[0] for t in tokens}), forced=forced)
+            ref_state = ref.build_state(tokens, stale, len({t.seqs[0] for t in tokens}), forced=forced)
+            assert (got_state.n_pool_real, got_state.n_new, got_state.n_new_g, got_state.n_kpool) == (
+                ref_state.n_pool_real,
+                ref_state.n_new,
+                ref_state.n_new_g,
+                ref_state.n_kpool,
+            )
+            np.testing.assert_array_equal(got_state.is_new, ref_state.is_new)
+            got = lay.build_inputs(got_state, tokens, size, n_sel=n_sel, with_pos=True, ext_of=ext_of)
+            want = reference_kpool_inputs(ref, ref_state, tokens, size, n_sel=n_sel, ext_of=ext_of)
+            for name, arr in want.items():
+                np.testing.assert_array_equal(getattr(got, name), arr, err_msg=name)
+                assert getattr(got, name).dtype == arr.dtype, name
+        if placed.size and rng.random() < 0.4:  # undo: the layout mark back, the placed cells gone
+            lay.restore(before)
+            c.seq_rm_many(placed, s)
+        elif rng.random() < 0.5:
+            marks.clear()
+
+
+@pytest.mark.parametrize("kind", ["kv", "hybrid", "hybrid-iswa", "hybrid-idx"])
+@pytest.mark.parametrize("unified", [True, False])
+def test_seq_pos_max_all_is_seq_pos_max_of_every_sequence(kind: str, unified: bool) -> None:
+    """Batch validation reads every sequence's last position in one call: it equals the
+    per-sequence query after prefills of different lengths, removals and a clear."""
+    import statecache
+    from statecache.batch import Batch, BatchAllocator
+    from statecache.factory import make_model_memory
+    from statecache.spec import AttentionLayerSpec, IndexerSpec, ModelSpec, RecurrentLayerSpec
+
+    gdn = RecurrentLayerSpec.gdn(n_head=1, head_dim=4, d_conv=2)
+    att = AttentionLayerSpec(n_head_kv=1, head_dim_k=4)
+    specs = {
+        "kv": ModelSpec.build(1, attention={0: att}, kv_dtype="f32"),
+        "hybrid": ModelSpec.build(2, recurrent={0: gdn}, attention={1: att}, kv_dtype="f32"),
+        "hybrid-iswa": ModelSpec.build(
+            3,
+            recurrent={0: gdn},
+            attention={1: att, 2: AttentionLayerSpec(n_head_kv=1, head_dim_k=4, swa=True)},
+            kv_dtype="f32",
+            n_swa=4,
+        ),
+        "hybrid-idx": ModelSpec.build(
+            2, recurrent={0: gdn}, attention={1: att}, kv_dtype="f32", indexer=IndexerSpec(layers=(1,), head_size=4)
+        ),
+    }
+    n_seq = 4
+    mem = make_model_memory(specs[kind], statecache.get_device("reference"), n_seq, n_ctx=64, unified=unified)
+    balloc = BatchAllocator(n_seq)
+
+    def check() -> None:
+        assert mem.seq_pos_max_all().tolist() == [mem.seq_pos_max(s) for s in range(n_seq)]
+
+    check()
+    ids = np.repeat(np.arange(3, dtype=np.int32), [5, 2, 9])  # sequence 3 stays empty
+    balloc.init(Batch(tokens=np.ones(ids.size, dtype=np.int32), seq_ids=ids), mem)
+    ctx = mem.init_batch(balloc, 16)
+    while ctx.apply() and ctx.next():
+        pass
+    check()
+    assert mem.seq_rm(2, 7, -1) == (kind == "kv")  # a hybrid refuses a partial removal (no rollback planes)
+    check()
+    assert mem.seq_rm(0, -1, -1)
+    check()
+    mem.clear()
+    check()
