@@ -53,6 +53,7 @@ import numpy as np
 from statecache import primitives as P
 from statecache.backend import Buffer, Device
 from statecache.errors import ArgumentError, CapabilityError
+from statecache.slot_rows import SlotRows
 
 if TYPE_CHECKING:
     from statecache.recurrent import RecurrentInputs, RecurrentMemory
@@ -524,6 +525,53 @@ class RecurrentStep:
             return None
 
         self._run(layer, tensor, launch)
+
+    def slot_rows(self, layer: int, tensor: str) -> SlotRows:
+        """Hand state tensor ``tensor`` of ``layer`` to an outside kernel for this ubatch.
+
+        Does every row copy the step would do around a primitive (zero the row
+        new sequences start from, move the rows a cell reorder moved, and,
+        when some read row is also written, copy the reads aside into
+        ``source``), records the pool for undo, marks it stepped, and returns
+        the rows the kernel must read and write (the rule:
+        :mod:`statecache.slot_rows`).  The kernel then writes before anything
+        else touches the pool.  A second call for the same pool raises
+        :class:`ArgumentError` (it would redo the copies)."""
+        self._not_done(layer, tensor)
+        dev, inp, mem = self.device, self.inputs, self.memory
+        pool = self._pool(layer, tensor)
+        self._before_write(layer, tensor, pool)
+        self.done.add((layer, tensor))
+        table = inp.dst_table
+        write = np.ascontiguousarray(table[:, 0])
+        snaps = np.ascontiguousarray(table[:, 1:])
+        write_buf = self._dst if table.shape[1] == 1 else mem._index_buffer(write)
+        snaps_buf = mem._index_buffer(snaps) if snaps.shape[1] else None
+        if not inp.staged:
+            # no extra row is read or written by the kernel here, so copying first is the same as after
+            if self._zero is not None and self._needs_zero:
+                dev.zero_rows(pool, self._zero)
+            if self._ex_src is not None and self._ex_dst is not None:
+                dev.copy_rows(pool, self._ex_src, pool, self._ex_dst)
+            source, read, read_buf = pool, inp.start_rows, self._start
+        else:
+            # every read first (the states, the moved rows), then the moved rows' writes;
+            # the kernel's writes come last, as the staged primitive's copy-back does
+            source = dev.alloc((inp.n_seqs, pool.shape[1]), pool.dtype)
+            dev.copy_rows(pool, self._read_rows, source, self._local)
+            if self._fresh_local_idx is not None:
+                dev.zero_rows(source, self._fresh_local_idx)
+            if self._ex_src is not None and self._ex_dst is not None:
+                moved = dev.alloc((self._ex_src.shape[0], pool.shape[1]), pool.dtype)
+                dev.get_rows(pool, self._ex_src, moved)
+                dev.set_rows(pool, self._ex_dst, moved)
+            read, read_buf = np.arange(inp.n_seqs, dtype=np.int64), self._local
+        return SlotRows(
+            pool=pool, source=source,
+            read=read.astype(np.int64), write=write.astype(np.int64), snapshots=snaps.astype(np.int64),
+            read_buffer=read_buf, write_buffer=write_buf, snapshots_buffer=snaps_buf,
+            plane_stride=mem.size, staged=bool(inp.staged),
+        )  # fmt: skip
 
     # -- shapes against the ubatch and the layer (names the argument that is wrong) ----
     def _tokens_dims(self, name: str, buf: object, ndim: int, layout: str) -> tuple[int, ...]:

@@ -120,7 +120,7 @@ class Toy:
             step = ctx.step()
             self.staged_steps += int(step.inputs.staged)
             toks = ub.token.reshape(ub.n_seqs, ub.n_seq_tokens)
-            y = run_layers(self.dev, step, self.tables, toks)
+            y = self.run_step(step, toks)
             for s in range(ub.n_seqs):
                 for t in range(ub.n_seq_tokens):
                     i = s * ub.n_seq_tokens + t
@@ -128,6 +128,10 @@ class Toy:
                         out[(q, int(ub.pos[i]))] = y[s, t]
             if not ctx.next():
                 return out
+
+    def run_step(self, step, toks: np.ndarray):  # type: ignore[no-untyped-def]
+        """Every layer of one applied ubatch (a subclass may run its own kernels)."""
+        return run_layers(self.dev, step, self.tables, toks)
 
     def state(self, seq: int, plane_rows: bool = False):  # type: ignore[no-untyped-def]
         """The logical state rows of ``seq`` ({layer: {tensor: row}}), read from its source row."""

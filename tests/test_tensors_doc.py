@@ -1,4 +1,5 @@
-"""docs/embedding.md, section "Passing torch tensors": its examples run as written."""
+"""docs/embedding.md, sections "Passing torch tensors" and "Slot rows: running your own kernels":
+their examples run as written."""
 
 from __future__ import annotations
 
@@ -31,3 +32,12 @@ def test_the_section_has_an_example_and_names_the_bench() -> None:
     section = _section("Passing torch tensors")
     for needle in ("bench/tensor_calls.py", "STATECACHE_NUM_THREADS", "use_stream", "torch.cuda.graph"):
         assert needle in section, needle
+
+
+SLOT_BLOCKS = re.findall(r"```python\n(.*?)```", _section("Slot rows: running your own kernels"), flags=re.S)
+
+
+def test_the_slot_rows_example_runs() -> None:
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    assert len(SLOT_BLOCKS) == 1
+    exec(compile(SLOT_BLOCKS[0], "docs/embedding.md[slot rows block]", "exec"), {})
