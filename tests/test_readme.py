@@ -102,3 +102,16 @@ def test_the_readme_names_the_output_width_and_every_conformance_option():
         flag = max(action.option_strings, key=len, default="")
         if flag and flag not in ("--help", "--width", "--exitfirst"):
             assert flag in text, f"README.md's command table does not name {flag}"
+
+
+def test_every_doc_page_is_reachable_from_the_readme_and_every_named_page_exists():
+    """A page under docs/ that the README never names is found only by browsing; a
+    page the README names must exist (names appear as `docs/x.md` or, in the
+    further-reading line, as `x.md` relative to docs/)."""
+    text = README.read_text()
+    docs = README.parent / "docs"
+    pages = {p.relative_to(docs).as_posix() for p in docs.rglob("*.md")}
+    named = {name.removeprefix("docs/") for name in re.findall(r"`([\w/.-]+\.md)", text)}
+    named.discard("README.md")
+    assert named - pages == set(), f"README names missing pages: {sorted(named - pages)}"
+    assert pages - named == set(), f"docs pages the README never names: {sorted(pages - named)}"
