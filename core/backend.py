@@ -89,11 +89,6 @@ def _activations(*dtypes: DType) -> frozenset[DType]:
     return _NO_DTYPES
 
 
-def _names(*pairs: tuple[str, object]) -> frozenset[str]:
-    """The names whose value is given (not None): the epilogues a call uses."""
-    return frozenset(name for name, value in pairs if value is not None)
-
-
 class DeviceKind(enum.Enum):
     CPU = "cpu"
     GPU = "gpu"
@@ -1076,7 +1071,7 @@ class Device(abc.ABC):
         strided = not (x.is_contiguous and dt.is_contiguous and B.is_contiguous and C.is_contiguous)
         if z is not None and not z.is_contiguous:
             strided = True
-        epilogues = _names(("dt_bias", dt_bias), ("dt_limit", shp.dt_limit), ("D", D), ("z", z))
+        epilogues = P.scan_epilogues(shp, D, z, dt_bias)
         acts = _activations(x.dtype, dt.dtype, B.dtype, C.dtype, y.dtype, DType.F32 if z is None else z.dtype)
         self._require(
             "ssm_scan",
@@ -1214,12 +1209,7 @@ class Device(abc.ABC):
         strided = not (
             q.is_contiguous and k.is_contiguous and v.is_contiguous and g.is_contiguous and beta.is_contiguous
         )
-        epilogues = _names(
-            ("grouped_heads", shp.head_map == "grouped" or None),
-            ("qk_l2norm", shp.qk_l2norm or None),
-            ("raw_gate", A_log),
-            ("beta_sigmoid", shp.beta_sigmoid or None),
-        )
+        epilogues = P.delta_epilogues(shp, A_log)
         acts = _activations(q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, o.dtype)
         self._require(
             "gated_delta_net",

@@ -295,6 +295,24 @@ class LinearAttnShape(StateWrite):
     scale: float  # of the output
 
 
+def scan_epilogues(shape: ScanShape, D: object, z: object, dt_bias: object) -> frozenset[str]:
+    """The fused epilogues (``Caps.epilogues`` names) a validated ``ssm_scan`` call uses;
+    ``shape.dt_limit`` is None for a limit that clamps nothing."""
+    given = (("dt_bias", dt_bias), ("dt_limit", shape.dt_limit), ("D", D), ("z", z))
+    return frozenset(name for name, value in given if value is not None)
+
+
+def delta_epilogues(shape: DeltaShape, A_log: object) -> frozenset[str]:
+    """The fused options (``Caps.epilogues`` names) a validated ``gated_delta_net`` call uses."""
+    given = (
+        ("grouped_heads", shape.head_map == "grouped"),
+        ("qk_l2norm", shape.qk_l2norm),
+        ("raw_gate", A_log is not None),
+        ("beta_sigmoid", shape.beta_sigmoid),
+    )
+    return frozenset(name for name, used in given if used)
+
+
 # Shapes are frozen, so equal sizes may share one instance: building a frozen
 # dataclass costs microseconds (a setattr per field), a cache hit a hash of
 # the sizes, and decode repeats the same sizes call after call.

@@ -274,7 +274,7 @@ class RecurrentStep:
             "ssm_scan", layer, tensor, {"x": x, "dt": dt, "A": A, "B": B, "C": C, "y": y},
             {"D": D, "z": z, "dt_bias": dt_bias}, {},
             lambda row: self._scan_shapes(layer, row, x, dt, A, B, C, y, D=D, z=z, dt_bias=dt_bias),
-            {"dt_limit": dt_limit}, lambda shp: _scan_epilogues(shp, D, z, dt_bias),
+            {"dt_limit": dt_limit}, lambda shp: P.scan_epilogues(shp, D, z, dt_bias),
         )  # fmt: skip
 
     def delta(
@@ -309,7 +309,7 @@ class RecurrentStep:
             {"A_log": A_log, "dt_bias": dt_bias}, {},
             lambda row: self._delta_shapes(layer, row, q, k, v, g, beta, o, A_log=A_log, dt_bias=dt_bias),
             {"scale": scale, "head_map": head_map, "qk_l2norm": qk_l2norm, "beta_sigmoid": beta_sigmoid},
-            lambda shp: _delta_epilogues(shp, A_log),
+            lambda shp: P.delta_epilogues(shp, A_log),
         )  # fmt: skip
 
     def _primitive(
@@ -688,25 +688,6 @@ class RecurrentStep:
 
 
 _Launch = Callable[[Buffer, Buffer, Buffer], None]
-
-
-def _scan_epilogues(shape: P.ScanShape, D: object, z: object, dt_bias: object) -> frozenset[str]:
-    """The fused epilogues a validated ``ssm_scan`` call uses (``Caps.epilogues`` names);
-    ``shape.dt_limit`` is None for a limit that clamps nothing, as the device sees it."""
-    given = (("dt_bias", dt_bias), ("dt_limit", shape.dt_limit), ("D", D), ("z", z))
-    return frozenset(name for name, value in given if value is not None)
-
-
-def _delta_epilogues(shape: P.DeltaShape, A_log: object) -> frozenset[str]:
-    """The fused options a validated ``gated_delta_net`` call uses; the grouped map only
-    where it differs from the tiled one (1 < H_k < H_v), as the device decides."""
-    given = (
-        ("grouped_heads", shape.head_map == "grouped"),
-        ("qk_l2norm", shape.qk_l2norm),
-        ("raw_gate", A_log is not None),
-        ("beta_sigmoid", shape.beta_sigmoid),
-    )
-    return frozenset(name for name, used in given if used)
 
 
 def _shape_of(buf: Any, name: str) -> tuple[int, ...]:
