@@ -204,9 +204,7 @@ class RecurrentStep:
         self._validate(validate, (name, *op_key), bufs, tmp, self._local, self._local_dst)
         registered = self._before_write(layer, name, pool)
         self.done.add(key)
-        dev.copy_rows(pool, self._read_rows, tmp, self._local)
-        if self._fresh_local_idx is not None:
-            dev.zero_rows(tmp, self._fresh_local_idx)
+        self._read_aside(pool, tmp)
         ex = None
         if self._ex_src is not None:
             ex = dev.alloc((self._ex_src.shape[0], pool.shape[1]), pool.dtype)
@@ -215,6 +213,13 @@ class RecurrentStep:
         if ex is not None and self._ex_dst is not None:
             dev.set_rows(pool, self._ex_dst, ex)
         dev.copy_rows(tmp, self._local_written, pool, self._pool_written)
+
+    def _read_aside(self, pool: Buffer, local: Buffer) -> None:
+        """Staged ubatch: copy each set's input state into row i of ``local`` (the
+        zero state for a new sequence) before anything writes the pool."""
+        self.device.copy_rows(pool, self._read_rows, local, self._local)
+        if self._fresh_local_idx is not None:
+            self.device.zero_rows(local, self._fresh_local_idx)
 
     def _launch_refusable(self, key: tuple[int, str], registered: bool, launch: Callable[[], None]) -> None:
         """Launch; a call the device refuses before running (arguments, capabilities) is
@@ -558,9 +563,7 @@ class RecurrentStep:
             # every read first (the states, the moved rows), then the moved rows' writes;
             # the kernel's writes come last, as the staged primitive's copy-back does
             source = dev.alloc((inp.n_seqs, pool.shape[1]), pool.dtype)
-            dev.copy_rows(pool, self._read_rows, source, self._local)
-            if self._fresh_local_idx is not None:
-                dev.zero_rows(source, self._fresh_local_idx)
+            self._read_aside(pool, source)
             if self._ex_src is not None and self._ex_dst is not None:
                 moved = dev.alloc((self._ex_src.shape[0], pool.shape[1]), pool.dtype)
                 dev.get_rows(pool, self._ex_src, moved)
