@@ -264,6 +264,15 @@ class BatchAllocator:
         self.n_tokens = 0
         self._reset_state()
 
+    @classmethod
+    def for_memory(cls, memory: PositionSource) -> BatchAllocator:
+        """An allocator sized by ``memory`` (its ``n_seq_max``), so the two cannot
+        disagree; ``memory.batch_allocator()`` says the same."""
+        n = getattr(memory, "n_seq_max", None)
+        if n is None:
+            raise ArgumentError("memory", f"{type(memory).__name__} has no n_seq_max to size an allocator by")
+        return cls(int(n))
+
     def check_ready(self, n_seq_max: int) -> None:
         """Raise :class:`ArgumentError` (naming ``balloc``) unless a batch was validated
         by :meth:`init` for a memory of ``n_seq_max`` sequences: an allocator never

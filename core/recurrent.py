@@ -52,7 +52,7 @@ from statecache.backend import Buffer, Device
 from statecache.batch import BatchAllocator, SeqIds, UBatch
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, BatchError, InvariantError, StatecacheWarning, StateError
-from statecache.hostmem import scatter_rows
+from statecache.hostmem import gather_rows, scatter_rows
 from statecache.launch_memo import LaunchMemo
 from statecache.memory import (
     POS_MAX,
@@ -60,6 +60,9 @@ from statecache.memory import (
     Memory,
     MemoryContext,
     MemoryStatus,
+    RecurrentRows,
+    RollbackReach,
+    SeqState,
     StateFlags,
     StatusContext,
     UBatchContext,
@@ -68,6 +71,7 @@ from statecache.memory import (
     check_seq_id,
     check_shifted,
     normalize_range,
+    view_guard,
 )
 from statecache.spec import MemorySpec, RecurrentLayerSpec
 from statecache.state_io import (
@@ -265,14 +269,19 @@ class RecurrentContext(UBatchContext):
       first write to each pool, about ``n_seqs * min(n_t + 1, 1 + n_rs_seq)``
       rows per state tensor): the rows are copied back, then the old book is
       reinstalled -- exact again;
-    * the step wrote without kept rows: exactness is impossible, so undo is
-      *consistent but lossy*: the old book comes back minus every cell whose
+    * the step wrote without kept rows: exactness is impossible when a
+      sequence's logical state row was overwritten (with rotating planes a
+      step usually leaves it in its plane, and undo stays exact).  Then
+      ``undo()`` is refused (:class:`ContextError`, nothing changed, the
+      sequences named; :meth:`undo_loses` asks first), and ``undo(drop=True)``
+      is *consistent but lossy*: the old book comes back minus every cell whose
       logical state row was overwritten (those sequences are dropped, as if
       ``seq_rm(s, 0, -1)``; undo returns their ids so the runtime can
       re-prefill them), and snapshot planes that were overwritten are no
       longer offered for rollback.
 
-    Keeping rows costs one device copy of the slot's rows per state tensor, so
+    Keeping rows costs one device copy of the slot's rows per state tensor (and
+    a scratch allocation per pool and step, which a CUDA graph cannot hold), so
     it is off by default (``RecurrentMemory(keep_undo_rows=...)``, this
     context's ``keep_undo_rows`` attribute, or ``step(keep_undo_rows=True)``);
     the book part of undo is always free.  ``undo()`` is refused
@@ -344,45 +353,90 @@ class RecurrentContext(UBatchContext):
         """The compute of every ubatch applied so far succeeded: drop their undo records."""
         self._records.clear()
 
-    def undo(self, n: int | None = None) -> tuple[int, ...]:
-        """Take back the last ``n`` applied ubatches (default: all not confirmed), newest first.
-
-        Returns the sequences that had to be dropped because their state rows
-        were overwritten without being kept (empty: the undo was exact).
-        Raises :class:`ContextError`, changing nothing, when the memory was
-        modified since the last ``apply()`` or ``n`` is out of range.
-        """
+    def _undo_records(self, n: int | None) -> list[_ApplyRecord]:
+        """The records :meth:`undo` of ``n`` takes back; :class:`ContextError` when it cannot."""
         k = len(self._records) if n is None else int(n)
         if not 0 <= k <= len(self._records):
             raise ContextError(f"cannot undo {n} ubatches; {len(self._records)} can be undone")
-        if k == 0:
-            return ()
-        mem = self.memory
         recs = self._records[len(self._records) - k :]
-        if mem._version != recs[-1].version_after:
+        if recs and self.memory._version != recs[-1].version_after:
             raise ContextError("the memory changed after the last apply(); its ubatches can no longer be undone")
-        dev = mem.device
+        return recs
+
+    def _damaged_rows(self, recs: Sequence[_ApplyRecord]) -> np.ndarray:
+        """Pool rows (a bool mask) that undoing ``recs`` cannot put back: written by a step
+        that kept no copy, and not restored by the kept copy of an older step."""
+        mem = self.memory
         n_rows = mem.size * mem.n_snap
         damaged: dict[tuple[int, str], np.ndarray] = {}
         for rec in reversed(recs):  # newest first: each kept copy is the state before its own step
             if not rec.written:
                 continue
             assert rec.overwrites is not None
-            rows = dev.indices(rec.overwrites)
-            for key, (pool, saved) in rec.written.items():
+            for key, (_, saved) in rec.written.items():
                 if saved is not None:
-                    dev.set_rows(pool, rows, saved)
                     if key in damaged:
                         damaged[key][rec.overwrites] = False
                 else:
                     damaged.setdefault(key, np.zeros(n_rows, dtype=bool))[rec.overwrites] = True
+        bad = np.zeros(n_rows, dtype=bool)
+        for mask in damaged.values():
+            bad |= mask
+        return bad
+
+    def undo_loses(self, n: int | None = None) -> tuple[int, ...]:
+        """The sequences :meth:`undo` of the last ``n`` ubatches would have to drop (their
+        state rows were overwritten and not kept); empty: the undo is exact.  A question
+        before the action: changes nothing.
+
+        :raises ContextError: the undo is refused anyway (``n`` out of range, the memory
+            changed since the last ``apply()``)."""
+        recs = self._undo_records(n)
+        if not recs:
+            return ()
+        bad = self._damaged_rows(recs)
+        return _lost_sequences(recs[0].book_before, bad) if bad.any() else ()
+
+    def undo(self, n: int | None = None, *, drop: bool = False) -> tuple[int, ...]:
+        """Take back the last ``n`` applied ubatches (default: all not confirmed), newest first.
+
+        Exact when no state row was overwritten without being kept
+        (``keep_undo_rows``, or a step that left the old state in its plane).
+        Otherwise the undo can only be consistent, by dropping the sequences
+        whose rows are gone (:meth:`undo_loses` names them): it does that only
+        with ``drop=True`` and returns their ids; without it it is refused.
+
+        :raises ContextError: changing nothing, when the memory was modified
+            since the last ``apply()``, ``n`` is out of range, or the undo would
+            drop sequences and ``drop`` is False.
+        """
+        recs = self._undo_records(n)
+        if not recs:
+            return ()
+        k = len(recs)
+        mem = self.memory
+        bad = self._damaged_rows(recs)
+        if not drop and bad.any():
+            lost = _lost_sequences(recs[0].book_before, bad)
+            if lost:
+                raise ContextError(
+                    f"undo cannot be exact: the state rows of sequences {list(lost)} were overwritten and not kept "
+                    "(keep_undo_rows); nothing changed. undo(drop=True) drops them (re-prefill them after), "
+                    "or keep undo rows before the step"
+                )
+        dev = mem.device
+        for rec in reversed(recs):  # newest first: each kept copy is the state before its own step
+            if not rec.written:
+                continue
+            assert rec.overwrites is not None
+            rows = dev.indices(rec.overwrites)
+            for pool, saved in rec.written.values():
+                if saved is not None:
+                    dev.set_rows(pool, rows, saved)
         mem._book = recs[0].book_before
         mem._version += 1
         mem._last_apply = None
         del self._records[len(self._records) - k :]
-        bad = np.zeros(n_rows, dtype=bool)
-        for mask in damaged.values():
-            bad |= mask
         dropped: tuple[int, ...] = ()
         if bad.any():
             # the book differs from the plans': the context stays stale, apply() refuses
@@ -422,7 +476,26 @@ class FullContext(MemoryContext):
 
 
 class RecurrentMemory(Memory):
-    """Recurrent state for ``n_seq_max`` sequences (docs/memory-semantics.md#recurrent-book)."""
+    """Recurrent state for ``n_seq_max`` sequences (docs/memory-semantics.md#recurrent-book).
+
+    What each argument sizes, and its default (docs/memory-semantics.md#defaults):
+
+    * ``n_seq_max`` (1..256): the sequence ids ``[0, n_seq_max)``.
+    * ``size``: cells, default ``n_seq_max`` (one state per sequence; more
+      cells only give copy on write room to spare).  Each state tensor's pool
+      holds ``size * (1 + n_rs_seq)`` rows.
+    * ``n_rs_seq``: snapshot planes per cell, default 0: **no rollback** (a
+      partial ``seq_rm`` of the tail is refused).  ``n_rs_seq = K - 1`` lets a
+      sequence roll back up to ``K - 1`` tokens and costs ``K`` times the
+      state memory; refused at construction for a family without snapshot
+      kernels, or above the device's ``caps.max_snapshots``.
+    * ``dtype``: the state dtype, default the spec's (f32).
+    * ``keep_undo_rows``: default False.  A step then keeps no copy of the
+      rows it overwrites, so an undo after a failed compute that would lose a
+      sequence's state is refused unless asked for with ``drop=True``
+      (:meth:`RecurrentContext.undo`); True makes every undo exact at one row
+      copy (and a scratch allocation) per state tensor and step.
+    """
 
     def __init__(
         self,
@@ -820,7 +893,7 @@ class RecurrentMemory(Memory):
         owned = np.flatnonzero(b.n_own > 0)
         src = b.src[owned]
         lost = owned[(src >= 0) & bad_rows[np.maximum(src, 0)]]
-        dropped = np.flatnonzero(np.isin(b.tail, lost)) if lost.size else _EMPTY_ROWS
+        dropped = np.asarray(_lost_sequences(b, bad_rows), dtype=np.int64)
         if lost.size:
             b.tail[dropped] = -1
             b.used -= int(lost.size)
@@ -878,7 +951,7 @@ class RecurrentMemory(Memory):
                         self._version += 1
             return True
         # negative seq: every sequence, only for an empty or complete range (docs/memory-semantics.md#seq-rm)
-        if p0 == p1:
+        if p0 >= p1:  # empty, also when p0 > p1 (docs/memory-semantics.md#ranges)
             return True
         if not (p0 == 0 and p1 == POS_MAX):
             return False
@@ -1027,6 +1100,122 @@ class RecurrentMemory(Memory):
         # reachable (a pending rollback stays pending, and reads the same plane).
         b.snap_end[c], b.snap_valid[c] = b.pos[c] + pending, pending + 1
         self._version += 1
+
+    # -- questions before actions (docs/memory-semantics.md#queries) ----------------
+    def check_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
+        q0, q1 = normalize_range(p0, p1)
+        if seq < 0:
+            if q0 < q1 and not (q0 == 0 and q1 == POS_MAX):
+                raise ArgumentError(
+                    "seq", f"-1 (every sequence) removes only an empty or the complete range, got [{q0}, {q1})"
+                )
+            return
+        c = int(self._book.tail[seq])
+        if c >= 0 and 0 < q0 <= int(self._book.pos[c]) < q1:
+            self._check_rollback(seq, c, q0)
+
+    def _check_rollback(self, seq: int, c: int, p0: int) -> None:
+        """Raise when :meth:`_rollback` of ``seq`` (cell ``c``) to ``p0 - 1`` would return False."""
+        b = self._book
+        if not self.has_layers:
+            return
+        if b.n_own[c] > 1:
+            others = [q for q in b.owners(c) if q != seq]
+            raise ArgumentError(
+                "seq", f"sequence {seq} shares its recurrent state with {others}; a rollback would move theirs too"
+            )
+        if b.snap_end[c] != b.pos[c]:
+            raise ArgumentError(
+                "seq", f"a rollback of sequence {seq} to {int(b.pos[c])} is pending; decode (or remove it all) first"
+            )
+        depth = int(b.snap_end[c]) - (p0 - 1)
+        valid = int(b.snap_valid[c])
+        if not 0 < depth < valid:
+            reach = f"back to position {int(b.snap_end[c]) - valid + 1}" if valid > 1 else "nowhere (no plane)"
+            raise ArgumentError(
+                "p0", f"no snapshot plane holds sequence {seq}'s state at position {p0 - 1}; its planes reach {reach}"
+            )
+
+    def check_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        check_seq_id(src, self.n_seq_max, "src")
+        check_seq_id(dst, self.n_seq_max, "dst")
+        q0, q1 = normalize_range(p0, p1)
+        self.check_copy_range(int(src), q0, q1)
+
+    def check_seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        check_seq_id(seq, self.n_seq_max)
+        normalize_range(p0, p1)
+        if check_int32(delta, "delta"):
+            self.check_position_move(seq, p0, p1, "seq_add", int(delta))
+
+    def check_seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        check_seq_id(seq, self.n_seq_max)
+        normalize_range(p0, p1)
+        if check_divisor(d) != 1:
+            self.check_position_move(seq, p0, p1, "seq_div")
+
+    def check_context_shift(self, seq: int, p0: int, p1: int) -> None:
+        seq = check_seq_id(seq, self.n_seq_max)
+        q0, q1 = normalize_range(p0, p1)
+        if q0 >= q1:
+            return
+        self.check_seq_rm(seq, q0, q1)
+        # the move, as the removal leaves the book: a hole keeps the cell and its
+        # owners; a removal reaching the position leaves it below q1 (nothing moves)
+        c = int(self._book.tail[seq])
+        if q1 < POS_MAX and c >= 0 and int(self._book.pos[c]) >= q1:
+            self._refuse_shared_move(seq, c, "context shift")
+
+    def rollback_reach(self, seq: int) -> RollbackReach:
+        seq = check_seq_id(seq, self.n_seq_max)
+        b = self._book
+        c = int(b.tail[seq])
+        if c < 0:
+            return RollbackReach(seq, -1, 0)
+        P = int(b.pos[c])
+        if not self.has_layers:
+            return RollbackReach(seq, P, 0)
+        if b.n_own[c] > 1 or b.snap_end[c] != b.pos[c]:
+            return RollbackReach(seq, P, P + 1)
+        floor = P + 2 - int(b.snap_valid[c])  # depth P + 1 - p < snap_valid
+        return RollbackReach(seq, P, floor if floor > 1 else 0)
+
+    def seq_state(self, seq: int) -> SeqState:
+        seq = check_seq_id(seq, self.n_seq_max)
+        return SeqState(seq, self.version, self.seq_pos_min(seq), self.seq_pos_max(seq),
+                        self.recurrent_rows(seq), (), self.rollback_reach(seq))  # fmt: skip
+
+    def recurrent_rows(self, seq: int) -> RecurrentRows:
+        """``seq``'s rows in the pools (:class:`~statecache.memory.RecurrentRows`), the
+        recurrent part of :meth:`seq_state`."""
+        seq = check_seq_id(seq, self.n_seq_max)
+        b = self._book
+        c = int(b.tail[seq])
+        tensors = tuple((layer, name) for layer, pools in self.pools.items() for name in pools)
+        if c < 0:
+            return RecurrentRows(-1, -1, -1, (), 0, (), tensors)
+        row = int(b.src[c])
+        planes = tuple(self._valid_planes(c).tolist())
+        version = self.version
+
+        def read(layer: int, tensor: str) -> np.ndarray:
+            view_guard(self, version)
+            try:
+                buf = self.pools[layer][tensor]
+            except KeyError:
+                have = f"no recurrent pool ({layer}, {tensor!r}); have {tensors}"
+                raise ArgumentError("layer/tensor", have) from None
+            width = int(buf.shape[1])
+            rows = np.asarray(planes, dtype=np.int64)
+            data = gather_rows(self.device, buf, rows).view(buf.dtype.numpy).reshape(len(planes), width)
+            state = np.zeros((1, width), dtype=buf.dtype.numpy)
+            if row >= 0:
+                state = gather_rows(self.device, buf, np.asarray([row])).view(buf.dtype.numpy).reshape(1, width)
+            return np.concatenate([state, data])
+
+        return RecurrentRows(c, int(b.pos[c]), row, planes, self.pending_rollback(seq),
+                             tuple(b.owners(c)), tensors, read)  # fmt: skip
 
     # -- state save / restore (docs/memory-semantics.md#state) ----------------------
     def _cells_for(self, seq: int) -> list[int]:
@@ -1231,6 +1420,15 @@ class RecurrentMemory(Memory):
         _, sections = unpack_sections(data)
         plan = self.parse_section(find_section(sections, SECTION_TAG), seq)
         self.apply_section(plan)
+
+
+def _lost_sequences(book: _Book, bad_rows: np.ndarray) -> tuple[int, ...]:
+    """The sequences of ``book`` whose logical state row is in ``bad_rows`` (a bool mask
+    over pool rows): what :meth:`RecurrentMemory._forget_damaged` drops."""
+    owned = np.flatnonzero(book.n_own > 0)
+    src = book.src[owned]
+    lost = owned[(src >= 0) & bad_rows[np.maximum(src, 0)]]
+    return tuple(np.flatnonzero(np.isin(book.tail, lost)).tolist()) if lost.size else ()
 
 
 def _rotated_writes(

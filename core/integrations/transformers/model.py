@@ -218,7 +218,8 @@ class StatecacheCausalLM:
                         break
         except BaseException as exc:
             if applied:
-                self.last_dropped = tuple(ctx.undo())
+                # the model documents the lossy undo (keep_undo_rows=False): ask for it
+                self.last_dropped = tuple(ctx.undo(drop=True))
                 if self.last_dropped:
                     exc.add_note(f"statecache undid the batch and dropped sequences {list(self.last_dropped)}")
             raise
