@@ -10,6 +10,10 @@ blob, every sequence's state view, the version and the edit count of a hybrid).
 ``ci`` profile runs a bounded number of examples; ``HYPOTHESIS_PROFILE=stress``
 runs many more (tests/conftest.py).
 
+Undo: after a batch whose steps wrote without kept rows, ``undo_loses`` names
+exactly what ``undo(drop=True)`` drops, and ``undo()`` refuses (nothing changed)
+exactly when that is not empty.
+
 Regressions: a context shift on a forked sequence changes nothing when refused
 (upstream, and the two-call form, apply the removal first); ``state_write``
 with a pending update (K shift, copy between streams) writes what it writes
@@ -25,11 +29,12 @@ import pytest
 from hybrid_toy import ATTN, E, make_hybrid
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from recurrent_toy import toy_spec
+from recurrent_toy import Tables, run_layers, toy_spec
 
 import statecache
 from statecache.batch import Batch, BatchAllocator
 from statecache.errors import ArgumentError, BatchError, StateError
+from statecache.hybrid import HybridMemory
 from statecache.kv_cache import KVCache, KVCacheISWA, KVLayer
 from statecache.memory import POS_MAX, ContextError, Memory, MemoryStatus, SeqState
 from statecache.recurrent import RecurrentMemory
@@ -111,6 +116,44 @@ def decode(mem: Memory, tokens: dict[int, int], n_ubatch: int = 8) -> None:
             break
 
 
+TABLES = Tables()
+
+
+def decode_then_undo(mem: Memory, tokens: dict[int, int]) -> None:
+    """A batch whose compute "fails" after every ubatch ran (the recurrent steps write,
+    without kept rows): ``undo_loses`` names exactly the sequences ``undo(drop=True)``
+    drops, and a plain ``undo()`` is refused, changing nothing, exactly when it is lossy."""
+    if not isinstance(mem, RecurrentMemory | HybridMemory):
+        return  # a KV cache alone offers no undo
+    balloc = mem.batch_allocator()
+    batch = {s: [1 + (s + k) % 5 for k in range(n)] for s, n in tokens.items() if n}
+    if not batch:
+        return
+    try:
+        balloc.init(Batch.for_sequences(batch, output_all=True), mem)
+    except BatchError:
+        return
+    ctx: Any = mem.init_batch(balloc, 4)
+    if ctx.status.is_fail:
+        return
+    recr = mem if isinstance(mem, RecurrentMemory) else mem.recr
+    while True:
+        ub = ctx.get_ubatch()
+        assert ctx.apply()
+        if recr.has_layers:
+            step = ctx.step() if isinstance(mem, RecurrentMemory) else ctx.recr.step()
+            run_layers(DEV, step, TABLES, ub.token.reshape(ub.n_seqs, ub.n_seq_tokens))
+        if not ctx.next():
+            break
+    before = fingerprint(mem)
+    lost = ctx.undo_loses()
+    if lost:
+        with pytest.raises(ContextError, match="cannot be exact"):
+            ctx.undo()
+        assert fingerprint(mem) == before
+    assert ctx.undo(drop=True) == lost
+
+
 def run_update(mem: Memory) -> None:
     ctx = mem.init_update()
     if ctx.status is MemoryStatus.SUCCESS:
@@ -177,6 +220,7 @@ ops = st.one_of(
     st.tuples(st.just("context_shift"), seqs, pos, pos),
     st.tuples(st.just("rollback"), st.integers(0, N_SEQ - 1), st.integers(1, 4)),
     st.tuples(st.just("decode"), st.dictionaries(st.integers(0, N_SEQ - 1), st.integers(1, 6), max_size=N_SEQ)),
+    st.tuples(st.just("undo"), st.dictionaries(st.integers(0, N_SEQ - 1), st.integers(1, 6), max_size=N_SEQ)),
     st.tuples(st.just("keep"), st.integers(0, N_SEQ - 1)),
     st.tuples(st.just("update")),
 )
@@ -196,6 +240,8 @@ def test_queries_agree_with_actions(kind: str, program: list[tuple[Any, ...]]) -
     for op in program:
         if op[0] == "decode":
             decode(mem, op[1])
+        elif op[0] == "undo":
+            decode_then_undo(mem, op[1])
         elif op[0] == "update":
             run_update(mem)
         elif op[0] == "keep":
