@@ -10,8 +10,14 @@ When the graph compute of an applied ubatch fails (``FAILED_COMPUTE``), a
 runtime calls :meth:`MemoryContext.undo` on the context instead of the
 best-effort ``seq_rm`` of upstream (docs/memory-semantics.md#failed-compute): a context that supports it puts
 the memory back as it was before the ubatch(es) it applied (the recurrent
-memory does, exactly or, when state rows were overwritten and not kept,
-consistently by dropping the affected sequences, whose ids it returns).
+memory does, exactly or, when state rows were overwritten and not kept and
+the caller asks for it with ``undo(drop=True)``, consistently by dropping the
+affected sequences, whose ids it returns; ``undo_loses`` asks first).
+
+Before acting, a runtime can ask what an operation would do
+(docs/memory-semantics.md#queries): ``*_refusal`` / ``can_*`` for every
+sequence operation, ``rollback_reach``, and ``seq_state`` (a read-only view of
+a sequence's state rows).
 
 Composite memories (hybrids) split the batch themselves, ask every part to
 ``prepare(ubatches)`` and build each part's context from the same ubatch
