@@ -134,8 +134,9 @@ class RollbackReach:
     floor: int
 
     def accepts(self, p: int) -> bool:
-        """Whether ``seq_rm(seq, p, -1)`` would be accepted (``p < 0`` means 0)."""
-        return p <= 0 or p >= self.floor
+        """Whether ``seq_rm(seq, p, -1)`` would be accepted (``p < 0`` means 0; a ``p``
+        outside int32 is refused, as every position is)."""
+        return POS_MIN <= p <= POS_MAX and (p <= 0 or p >= self.floor)
 
     @property
     def depth(self) -> int:
