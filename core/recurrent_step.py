@@ -81,7 +81,10 @@ class RecurrentStep:
             rec if rec is not None and rec.inputs is inputs and rec.version_after == memory._version else None
         )
         self.keep_undo_rows = bool(rec.keep_rows if keep_undo_rows is None and rec is not None else keep_undo_rows)
-        self._zero = dev.indices([inp.rs_z]) if inp.rs_z >= 0 and not inp.staged else None
+        # Also when staged: new sequences then read zeros from the transient copy, but
+        # the one whose own cell holds the zero row keeps it as the snapshot of its
+        # input state (plane n_t back), so the pool's row must hold zeros too.
+        self._zero = dev.indices([inp.rs_z]) if inp.rs_z >= 0 else None
         self._needs_zero = bool((inp.start_rows == inp.rs_z).any()) if inp.rs_z >= 0 else False
         # A decode with rotating planes cycles through n_snap row sets: the memory hands
         # back the same uploaded index buffers for the same rows (so the launch memo
@@ -144,7 +147,7 @@ class RecurrentStep:
         """Every pool row (any plane) this step writes, sorted, without repeats."""
         inp = self.inputs
         parts = [inp.written_rows(), inp.copy_dst]
-        if not inp.staged and self._zero is not None and self._needs_zero:
+        if self._zero is not None and self._needs_zero:
             parts.append(np.asarray([inp.rs_z], dtype=np.int64))
         return np.unique(np.concatenate(parts))
 
@@ -227,10 +230,16 @@ class RecurrentStep:
         if self._ex_src is not None:
             ex = dev.alloc((self._ex_src.shape[0], pool.shape[1]), pool.dtype)
             dev.get_rows(pool, self._ex_src, ex)
+        self._zero_pool_row(pool)  # after every read of the pool, before its writes
         self._launch_refusable(key, registered, lambda: launch(tmp, self._local, self._local_dst))
         if ex is not None and self._ex_dst is not None:
             dev.set_rows(pool, self._ex_dst, ex)
         dev.copy_rows(tmp, self._local_written, pool, self._pool_written)
+
+    def _zero_pool_row(self, pool: Buffer) -> None:
+        """Staged ubatch: zero the pool's zero row (see ``_zero`` in ``__init__``)."""
+        if self._zero is not None and self._needs_zero:
+            self.device.zero_rows(pool, self._zero)
 
     def _read_aside(self, pool: Buffer, local: Buffer) -> None:
         """Staged ubatch: copy each set's input state into row i of ``local`` (the
@@ -583,7 +592,10 @@ class RecurrentStep:
             if self._ex_src is not None and self._ex_dst is not None:
                 moved = dev.alloc((self._ex_src.shape[0], pool.shape[1]), pool.dtype)
                 dev.get_rows(pool, self._ex_src, moved)
+                self._zero_pool_row(pool)
                 dev.set_rows(pool, self._ex_dst, moved)
+            else:
+                self._zero_pool_row(pool)
             read, read_buf = np.arange(inp.n_seqs, dtype=np.int64), self._local
         return SlotRows(
             pool=pool, source=source,
