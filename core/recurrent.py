@@ -1309,11 +1309,14 @@ def _one_position_per_token(ub: UBatch, n_t: np.ndarray) -> np.ndarray:
     """Per set: whether its positions advance by exactly one per token."""
     step_ok = np.diff(ub.pos.astype(np.int64)) == 1  # token i -> i + 1, across set borders too
     bad = np.flatnonzero(~step_ok)
+    if not bad.size:
+        return np.ones(n_t.size, dtype=bool)
     ends = np.cumsum(n_t)  # a set's steps are those between its first and last token
     starts = ends - n_t
     # a set is fine when no bad step k has starts <= k < ends - 1
     first_bad = np.searchsorted(bad, starts)
-    return (first_bad >= bad.size) | (bad[np.minimum(first_bad, max(bad.size - 1, 0))] >= ends - 1)
+    fine: np.ndarray = (first_bad >= bad.size) | (bad[np.minimum(first_bad, bad.size - 1)] >= ends - 1)
+    return fine
 
 
 def _host_offsets(ub: UBatch) -> np.ndarray | None:

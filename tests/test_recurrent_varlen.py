@@ -183,7 +183,7 @@ def test_example_batch_is_one_forward_and_equals_per_sequence_calls_the_equal_sp
     assert_same_states(packed, alone, exact=True)
     assert_same_outputs(got, equal.decode(nxt), exact=False)
     assert_same_states(packed, equal, exact=False)
-    y, _ = oracle(ref, packed.tables, history[2][:-2] + [11])
+    y, _ = oracle(ref, packed.tables, [*history[2][:-2], 11])
     np.testing.assert_allclose(got[(2, len(history[2]) - 2)], y[-1], atol=ATOL)
 
 
@@ -316,3 +316,26 @@ def test_varlen_equals_per_sequence_calls_and_the_equal_split(ops, n_ubatch) -> 
         assert_same_states(packed, alone, exact=True)
         assert_same_states(packed, equal, exact=False)
         packed.mem.check_invariants()
+
+
+def test_mrope_positions_offer_the_same_planes_in_both_forms() -> None:
+    """An M-RoPE image grid repeats a temporal position: only the final state of that
+    sequence stays reachable; its neighbour in the packed ubatch keeps all its planes."""
+    dev = statecache.get_device("reference")
+    t_pos = [0, 1, 1, 1, 1, 2, 0, 1, 2]  # sequence 4: text, a 2x2 image at t=1, text; sequence 1: text
+    y = [0, 0, 0, 1, 1, 2, 0, 1, 2]
+    x = [0, 0, 1, 0, 1, 2, 0, 1, 2]
+    sections = np.asarray([t_pos, y, x, [0] * 9])
+    depths = []
+    for varlen in (True, False):
+        t = Toy(dev, n_seq_max=8, n_rs_seq=N_RS_SEQ)
+        balloc = BatchAllocator(8)
+        balloc.init(Batch(tokens=np.arange(9), pos=sections, seq_ids=[4] * 6 + [1] * 3), t.mem)
+        ctx = t.mem.init_batch(balloc, 64, varlen=varlen)
+        while True:  # the book after every ubatch (a step would write what it says)
+            assert ctx.apply()
+            if not ctx.next():
+                break
+        b = t.mem.book_snapshot()
+        depths.append([int(b.snap_valid[t.mem.cell_of(s)]) for s in (4, 1)])
+    assert depths[0] == depths[1] == [1, N_RS_SEQ + 1]
