@@ -731,15 +731,7 @@ class BatchAllocator:
         the batch couples sequences.  With ``n_keep_tail > 0`` every set's last
         ``min(len, n_keep_tail)`` tokens end up in one ubatch.
         """
-        _check_n_ubatch(n_ubatch)
-        if n_keep_tail < 0:
-            raise BatchError(f"n_keep_tail {n_keep_tail} must be >= 0", rule="n_keep_tail")
-        if n_keep_tail and n_ubatch <= n_keep_tail:
-            raise BatchError(
-                f"n_ubatch {n_ubatch} must exceed n_keep_tail {n_keep_tail} (the last n_rs_seq + 1 tokens of a "
-                "sequence must fit in one ubatch)",
-                rule="n_keep_tail",
-            )
+        _check_n_keep_tail(n_ubatch, n_keep_tail)
         if sequential and self.has_coupled:
             return UBatch.empty()
         start = self._next_unused()
@@ -822,15 +814,7 @@ class BatchAllocator:
         tokens land in one ubatch, so its rollback planes are all written).
         Returns an empty ubatch when nothing is left.
         """
-        _check_n_ubatch(n_ubatch)
-        if n_keep_tail < 0:
-            raise BatchError(f"n_keep_tail {n_keep_tail} must be >= 0", rule="n_keep_tail")
-        if n_keep_tail and n_ubatch <= n_keep_tail:
-            raise BatchError(
-                f"n_ubatch {n_ubatch} must exceed n_keep_tail {n_keep_tail} (the last n_rs_seq + 1 tokens of a "
-                "sequence must fit in one ubatch)",
-                rule="n_keep_tail",
-            )
+        _check_n_keep_tail(n_ubatch, n_keep_tail)
         start = self._next_unused()
         if start >= self.n_tokens:
             return UBatch.empty()
@@ -978,6 +962,18 @@ def _check_n_seq_max(n_seq_max: Any) -> int:
     if not 1 <= int(n_seq_max) <= MAX_SEQ:
         raise BatchError(f"n_seq_max {n_seq_max} must be in [1, {MAX_SEQ}]", rule="n_seq_max")
     return int(n_seq_max)
+
+
+def _check_n_keep_tail(n_ubatch: int, n_keep_tail: int) -> None:
+    _check_n_ubatch(n_ubatch)
+    if n_keep_tail < 0:
+        raise BatchError(f"n_keep_tail {n_keep_tail} must be >= 0", rule="n_keep_tail")
+    if n_keep_tail and n_ubatch <= n_keep_tail:
+        raise BatchError(
+            f"n_ubatch {n_ubatch} must exceed n_keep_tail {n_keep_tail} (the last n_rs_seq + 1 tokens of a "
+            "sequence must fit in one ubatch)",
+            rule="n_keep_tail",
+        )
 
 
 def _check_n_ubatch(n_ubatch: int) -> None:
