@@ -414,6 +414,34 @@ def fingerprint(obj: Any) -> Fingerprint | None:
     return reader_for(type(obj))(obj)
 
 
+def _torch_geometry(obj: Any) -> tuple[Fingerprint, int]:
+    return (type(obj), obj.shape, obj.stride(), obj.dtype, obj.device), obj.data_ptr()
+
+
+def _numpy_geometry(obj: Any) -> tuple[Fingerprint, int]:
+    return (type(obj), obj.shape, obj.strides, obj.dtype, obj.flags.writeable), obj.__array_interface__["data"][0]
+
+
+#: The readers of types read directly, split: ``(geometry, address)``, the
+#: geometry being the fingerprint without its address (what a call validated
+#: once in that geometry depends on), for :class:`statecache.tensor_args.Relaunches`.
+_SPLIT_READERS: dict[Callable[[Any], Fingerprint | None], Callable[[Any], tuple[Fingerprint, int]]] = {
+    _torch_like: _torch_geometry,
+    _numpy_like: _numpy_geometry,
+}
+
+
+def geometry_reader(cls: type) -> Callable[[Any], tuple[Fingerprint, int]] | None:
+    """How ``(geometry, address)`` of a ``cls`` instance is read, or None for
+    types that are not read directly (exported on every call, or not tensors).
+    Follows :func:`reader_for`, including a type demoted by
+    :func:`confirm_fingerprint`."""
+    reader = READERS.get(cls)
+    if reader is None:
+        reader = reader_for(cls)
+    return _SPLIT_READERS.get(reader)
+
+
 def confirm_fingerprint(obj: Any, fp: Fingerprint, memory: TensorMemory) -> bool:
     """Whether a direct reading ``fp`` agrees with the export ``memory``; a type
     that disagrees is exported on every call from then on."""

@@ -59,7 +59,7 @@ MEMO_LIMIT = 4096
 class Remembered:
     """One validated call: what to check and what to run."""
 
-    __slots__ = ("caps", "launch", "loose", "refs", "shadows", "shape")
+    __slots__ = ("caps", "launch", "loose", "prepared", "refs", "shadows", "shape")
 
     def __init__(
         self,
@@ -76,6 +76,7 @@ class Remembered:
         self.shape = shape  # what the validator returned (sizes or index values)
         self.launch = launch  # a backend's prepared launch, or None: call _op(shape, ...)
         self.loose = loose  # positions without a reference are matched by the key alone
+        self.prepared = launch is not None  # a launch was prepared, or asked for (Device._launch_again)
 
 
 class LaunchMemo:

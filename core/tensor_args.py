@@ -51,6 +51,35 @@ the call.
   both were passed as separate tensors over one storage
   (:meth:`statecache.backend.Buffer.same_storage`).
 
+Relaunching by geometry
+-----------------------
+Where the allocator hands out a new address every step (small CPU
+tensors), remembering wraps by fingerprint does not help: every call would
+wrap its tensors again (a Buffer, and its token view, per tensor), match the
+validated call by geometry, and rebuild the backend's launch.
+:class:`Relaunches` skips all of that.  Once a call has been matched by
+geometry, it is remembered per primitive and scalars under its *geometry
+key* (each tensor's fingerprint without its address; each Buffer's
+identity), with a backend launch that takes the tensors' addresses
+(:meth:`Device._prepare_relaunch <statecache.backend.Device._prepare_relaunch>`).
+A later call with that key reads each tensor's address and geometry
+directly (no DLPack export, no Buffer) and launches, after the checks the
+geometry path makes:
+
+* the Buffers are the very objects validated (weak references) and every
+  index Buffer still holds the host copy that was checked;
+* the device's capabilities are the same object;
+* every tensor address is aligned to its elements;
+* no written argument overlaps another (tensor address ranges against each
+  other and against the Buffers' ranges), as for any call matched by
+  geometry.
+
+Index tensors and host tensors that are copied in never take this path
+(their values or copies are refreshed per call); nor does a call that
+passes one tensor object in two places.  The launch keeps no reference to a
+tensor: its pointers are set from this call's addresses before every
+launch.
+
 Parameters that require grad are read through ``.detach()``
 (:func:`statecache.dlpack.exportable` says why).  Nothing here imports
 torch.
@@ -59,6 +88,8 @@ torch.
 from __future__ import annotations
 
 import functools
+import weakref
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -72,6 +103,7 @@ from statecache.dlpack import (
     export_fingerprint,
     exported_memory,
     fingerprint,
+    geometry_reader,
     host_array,
     reader_for,
 )
@@ -280,3 +312,201 @@ def _refresh_index(dev: Device, wrap: _Wrap, name: str) -> None:
     wrap.last = None  # a failed write must not leave the old values marked current
     dev.write(wrap.buffer, values)
     wrap.last = raw
+
+
+#: Relaunches kept per device (a model has a few call geometries per layer kind).
+RELAUNCH_LIMIT = 1024
+
+
+class _Relaunch:
+    """One call geometry remembered for relaunching: what to check, and the launch."""
+
+    __slots__ = ("align", "caps", "native_pairs", "natives", "run", "shadows", "spans", "tensor_pairs")
+
+    def __init__(
+        self,
+        caps: object,
+        natives: tuple[tuple[int, weakref.ref[Any]], ...],
+        shadows: tuple[tuple[int, Any], ...],
+        align: int,
+        tensor_pairs: tuple[tuple[int, int, int, int], ...],
+        native_pairs: tuple[tuple[int, int, int, int], ...],
+        run: Callable[[list[int]], None],
+    ) -> None:
+        self.caps = caps
+        self.natives = natives  # (position, weak reference to the Buffer validated there)
+        self.shadows = shadows  # (position, host copy that index Buffer held when validated)
+        # The largest element size less one: an address with any of these bits set may be
+        # misaligned (checked on all addresses at once: a false alarm only costs the ordinary path).
+        self.align = align
+        # Overlap checks, as Device._remembered_by_geometry makes them: (tensor k, its extent in
+        # bytes, tensor m, its extent) and (tensor k, its extent, lo, hi of a Buffer's bytes).
+        self.tensor_pairs = tensor_pairs
+        self.native_pairs = native_pairs
+        # Every tensor against every Buffer range at once: the lowest and highest Buffer bytes
+        # checked, and the longest tensor extent (see relaunched()).
+        self.spans = (
+            min((lo for _, _, lo, _ in native_pairs), default=0),
+            max((hi for _, _, _, hi in native_pairs), default=0),
+            max((n for _, n, _, _ in native_pairs), default=0),
+        )
+        self.run = run  # the backend's launch, given the tensors' addresses in argument order
+
+
+class Relaunches:
+    """One device's calls remembered by geometry, relaunched with new tensor
+    addresses (see "Relaunching by geometry" above)."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[Any, ...], _Relaunch] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    @staticmethod
+    def key(site: tuple[Any, ...], given: tuple[Any, ...], buffer_type: type) -> tuple[tuple[Any, ...], list[int]] | None:
+        """The geometry key of a call and its tensors' addresses, or None when
+        an argument is neither None, a Buffer nor a tensor read directly."""
+        parts: list[Any] = [site]
+        addresses: list[int] = []
+        for obj in given:
+            if obj is None:
+                parts.append(None)
+            elif isinstance(obj, buffer_type):
+                parts.append(id(obj))
+            else:
+                reader = geometry_reader(type(obj))
+                if reader is None:
+                    return None
+                geometry, address = reader(obj)
+                parts.append(geometry)
+                addresses.append(address)
+        return tuple(parts), addresses
+
+    def relaunched(self, dev: Device, site: tuple[Any, ...], given: tuple[Any, ...], buffer_type: type) -> bool:
+        """Launch the call if its geometry was remembered and every check
+        passes (True); False: nothing was done, take the ordinary path."""
+        # The key, inlined (this runs for every call with tensors, and reads every tensor).
+        parts: list[Any] = [site]
+        addresses: list[int] = []
+        bits = 0
+        try:
+            for obj in given:
+                if obj is None:
+                    parts.append(None)
+                elif isinstance(obj, buffer_type):
+                    parts.append(id(obj))
+                else:
+                    reader = geometry_reader(type(obj))
+                    if reader is None:
+                        return False
+                    geometry, address = reader(obj)
+                    parts.append(geometry)
+                    addresses.append(address)
+                    bits |= address
+            entry = self._entries.get(tuple(parts))
+        except Exception:  # a producer that cannot say where it is, an unhashable scalar: the ordinary path says
+            return False
+        if entry is None or entry.caps is not dev.caps or bits & entry.align:
+            return False  # (misaligned: the ordinary path refuses it by name)
+        for pos, ref in entry.natives:
+            if ref() is not given[pos]:
+                return False
+        for pos, shadow in entry.shadows:
+            if given[pos].host_indices is not shadow:
+                return False
+        for k, k_len, m, m_len in entry.tensor_pairs:
+            a, b = addresses[k], addresses[m]
+            if a < b + m_len and b < a + k_len:
+                return False
+        lo, hi, longest = entry.spans
+        if entry.native_pairs and min(addresses) < hi and lo < max(addresses) + longest:
+            # some tensor may reach into the Buffers' bytes: check each pair
+            for k, k_len, lo, hi in entry.native_pairs:
+                a = addresses[k]
+                if a < hi and lo < a + k_len:
+                    return False
+        entry.run(addresses)
+        return True
+
+    def learn(
+        self,
+        dev: Device,
+        op: str,
+        site: tuple[Any, ...],
+        names: str,
+        given: tuple[Any, ...],
+        coerced: Sequence[Any],
+        index_bufs: Sequence[Any],
+        shadows: Sequence[Any],
+        call_args: tuple[Any, ...],
+        buffer_type: type,
+    ) -> None:
+        """Remember a call just matched by geometry (``coerced``: its arguments
+        as Buffers, in the order of ``given``; ``shadows``: the index copies
+        it was validated with), if the backend can relaunch it."""
+        found = self.key(site, given, buffer_type)
+        if found is None or found[0] in self._entries:
+            return
+        key = found[0]
+        natives: list[tuple[int, weakref.ref[Any]]] = []
+        tensors: list[int] = []  # positions of the tensors, in argument order
+        for pos, (obj, buf) in enumerate(zip(given, coerced)):
+            if obj is None:
+                continue
+            if isinstance(obj, buffer_type):
+                if all(given[p] is not obj for p, _ in natives):  # (one check per object)
+                    natives.append((pos, weakref.ref(obj)))
+            elif buf is None or buf._geometry is None:
+                return  # an index tensor or a copied one: refreshed per call, never relaunched
+            else:
+                tensors.append(pos)
+        if len({id(coerced[p]) for p in tensors}) != len(tensors):
+            return  # one tensor in two places: the backend could not tell which pointer is which
+        shadow_at: list[tuple[int, Any]] = []
+        for buf, shadow in zip(index_bufs, shadows):
+            pos = next((p for p, obj in enumerate(given) if obj is buf), None)
+            if pos is None:
+                return
+            if all(p != pos for p, _ in shadow_at):
+                shadow_at.append((pos, shadow))
+        ranges = {pos: coerced[pos].byte_range() for pos in range(len(given)) if coerced[pos] is not None}
+        if any(r is None for r in ranges.values()):
+            return  # a Buffer that does not say where it is: overlaps could not be checked
+        order = {pos: k for k, pos in enumerate(tensors)}
+        extent = {pos: ranges[pos][1] - ranges[pos][0] for pos in tensors}
+        tensor_pairs: set[tuple[int, int, int, int]] = set()
+        native_pairs: list[tuple[int, int, int, int]] = []
+        for w, (_, written) in enumerate(argument_names(names)):
+            if not written or coerced[w] is None:
+                continue
+            for j in ranges:
+                if j == w or (w not in order and j not in order):
+                    continue
+                if w in order and j in order:
+                    a, b = sorted((order[w], order[j]))
+                    tensor_pairs.add((a, extent[tensors[a]], b, extent[tensors[b]]))
+                else:
+                    t, native = (w, j) if w in order else (j, w)
+                    lo, hi = ranges[native]
+                    native_pairs.append((order[t], extent[t], lo, hi))
+        templates = {id(coerced[pos].storage): k for k, pos in enumerate(tensors)}
+        run = dev._prepare_relaunch(op, call_args, templates)
+        if run is None:
+            return
+        if len(self._entries) >= RELAUNCH_LIMIT:
+            self._entries.clear()
+        self._entries[key] = _Relaunch(
+            dev.caps,
+            tuple(natives),
+            tuple(shadow_at),
+            max(coerced[pos].dtype.itemsize for pos in tensors) - 1,
+            tuple(sorted(tensor_pairs)),
+            tuple(native_pairs),
+            run,
+        )
