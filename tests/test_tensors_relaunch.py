@@ -281,3 +281,26 @@ def test_any_sequence_of_geometries_gives_the_buffer_result(op, dtype, plan, see
             np.testing.assert_array_equal(_host(args[name]), dev.download(want[name]), err_msg=f"{op} {name} {step}")
         np.testing.assert_array_equal(dev.download(pool), dev.download(want_pool), err_msg=f"{op} pool {step}")
         held = {n: v for n, v in args.items() if hasattr(v, "copy_")}
+
+
+def test_a_new_pool_at_a_dead_pools_id_is_validated(relaunches) -> None:  # type: ignore[no-untyped-def]
+    """Buffers are keyed by id; a pool freed and another one made at its id
+    (CPython reuses them) must not be taken for the remembered one: here the
+    new pool has one row, and the remembered rows reach row 3."""
+    dev = get_device("cpu")
+    pool, _, last, hosts = _steps(dev, "ssm_scan", 4)
+    assert relaunches[0] >= 2
+    old_id, row_size = id(pool), pool.shape[1]
+    del pool, last["pool"]
+    gc.collect()
+    candidates = []
+    for _ in range(200):
+        candidates.append(dev.alloc((1, row_size)))
+        if id(candidates[-1]) == old_id:
+            break
+    small = candidates[-1]
+    assert id(small) == old_id, "CPython did not reuse the id (the check needs it)"
+    done = relaunches[0]
+    with pytest.raises(ArgumentError, match="start_rows"):
+        _call(dev, "ssm_scan", {**last, "pool": small, "y": torch.zeros(hosts["y"].shape)})
+    assert relaunches[0] == done
