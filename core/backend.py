@@ -530,14 +530,24 @@ class Device(abc.ABC):
     #: calls matched by geometry, relaunched with new tensor addresses (statecache.tensor_args.Relaunches)
     _relaunches: Relaunches | None = None
 
-    def _relaunched(self, site: tuple[Any, ...], given: tuple[Any, ...]) -> bool:
-        """Whether a call with tensors was launched by its geometry (see
-        :class:`statecache.tensor_args.Relaunches`); False: nothing was done.
-
-        A primitive that supports it asks first, before :meth:`_tensors_in`
-        (``site``: the primitive and its scalars)."""
+    def _tensors_or_relaunch(self, site: tuple[Any, ...], names: str, given: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """:meth:`_tensors_in` for a primitive that can be relaunched by
+        geometry (:class:`statecache.tensor_args.Relaunches`; ``site``: the
+        primitive and its scalars): None when the call was launched that way,
+        else the arguments as Buffers.  A call with Buffers only pays for one
+        type check per argument, as with :meth:`_tensors_in`."""
+        for arg in given:
+            if arg is not None and not isinstance(arg, Buffer):
+                break
+        else:
+            return given
         relaunches = self._relaunches
-        return relaunches is not None and relaunches.relaunched(self, site, given, Buffer)
+        if relaunches is not None and relaunches.relaunched(self, site, given, Buffer):
+            return None
+        wraps = self._wraps
+        if wraps is None:
+            wraps = self._wraps = TensorWraps()
+        return wraps.coerce(self, names, given, Buffer)
 
     def _learn_relaunch(
         self,
@@ -973,9 +983,10 @@ class Device(abc.ABC):
         given = (pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens)  # held until return: see _tensors_in
         silu = bool(apply_silu)
         site = ("ssm_conv", n_snap, plane_stride, silu)
-        if self._relaunches is not None and self._relaunched(site, given):
+        coerced = self._tensors_or_relaunch(site, _CONV_NAMES, given)
+        if coerced is None:
             return
-        pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens = self._tensors_in(_CONV_NAMES, *given)
+        pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
         if cu_seqlens is None:
@@ -993,7 +1004,6 @@ class Device(abc.ABC):
             if hit.launch is None:
                 args = self._conv_args(hit.shape, bufs, silu)
                 if self._launch_again("ssm_conv", hit, args):
-                    coerced = (pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens)
                     self._learn_relaunch("ssm_conv", site, _CONV_NAMES, given, coerced, index_bufs, hit, args)
             else:
                 hit.launch()
@@ -1090,11 +1100,10 @@ class Device(abc.ABC):
         """
         given = (pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias)  # held: see _tensors_in
         site = ("ssm_scan", n_snap, plane_stride, dt_limit)
-        if self._relaunches is not None and self._relaunched(site, given):
+        coerced = self._tensors_or_relaunch(site, _SCAN_NAMES, given)
+        if coerced is None:
             return
-        pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias = self._tensors_in(
-            _SCAN_NAMES, *given
-        )
+        pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
         if cu_seqlens is None and D is None and z is None and dt_bias is None and dt_limit is None:
@@ -1111,7 +1120,6 @@ class Device(abc.ABC):
             if hit.launch is None:
                 args = self._scan_args(hit.shape, bufs)
                 if self._launch_again("ssm_scan", hit, args):
-                    coerced = (pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias)
                     self._learn_relaunch("ssm_scan", site, _SCAN_NAMES, given, coerced, index_bufs, hit, args)
             else:
                 hit.launch()
@@ -1231,11 +1239,10 @@ class Device(abc.ABC):
         """
         given = (pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias)  # held: see _tensors_in
         site = ("gated_delta_net", n_snap, plane_stride, scale, head_map, qk_l2norm, beta_sigmoid)
-        if self._relaunches is not None and self._relaunched(site, given):
+        coerced = self._tensors_or_relaunch(site, _DELTA_NAMES, given)
+        if coerced is None:
             return
-        pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias = self._tensors_in(
-            _DELTA_NAMES, *given
-        )
+        pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
         if cu_seqlens is None and A_log is None and dt_bias is None:
@@ -1254,7 +1261,6 @@ class Device(abc.ABC):
             if hit.launch is None:
                 args = self._delta_args(hit.shape, bufs)
                 if self._launch_again("gated_delta_net", hit, args):
-                    coerced = (pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias)
                     self._learn_relaunch("gated_delta_net", site, _DELTA_NAMES, given, coerced, index_bufs, hit, args)
             else:
                 hit.launch()

@@ -355,7 +355,7 @@ def host_flat(memory: TensorMemory, dtype: np.dtype) -> np.ndarray:
 Fingerprint = tuple[Any, ...]
 
 
-def _torch_like(obj: Any) -> Fingerprint:
+def torch_like(obj: Any) -> Fingerprint:
     return (type(obj), obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.device)
 
 
@@ -391,7 +391,7 @@ def reader_for(cls: type) -> Callable[[Any], Fingerprint | None]:
     elif all(callable(getattr(cls, m, None)) for m in ("data_ptr", "stride")) and all(
         hasattr(cls, a) for a in ("shape", "dtype", "device")
     ):
-        reader = _torch_like
+        reader = torch_like
     elif isinstance(getattr(cls, "__array_interface__", None), property) or issubclass(cls, np.ndarray):
         reader = _numpy_like
     else:
@@ -414,7 +414,7 @@ def fingerprint(obj: Any) -> Fingerprint | None:
     return reader_for(type(obj))(obj)
 
 
-def _torch_geometry(obj: Any) -> tuple[Fingerprint, int]:
+def torch_geometry(obj: Any) -> tuple[Fingerprint, int]:
     return (type(obj), obj.shape, obj.stride(), obj.dtype, obj.device), obj.data_ptr()
 
 
@@ -426,7 +426,7 @@ def _numpy_geometry(obj: Any) -> tuple[Fingerprint, int]:
 #: geometry being the fingerprint without its address (what a call validated
 #: once in that geometry depends on), for :class:`statecache.tensor_args.Relaunches`.
 _SPLIT_READERS: dict[Callable[[Any], Fingerprint | None], Callable[[Any], tuple[Fingerprint, int]]] = {
-    _torch_like: _torch_geometry,
+    torch_like: torch_geometry,
     _numpy_like: _numpy_geometry,
 }
 

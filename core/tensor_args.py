@@ -106,6 +106,7 @@ from statecache.dlpack import (
     geometry_reader,
     host_array,
     reader_for,
+    torch_like,
 )
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError
@@ -369,7 +370,9 @@ class Relaunches:
         self._entries.clear()
 
     @staticmethod
-    def key(site: tuple[Any, ...], given: tuple[Any, ...], buffer_type: type) -> tuple[tuple[Any, ...], list[int]] | None:
+    def key(
+        site: tuple[Any, ...], given: tuple[Any, ...], buffer_type: type
+    ) -> tuple[tuple[Any, ...], list[int]] | None:
         """The geometry key of a call and its tensors' addresses, or None when
         an argument is neither None, a Buffer nor a tensor read directly."""
         parts: list[Any] = [site]
@@ -395,20 +398,27 @@ class Relaunches:
         parts: list[Any] = [site]
         addresses: list[int] = []
         bits = 0
+        readers = READERS
         try:
             for obj in given:
-                if obj is None:
+                cls = type(obj)
+                if readers.get(cls) is torch_like:  # dlpack.torch_geometry, inlined
+                    parts.append((cls, obj.shape, obj.stride(), obj.dtype, obj.device))
+                    address = obj.data_ptr()
+                elif obj is None:
                     parts.append(None)
+                    continue
                 elif isinstance(obj, buffer_type):
                     parts.append(id(obj))
+                    continue
                 else:
-                    reader = geometry_reader(type(obj))
+                    reader = geometry_reader(cls)
                     if reader is None:
                         return False
                     geometry, address = reader(obj)
                     parts.append(geometry)
-                    addresses.append(address)
-                    bits |= address
+                addresses.append(address)
+                bits |= address
             entry = self._entries.get(tuple(parts))
         except Exception:  # a producer that cannot say where it is, an unhashable scalar: the ordinary path says
             return False

@@ -181,7 +181,7 @@ def test_other_dtype_or_strides_at_a_remembered_address_is_not_taken_on_trust(re
     np.testing.assert_array_equal(dev.download(pool), dev.download(want_pool))
     # float64 at the same address: refused by name
     before = dev.download(pool)
-    x64 = memory.view(torch.float64)[: n].view(shape)
+    x64 = memory.view(torch.float64)[:n].view(shape)
     assert x64.data_ptr() == x32.data_ptr()
     with pytest.raises(ArgumentError, match="x: dtype float64"):
         _call(dev, "ssm_scan", {**last, "x": x64, "y": y})
