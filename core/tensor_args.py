@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -322,7 +323,8 @@ RELAUNCH_LIMIT = 1024
 class _Relaunch:
     """One call geometry remembered for relaunching: what to check, and the launch."""
 
-    __slots__ = ("align", "caps", "native_pairs", "natives", "run", "shadows", "spans", "tensor_pairs")
+    __slots__ = ("align", "caps", "longest", "native_pairs", "natives", "ranges", "run", "shadows", "tensor_pairs",
+                 "written")  # fmt: skip
 
     def __init__(
         self,
@@ -332,6 +334,7 @@ class _Relaunch:
         align: int,
         tensor_pairs: tuple[tuple[int, int, int, int], ...],
         native_pairs: tuple[tuple[int, int, int, int], ...],
+        written: tuple[tuple[int, int], ...],
         run: Callable[[list[int]], None],
     ) -> None:
         self.caps = caps
@@ -344,14 +347,28 @@ class _Relaunch:
         # bytes, tensor m, its extent) and (tensor k, its extent, lo, hi of a Buffer's bytes).
         self.tensor_pairs = tensor_pairs
         self.native_pairs = native_pairs
-        # Every tensor against every Buffer range at once: the lowest and highest Buffer bytes
-        # checked, and the longest tensor extent (see relaunched()).
-        self.spans = (
-            min((lo for _, _, lo, _ in native_pairs), default=0),
-            max((hi for _, _, _, hi in native_pairs), default=0),
-            max((n for _, n, _, _ in native_pairs), default=0),
+        # For the check of all pairs at once (relaunched()): the Buffer ranges a tensor is
+        # checked against, each written tensor with its extent, and the longest extent.
+        self.ranges = tuple(sorted({(lo, hi) for _, _, lo, hi in native_pairs}))
+        self.written = written
+        extents = (
+            [n for _, n, _, _ in native_pairs] + [n for _, n, _, _ in tensor_pairs] + [n for _, _, _, n in tensor_pairs]
         )
+        self.longest = max(extents, default=0)
         self.run = run  # the backend's launch, given the tensors' addresses in argument order
+
+    def apart(self, addresses: list[int]) -> bool:
+        """Whether no pair that must not overlap does, pair by pair (as
+        Device._remembered_by_geometry checks a call matched by geometry)."""
+        for k, k_len, m, m_len in self.tensor_pairs:
+            a, b = addresses[k], addresses[m]
+            if a < b + m_len and b < a + k_len:
+                return False
+        for k, k_len, lo, hi in self.native_pairs:
+            a = addresses[k]
+            if a < hi and lo < a + k_len:
+                return False
+        return True
 
 
 class Relaunches:
@@ -430,17 +447,25 @@ class Relaunches:
         for pos, shadow in entry.shadows:
             if given[pos].host_indices is not shadow:
                 return False
-        for k, k_len, m, m_len in entry.tensor_pairs:
-            a, b = addresses[k], addresses[m]
-            if a < b + m_len and b < a + k_len:
+        if entry.ranges or entry.written:
+            # Overlaps, first all at once: a tensor starting at b reaches [lo, hi) only if
+            # lo - longest < b < hi, so two bisections of the sorted addresses find whether any
+            # may (a written tensor finds itself: one is none).  Only then pair by pair.
+            starts = sorted(addresses)
+            longest = entry.longest
+            suspect = False
+            for lo, hi in entry.ranges:
+                if bisect_left(starts, hi) > bisect_right(starts, lo - longest):
+                    suspect = True
+                    break
+            else:
+                for k, k_len in entry.written:
+                    a = addresses[k]
+                    if bisect_left(starts, a + max(k_len, 1)) - bisect_right(starts, a - longest) > 1:
+                        suspect = True
+                        break
+            if suspect and not entry.apart(addresses):
                 return False
-        lo, hi, longest = entry.spans
-        if entry.native_pairs and min(addresses) < hi and lo < max(addresses) + longest:
-            # some tensor may reach into the Buffers' bytes: check each pair
-            for k, k_len, lo, hi in entry.native_pairs:
-                a = addresses[k]
-                if a < hi and lo < a + k_len:
-                    return False
         entry.run(addresses)
         return True
 
@@ -492,6 +517,7 @@ class Relaunches:
         extent = {pos: ranges[pos][1] - ranges[pos][0] for pos in tensors}
         tensor_pairs: set[tuple[int, int, int, int]] = set()
         native_pairs: list[tuple[int, int, int, int]] = []
+        written_tensors = [w for w, (_, written) in enumerate(argument_names(names)) if written and w in order]
         for w, (_, written) in enumerate(argument_names(names)):
             if not written or coerced[w] is None:
                 continue
@@ -518,5 +544,6 @@ class Relaunches:
             max(coerced[pos].dtype.itemsize for pos in tensors) - 1,
             tuple(sorted(tensor_pairs)),
             tuple(native_pairs),
+            tuple((order[w], extent[w]) for w in written_tensors),
             run,
         )
