@@ -544,10 +544,7 @@ class Device(abc.ABC):
         relaunches = self._relaunches
         if relaunches is not None and relaunches.relaunched(self, site, given, Buffer):
             return None
-        wraps = self._wraps
-        if wraps is None:
-            wraps = self._wraps = TensorWraps()
-        return wraps.coerce(self, names, given, Buffer)
+        return self._tensors_in(names, *given)
 
     def _learn_relaunch(
         self,

@@ -505,11 +505,11 @@ class Relaunches:
             return  # one tensor in two places: the backend could not tell which pointer is which
         shadow_at: list[tuple[int, Any]] = []
         for buf, shadow in zip(index_bufs, shadows):
-            pos = next((p for p, obj in enumerate(given) if obj is buf), None)
-            if pos is None:
+            at = next((p for p, obj in enumerate(given) if obj is buf), None)
+            if at is None:
                 return
-            if all(p != pos for p, _ in shadow_at):
-                shadow_at.append((pos, shadow))
+            if all(p != at for p, _ in shadow_at):
+                shadow_at.append((at, shadow))
         ranges = {pos: coerced[pos].byte_range() for pos in range(len(given)) if coerced[pos] is not None}
         if any(r is None for r in ranges.values()):
             return  # a Buffer that does not say where it is: overlaps could not be checked

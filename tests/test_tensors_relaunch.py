@@ -52,15 +52,18 @@ def _call(dev, op: str, args: dict) -> None:  # type: ignore[no-untyped-def,type
     getattr(dev, op)(*positional, **{n: v for n, v in args.items() if n not in _POSITIONAL[op]})
 
 
-def _as_tensors(dev, hosts: dict, pool, rows) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def _as_tensors(dev, hosts: dict, pool, rows, as_buffers: bool = False) -> dict:  # type: ignore[no-untyped-def,type-arg]
     """The arguments as a runtime passes them: fresh tensors, weights as
-    parameters that require grad, the memory's pool and row Buffers."""
+    parameters that require grad, the memory's pool and row Buffers (or,
+    ``as_buffers``, the same call with Buffers only)."""
     out = {}
     for name, host in hosts.items():
         if name == "pool":
             out[name] = pool
         elif name in ("start_rows", "dst_rows"):
             out[name] = rows
+        elif as_buffers:
+            out[name] = dev.upload(host, DType.parse(host.dtype))
         elif name in WEIGHTS:
             out[name] = torch.nn.Parameter(torch.from_numpy(host.copy()))
         else:
@@ -69,15 +72,7 @@ def _as_tensors(dev, hosts: dict, pool, rows) -> dict:  # type: ignore[no-untype
 
 
 def _as_buffers(dev, hosts: dict, pool, rows) -> dict:  # type: ignore[no-untyped-def,type-arg]
-    out = {}
-    for name, host in hosts.items():
-        if name == "pool":
-            out[name] = pool
-        elif name in ("start_rows", "dst_rows"):
-            out[name] = rows
-        else:
-            out[name] = dev.upload(host, DType.parse(host.dtype))
-    return out
+    return _as_tensors(dev, hosts, pool, rows, as_buffers=True)
 
 
 def _read(dev, value) -> np.ndarray:  # type: ignore[no-untyped-def]
