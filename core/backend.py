@@ -566,7 +566,7 @@ class Device(abc.ABC):
 
     def _prepare_relaunch(
         self, op: str, call_args: tuple[Any, ...], tensors: dict[int, int]
-    ) -> Callable[[list[int]], None] | None:
+    ) -> Callable[[list[int]], bool] | None:
         """Optionally turn a validated call into a launch that takes its
         tensors' addresses.
 
@@ -576,7 +576,9 @@ class Device(abc.ABC):
         its address in the list the launch gets.  A Buffer over a tensor has
         offset 0 at the tensor's address; the launch must put every one of
         them at its new address (and keep no pointer of the validated call),
-        or the backend returns None.  None, the default: no relaunching."""
+        or the backend returns None.  The launch returns True, or False when
+        it did nothing (another thread is running it): the call then takes
+        the ordinary path.  None, the default: no relaunching."""
         return None
 
     def _import_memory(self, memory: TensorMemory, dtype: DType) -> Buffer | None:

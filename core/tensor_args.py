@@ -335,7 +335,7 @@ class _Relaunch:
         tensor_pairs: tuple[tuple[int, int, int, int], ...],
         native_pairs: tuple[tuple[int, int, int, int], ...],
         written: tuple[tuple[int, int], ...],
-        run: Callable[[list[int]], None],
+        run: Callable[[list[int]], bool],
     ) -> None:
         self.caps = caps
         self.natives = natives  # (position, weak reference to the Buffer validated there)
@@ -355,7 +355,7 @@ class _Relaunch:
             [n for _, n, _, _ in native_pairs] + [n for _, n, _, _ in tensor_pairs] + [n for _, _, _, n in tensor_pairs]
         )
         self.longest = max(extents, default=0)
-        self.run = run  # the backend's launch, given the tensors' addresses in argument order
+        self.run = run  # the backend's launch, given the tensors' addresses in argument order (False: busy)
 
     def apart(self, addresses: list[int]) -> bool:
         """Whether no pair that must not overlap does, pair by pair (as
@@ -466,8 +466,7 @@ class Relaunches:
                         break
             if suspect and not entry.apart(addresses):
                 return False
-        entry.run(addresses)
-        return True
+        return entry.run(addresses)
 
     def learn(
         self,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -534,16 +535,26 @@ class CpuDevice(Device):
         field_steps = tuple(fields)
         pointer_steps = tuple(pointers)
         last = [-1] * len(pointer_steps)
+        # The structs are patched in place and the kernel runs without the GIL: a second thread
+        # relaunching the same call meanwhile would move the first one's pointers.  It takes the
+        # ordinary path instead (relaunch returns False, nothing done).
+        busy = threading.Lock()
 
-        def relaunch(addresses: list[int]) -> None:
-            for k, delta, alias in field_steps:
-                alias[0] = addresses[k] + delta
-            for i, (k, delta, ctype, arg) in enumerate(pointer_steps):
-                address = addresses[k] + delta
-                if address != last[i]:
-                    args[arg] = cast(ctype, address)
-                    last[i] = address
-            kernel(*args, num_threads())
+        def relaunch(addresses: list[int]) -> bool:
+            if not busy.acquire(blocking=False):
+                return False
+            try:
+                for k, delta, alias in field_steps:
+                    alias[0] = addresses[k] + delta
+                for i, (k, delta, ctype, arg) in enumerate(pointer_steps):
+                    address = addresses[k] + delta
+                    if address != last[i]:
+                        args[arg] = cast(ctype, address)
+                        last[i] = address
+                kernel(*args, num_threads())
+            finally:
+                busy.release()
+            return True
 
         relaunch.keep = (keep, args)  # type: ignore[attr-defined]  # the structs the aliases write into
         return relaunch
