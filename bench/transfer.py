@@ -107,8 +107,8 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
                 if rank == 0:
                     T._offer(ch, blob, 0, args.tokens - 1, 0, args.checksum, "the blob")
                 else:
-                    data, _ = T._take(ch, 1 << 40)
-                    T._check_positions(data, args.tokens - 1)
+                    got = T._take(ch, 1 << 40)
+                    T._check_positions(got.meta, args.tokens - 1)
                     ch.answer(T.OK)
             elif rank == 0:
                 send_sequence(mem, 0, 1, checksum=args.checksum, timeout=300, rows=kind == "sequence")

@@ -79,7 +79,7 @@ from statecache.memory import (
     check_seq_id,
     normalize_range,
 )
-from statecache.state_io import Reader, Writer, find_section, pack_sections, unpack_sections
+from statecache.state_io import Reader, Writer, find_section, pack_sections, rows_ready, unpack_sections
 
 if TYPE_CHECKING:
     from statecache.batch import BatchAllocator, UBatch
@@ -585,6 +585,7 @@ class HybridMemory(Memory):
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         _, sections = unpack_sections(data, flags)
         plans = self.parse_all(sections, seq, flags)
+        rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         try:
             self.commit_all(plans)
         except BaseException:

@@ -78,6 +78,7 @@ from statecache.state_io import (
     find_section,
     pack_sections,
     planes_apart,
+    rows_ready,
     unpack_sections,
 )
 
@@ -1230,6 +1231,7 @@ class RecurrentMemory(Memory):
         # PARTIAL_ONLY does not change what a recurrent memory writes: only unknown flag bits are refused
         _, sections = unpack_sections(data)
         plan = self.parse_section(find_section(sections, SECTION_TAG), seq)
+        rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         self.apply_section(plan)
 
 

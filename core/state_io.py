@@ -32,7 +32,7 @@ import contextvars
 import dataclasses
 import struct
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -84,10 +84,25 @@ class RowSink:
 @dataclasses.dataclass
 class RowSource:
     """Row blocks for :meth:`Reader.rows` while :func:`rows_apart` is active: taken
-    from ``data`` (``uint8``) in order, from ``offset`` on."""
+    from ``data`` (``uint8``) in order, from ``offset`` on.
+
+    ``wait``, when given, is called once, by :func:`rows_ready`, before the first row
+    is written: the rows may still be arriving while the metadata is validated (the
+    views :meth:`take` hands out are only read when written), and ``wait`` returns
+    once all of ``data`` is there, or raises why it never will be."""
 
     data: np.ndarray
     offset: int = 0
+    wait: Callable[[], None] | None = None
+    #: The wait happened only once the memory was writing (see :func:`rows_ready`).
+    late: bool = False
+
+    def ready(self, writing: bool = False) -> None:
+        """Block until every row is in ``data`` (see ``wait``); then a no-op."""
+        wait, self.wait = self.wait, None
+        if wait is not None:
+            self.late = writing
+            wait()
 
     def take(self, n: int, field: str) -> np.ndarray:
         if self.offset + n > self.data.size:
@@ -119,6 +134,19 @@ def rows_apart(where: RowSink | RowSource) -> Iterator[RowSink | RowSource]:
         yield where
     finally:
         _ROWS.reset(token)
+
+
+def rows_ready(writing: bool = False) -> None:
+    """Memories call this in ``state_read`` after validating everything and before
+    writing anything: inside :func:`rows_apart` with a :class:`RowSource` whose rows
+    are still arriving (a sequence transfer validates the metadata while the rows
+    are on the wire), it waits for them, and raises, with nothing written, when they
+    never come.  Elsewhere a no-op.  ``writing``: called where rows are written
+    (:func:`statecache.hostmem.scatter_rows`, for a memory that did not call it
+    before), so a failure there may follow writes."""
+    source = _ROWS.get()
+    if isinstance(source, RowSource):
+        source.ready(writing)
 
 
 def planes_apart() -> bool:
