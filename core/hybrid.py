@@ -514,7 +514,9 @@ class HybridMemory(Memory):
         plans.  Changes nothing."""
         plans = {
             "attn": self._parse_attn(sections, seq, flags),
-            "recr": self.recr.parse_section(find_section(sections, TAG_RECR), seq),
+            "recr": self.recr.parse_section(
+                find_section(sections, TAG_RECR), seq, planes=bool(flags & StateFlags.WITH_PLANES)
+            ),
         }
         self._check_blob_parts_agree(plans, seq)
         return plans
@@ -583,7 +585,9 @@ class HybridMemory(Memory):
         failure while writing, after validation, drops the destination from the
         parts the read would have written: no half-restored sequence survives."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
-        _, sections = unpack_sections(data, flags)
+        blob_flags, sections = unpack_sections(data, flags)
+        # the blob's own WITH_PLANES bit says whether its recurrent section carries planes
+        flags = (int(flags) & ~StateFlags.WITH_PLANES) | (blob_flags & StateFlags.WITH_PLANES)
         plans = self.parse_all(sections, seq, flags)
         rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         try:

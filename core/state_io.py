@@ -47,10 +47,14 @@ READ_VERSIONS = (1, 2)
 _HEADER = struct.Struct("<4sHHI")
 _SECTION_V1 = struct.Struct("<4sQ")
 _SECTION = struct.Struct("<4sQI")  # version 2: tag, length, crc32 of the payload
-#: Header flag bits a reader understands (``StateFlags``: PARTIAL_ONLY, ON_DEVICE).
-KNOWN_FLAGS = 0b11
+#: Header flag bits a reader understands (``StateFlags``: PARTIAL_ONLY, ON_DEVICE, WITH_PLANES).
+#: A reader older than WITH_PLANES refuses such a blob by its flags, naming the unknown bit.
+KNOWN_FLAGS = 0b111
 #: The flag that changes which sections a blob holds: reader and writer must agree on it.
 PARTIAL_ONLY = 1
+#: The recurrent section ends with the snapshot planes (``StateFlags.WITH_PLANES``): the
+#: blob's own bit decides how it is read.
+WITH_PLANES = 4
 
 #: dtype codes stored in blobs (never renumber).
 DTYPE_CODES: dict[DType, int] = {DType.F32: 0, DType.F16: 1, DType.BF16: 30, DType.I32: 26}
