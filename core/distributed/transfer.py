@@ -66,13 +66,13 @@ from typing import Any
 import numpy as np
 
 from statecache.distributed.errors import TransferError
-from statecache.distributed.wire import as_tensor, group_device, host_view, post, torch_dist, wait
+from statecache.distributed.wire import as_tensor, group_device, host_view, on_host, post, torch_dist, wait
 from statecache.errors import StateError
 from statecache.memory import StateFlags
 from statecache.state_io import RowSink, RowSource, rows_apart, unpack_sections
 
 MAGIC = 0x5343_5351  # "SCSQ"
-PROTOCOL = 2
+PROTOCOL = 3  # 3: the metadata travels in its own message, ahead of the rows
 ANSWER = 0x5343_4F4B  # "SCOK": the magic of every answer
 _HEADER_WORDS = 10
 _CRC_PRESENT = 1 << 16  # in the header's flags word, above the state flags
@@ -270,21 +270,31 @@ def _offer(
     code = ch.hear("waiting for the answer to the header")
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
-    tensor = as_tensor(blob, ch.device)
     works: list[Any] = []
     if meta_bytes is None:
-        works.append(ch.send(tensor, "sending the payload"))
+        works.append(ch.send(as_tensor(blob, ch.device), "sending the payload"))
     else:  # the metadata first, on its own, so the receiver validates it while the rows travel
-        works.append(ch.send(tensor[:meta_bytes], "sending the metadata"))
+        host = np.frombuffer(blob, dtype=np.uint8) if not isinstance(blob, np.ndarray) else blob
+        if on_host(ch.device):
+            tensor = as_tensor(host, ch.device)  # the buffer itself: rows gathered into it are sent from it
+        else:  # NCCL: each message is uploaded once its bytes are gathered, then sent from the device
+            tensor = ch.torch.empty(len(blob), dtype=ch.torch.uint8, device=ch.device)
+
+        def send(lo: int, hi: int, what: str) -> None:
+            if not on_host(ch.device):
+                tensor[lo:hi].copy_(ch.torch.from_numpy(host[lo:hi]))
+            works.append(ch.send(tensor[lo:hi], what))
+
+        send(0, meta_bytes, "sending the metadata")
         cuts = _row_messages(len(blob), meta_bytes, chunk)
         if fill is None:
-            works += [ch.send(tensor[lo:hi], "sending the rows") for lo, hi in cuts]
+            for lo, hi in cuts:
+                send(lo, hi, "sending the rows")
         else:
 
             def progress(ready: int) -> None:  # send every message whose rows are all gathered
                 while len(works) <= len(cuts) and cuts[len(works) - 1][1] <= ready:
-                    lo, hi = cuts[len(works) - 1]
-                    works.append(ch.send(tensor[lo:hi], "sending the rows"))
+                    send(*cuts[len(works) - 1], "sending the rows")
 
             fill(progress)
     code = ch.hear("waiting for the answer to the payload")
@@ -445,7 +455,7 @@ def _take(ch: _Channel, limit: int) -> _Arrival:
         raise TransferError(src, f"rank {src} announced {nbytes} bytes, more than max_bytes={limit}; refused")
     ch.answer(OK)
     payload = _receive_buffer(ch, nbytes)
-    on_host = ch.device.type == "cpu"
+    host = on_host(ch.device)
     flags = flags_word & 0xFFFF
     checked = flags_word & _CRC_PRESENT
 
@@ -468,15 +478,15 @@ def _take(ch: _Channel, limit: int) -> _Arrival:
     wait(first, ch.timeout, src, "receiving the metadata")
     meta = host_view(payload[:meta_bytes])
     # over NCCL the rows land on the device: they are read from a host copy made once they are all there
-    rows_host = np.frombuffer(host_view(payload), dtype=np.uint8) if on_host else np.empty(nbytes, dtype=np.uint8)
+    rows_host = np.frombuffer(host_view(payload), dtype=np.uint8) if host else np.empty(nbytes, dtype=np.uint8)
     rows = rows_host[meta_bytes:]
 
     def finish() -> None:
-        if not on_host:
+        if not host:
             ch.torch.from_numpy(rows).copy_(payload[meta_bytes:])
             rows_host[:meta_bytes] = np.frombuffer(meta, dtype=np.uint8)
         try:
-            check_crc(rows_host.data if on_host else rows_host)
+            check_crc(rows_host.data if host else rows_host)
         except TransferError:
             ch.answer(BAD_CHECKSUM)
             raise
