@@ -30,16 +30,21 @@ The protocol keeps the receiver safe:
 2. the receiver checks the header (a corrupt one, or a payload larger than
    its memory could ever hold, is refused before it allocates anything) and
    answers *go* or *refused*;
-3. the sender sends the payload, its rows in :data:`CHUNK_BYTES` messages,
-   each as soon as it is gathered (gathering overlaps the wire); the receiver
-   waits for them within ``timeout`` seconds (a sender that dies or stalls
-   raises :class:`~statecache.distributed.errors.TransferError`), checks the
-   CRC when one was sent, that every part's last position is the header's
-   and that the metadata uses every row byte, then reads it into its sequence;
+3. the sender sends the metadata in one message, then the rows in
+   :data:`CHUNK_BYTES` messages, each as soon as it is gathered (gathering
+   overlaps the wire); the receiver posts every receive at once and, while
+   the rows travel, checks that every part's last position is the header's
+   and that the metadata uses every row byte, saves what the destination
+   sequence held, and runs the memory's ``state_read``, which validates
+   everything from the metadata and then, before writing anything, waits
+   for the rows (:func:`statecache.state_io.rows_ready`: within ``timeout``
+   seconds, the CRC checked when one was sent; a sender that dies or stalls
+   raises :class:`~statecache.distributed.errors.TransferError` there, with
+   nothing written), and writes them;
 4. the receiver answers *accepted* or why not; the sender raises if not.
 
-The receiving memory changes only in step 3's final read, which validates
-the whole state first and changes nothing when it refuses it; if writing
+The receiving memory changes only in step 3's writes, after the whole state
+is validated and the whole payload staged; if writing
 fails after validation, the sequence's previous state (saved before the
 read, with its planes) is put back.  So a transfer that fails anywhere
 leaves the receiver as it was, and raises an error that says where it failed.
