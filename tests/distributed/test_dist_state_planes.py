@@ -6,6 +6,8 @@ restored from the blob rolls back exactly as the original could.  The oracle
 is the original memory itself: after the same ``seq_rm`` into its last write,
 both must accept or refuse alike and then hold the same state.  The rows hold
 garbage (every plane a different one), so restoring a wrong plane shows.
+(Here rather than in tests/ for the shared helpers; the per-rank path is in
+test_dist_checkpoint.py.)
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import struct
 import zlib
 
 import pytest
+from dist_memories import place
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import statecache
 from statecache import state_io
-from statecache.batch import Batch, BatchAllocator
 from statecache.errors import StateError
 from statecache.factory import make_memory
 from statecache.memory import StateFlags
@@ -46,18 +48,6 @@ def build(kind, backend, n_seq_max, n_rs_seq, seed):
         mem = make_memory(spec, dev, n_seq_max, n_rs_seq, n_ctx=32, n_ubatch=8)
         mem.fill_garbage(seed)
     return mem
-
-
-def place(mem, tokens_by_seq):
-    """Commit a batch to the book without computing anything (each write rotates planes)."""
-    balloc = BatchAllocator(mem.n_seq_max)
-    balloc.init(Batch.for_sequences(tokens_by_seq), mem)
-    ctx = mem.init_batch(balloc, 8)
-    assert not ctx.status.is_fail
-    while True:
-        assert ctx.apply()
-        if not ctx.next():
-            break
 
 
 def written(kind, backend, k, steps, seed):
