@@ -14,8 +14,9 @@ round, interleaved so both see the same machine load:
 * ``sequence``: ``send_sequence`` / ``recv_sequence``, timed on the receiver
   from the same barrier until the state is installed in its memory: the
   sender gathers the sequence's rows (and snapshot planes) into one host
-  buffer behind their metadata, both answer, the receiver checks the
-  metadata and writes the rows into its memory;
+  buffer behind their metadata and sends the metadata first, then the rows;
+  the receiver validates the metadata while the rows travel, then copies
+  them into its memory;
 * ``state format``: the same with ``rows=False``: the sender's ``state_write``
   blob, the receiver's ``state_read`` (the fallback, with the format's CRC-32
   of every section on both sides);
