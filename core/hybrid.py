@@ -82,7 +82,7 @@ from statecache.memory import (
     check_seq_id,
     normalize_range,
 )
-from statecache.state_io import Reader, Writer, find_section, pack_sections, unpack_sections
+from statecache.state_io import Reader, Writer, find_section, pack_sections, rows_ready, unpack_sections
 
 if TYPE_CHECKING:
     from statecache.batch import BatchAllocator, UBatch
@@ -634,7 +634,9 @@ class HybridMemory(Memory):
         plans.  Changes nothing."""
         plans = {
             "attn": self._parse_attn(sections, seq, flags),
-            "recr": self.recr.parse_section(find_section(sections, TAG_RECR), seq),
+            "recr": self.recr.parse_section(
+                find_section(sections, TAG_RECR), seq, planes=bool(flags & StateFlags.WITH_PLANES)
+            ),
         }
         self._check_blob_parts_agree(plans, seq)
         return plans
@@ -703,8 +705,11 @@ class HybridMemory(Memory):
         failure while writing, after validation, drops the destination from the
         parts the read would have written: no half-restored sequence survives."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
-        _, sections = unpack_sections(data, flags)
+        blob_flags, sections = unpack_sections(data, flags)
+        # the blob's own WITH_PLANES bit says whether its recurrent section carries planes
+        flags = (int(flags) & ~StateFlags.WITH_PLANES) | (blob_flags & StateFlags.WITH_PLANES)
         plans = self.parse_all(sections, seq, flags)
+        rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         try:
             self.commit_all(plans)
         except BaseException:

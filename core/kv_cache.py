@@ -53,7 +53,16 @@ from statecache.memory import (
     readonly_rows,
     view_guard,
 )
-from statecache.state_io import CODE_DTYPES, DTYPE_CODES, Reader, Writer, find_section, pack_sections, unpack_sections
+from statecache.state_io import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    Reader,
+    Writer,
+    find_section,
+    pack_sections,
+    rows_ready,
+    unpack_sections,
+)
 
 if TYPE_CHECKING:
     from statecache.batch import BatchAllocator, UBatch
@@ -980,6 +989,7 @@ class KVCache(Memory):
         r = Reader(find_section(sections, TAG_KV))
         plan = self.state_parse(r, seq)
         r.at_end()
+        rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         try:
             self.state_commit(plan)
         except BaseException:
@@ -1665,6 +1675,7 @@ class KVCacheISWA(Memory):
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         _, sections = unpack_sections(data, flags)
         plan = self.parse_sections(sections, seq, flags)
+        rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         try:
             self.state_commit(plan)
         except BaseException:

@@ -273,11 +273,15 @@ def status_combine(a: MemoryStatus, b: MemoryStatus) -> MemoryStatus:
 
 class StateFlags(enum.IntFlag):
     """``PARTIAL_ONLY``: only the memories that cannot be rebuilt by truncating a
-    later state (recurrent state, SWA caches).  ``ON_DEVICE``: reserved."""
+    later state (recurrent state, SWA caches).  ``ON_DEVICE``: reserved.
+    ``WITH_PLANES``: the recurrent section also carries each cell's snapshot planes
+    still valid, so the restored memory rolls back as the original could
+    (docs/state-format.md); the reader follows the blob's own bit."""
 
     NONE = 0
     PARTIAL_ONLY = 1
     ON_DEVICE = 2
+    WITH_PLANES = 4
 
 
 class MemoryContext(abc.ABC):

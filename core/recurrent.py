@@ -77,11 +77,13 @@ from statecache.spec import MemorySpec, RecurrentLayerSpec
 from statecache.state_io import (
     CODE_DTYPES,
     DTYPE_CODES,
+    WITH_PLANES,
     Reader,
     Writer,
     find_section,
     pack_sections,
     planes_apart,
+    rows_ready,
     unpack_sections,
 )
 
@@ -1296,7 +1298,7 @@ class RecurrentMemory(Memory):
                 w.u64(row_bytes)
                 if rows.size:
                     w.rows(self.device, buf, rows)
-        if planes_apart():
+        if planes_apart() or flags & StateFlags.WITH_PLANES:
             self._write_planes(w, cells)
         return w
 
@@ -1313,8 +1315,9 @@ class RecurrentMemory(Memory):
         return (src // self.size - behind) % self.n_snap * self.size + c
 
     def _write_planes(self, w: Writer, cells: Sequence[int]) -> None:
-        """Outside the state format (see :func:`statecache.state_io.planes_apart`): per cell the
-        number of valid planes behind its state, then per state tensor their rows."""
+        """With ``StateFlags.WITH_PLANES`` or inside a transfer (see
+        :func:`statecache.state_io.planes_apart`): per cell the number of valid planes
+        behind its state, then per state tensor their rows."""
         planes = [self._valid_planes(c) for c in cells]
         for p in planes:
             w.u32(int(p.size))
@@ -1327,8 +1330,9 @@ class RecurrentMemory(Memory):
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
         return pack_sections([(SECTION_TAG, self.write_section(seq, flags))], flags)
 
-    def parse_section(self, payload: Any, seq: int = -1) -> dict[str, Any]:
-        """Validate a recurrent section completely; returns a restore plan.  Mutates nothing."""
+    def parse_section(self, payload: Any, seq: int = -1, planes: bool = False) -> dict[str, Any]:
+        """Validate a recurrent section completely; returns a restore plan.  Mutates nothing.
+        ``planes``: the section ends with snapshot planes (a ``WITH_PLANES`` blob)."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         r = Reader(payload, "recurrent")
         n_cells = r.u32("cell_count")
@@ -1375,9 +1379,9 @@ class RecurrentMemory(Memory):
                 row_bytes = buf.shape[1] * buf.dtype.itemsize
                 r.expect(f"layer[{layer}].{name}.row_bytes", r.u64(f"layer[{layer}].{name}.row_bytes"), row_bytes)
                 data[layer][name] = r.rows(n_cells, row_bytes, buf.dtype, f"layer[{layer}].{name}.rows")
-        planes = self._parse_planes(r, n_cells) if planes_apart() else None
+        plane_rows = self._parse_planes(r, n_cells) if planes or planes_apart() else None
         r.at_end()
-        return {"seq": seq, "cells": cells, "data": data, "planes": planes}
+        return {"seq": seq, "cells": cells, "data": data, "planes": plane_rows}
 
     def _parse_planes(self, r: Reader, n_cells: int) -> tuple[list[int], dict[int, dict[str, np.ndarray]]]:
         """The snapshot planes :meth:`_write_planes` wrote: per cell how many, per tensor the rows."""
@@ -1455,8 +1459,9 @@ class RecurrentMemory(Memory):
         if hasattr(data, "read") and not isinstance(data, bytes | bytearray | memoryview):
             data = data.read()
         # PARTIAL_ONLY does not change what a recurrent memory writes: only unknown flag bits are refused
-        _, sections = unpack_sections(data)
-        plan = self.parse_section(find_section(sections, SECTION_TAG), seq)
+        blob_flags, sections = unpack_sections(data)
+        plan = self.parse_section(find_section(sections, SECTION_TAG), seq, planes=bool(blob_flags & WITH_PLANES))
+        rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         self.apply_section(plan)
 
 
