@@ -31,7 +31,7 @@ from statecache.batch import SeqIds
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, StateError
 from statecache.hostmem import scatter_rows
-from statecache.kv_cells import EMPTY, CellJournal, KVCells, last_positions
+from statecache.kv_cells import EMPTY, CellJournal, KVCells, first_positions, last_positions
 from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from
 from statecache.memory import (
     ContextError,
@@ -342,7 +342,7 @@ class KVCache(Memory):
             cells = book.cells[strm]
             idx = sinfo.cells[tok]
             # sliding-window reuse: remember the overwritten position per sequence
-            max_rm: dict[int, int] = {}
+            held = pmax = np.zeros(0, dtype=np.int64)
             occ = idx[cells.pos[idx] != EMPTY]
             if occ.size:  # (vectorised: a prefill chunk may reuse a whole window's cells)
                 owners = cells.owner_pairs(occ)
@@ -350,7 +350,7 @@ class KVCache(Memory):
                 top = np.full(self.n_seq_max, -1, dtype=np.int64)
                 np.maximum.at(top, seqs, cells.pos[occ][rows])
                 held = np.flatnonzero(top >= 0)
-                max_rm = dict(zip(held.tolist(), top[held].tolist(), strict=True))
+                pmax = top[held]
                 cells.rm_many(occ, owners)
             if single:
                 cells.place_seqs(idx, pos[tok], ext[tok], ub.seq_id.ids[tok])  # type: ignore[attr-defined]
@@ -360,11 +360,12 @@ class KVCache(Memory):
                     cells.pos_set(c, int(pos[i]), (int(ext[i, 0]), int(ext[i, 1])))
                     for s in ub.seq_id[i]:
                         cells.seq_add(c, s)
-            # purge: a sequence keeps every position between its min and max
-            for s, pmax in max_rm.items():
-                lo = cells.seq_pos_min(s)
-                if lo != -1 and lo <= pmax:
-                    self._seq_rm_cells(book, strm, s, lo, pmax + 1)
+            # purge: a sequence keeps every position between its min and max (the sequences
+            # whose oldest position is still at or below one they lost; read all at once)
+            if held.size:
+                lo = first_positions([cells.seq_pos[s] for s in held.tolist()])
+                for k in np.flatnonzero((lo != -1) & (lo <= pmax)).tolist():
+                    self._seq_rm_cells(book, strm, int(held[k]), int(lo[k]), int(pmax[k]) + 1)
             head = int(idx.max()) + 1
             book.heads[strm] = 0 if head >= self.size else head
 

@@ -56,11 +56,15 @@ _POS_END = 1 << 31  # one past the largest position
 _STAMPS = itertools.count(1)
 
 _NO_KEYS = np.zeros(0, dtype=np.int64)
+#: larger than every key (a sequence without pairs, where a first key is read)
+_NO_PAIR = (1 << 63) - 1
 
 #: (stamp, pair count) and the last key of a :class:`SeqCells`, read by C-level ``map`` over
 #: every sequence of a stream (a decode step at 256 sequences pays no Python call per sequence)
 _STAMP_AND_N = operator.attrgetter("stamp", "_n")
 _LAST_KEY = operator.attrgetter("_last")
+_STAMP = operator.attrgetter("stamp")
+_N = operator.attrgetter("_n")
 
 
 def _key(p: int, c: int) -> int:
@@ -265,6 +269,22 @@ class SeqCells(Sequence[tuple[int, int]]):
         self.stamp = next(_STAMPS)
 
 
+def stamps_and_counts(seqs: Sequence[SeqCells]) -> Iterator[tuple[int, int]]:
+    """``(stamp, len)`` of each of ``seqs``, lazily, with no Python call per sequence."""
+    return map(_STAMP_AND_N, seqs)
+
+
+def last_keys(seqs: Sequence[SeqCells]) -> Iterator[int]:
+    """:attr:`SeqCells.last_key` of each of ``seqs``, lazily, with no Python call per sequence."""
+    return map(_LAST_KEY, seqs)
+
+
+def first_positions(seqs: Sequence[SeqCells]) -> np.ndarray:
+    """``first_pos()`` of each of ``seqs`` (-1: holds nothing) as one int64 array."""
+    keys = np.array([int(sc._keys[0]) if sc._n else -1 for sc in seqs], dtype=np.int64)
+    return keys >> _CELL_BITS
+
+
 def last_positions(seqs: Sequence[SeqCells]) -> np.ndarray:
     """``last_pos()`` of each of ``seqs`` (-1: holds nothing) as one int64 array."""
     keys = np.fromiter(map(_LAST_KEY, seqs), dtype=np.int64, count=len(seqs))
@@ -280,7 +300,7 @@ class CellJournal:
     or, for the bulk mutations, a whole set of cells as arrays (``bulk``), so that a decode
     step that reuses 256 window cells saves them with a few NumPy copies, not 256 tuples."""
 
-    __slots__ = ("bulk", "bulk_cells", "empty_before", "has_shift", "removals", "saved", "stamps", "used")
+    __slots__ = ("bulk", "bulk_cells", "counts", "empty_before", "has_shift", "removals", "saved", "stamps", "used")
 
     def __init__(self, cells: KVCells) -> None:
         #: cell -> (pos, ext x, ext y, shift, sequences) of a cell that held a position at its first touch
@@ -296,7 +316,9 @@ class CellJournal:
         self.removals = cells.removals
         #: each sequence's (stamp, pair count) at attach: given back by a rollback that finds the
         #: same pairs (O(sequences), so a reader of the pairs need not read them again)
-        self.stamps: list[tuple[int, int]] = list(map(_STAMP_AND_N, cells.seq_pos))
+        seq_pos = cells.seq_pos
+        self.stamps = np.fromiter(map(_STAMP, seq_pos), dtype=np.int64, count=len(seq_pos))
+        self.counts = np.fromiter(map(_N, seq_pos), dtype=np.int64, count=len(seq_pos))
 
     def _seen(self, i: int) -> bool:
         return i in self.saved or i in self.empty_before or i in self.bulk_cells
@@ -496,11 +518,17 @@ class KVCells:
         if need <= 0 or not len(seqs):
             return []
         seq_pos = self.seq_pos
+        end_key = np.clip(np.asarray(p_end, dtype=np.int64), 0, _POS_END) << _CELL_BITS
+        # only a sequence whose oldest pair is below its end gives anything: one read each
+        first = np.array([int(seq_pos[s]._keys[0]) if seq_pos[s]._n else _NO_PAIR for s in seqs], dtype=np.int64)
+        giving = np.flatnonzero(first < end_key)
+        if not giving.size:
+            return []
+        seqs, p_end, end_key = [seqs[g] for g in giving.tolist()], np.asarray(p_end)[giving], end_key[giving]
         heads = [seq_pos[s]._keys[: min(_HEAD, seq_pos[s]._n)] for s in seqs]
         lens = np.fromiter(map(len, heads), dtype=np.int64, count=len(heads))
         flat = np.concatenate(heads)
         row = np.repeat(np.arange(len(heads)), lens)
-        end_key = np.clip(np.asarray(p_end, dtype=np.int64), 0, _POS_END) << _CELL_BITS
         below = flat < end_key[row]
         cells = flat & _CELL_MASK
         take = below & (self.n_owner[cells] == 1)
@@ -624,9 +652,9 @@ class KVCells:
             # Only cells empty at attach were touched (trial placements), and they are empty
             # again: every sequence holds exactly its pairs of then, so it gets its stamp of then
             # back (the k-pool layout then reads no pair again at the next apply).
-            for sc, (stamp, n) in zip(self.seq_pos, journal.stamps, strict=True):
-                if len(sc) == n:
-                    sc.stamp = stamp
+            now = np.fromiter(map(_N, self.seq_pos), dtype=np.int64, count=len(self.seq_pos))
+            for s in np.flatnonzero(now == journal.counts).tolist():
+                self.seq_pos[s].stamp = int(journal.stamps[s])
         if self.used != journal.used:
             raise InvariantError("kv-journal", f"rollback left {self.used} cells used, expected {journal.used}")
 
@@ -823,8 +851,18 @@ class KVCells:
                 self.seq_pos[q].remove_key(k)
         else:
             bounds = [0, *(np.flatnonzero(new_seq) + 1).tolist(), int(seqs.size)]
+            seq_l, key_l = seqs.tolist(), keys.tolist()
             for a, b in itertools.pairwise(bounds):
-                self.seq_pos[int(seqs[a])].remove_many(keys[a:b])
+                sc = self.seq_pos[seq_l[a]]
+                n, m, held = sc._n, b - a, sc._keys
+                if m < n and held[0] == key_l[a] and held[m - 1] == key_l[b - 1]:
+                    # a sequence's oldest pairs (a window cache's reuse): SeqCells.remove_many's
+                    # head case, inlined (once per sequence that gave cells)
+                    held[: n - m] = held[m:n]
+                    sc._n = n - m
+                    sc.stamp = next(_STAMPS)
+                else:
+                    sc.remove_many(keys[a:b])
         self.removals += int(seqs.size)
         self.seq[idx] = False
         self.n_owner[idx] = 0
