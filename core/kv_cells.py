@@ -56,13 +56,12 @@ _POS_END = 1 << 31  # one past the largest position
 _STAMPS = itertools.count(1)
 
 _NO_KEYS = np.zeros(0, dtype=np.int64)
-#: larger than every key (a sequence without pairs, where a first key is read)
-_NO_PAIR = (1 << 63) - 1
 
 #: (stamp, pair count) and the last key of a :class:`SeqCells`, read by C-level ``map`` over
 #: every sequence of a stream (a decode step at 256 sequences pays no Python call per sequence)
 _STAMP_AND_N = operator.attrgetter("stamp", "_n")
 _LAST_KEY = operator.attrgetter("_last")
+_FIRST_KEY = operator.attrgetter("_first")
 _STAMP = operator.attrgetter("stamp")
 _N = operator.attrgetter("_n")
 
@@ -87,7 +86,7 @@ class SeqCells(Sequence[tuple[int, int]]):
     adding or removing elsewhere moves the later keys (one ``memmove``).
     """
 
-    __slots__ = ("_keys", "_last", "_n", "stamp")
+    __slots__ = ("_first", "_keys", "_last", "_n", "stamp")
 
     def __init__(self) -> None:
         self._keys = _NO_KEYS
@@ -95,6 +94,8 @@ class SeqCells(Sequence[tuple[int, int]]):
         #: the last key as a Python int (-1 when empty): the decode append compares against it,
         #: and ``seq_pos_max`` of every sequence is read without a NumPy scalar per sequence
         self._last = -1
+        #: the first key likewise (a window cache asks every sequence whether its oldest pair left the window)
+        self._first = -1
         #: changes at every edit that is not an append at the end (see ``_STAMPS``)
         self.stamp = next(_STAMPS)
 
@@ -115,7 +116,7 @@ class SeqCells(Sequence[tuple[int, int]]):
         return [(k >> _CELL_BITS, k & _CELL_MASK) for k in self._keys[lo : self._n].tolist()]
 
     def first_pos(self) -> int:
-        return int(self._keys[0] >> _CELL_BITS) if self._n else -1
+        return self._first >> _CELL_BITS  # -1 >> 32 is -1: empty
 
     def last_pos(self) -> int:
         return self._last >> _CELL_BITS  # -1 >> 32 is -1: empty
@@ -172,6 +173,7 @@ class SeqCells(Sequence[tuple[int, int]]):
         out._keys = self._keys[: self._n].copy() if self._n else _NO_KEYS
         out._n = self._n
         out._last = self._last
+        out._first = self._first
         return out
 
     # -- edits --------------------------------------------------------------------------
@@ -195,6 +197,8 @@ class SeqCells(Sequence[tuple[int, int]]):
             keys[i + 1 : n + 1] = keys[i:n]  # NumPy copies overlapping slices correctly
             keys[i] = k
             self.stamp = next(_STAMPS)
+        if n == 0 or k < self._first:
+            self._first = k
         self._n = n + 1
 
     def add_key(self, k: int) -> None:
@@ -204,6 +208,8 @@ class SeqCells(Sequence[tuple[int, int]]):
             self._keys[n] = k
             self._n = n + 1
             self._last = k
+            if n == 0:
+                self._first = k
         else:
             self.add(k >> _CELL_BITS, k & _CELL_MASK)
 
@@ -223,6 +229,7 @@ class SeqCells(Sequence[tuple[int, int]]):
             self.stamp = next(_STAMPS)
         self._n = n + m
         self._last = int(self._keys[n + m - 1])
+        self._first = int(self._keys[0])
 
     def remove(self, p: int, c: int) -> None:
         self.remove_key(_key(p, c))
@@ -241,6 +248,7 @@ class SeqCells(Sequence[tuple[int, int]]):
             keys[i : n - 1] = keys[i + 1 : n]
         self._n = n - 1
         self._last = int(keys[n - 2]) if n > 1 else -1
+        self._first = int(keys[0]) if n > 1 else -1
         self.stamp = next(_STAMPS)
 
     def remove_many(self, keys_sorted: np.ndarray) -> None:
@@ -266,6 +274,7 @@ class SeqCells(Sequence[tuple[int, int]]):
             self._keys[: kept.size] = kept
             self._n = int(kept.size)
         self._last = int(self._keys[self._n - 1]) if self._n else -1
+        self._first = int(self._keys[0]) if self._n else -1
         self.stamp = next(_STAMPS)
 
 
@@ -281,7 +290,7 @@ def last_keys(seqs: Sequence[SeqCells]) -> Iterator[int]:
 
 def first_positions(seqs: Sequence[SeqCells]) -> np.ndarray:
     """``first_pos()`` of each of ``seqs`` (-1: holds nothing) as one int64 array."""
-    keys = np.array([int(sc._keys[0]) if sc._n else -1 for sc in seqs], dtype=np.int64)
+    keys = np.fromiter(map(_FIRST_KEY, seqs), dtype=np.int64, count=len(seqs))
     return keys >> _CELL_BITS
 
 
@@ -511,20 +520,28 @@ class KVCells:
 
     def oldest_alone_many(self, seqs: Sequence[int], p_end: np.ndarray, need: int) -> list[int]:
         """:meth:`oldest_alone` of ``seqs`` in order (``p_end[k]`` for ``seqs[k]``), until ``need``
-        cells are found: the same cells as a loop of calls, but the first :data:`_HEAD` pairs of
-        every sequence are read together with NumPy (a decode step of a full window cache asks
-        each of its 256 sequences for about one cell); a sequence whose first pairs are all
-        below its ``p_end`` may hold more there, and is asked alone."""
+        cells are found: the same cells as a loop of calls, but read with NumPy for many
+        sequences at once (a decode step of a full window cache asks each of its 256 sequences
+        for about one cell): the sequences whose oldest pair is below their end, then the first
+        :data:`_HEAD` pairs of those, in runs that double until ``need`` is met; a sequence whose
+        first pairs are all below its end may hold more there, and is asked alone."""
         if need <= 0 or not len(seqs):
             return []
         seq_pos = self.seq_pos
         end_key = np.clip(np.asarray(p_end, dtype=np.int64), 0, _POS_END) << _CELL_BITS
-        # only a sequence whose oldest pair is below its end gives anything: one read each
-        first = np.array([int(seq_pos[s]._keys[0]) if seq_pos[s]._n else _NO_PAIR for s in seqs], dtype=np.int64)
-        giving = np.flatnonzero(first < end_key)
-        if not giving.size:
-            return []
-        seqs, p_end, end_key = [seqs[g] for g in giving.tolist()], np.asarray(p_end)[giving], end_key[giving]
+        first = np.fromiter(map(_FIRST_KEY, [seq_pos[s] for s in seqs]), dtype=np.int64, count=len(seqs))
+        giving = np.flatnonzero((first >= 0) & (first < end_key)).tolist()
+        out: list[int] = []
+        lo, run = 0, 16
+        while lo < len(giving) and len(out) < need:
+            sel = giving[lo : lo + run]
+            out += self._oldest_alone_heads([seqs[g] for g in sel], end_key[sel], need - len(out))
+            lo, run = lo + run, 2 * run
+        return out
+
+    def _oldest_alone_heads(self, seqs: list[int], end_key: np.ndarray, need: int) -> list[int]:
+        """:meth:`oldest_alone_many` of sequences that each give at least one pair."""
+        seq_pos = self.seq_pos
         heads = [seq_pos[s]._keys[: min(_HEAD, seq_pos[s]._n)] for s in seqs]
         lens = np.fromiter(map(len, heads), dtype=np.int64, count=len(heads))
         flat = np.concatenate(heads)
@@ -540,7 +557,7 @@ class KVCells:
             out += cells[seg][: need - len(out)].tolist()
             if len(out) >= need or r == len(heads):
                 break
-            out += self._oldest_alone_from(int(seqs[r]), 0, int(p_end[r]), need - len(out))
+            out += self._oldest_alone_from(seqs[r], 0, int(end_key[r] >> _CELL_BITS), need - len(out))
             if len(out) >= need:
                 break
             lo = r + 1
@@ -603,8 +620,10 @@ class KVCells:
             expect = np.sort((self.pos[held] << _CELL_BITS) | held)
             if not np.array_equal(self.seq_pos[s].keys, expect):
                 raise InvariantError("kv-seq-pos", f"ordered positions of seq {s} out of step")
-            if self.seq_pos[s].last_key != (int(expect[-1]) if expect.size else -1):
-                raise InvariantError("kv-seq-pos", f"last pair of seq {s} out of step")
+            if (self.seq_pos[s]._first, self.seq_pos[s].last_key) != (
+                (int(expect[0]), int(expect[-1])) if expect.size else (-1, -1)
+            ):
+                raise InvariantError("kv-seq-pos", f"first or last pair of seq {s} out of step")
         if self.shift.any() and not self.has_shift:
             raise InvariantError("kv-shift", "a cell holds a shift but has_shift is False")
         fresh = self.clone()  # the derived counts recomputed from the cells
@@ -757,6 +776,8 @@ class KVCells:
                     sc._keys[n_s] = k
                     sc._n = n_s + 1
                     sc._last = k
+                    if n_s == 0:
+                        sc._first = k
                 else:
                     sc.add_key(k)
             return
@@ -855,11 +876,12 @@ class KVCells:
             for a, b in itertools.pairwise(bounds):
                 sc = self.seq_pos[seq_l[a]]
                 n, m, held = sc._n, b - a, sc._keys
-                if m < n and held[0] == key_l[a] and held[m - 1] == key_l[b - 1]:
+                if m < n and sc._first == key_l[a] and held[m - 1] == key_l[b - 1]:
                     # a sequence's oldest pairs (a window cache's reuse): SeqCells.remove_many's
                     # head case, inlined (once per sequence that gave cells)
                     held[: n - m] = held[m:n]
                     sc._n = n - m
+                    sc._first = int(held[0])
                     sc.stamp = next(_STAMPS)
                 else:
                     sc.remove_many(keys[a:b])
