@@ -32,7 +32,7 @@ from statecache.dtypes import DType
 from statecache.errors import ArgumentError, StateError
 from statecache.hostmem import scatter_rows
 from statecache.kv_cells import EMPTY, CellJournal, KVCells, first_positions, last_positions
-from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from
+from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from_many
 from statecache.memory import (
     ContextError,
     Memory,
@@ -328,7 +328,7 @@ class KVCache(Memory):
         rest[own] = False
         order = [*own, *np.flatnonzero(rest).tolist()]
         p_next = last_positions(cells.seq_pos[: self.n_seq_max])[order] + 1 - self.rollback_depth
-        return cells.oldest_alone_many(order, swa_visible_from(self.n_swa, self.swa_type, p_next), need)
+        return cells.oldest_alone_many(order, swa_visible_from_many(self.n_swa, self.swa_type, p_next), need)
 
     def _apply_ubatch(self, book: _Book, sinfo: SlotInfo, ub: UBatch) -> None:
         pos = np.asarray(ub.pos, dtype=np.int64)

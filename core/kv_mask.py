@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -73,6 +74,13 @@ def swa_visible_from(n_swa: int, swa_type: SWAType, p1: int) -> int:
     if swa_type is SWAType.SYMMETRIC:
         return p1 - n_swa // 2
     raise ArgumentError("swa_type", f"unhandled {swa_type}")
+
+
+def swa_visible_from_many(n_swa: int, swa_type: SWAType, p1: np.ndarray) -> np.ndarray:
+    """:func:`swa_visible_from` of every position in ``p1`` (int64, the same shape)."""
+    # the rule is plain arithmetic, so NumPy applies it elementwise
+    out = swa_visible_from(n_swa, swa_type, cast(int, np.asarray(p1, dtype=np.int64)))
+    return np.broadcast_to(np.asarray(out, dtype=np.int64), np.shape(p1))
 
 
 def round_up(n: int, multiple: int) -> int:
