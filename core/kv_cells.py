@@ -532,6 +532,12 @@ class KVCells:
         first = np.fromiter(map(_FIRST_KEY, [seq_pos[s] for s in seqs]), dtype=np.int64, count=len(seqs))
         giving = np.flatnonzero((first >= 0) & (first < end_key)).tolist()
         out: list[int] = []
+        if len(giving) <= 2:  # one or two sequences give (a small batch): asked one by one, no gather
+            for g in giving:
+                out += self.oldest_alone(seqs[g], int(end_key[g] >> _CELL_BITS), need - len(out))
+                if len(out) >= need:
+                    break
+            return out
         lo, run = 0, 16
         while lo < len(giving) and len(out) < need:
             sel = giving[lo : lo + run]
