@@ -776,16 +776,7 @@ class KVCells:
         if np.bincount(seqs).max() == 1:  # one cell per sequence (a decode step): one append each
             seq_pos = self.seq_pos
             for s, k in zip(seqs.tolist(), keys.tolist(), strict=True):
-                sc = seq_pos[s]
-                n_s = sc._n
-                if k > sc._last and n_s < sc._keys.size:  # SeqCells.add_key, inlined (once per sequence)
-                    sc._keys[n_s] = k
-                    sc._n = n_s + 1
-                    sc._last = k
-                    if n_s == 0:
-                        sc._first = k
-                else:
-                    sc.add_key(k)
+                seq_pos[s].add_key(k)  # an append: compares Python ints, writes one key
             return
         order = np.lexsort((keys, seqs))
         seqs_sorted, keys_sorted = seqs[order], keys[order]
