@@ -35,6 +35,7 @@ includes the indexer cache and the stale marks.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -380,6 +381,8 @@ class HybridIdxContext(HybridContext):
         self.i_cur = 0
         self._state_for = -1
         self.kpool_state: KPoolState | None = None
+        self._tokens: list[Token] = []
+        self._tokens_for: tuple[Any, Any] | None = None  # (ubatch, slot info) the tokens were made of
 
     def apply(self) -> bool:
         if not super().apply():
@@ -416,12 +419,20 @@ class HybridIdxContext(HybridContext):
         return more
 
     def tokens(self) -> list[Token]:
-        ub = self.get_ubatch()
-        cells = self.idx.sinfo.cells.tolist()  # type: ignore[attr-defined]
+        """The current ubatch's tokens as the k-pool reads them (made once per ubatch: the
+        ubatch and its planned cells never change)."""
+        ub, sinfo = self.get_ubatch(), self.idx.sinfo  # type: ignore[attr-defined]
+        if self._tokens_for is not None and self._tokens_for[0] is ub and self._tokens_for[1] is sinfo:
+            return self._tokens
+        cells = sinfo.cells.tolist()
         pos = np.asarray(ub.pos).tolist()
         if isinstance(ub.seq_id, SeqIds):  # one sequence per token: no per-token set to read
-            return [Token(p, (s,), c) for p, s, c in zip(pos, ub.seq_id.ids.tolist(), cells, strict=True)]
-        return [Token(pos[i], tuple(ub.seq_id[i]), cells[i]) for i in range(ub.n_tokens)]
+            # Token(p, (s,), c) for each token, built in C (one per token: 256 a decode step)
+            out = list(map(tuple.__new__, itertools.repeat(Token), zip(pos, zip(ub.seq_id.ids.tolist()), cells)))
+        else:
+            out = [Token(pos[i], tuple(ub.seq_id[i]), cells[i]) for i in range(ub.n_tokens)]
+        self._tokens, self._tokens_for = out, (ub, sinfo)
+        return out
 
     def _state(self) -> KPoolState:
         if self._state_for != self.i_cur or self.kpool_state is None:

@@ -17,19 +17,26 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import operator
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from statecache.errors import ArgumentError
-from statecache.kv_cells import SeqCells
+from statecache.kv_cells import _CELL_BITS, _CELL_MASK, SeqCells, last_keys, stamps_and_counts
 
 #: A stale mark of "clean" (no pooled key of the sequence may be wrong).
 POS_CLEAN = 2**31 - 1
 #: Pool counts are padded to this multiple (graph shapes stay stable).
 POOL_PAD = 64
 
+
+#: a layout's fields read by C-level ``map`` over every sequence (:meth:`KPoolLayout.mark`)
+_CELLS = operator.attrgetter("cells")
+_POOLS = operator.attrgetter("pools")
+_J_NEXT = operator.attrgetter("j_next")
+_SRC_STAMP = operator.attrgetter("src_stamp")
 
 #: an empty pool table (a layout's arrays before its first :meth:`SeqLayout.pool_table`)
 _NO_TABLE: np.ndarray = np.zeros((0, 0), dtype=np.int64)
@@ -272,13 +279,9 @@ class KPoolLayout:
         forced: dict[int, int] = {}
         todo: Sequence[int] = range(self.n_seq_max)
         clean_all = (marks.marks == POS_CLEAN).tolist()
-        if live is not None:  # skip, without a call, every sequence whose pairs did not change
-            todo = [
-                s
-                for s, (sp, x, clean) in enumerate(zip(live, self.seqs, clean_all))
-                if not (clean and sp.stamp == x.src_stamp and len(sp) == len(x.cells) and x.cells)
-            ]
         kp = self.kpool
+        if live is not None:
+            todo = self._update_live(live, clean_all)
         for s in todo:
             strm, sp = pairs_of(s)
             layout = self.seqs[s]
@@ -320,10 +323,36 @@ class KPoolLayout:
             self.seqs[s].src_stamp = stamp
         return forced
 
+    def _update_live(self, live: Sequence[SeqCells], clean_all: list[bool]) -> list[int]:
+        """:meth:`update` of the sequences whose pairs did not change (skipped) or, under the
+        stamp the layout was made from, gained one pair at the end (a decode token: appended
+        from the last key); returns the others, for the general path.  One pass with no call
+        per sequence but the pool scan when a pool completes (256 sequences a decode step).
+        ``live[s]`` is in stream ``s`` with one stream per sequence, else in stream 0."""
+        kp, by_order, one_stream = self.kpool, self.by_order, self.n_stream == 1
+        rest: list[int] = []
+        for s, (x, (stamp, n), last, clean) in enumerate(
+            zip(self.seqs, stamps_and_counts(live), last_keys(live), clean_all, strict=True)
+        ):
+            old = x.cells
+            if clean and old and stamp == x.src_stamp:
+                n_old = len(old)
+                if n == n_old:
+                    continue
+                if n == n_old + 1 and x.strm == (0 if one_stream else s):
+                    old.append((last >> _CELL_BITS, last & _CELL_MASK))
+                    if x.j_next + kp <= n:  # a pool may be complete
+                        scan_pools(x, kp, by_order)
+                    continue
+            rest.append(s)
+        return rest
+
     def mark(self) -> list[tuple[SeqLayout, int, int, int, int | None]]:
         """A mark of every layout, O(sequences): :meth:`update` only appends to a layout
         in place (or replaces it), so the object and its lengths describe it exactly."""
-        return [(x, len(x.cells), len(x.pools), x.j_next, x.src_stamp) for x in self.seqs]
+        seqs = self.seqs
+        cells, pools = map(_CELLS, seqs), map(_POOLS, seqs)
+        return list(zip(seqs, map(len, cells), map(len, pools), map(_J_NEXT, seqs), map(_SRC_STAMP, seqs)))
 
     def restore(self, mark: list[tuple[SeqLayout, int, int, int, int | None]]) -> None:
         """Put every layout back as it was at :meth:`mark` (undo)."""
@@ -387,16 +416,25 @@ class KPoolLayout:
             last_pos = self.seqs[s].pool_table(self.kpool)[2]
             for k in np.flatnonzero(last_pos >= stale[s]).tolist():  # the pools from the mark on
                 mark(s, k)
+        kp, seqs = self.kpool, self.seqs
         for tok in tokens:
             for s in tok.seqs:
                 if self.by_order:
                     r = self._rank(s, tok.pos, tok.cell)
-                    if r // self.kpool < len(self.seqs[s].pools):
-                        mark(s, r // self.kpool)
-                else:
-                    k = self._pool_of_pos(s, tok.pos)
-                    if k >= 0:
-                        mark(s, k)
+                    if r // kp < len(seqs[s].pools):
+                        mark(s, r // kp)
+                    continue
+                layout = seqs[s]
+                cells, pools = layout.cells, layout.pools
+                if pools and cells[pools[-1]][0] <= tok.pos:
+                    # a decode token: its pool is the last one or none (_pool_of_pos, inlined:
+                    # once per token of the batch)
+                    if tok.pos <= cells[pools[-1] + kp - 1][0]:
+                        mark(s, len(pools) - 1)
+                    continue
+                k = self._pool_of_pos(s, tok.pos)
+                if k >= 0:
+                    mark(s, k)
         n_new = int(is_new.sum())
         bound = len(tokens) // self.kpool + n_seqs_unq
         n_new_g = max(n_new, 1, min(bound, kpool_pad(n_real) - 1, self.n_pool_max))

@@ -31,8 +31,8 @@ from statecache.batch import SeqIds
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, StateError
 from statecache.hostmem import gather_rows, scatter_rows
-from statecache.kv_cells import EMPTY, CellJournal, KVCells
-from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from
+from statecache.kv_cells import EMPTY, CellJournal, KVCells, first_positions, last_positions
+from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from_many
 from statecache.memory import (
     POS_MAX,
     ContextError,
@@ -353,23 +353,15 @@ class KVCache(Memory):
         alone whose position the window of that sequence's earliest possible next
         token (``rollback_depth`` positions before its end) hides.  Those are the
         oldest cells of each sequence, so each sequence's are taken oldest first:
-        the ubatch's own sequences first, then the others.  O(cells taken + cells
-        skipped because shared + sequences tried)."""
-        out: list[int] = []
-        tried: set[int] = set()
-        own = dict.fromkeys(ub.primary[tok].tolist())
-        for s in [*own, *range(self.n_seq_max)]:
-            if s in tried:
-                continue
-            tried.add(s)
-            sc = cells.seq_pos[s]
-            if not sc:
-                continue
-            p_next = sc.last_pos() + 1 - self.rollback_depth
-            out += cells.oldest_alone(s, swa_visible_from(self.n_swa, self.swa_type, p_next), need - len(out))
-            if len(out) >= need:
-                break
-        return out
+        the ubatch's own sequences first, then the others.  O(sequences + cells
+        taken + cells skipped because shared), with no Python call per sequence that gives
+        nothing."""
+        own = list(dict.fromkeys(ub.primary[tok].tolist()))
+        rest = np.ones(self.n_seq_max, dtype=bool)
+        rest[own] = False
+        order = [*own, *np.flatnonzero(rest).tolist()]
+        p_next = last_positions(cells.seq_pos[: self.n_seq_max])[order] + 1 - self.rollback_depth
+        return cells.oldest_alone_many(order, swa_visible_from_many(self.n_swa, self.swa_type, p_next), need)
 
     def _apply_ubatch(self, book: _Book, sinfo: SlotInfo, ub: UBatch) -> None:
         pos = np.asarray(ub.pos, dtype=np.int64)
@@ -383,15 +375,16 @@ class KVCache(Memory):
             cells = book.cells[strm]
             idx = sinfo.cells[tok]
             # sliding-window reuse: remember the overwritten position per sequence
-            max_rm: dict[int, int] = {}
+            held = pmax = np.zeros(0, dtype=np.int64)
             occ = idx[cells.pos[idx] != EMPTY]
             if occ.size:  # (vectorised: a prefill chunk may reuse a whole window's cells)
-                rows, seqs = np.nonzero(cells.seq[occ])
+                owners = cells.owner_pairs(occ)
+                rows, seqs = owners
                 top = np.full(self.n_seq_max, -1, dtype=np.int64)
                 np.maximum.at(top, seqs, cells.pos[occ][rows])
                 held = np.flatnonzero(top >= 0)
-                max_rm = dict(zip(held.tolist(), top[held].tolist(), strict=True))
-                cells.rm_many(occ)
+                pmax = top[held]
+                cells.rm_many(occ, owners)
             if single:
                 cells.place_seqs(idx, pos[tok], ext[tok], ub.seq_id.ids[tok])  # type: ignore[attr-defined]
             else:
@@ -400,11 +393,12 @@ class KVCache(Memory):
                     cells.pos_set(c, int(pos[i]), (int(ext[i, 0]), int(ext[i, 1])))
                     for s in ub.seq_id[i]:
                         cells.seq_add(c, s)
-            # purge: a sequence keeps every position between its min and max
-            for s, pmax in max_rm.items():
-                lo = cells.seq_pos_min(s)
-                if lo != -1 and lo <= pmax:
-                    self._seq_rm_cells(book, strm, s, lo, pmax + 1)
+            # purge: a sequence keeps every position between its min and max (the sequences
+            # whose oldest position is still at or below one they lost; read all at once)
+            if held.size:
+                lo = first_positions([cells.seq_pos[s] for s in held.tolist()])
+                for k in np.flatnonzero((lo != -1) & (lo <= pmax)).tolist():
+                    self._seq_rm_cells(book, strm, int(held[k]), int(lo[k]), int(pmax[k]) + 1)
             head = int(idx.max()) + 1
             book.heads[strm] = 0 if head >= self.size else head
 
@@ -721,8 +715,8 @@ class KVCache(Memory):
         n = self.n_seq_max
         cells = self.cells
         if self.unified:
-            return np.fromiter((sp.last_pos() for sp in cells[0].seq_pos[:n]), dtype=np.int64, count=n)
-        return np.fromiter((cells[s].seq_pos[s].last_pos() for s in range(n)), dtype=np.int64, count=n)
+            return last_positions(cells[0].seq_pos[:n])
+        return last_positions([cells[s].seq_pos[s] for s in range(n)])
 
     def memory_breakdown(self) -> dict[str, int]:
         return {self.device.id: sum(b.nbytes for b in self.buffers())}

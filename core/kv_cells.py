@@ -26,6 +26,7 @@ Everything here is host-side bookkeeping; no device buffer is touched.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -40,6 +41,8 @@ BLOCK_SHIFT = 6
 BLOCK = 1 << BLOCK_SHIFT
 #: Blocks examined per NumPy call when skipping full (or empty) blocks.
 _BLOCK_WINDOW = 256
+#: Pairs of each sequence read together by :meth:`KVCells.oldest_alone_many`.
+_HEAD = 8
 
 #: A pair ``(pos, cell)`` is stored as one int64 key ``pos << 32 | cell``, so sorting the
 #: keys sorts by position then cell (positions are int32 >= 0 in a book, cells < 2**32).
@@ -53,6 +56,14 @@ _POS_END = 1 << 31  # one past the largest position
 _STAMPS = itertools.count(1)
 
 _NO_KEYS = np.zeros(0, dtype=np.int64)
+
+#: (stamp, pair count) and the last key of a :class:`SeqCells`, read by C-level ``map`` over
+#: every sequence of a stream (a decode step at 256 sequences pays no Python call per sequence)
+_STAMP_AND_N = operator.attrgetter("stamp", "_n")
+_LAST_KEY = operator.attrgetter("_last")
+_FIRST_KEY = operator.attrgetter("_first")
+_STAMP = operator.attrgetter("stamp")
+_N = operator.attrgetter("_n")
 
 
 def _key(p: int, c: int) -> int:
@@ -75,11 +86,16 @@ class SeqCells(Sequence[tuple[int, int]]):
     adding or removing elsewhere moves the later keys (one ``memmove``).
     """
 
-    __slots__ = ("_keys", "_n", "stamp")
+    __slots__ = ("_first", "_keys", "_last", "_n", "stamp")
 
     def __init__(self) -> None:
         self._keys = _NO_KEYS
         self._n = 0
+        #: the last key as a Python int (-1 when empty): the decode append compares against it,
+        #: and ``seq_pos_max`` of every sequence is read without a NumPy scalar per sequence
+        self._last = -1
+        #: the first key likewise (a window cache asks every sequence whether its oldest pair left the window)
+        self._first = -1
         #: changes at every edit that is not an append at the end (see ``_STAMPS``)
         self.stamp = next(_STAMPS)
 
@@ -100,10 +116,15 @@ class SeqCells(Sequence[tuple[int, int]]):
         return [(k >> _CELL_BITS, k & _CELL_MASK) for k in self._keys[lo : self._n].tolist()]
 
     def first_pos(self) -> int:
-        return int(self._keys[0] >> _CELL_BITS) if self._n else -1
+        return self._first >> _CELL_BITS  # -1 >> 32 is -1: empty
 
     def last_pos(self) -> int:
-        return int(self._keys[self._n - 1] >> _CELL_BITS) if self._n else -1
+        return self._last >> _CELL_BITS  # -1 >> 32 is -1: empty
+
+    @property
+    def last_key(self) -> int:
+        """The last key (``pos << 32 | cell``), -1 when empty; O(1)."""
+        return self._last
 
     def span(self, p0: int, p1: int) -> tuple[int, int]:
         """Index bounds ``[lo, hi)`` of the pairs with ``p0 <= pos < p1``; O(log n)."""
@@ -151,6 +172,8 @@ class SeqCells(Sequence[tuple[int, int]]):
         out = SeqCells()
         out._keys = self._keys[: self._n].copy() if self._n else _NO_KEYS
         out._n = self._n
+        out._last = self._last
+        out._first = self._first
         return out
 
     # -- edits --------------------------------------------------------------------------
@@ -162,25 +185,31 @@ class SeqCells(Sequence[tuple[int, int]]):
             self._keys = grown
 
     def add(self, p: int, c: int) -> None:
-        k = _key(p, c)
+        k = _key(int(p), int(c))
         n = self._n
         self._room(1)
         keys = self._keys
-        if n == 0 or k > keys[n - 1]:
+        if k > self._last:
             keys[n] = k
+            self._last = k
         else:
             i = int(np.searchsorted(keys[:n], k))
             keys[i + 1 : n + 1] = keys[i:n]  # NumPy copies overlapping slices correctly
             keys[i] = k
             self.stamp = next(_STAMPS)
+        if n == 0 or k < self._first:
+            self._first = k
         self._n = n + 1
 
     def add_key(self, k: int) -> None:
         """:meth:`add` of a pair given as its key (the decode path: usually an append)."""
         n = self._n
-        if n < self._keys.size and (n == 0 or k > self._keys[n - 1]):
+        if k > self._last and n < self._keys.size:
             self._keys[n] = k
             self._n = n + 1
+            self._last = k
+            if n == 0:
+                self._first = k
         else:
             self.add(k >> _CELL_BITS, k & _CELL_MASK)
 
@@ -191,7 +220,7 @@ class SeqCells(Sequence[tuple[int, int]]):
             return
         n = self._n
         self._room(m)
-        if n == 0 or keys_sorted[0] > self._keys[n - 1]:
+        if keys_sorted[0] > self._last:
             self._keys[n : n + m] = keys_sorted
         else:
             merged = np.concatenate([self._keys[:n], keys_sorted])
@@ -199,6 +228,8 @@ class SeqCells(Sequence[tuple[int, int]]):
             self._keys[: n + m] = merged
             self.stamp = next(_STAMPS)
         self._n = n + m
+        self._last = int(self._keys[n + m - 1])
+        self._first = int(self._keys[0])
 
     def remove(self, p: int, c: int) -> None:
         self.remove_key(_key(p, c))
@@ -206,14 +237,18 @@ class SeqCells(Sequence[tuple[int, int]]):
     def remove_key(self, k: int) -> None:
         """Remove one held pair given as its key: O(1) for the oldest or the newest."""
         n, keys = self._n, self._keys
-        if n and keys[0] == k:
+        if n and k == self._last:
+            pass  # the newest: just shorter
+        elif n and keys[0] == k:
             keys[: n - 1] = keys[1:n]
-        elif not (n and keys[n - 1] == k):
+        else:
             i = int(np.searchsorted(keys[:n], k))
             if i >= n or keys[i] != k:
                 raise InvariantError("kv-seq-pos", f"pair (pos {k >> _CELL_BITS}, cell {k & _CELL_MASK}) is not held")
             keys[i : n - 1] = keys[i + 1 : n]
         self._n = n - 1
+        self._last = int(keys[n - 2]) if n > 1 else -1
+        self._first = int(keys[0]) if n > 1 else -1
         self.stamp = next(_STAMPS)
 
     def remove_many(self, keys_sorted: np.ndarray) -> None:
@@ -223,9 +258,11 @@ class SeqCells(Sequence[tuple[int, int]]):
             return
         n = self._n
         keys = self._keys[:n]
-        if m <= n and np.array_equal(keys[n - m :], keys_sorted):
+        # m distinct held keys (the precondition) between the first and the last of a run of m
+        # held keys are exactly that run: the ends alone tell a tail or a head (O(1) each)
+        if m <= n and int(keys_sorted[-1]) == self._last and keys[n - m] == keys_sorted[0]:
             self._n = n - m
-        elif m <= n and np.array_equal(keys[:m], keys_sorted):
+        elif m <= n and keys[0] == keys_sorted[0] and keys[m - 1] == keys_sorted[-1]:
             # the oldest pairs (a window cache reusing a sequence's first cells): one move
             self._keys[: n - m] = self._keys[m:n]
             self._n = n - m
@@ -236,30 +273,67 @@ class SeqCells(Sequence[tuple[int, int]]):
             kept = np.delete(keys, idx)
             self._keys[: kept.size] = kept
             self._n = int(kept.size)
+        self._last = int(self._keys[self._n - 1]) if self._n else -1
+        self._first = int(self._keys[0]) if self._n else -1
         self.stamp = next(_STAMPS)
+
+
+def stamps_and_counts(seqs: Sequence[SeqCells]) -> Iterator[tuple[int, int]]:
+    """``(stamp, len)`` of each of ``seqs``, lazily, with no Python call per sequence."""
+    return map(_STAMP_AND_N, seqs)
+
+
+def last_keys(seqs: Sequence[SeqCells]) -> Iterator[int]:
+    """:attr:`SeqCells.last_key` of each of ``seqs``, lazily, with no Python call per sequence."""
+    return map(_LAST_KEY, seqs)
+
+
+def first_positions(seqs: Sequence[SeqCells]) -> np.ndarray:
+    """``first_pos()`` of each of ``seqs`` (-1: holds nothing) as one int64 array."""
+    keys = np.fromiter(map(_FIRST_KEY, seqs), dtype=np.int64, count=len(seqs))
+    return keys >> _CELL_BITS
+
+
+def last_positions(seqs: Sequence[SeqCells]) -> np.ndarray:
+    """``last_pos()`` of each of ``seqs`` (-1: holds nothing) as one int64 array."""
+    keys = np.fromiter(map(_LAST_KEY, seqs), dtype=np.int64, count=len(seqs))
+    return keys >> _CELL_BITS  # an arithmetic shift: -1 stays -1
 
 
 class CellJournal:
     """Before-images of the cells of one stream that mutations touched while attached
     (:meth:`KVCells.attach`), and the book's counters: :meth:`KVCells.rollback`
-    puts the stream back exactly as it was at attach time."""
+    puts the stream back exactly as it was at attach time.
 
-    __slots__ = ("empty_before", "has_shift", "removals", "saved", "stamps", "used")
+    Each cell is saved once, at its first touch: one at a time (``saved``, ``empty_before``)
+    or, for the bulk mutations, a whole set of cells as arrays (``bulk``), so that a decode
+    step that reuses 256 window cells saves them with a few NumPy copies, not 256 tuples."""
+
+    __slots__ = ("bulk", "bulk_cells", "counts", "empty_before", "has_shift", "removals", "saved", "stamps", "used")
 
     def __init__(self, cells: KVCells) -> None:
         #: cell -> (pos, ext x, ext y, shift, sequences) of a cell that held a position at its first touch
         self.saved: dict[int, tuple[int, int, int, int, tuple[int, ...]]] = {}
         #: cells that were empty at their first touch
         self.empty_before: set[int] = set()
+        #: (cells, pos, ext, shift, sequence rows) of cells saved together, each holding a position
+        #: at its first touch; ``bulk_cells`` is every cell of them (disjoint from ``saved``)
+        self.bulk: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.bulk_cells: set[int] = set()
         self.used = cells.used
         self.has_shift = cells.has_shift
         self.removals = cells.removals
         #: each sequence's (stamp, pair count) at attach: given back by a rollback that finds the
         #: same pairs (O(sequences), so a reader of the pairs need not read them again)
-        self.stamps = [(sc.stamp, len(sc)) for sc in cells.seq_pos]
+        seq_pos = cells.seq_pos
+        self.stamps = np.fromiter(map(_STAMP, seq_pos), dtype=np.int64, count=len(seq_pos))
+        self.counts = np.fromiter(map(_N, seq_pos), dtype=np.int64, count=len(seq_pos))
+
+    def _seen(self, i: int) -> bool:
+        return i in self.saved or i in self.empty_before or i in self.bulk_cells
 
     def touch(self, cells: KVCells, i: int) -> None:
-        if i in self.saved or i in self.empty_before:
+        if self._seen(i):
             return
         if cells.pos[i] == EMPTY:
             self.empty_before.add(i)
@@ -269,19 +343,16 @@ class CellJournal:
 
     def touch_many(self, cells: KVCells, idx: np.ndarray) -> None:
         """:meth:`touch` for the cells ``idx`` (distinct, each holding a position), read in bulk."""
-        new = [i for i in idx.tolist() if i not in self.saved and i not in self.empty_before]
-        if not new:
-            return
-        sel = np.asarray(new, dtype=np.int64)
-        pos, ext, shift = cells.pos[sel].tolist(), cells.ext[sel].tolist(), cells.shift[sel].tolist()
-        rows, owners = np.nonzero(cells.seq[sel])  # row-major: each cell's sequences ascending
-        owner_list = owners.tolist()
-        ends = np.cumsum(np.bincount(rows, minlength=sel.size)).tolist()
-        start = 0
-        for k, i in enumerate(new):
-            x, y = ext[k]
-            self.saved[i] = (pos[k], x, y, shift[k], tuple(owner_list[start : ends[k]]))
-            start = ends[k]
+        if self.saved or self.empty_before or self.bulk_cells:
+            new = [i for i in idx.tolist() if not self._seen(i)]
+            if not new:
+                return
+            sel = np.asarray(new, dtype=np.int64)
+        else:  # the first touch of this journal (a decode step's window reuse): every cell is new
+            new = idx.tolist()
+            sel = np.array(idx, dtype=np.int64)
+        self.bulk.append((sel, cells.pos[sel], cells.ext[sel], cells.shift[sel], cells.seq[sel]))
+        self.bulk_cells.update(new)
 
     def touch_empty(self, idx: np.ndarray) -> None:
         """The cells ``idx``, all empty now, are about to be placed in bulk.  (One
@@ -291,7 +362,7 @@ class CellJournal:
 
     @property
     def n_touched(self) -> int:
-        return len(self.saved) + len(self.empty_before)
+        return len(self.saved) + len(self.empty_before | self.bulk_cells)
 
 
 class KVCells:
@@ -447,6 +518,57 @@ class KVCells:
             b0 = w
         return -1
 
+    def oldest_alone_many(self, seqs: Sequence[int], p_end: np.ndarray, need: int) -> list[int]:
+        """:meth:`oldest_alone` of ``seqs`` in order (``p_end[k]`` for ``seqs[k]``), until ``need``
+        cells are found: the same cells as a loop of calls, but read with NumPy for many
+        sequences at once (a decode step of a full window cache asks each of its 256 sequences
+        for about one cell): the sequences whose oldest pair is below their end, then the first
+        :data:`_HEAD` pairs of those, in runs that double until ``need`` is met; a sequence whose
+        first pairs are all below its end may hold more there, and is asked alone."""
+        if need <= 0 or not len(seqs):
+            return []
+        seq_pos = self.seq_pos
+        end_key = np.clip(np.asarray(p_end, dtype=np.int64), 0, _POS_END) << _CELL_BITS
+        first = np.fromiter(map(_FIRST_KEY, [seq_pos[s] for s in seqs]), dtype=np.int64, count=len(seqs))
+        giving = np.flatnonzero((first >= 0) & (first < end_key)).tolist()
+        out: list[int] = []
+        if len(giving) <= 2:  # one or two sequences give (a small batch): asked one by one, no gather
+            for g in giving:
+                out += self.oldest_alone(seqs[g], int(end_key[g] >> _CELL_BITS), need - len(out))
+                if len(out) >= need:
+                    break
+            return out
+        lo, run = 0, 16
+        while lo < len(giving) and len(out) < need:
+            sel = giving[lo : lo + run]
+            out += self._oldest_alone_heads([seqs[g] for g in sel], end_key[sel], need - len(out))
+            lo, run = lo + run, 2 * run
+        return out
+
+    def _oldest_alone_heads(self, seqs: list[int], end_key: np.ndarray, need: int) -> list[int]:
+        """:meth:`oldest_alone_many` of sequences that each give at least one pair."""
+        seq_pos = self.seq_pos
+        heads = [seq_pos[s]._keys[: min(_HEAD, seq_pos[s]._n)] for s in seqs]
+        lens = np.fromiter(map(len, heads), dtype=np.int64, count=len(heads))
+        flat = np.concatenate(heads)
+        row = np.repeat(np.arange(len(heads)), lens)
+        below = flat < end_key[row]
+        cells = flat & _CELL_MASK
+        take = below & (self.n_owner[cells] == 1)
+        more = (np.bincount(row, weights=below, minlength=len(heads)) == _HEAD).nonzero()[0].tolist()
+        out: list[int] = []
+        lo = 0
+        for r in [*more, len(heads)]:
+            seg = take & (row >= lo) & (row < r) if lo or r < len(heads) else take
+            out += cells[seg][: need - len(out)].tolist()
+            if len(out) >= need or r == len(heads):
+                break
+            out += self._oldest_alone_from(seqs[r], 0, int(end_key[r] >> _CELL_BITS), need - len(out))
+            if len(out) >= need:
+                break
+            lo = r + 1
+        return out
+
     def oldest_alone(self, s: int, p_end: int, need: int) -> list[int]:
         """Up to ``need`` cells of ``s`` at positions below ``p_end`` that ``s`` holds alone,
         oldest first (a window cache's reusable cells).  The first few pairs are read one
@@ -468,6 +590,14 @@ class KVCells:
             j += 1
         if len(out) >= need or j >= n:
             return out
+        return out + self._oldest_alone_from(s, j, p_end, need - len(out))
+
+    def _oldest_alone_from(self, s: int, j: int, p_end: int, need: int) -> list[int]:
+        """:meth:`oldest_alone` from the ``j``-th pair of ``s`` on, a slice at a time."""
+        out: list[int] = []
+        if need <= 0 or p_end <= 0:
+            return out
+        sc, owners = self.seq_pos[s], self.n_owner
         _, hi = sc.span(0, p_end)
         while j < hi and len(out) < need:
             stop = min(hi, j + max(64, 2 * (need - len(out))))
@@ -496,6 +626,10 @@ class KVCells:
             expect = np.sort((self.pos[held] << _CELL_BITS) | held)
             if not np.array_equal(self.seq_pos[s].keys, expect):
                 raise InvariantError("kv-seq-pos", f"ordered positions of seq {s} out of step")
+            if (self.seq_pos[s]._first, self.seq_pos[s].last_key) != (
+                (int(expect[0]), int(expect[-1])) if expect.size else (-1, -1)
+            ):
+                raise InvariantError("kv-seq-pos", f"first or last pair of seq {s} out of step")
         if self.shift.any() and not self.has_shift:
             raise InvariantError("kv-shift", "a cell holds a shift but has_shift is False")
         fresh = self.clone()  # the derived counts recomputed from the cells
@@ -528,20 +662,24 @@ class KVCells:
             self.rm_many(np.fromiter(journal.empty_before, dtype=np.int64, count=len(journal.empty_before)))
         for i in journal.saved:
             self.rm(i)
+        for chunk in journal.bulk:
+            self.rm_many(chunk[0])
         for i, (p, x, y, sh, seqs) in journal.saved.items():
             self.pos_set(i, p, (x, y))
             self.shift[i] = sh
             for s in seqs:
                 self.seq_add(i, s)
+        for chunk in journal.bulk:
+            self._put_back(*chunk)
         self.has_shift = journal.has_shift
         self.removals = journal.removals
-        if not journal.saved:
+        if not journal.saved and not journal.bulk:
             # Only cells empty at attach were touched (trial placements), and they are empty
             # again: every sequence holds exactly its pairs of then, so it gets its stamp of then
             # back (the k-pool layout then reads no pair again at the next apply).
-            for sc, (stamp, n) in zip(self.seq_pos, journal.stamps, strict=True):
-                if len(sc) == n:
-                    sc.stamp = stamp
+            now = np.fromiter(map(_N, self.seq_pos), dtype=np.int64, count=len(self.seq_pos))
+            for s in np.flatnonzero(now == journal.counts).tolist():
+                self.seq_pos[s].stamp = int(journal.stamps[s])
         if self.used != journal.used:
             raise InvariantError("kv-journal", f"rollback left {self.used} cells used, expected {journal.used}")
 
@@ -635,14 +773,14 @@ class KVCells:
             k = int(keys[0])
             self.seq_pos[int(seqs[0])].add(k >> _CELL_BITS, k & _CELL_MASK)
             return
+        if np.bincount(seqs).max() == 1:  # one cell per sequence (a decode step): one append each
+            seq_pos = self.seq_pos
+            for s, k in zip(seqs.tolist(), keys.tolist(), strict=True):
+                seq_pos[s].add_key(k)  # an append: compares Python ints, writes one key
+            return
         order = np.lexsort((keys, seqs))
         seqs_sorted, keys_sorted = seqs[order], keys[order]
         new_seq = seqs_sorted[1:] != seqs_sorted[:-1]
-        if new_seq.all():  # one cell per sequence (a decode step): one append each
-            seq_pos = self.seq_pos
-            for s, k in zip(seqs_sorted.tolist(), keys_sorted.tolist(), strict=True):
-                seq_pos[s].add_key(k)
-            return
         starts = np.flatnonzero(np.r_[True, new_seq])
         ends = np.r_[starts[1:], n]
         for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
@@ -652,6 +790,30 @@ class KVCells:
                 sc.add(k >> _CELL_BITS, k & _CELL_MASK)
             else:
                 sc.add_many(keys_sorted[a:b])
+
+    def _put_back(self, idx: np.ndarray, pos: np.ndarray, ext: np.ndarray, shift: np.ndarray, seq: np.ndarray) -> None:
+        """Occupy the empty cells ``idx`` (distinct) with saved contents: positions, 2-D
+        extensions, shifts and sequence rows ``[n, n_seq_max]`` (a bulk before-image of
+        :class:`CellJournal`); the journal must be detached."""
+        n = int(idx.size)
+        if not n:
+            return
+        self.pos[idx] = pos
+        self.ext[idx] = ext
+        self.shift[idx] = shift
+        self.seq[idx] = seq
+        self.n_owner[idx] = seq.sum(axis=1)
+        self.used += n
+        np.subtract.at(self._nfree, idx >> BLOCK_SHIFT, 1)
+        self._hi = max(self._hi, int(idx.max()) + 1)
+        rows, owners = np.nonzero(seq)
+        keys = ((pos << _CELL_BITS) | idx)[rows]
+        order = np.lexsort((keys, owners))
+        owners, keys = owners[order], keys[order]
+        bounds = [0, *(np.flatnonzero(owners[1:] != owners[:-1]) + 1).tolist(), int(owners.size)]
+        for a, b in itertools.pairwise(bounds):
+            if b > a:
+                self.seq_pos[int(owners[a])].add_many(keys[a:b])
 
     def seq_rm_many(self, idx: np.ndarray, s: int) -> np.ndarray:
         """Drop ``s`` from the cells ``idx`` (distinct, each held by ``s``); returns the
@@ -679,14 +841,25 @@ class KVCells:
         if int(idx.max()) >= self._hi - 1:
             self._hi_dirty = True
 
-    def rm_many(self, idx: np.ndarray) -> None:
-        """Empty the cells ``idx`` (distinct), whatever sequences hold them; vectorised."""
-        idx = idx[self.pos[idx] != EMPTY]
+    def owner_pairs(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``np.nonzero(self.seq[idx])``: every (row of ``idx``, sequence) pair, rows ascending,
+        each row's sequences ascending; one ``argmax`` when every cell has one owner."""
+        if (self.n_owner[idx] == 1).all():
+            return np.arange(idx.size), self.seq[idx].argmax(axis=1)
+        rows, seqs = np.nonzero(self.seq[idx])
+        return rows, seqs
+
+    def rm_many(self, idx: np.ndarray, owners: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Empty the cells ``idx`` (distinct), whatever sequences hold them; vectorised.
+        ``owners``: :meth:`owner_pairs` of ``idx`` when the caller has it (every cell then
+        holds a position)."""
+        if owners is None:
+            idx = idx[self.pos[idx] != EMPTY]
         if not idx.size:
             return
         if self._journal is not None:
             self._journal.touch_many(self, idx)
-        rows, seqs = np.nonzero(self.seq[idx])  # every (cell, sequence) pair dropped
+        rows, seqs = self.owner_pairs(idx) if owners is None else owners  # every (cell, sequence) pair dropped
         keys = ((self.pos[idx] << _CELL_BITS) | idx)[rows]
         order = np.lexsort((keys, seqs))
         seqs, keys = seqs[order], keys[order]
@@ -696,8 +869,19 @@ class KVCells:
                 self.seq_pos[q].remove_key(k)
         else:
             bounds = [0, *(np.flatnonzero(new_seq) + 1).tolist(), int(seqs.size)]
+            seq_l, key_l = seqs.tolist(), keys.tolist()
             for a, b in itertools.pairwise(bounds):
-                self.seq_pos[int(seqs[a])].remove_many(keys[a:b])
+                sc = self.seq_pos[seq_l[a]]
+                n, m, held = sc._n, b - a, sc._keys
+                if m < n and sc._first == key_l[a] and held[m - 1] == key_l[b - 1]:
+                    # a sequence's oldest pairs (a window cache's reuse): SeqCells.remove_many's
+                    # head case, inlined (once per sequence that gave cells)
+                    held[: n - m] = held[m:n]
+                    sc._n = n - m
+                    sc._first = int(held[0])
+                    sc.stamp = next(_STAMPS)
+                else:
+                    sc.remove_many(keys[a:b])
         self.removals += int(seqs.size)
         self.seq[idx] = False
         self.n_owner[idx] = 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -73,6 +74,13 @@ def swa_visible_from(n_swa: int, swa_type: SWAType, p1: int) -> int:
     if swa_type is SWAType.SYMMETRIC:
         return p1 - n_swa // 2
     raise ArgumentError("swa_type", f"unhandled {swa_type}")
+
+
+def swa_visible_from_many(n_swa: int, swa_type: SWAType, p1: np.ndarray) -> np.ndarray:
+    """:func:`swa_visible_from` of every position in ``p1`` (int64, the same shape)."""
+    # the rule is plain arithmetic, so NumPy applies it elementwise
+    out = swa_visible_from(n_swa, swa_type, cast(int, np.asarray(p1, dtype=np.int64)))
+    return np.broadcast_to(np.asarray(out, dtype=np.int64), np.shape(p1))
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -183,34 +191,53 @@ def build_mask_seqs(
     ends = np.r_[starts[1:], n_tok]
     symmetric_ahead = n_swa // 2 if swa is SWAType.SYMMETRIC else 0
     pair_keys: list[np.ndarray] = []
-    pair_tok: list[np.ndarray] = []
+    pair_tok: list[np.ndarray | int] = []  # a group's tokens, or its one token (a decode step: built at the end)
     ties: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    pos_l, order_l = pos.tolist(), order.tolist()
     for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-        rows = order[a:b]
         g = int(keys_sorted[a])
         cells = streams[g // n_seq_max]
         sc = cells.seq_pos[g % n_seq_max]
         if not sc:
             continue
-        p_lo, p_hi = int(pos[rows].min()), int(pos[rows].max())
+        if b - a == 1:
+            row: np.ndarray | int = order_l[a]
+            p_lo = p_hi = pos_l[order_l[a]]
+        else:
+            row = order[a:b]
+            p_lo, p_hi = int(pos[row].min()), int(pos[row].max())
         first = swa_visible_from(n_swa, swa, p_lo) if swa is not SWAType.NONE else 0
         last = p_hi + symmetric_ahead if (causal or swa is SWAType.SYMMETRIC) else 2**31
-        lo, hi = sc.span(first, last + 1)
-        if lo == hi:
-            continue
-        keys = sc.keys[lo:hi]
-        if rows.size == 1:
-            pair_keys.append(keys)
-            pair_tok.append(np.full(keys.size, rows[0], dtype=np.int64))
+        # the pairs in [first, last]: the whole sequence needs no search (a decode token of a
+        # cache without a window sees every pair it holds)
+        if first <= sc.first_pos() and last >= sc.last_pos():
+            keys = sc.keys
         else:
-            pair_keys.append(np.tile(keys, rows.size))
-            pair_tok.append(np.repeat(rows, keys.size))
+            lo, hi = sc.span(first, last + 1)
+            if lo == hi:
+                continue
+            keys = sc.keys[lo:hi]
+        if isinstance(row, int):
+            pair_keys.append(keys)
+            pair_tok.append(row if ext is None else np.full(keys.size, row, dtype=np.int64))
+        else:
+            pair_keys.append(np.tile(keys, row.size))
+            pair_tok.append(np.repeat(row, keys.size))
         if causal and ext is not None:
-            ties.append((pair_keys[-1], pair_tok[-1], cells.ext))
+            ties.append((pair_keys[-1], pair_tok[-1], cells.ext))  # type: ignore[arg-type]  # arrays with ext
     if not pair_keys:
         return out
     k_all = np.concatenate(pair_keys) if len(pair_keys) > 1 else pair_keys[0]
-    t_all = np.concatenate(pair_tok) if len(pair_tok) > 1 else pair_tok[0]
+    sizes = np.fromiter(map(len, pair_keys), dtype=np.int64, count=len(pair_keys))
+    if all(isinstance(t, int) for t in pair_tok):
+        t_all = np.repeat(np.asarray(pair_tok, dtype=np.int64), sizes)
+    else:
+        t_all = np.concatenate(
+            [
+                np.full(n, t, dtype=np.int64) if isinstance(t, int) else t
+                for t, n in zip(pair_tok, sizes.tolist(), strict=True)
+            ]
+        )
     c_pos = k_all >> 32
     c_cell = k_all & 0xFFFFFFFF
     p1 = pos[t_all]

@@ -244,6 +244,30 @@ def test_oldest_alone_is_the_naive_pick(seed: int, fill: float, need: int) -> No
     assert c.oldest_alone(s, p_end, need) == naive
 
 
+@given(seed=st.integers(0, 2**32 - 1), fill=st.floats(0.0, 1.0), need=st.integers(0, 80))
+def test_oldest_alone_many_is_the_loop_of_oldest_alone(seed: int, fill: float, need: int) -> None:
+    """The window cache's eviction asks every sequence at once (their first pairs read
+    together): the same cells, in the same order, as asking them one after the other."""
+    rng = np.random.default_rng(seed)
+    n_seq = 5
+    c = random_book(rng, int(rng.integers(1, 4 * BLOCK)), fill, n_seq)
+    for _ in range(int(rng.integers(0, 4))):  # long single-owner runs: sequences with more than a head below
+        free = np.flatnonzero(c.pos == EMPTY)[: int(rng.integers(0, 40))]
+        if free.size:
+            s = int(rng.integers(0, n_seq))
+            top = max(c.seq_pos_max(s) + 1, 0)
+            zeros = np.zeros((free.size, 2), np.int64)
+            c.place_seqs(free, np.arange(top, top + free.size), zeros, np.full(free.size, s))
+    order = [int(s) for s in rng.permutation(n_seq)][: int(rng.integers(0, n_seq + 1))]
+    p_end = rng.integers(-2, 4 * BLOCK, size=len(order))
+    loop: list[int] = []
+    for s, p in zip(order, p_end.tolist(), strict=True):
+        loop += c.oldest_alone(s, p, need - len(loop))
+        if len(loop) >= need:
+            break
+    assert c.oldest_alone_many(order, p_end, need) == loop
+
+
 def reference_kpool_inputs(lay: KPoolLayout, state: KPoolState, tokens: list[Token], n_kv: int, **kw: Any) -> Any:
     """The k-pool graph inputs by plain loops over every pool and cell of the layout
     (docs/memory-semantics.md#kpool-inputs), the oracle of the incremental build."""
