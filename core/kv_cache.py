@@ -48,6 +48,7 @@ from statecache.memory import (
     normalize_range,
 )
 from statecache.state_io import CODE_DTYPES, DTYPE_CODES, Reader, Writer, find_section, pack_sections, unpack_sections
+from statecache.step_buffers import StepBuffers
 
 if TYPE_CHECKING:
     from statecache.batch import BatchAllocator, UBatch
@@ -226,6 +227,8 @@ class KVCache(Memory):
         rows = self.n_stream * self.size
         self.k: dict[int, Buffer] = {}
         self.v: dict[int, Buffer] = {}
+        #: the K/V write rows and masks of each step, rewritten in place (statecache.step_buffers)
+        self.step_buffers = StepBuffers(device)
         for layer in self.layers:
             self.k[layer.il] = device.alloc((rows, layer.n_embd_k), self.dtype)
             if layer.n_embd_v:
@@ -1022,7 +1025,16 @@ class KVCacheContext(UBatchContext):
             raise ArgumentError(
                 what, f"expected shape {(self.get_ubatch().n_tokens, bufs[il].shape[1])}, got {src.shape}"
             )
-        dev.set_rows(bufs[il], dev.indices(self.k_idxs()), src)
+        # the cache's reused rows buffer (one per memory, rewritten in place), not a new upload per call
+        rows = self.cache.step_buffers.indices("rows", self.k_idxs(), max(ub.n_tokens for ub in self.ubatches))
+        dev.set_rows(bufs[il], rows, src)
+
+    def step(self) -> Any:
+        """The applied ubatch's per-layer calls (:class:`~statecache.memory_step.MemoryStep`):
+        ``write_kv``, ``kv_rows``, ``mask`` by model layer, as on every memory kind."""
+        from statecache.memory_step import MemoryStep
+
+        return MemoryStep(None, [self])
 
     def mask(self, *, causal: bool = True, alibi: bool = False) -> np.ndarray:
         """The mask of the current ubatch (:meth:`KVCache.mask`), built once per ubatch
@@ -1483,3 +1495,10 @@ class ISWAContext(CompositeContext):
         self.base = mem.base.make_context(ubatches, plan[0])
         self.swa = mem.swa.make_context(ubatches, plan[1])
         super().__init__([self.base, self.swa], mem)
+
+    def step(self) -> Any:
+        """The applied ubatch's per-layer calls; a layer goes to the base or the window cache
+        that holds it (:class:`~statecache.memory_step.MemoryStep`)."""
+        from statecache.memory_step import MemoryStep
+
+        return MemoryStep(None, [self.base, self.swa])

@@ -53,14 +53,19 @@ import numpy as np
 from statecache import primitives as P
 from statecache.backend import Buffer, Device
 from statecache.errors import ArgumentError, CapabilityError
+from statecache.memory_step import LayerStep
 from statecache.slot_rows import SlotRows
 
 if TYPE_CHECKING:
     from statecache.recurrent import RecurrentInputs, RecurrentMemory
 
 
-class RecurrentStep:
-    """Runs the device side of one committed ubatch, layer by layer."""
+class RecurrentStep(LayerStep):
+    """Runs the device side of one committed ubatch, layer by layer.
+
+    The recurrent half of the step API every memory kind shares
+    (:class:`~statecache.memory_step.LayerStep`): on a recurrent memory the
+    attention calls raise :class:`ArgumentError` naming ``layer``."""
 
     def __init__(self, memory: RecurrentMemory, inputs: RecurrentInputs, *, keep_undo_rows: bool | None = None) -> None:
         self.memory = memory
@@ -73,8 +78,11 @@ class RecurrentStep:
             rec if rec is not None and rec.inputs is inputs and rec.version_after == memory._version else None
         )
         self.keep_undo_rows = bool(rec.keep_rows if keep_undo_rows is None and rec is not None else keep_undo_rows)
-        self._zero = dev.indices([inp.rs_z]) if inp.rs_z >= 0 and not inp.staged else None
+        self.recurrent_layers = tuple(sorted(memory.pools))
         self._needs_zero = bool((inp.start_rows == inp.rs_z).any()) if inp.rs_z >= 0 else False
+        # only a step that zeroes the row needs its index (cached by value: a steady decode allocates nothing)
+        zeroes = self._needs_zero and not inp.staged
+        self._zero = memory._index_buffer(np.asarray([inp.rs_z], dtype=np.int64)) if zeroes else None
         # A decode with rotating planes cycles through n_snap row sets: the memory hands
         # back the same uploaded index buffers for the same rows (so the launch memo
         # recognises the call) instead of uploading per step.  A one-column table is
