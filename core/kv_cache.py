@@ -1025,9 +1025,14 @@ class KVCacheContext(UBatchContext):
             raise ArgumentError(
                 what, f"expected shape {(self.get_ubatch().n_tokens, bufs[il].shape[1])}, got {src.shape}"
             )
-        # the cache's reused rows buffer (one per memory, rewritten in place), not a new upload per call
-        rows = self.cache.step_buffers.indices("rows", self.k_idxs(), max(ub.n_tokens for ub in self.ubatches))
-        dev.set_rows(bufs[il], rows, src)
+        dev.set_rows(bufs[il], self.write_rows_buffer(), src)
+
+    def write_rows_buffer(self) -> Buffer:
+        """:meth:`k_idxs` as a device index buffer: the cache's one reused rows buffer,
+        rewritten in place for each ubatch (not a new upload per call or layer), valid
+        until the next ubatch is applied."""
+        rows = self.k_idxs()
+        return self.cache.step_buffers.indices("rows", rows, max(ub.n_tokens for ub in self.ubatches))
 
     def step(self) -> Any:
         """The applied ubatch's per-layer calls (:class:`~statecache.memory_step.MemoryStep`):

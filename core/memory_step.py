@@ -190,11 +190,6 @@ class MemoryStep(LayerStep):
             )
         return part
 
-    @staticmethod
-    def _write_rows(part: KVCacheContext) -> Buffer:
-        cache = part.cache
-        return cache.step_buffers.indices("rows", part.k_idxs(), capacity=_ubatch_capacity(part))
-
     def _write(self, part: KVCacheContext, layer: int, pairs: list[tuple[str, Any, dict[int, Buffer]]]) -> None:
         """Check every ``(name, rows, buffers)`` against the ubatch first, then ``set_rows`` each."""
         dev = part.cache.device
@@ -209,7 +204,7 @@ class MemoryStep(LayerStep):
             if not isinstance(src, Buffer) or src.shape != (n_tokens, width):
                 shape = getattr(src, "shape", None)
                 raise ArgumentError(name, f"shape {shape} must be [n_tokens={n_tokens}, {width}] (this ubatch)")
-        rows = self._write_rows(part)
+        rows = part.write_rows_buffer()
         for (_, _, bufs), src in zip(pairs, srcs, strict=True):
             dev.set_rows(bufs[layer], rows, src)
 
@@ -229,7 +224,7 @@ class MemoryStep(LayerStep):
         return AttentionRows(
             k=cache.k[layer], v=cache.v.get(layer), n_kv=part.n_kv(), size=cache.size, streams=streams,
             read_start=streams * cache.size, write=part.k_idxs().astype(np.int64),
-            write_buffer=self._write_rows(part), _cells=cache.cells,
+            write_buffer=part.write_rows_buffer(), _cells=cache.cells,
         )  # fmt: skip
 
     def kv_rows(self, layer: int) -> AttentionRows:
