@@ -122,6 +122,10 @@ class LayerStep:
         """The k-pool inputs of this ubatch (hybrid-idx; docs/memory-semantics.md#kpool-inputs)."""
         raise ArgumentError("memory", f"this memory ({type(self).__name__}) has no k-pools (hybrid-idx only)")
 
+    def kpool_buffers(self, *, n_sel: int | None = None, with_pos: bool = False) -> dict[str, Buffer]:
+        """:meth:`kpool_inputs` as reused device buffers (hybrid-idx)."""
+        raise ArgumentError("memory", f"this memory ({type(self).__name__}) has no k-pools (hybrid-idx only)")
+
 
 def _recurrent_call(name: str) -> Any:
     """A :class:`MemoryStep` method that hands a recurrent call to the recurrent part's step."""
@@ -150,9 +154,12 @@ class MemoryStep(LayerStep):
         index: KVCacheContext | None = None,
         kpool: Any = None,
     ) -> None:
-        for part in (*attention, *([index] if index is not None else [])):
+        parts = (*attention, *([index] if index is not None else []))
+        for part in parts:
             if part._applied != part.i_next:
                 raise ContextError("apply() the current ubatch before asking for its step")
+        self._ubatch = parts[0].i_next if parts else -1  # the step belongs to this ubatch only
+        self._write_rows: dict[int, Buffer] = {}
         self.recurrent = recurrent
         self.recurrent_layers = recurrent.recurrent_layers if recurrent is not None else ()
         self._attn: dict[int, KVCacheContext] = {il: part for part in attention for il in part.cache.k}
@@ -188,7 +195,21 @@ class MemoryStep(LayerStep):
             raise ArgumentError(
                 "layer", f"layer {layer!r} is not an attention layer of this memory {self.attention_layers}"
             )
+        return self._current(part)
+
+    def _current(self, part: KVCacheContext) -> KVCacheContext:
+        """``part``, unless its context has moved past the ubatch this step was built for
+        (the reused rows and mask buffers then hold another ubatch's values)."""
+        if part.i_next != self._ubatch or part._applied != self._ubatch:
+            raise ContextError(f"this step belongs to ubatch {self._ubatch}; the context has moved on")
         return part
+
+    def _rows_buffer(self, part: KVCacheContext) -> Buffer:
+        """The part's reused write rows, filled once per step (every layer and K and V share them)."""
+        buf = self._write_rows.get(id(part))
+        if buf is None:
+            buf = self._write_rows[id(part)] = part.write_rows_buffer()
+        return buf
 
     def _write(self, part: KVCacheContext, layer: int, pairs: list[tuple[str, Any, dict[int, Buffer]]]) -> None:
         """Check every ``(name, rows, buffers)`` against the ubatch first, then ``set_rows`` each."""
@@ -204,7 +225,7 @@ class MemoryStep(LayerStep):
             if not isinstance(src, Buffer) or src.shape != (n_tokens, width):
                 shape = getattr(src, "shape", None)
                 raise ArgumentError(name, f"shape {shape} must be [n_tokens={n_tokens}, {width}] (this ubatch)")
-        rows = part.write_rows_buffer()
+        rows = self._rows_buffer(part)
         for (_, _, bufs), src in zip(pairs, srcs, strict=True):
             dev.set_rows(bufs[layer], rows, src)
 
@@ -224,7 +245,7 @@ class MemoryStep(LayerStep):
         return AttentionRows(
             k=cache.k[layer], v=cache.v.get(layer), n_kv=part.n_kv(), size=cache.size, streams=streams,
             read_start=streams * cache.size, write=part.k_idxs().astype(np.int64),
-            write_buffer=part.write_rows_buffer(), _cells=cache.cells,
+            write_buffer=self._rows_buffer(part), _cells=cache.cells,
         )  # fmt: skip
 
     def kv_rows(self, layer: int) -> AttentionRows:
@@ -250,7 +271,7 @@ class MemoryStep(LayerStep):
     def _index_part(self, layer: int) -> KVCacheContext:
         if self._index is None or layer not in self._index.cache.k:
             raise self._absent(layer, "indexer cache")
-        return self._index
+        return self._current(self._index)
 
     def write_index_keys(self, layer: int, keys: Any) -> None:
         part = self._index_part(layer)
@@ -262,8 +283,30 @@ class MemoryStep(LayerStep):
     def kpool_inputs(self, *, n_sel: int | None = None, with_pos: bool = False) -> KPoolInputs:
         if self._kpool is None:
             return super().kpool_inputs(n_sel=n_sel, with_pos=with_pos)
+        if self._index is not None:
+            self._current(self._index)
         inputs: KPoolInputs = self._kpool.kpool_inputs(n_sel=n_sel, with_pos=with_pos)
         return inputs
+
+    def kpool_buffers(self, *, n_sel: int | None = None, with_pos: bool = False) -> dict[str, Buffer]:
+        """:meth:`kpool_inputs` as device buffers, by field name (int32 indices, float32
+        masks; fields that are None are left out), in the indexer cache's reused storage:
+        rewritten in place each step, grown (to twice the need) only when the k-pools
+        outgrow it."""
+        inputs = self.kpool_inputs(n_sel=n_sel, with_pos=with_pos)
+        assert self._index is not None  # kpool_inputs answered: a hybrid-idx step
+        store = self._index.cache.step_buffers
+        out = {}
+        for field in dataclasses.fields(inputs):
+            value = getattr(inputs, field.name)
+            if value is None:
+                continue
+            role, cap = f"kpool:{field.name}", 2 * int(value.size)
+            if value.dtype.kind == "f":
+                out[field.name] = store.floats(role, value, capacity=cap)
+            else:
+                out[field.name] = store.indices(role, value, capacity=cap)
+        return out
 
 
 def _ubatch_capacity(part: KVCacheContext) -> int:

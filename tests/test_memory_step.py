@@ -25,6 +25,7 @@ from statecache.hybrid import HybridISWAMemory, HybridMemory
 from statecache.hybrid_idx import HybridIdxMemory
 from statecache.kv_cache import KVCache, KVCacheISWA, KVLayer
 from statecache.kv_mask import SWAType, is_masked_swa
+from statecache.memory import ContextError
 from statecache.recurrent import RecurrentMemory
 from statecache.spec import MemorySpec
 
@@ -128,7 +129,11 @@ def decode_loop(mem, tables: Tables, tokens_by_seq: dict[int, list[int]], n_ubat
                 step.write_index_keys(layer, index_keys(tokens))
                 written = as_array(step.index_rows(layer).k)[step.index_rows(layer).write]
                 np.testing.assert_array_equal(written, index_keys(tokens))
-                assert step.kpool_inputs().pool_mask.shape[0] == ub.n_tokens
+                inputs, on_device = step.kpool_inputs(), step.kpool_buffers()
+                assert inputs.pool_mask.shape[0] == ub.n_tokens
+                for name, buf in on_device.items():  # the same values, in reused device buffers
+                    np.testing.assert_array_equal(as_array(buf), getattr(inputs, name), err_msg=name)
+                assert set(on_device) == {f for f, v in vars(inputs).items() if v is not None}
         y = np.concatenate(parts, axis=1)
         for i in range(ub.n_tokens):
             for q in ub.seq_id[i]:
@@ -261,8 +266,9 @@ def test_refused_calls_change_nothing(dev, kind) -> None:  # type: ignore[no-unt
                 attempt()
             refused.append(info.value.argument)
         if "idx" not in kind:
-            with pytest.raises(statecache.ArgumentError, match="k-pools"):
-                step.kpool_inputs()
+            for ask in (step.kpool_inputs, step.kpool_buffers):
+                with pytest.raises(statecache.ArgumentError, match="k-pools"):
+                    ask()
         for a, b in zip(before, _snapshot(d.mem), strict=True):
             np.testing.assert_array_equal(a, b)
 
@@ -314,3 +320,26 @@ def test_old_accessors_still_work(dev) -> None:  # type: ignore[no-untyped-def]
     np.testing.assert_array_equal(as_array(step.kv_rows(3).k)[step.kv_rows(3).write], np.ones((3, E)))
     np.testing.assert_array_equal(as_array(step.mask(3)), ctx.attn.swa.mask())
     assert ctx.recr.step().recurrent_layers == (0, 2)
+
+
+def test_a_step_used_after_the_context_moved_on_is_refused(dev) -> None:  # type: ignore[no-untyped-def]
+    mem = make_memory(dev, "hybrid-idx")
+    balloc = BatchAllocator(mem.n_seq_max)
+    balloc.init(Batch.for_sequences({0: [1, 2, 3, 4, 5, 6], 1: [7, 8]}, output_all=True), mem)
+    ctx = mem.init_batch(balloc, 4)
+    assert ctx.apply()
+    old = ctx.step()
+    old.mask(1)
+    assert ctx.next()
+    with pytest.raises((ContextError, statecache.ArgumentError), match="apply"):
+        ctx.step()  # the next ubatch is not applied yet
+    with pytest.raises(statecache.ArgumentError, match="apply"):
+        ctx.recr.step()  # the recurrent part alone: not the previous ubatch's step either
+    assert ctx.apply()
+    n = ctx.get_ubatch().n_tokens
+    zeros = np.zeros((n, E), np.float32)
+    stale = (lambda: old.write_kv(1, zeros, zeros), lambda: old.kv_rows(3), old.kpool_inputs)
+    for call in (*stale, lambda: old.write_index_keys(1, index_keys([1] * n))):
+        with pytest.raises(ContextError, match="moved on"):
+            call()
+    ctx.step().write_kv(1, np.zeros((n, E), np.float32), np.zeros((n, E), np.float32))
