@@ -96,6 +96,12 @@ class LayerStep:
     def _absent(self, layer: int, what: str) -> ArgumentError:
         return ArgumentError("layer", f"layer {layer}: this memory ({type(self).__name__}) has no {what}")
 
+    def prepare(
+        self, *, causal: bool = True, alibi: bool = False, n_sel: int | None = None, with_pos: bool = False
+    ) -> None:
+        """Write this ubatch's reused device inputs now (nothing to write here)."""
+        return None
+
     # -- attention ------------------------------------------------------------
     def write_kv(self, layer: int, k: Any, v: Any = None) -> None:
         """Write this ubatch's K (and V) rows of attention layer ``layer``: ``[n_tokens, n_embd]``."""
@@ -187,6 +193,23 @@ class MemoryStep(LayerStep):
     def slot_rows(self, layer: int, tensor: str) -> SlotRows:
         """``RecurrentStep.slot_rows`` on the recurrent part."""
         return self._recurrent_for(layer).slot_rows(layer, tensor)
+
+    def prepare(
+        self, *, causal: bool = True, alibi: bool = False, n_sel: int | None = None, with_pos: bool = False
+    ) -> None:
+        """Write this ubatch's reused device inputs now: every cache's K/V write rows and
+        mask, and on hybrid-idx the indexer's rows and :meth:`kpool_buffers` (``n_sel``,
+        ``with_pos`` as the layers will ask).  The layers' calls with the same arguments
+        then copy nothing from the host, which a CUDA graph needs: call it before
+        capturing a decode step and before each replay (the graph reads the same
+        buffers, rewritten in place)."""
+        for part in {id(p): p for p in self._attn.values()}.values():
+            self._rows_buffer(self._current(part))
+            self.mask(part.cache.layers[0].il, causal=causal, alibi=alibi)
+        if self._index is not None:
+            self._rows_buffer(self._current(self._index))
+            if self._kpool is not None:
+                self.kpool_buffers(n_sel=n_sel, with_pos=with_pos)
 
     # -- attention ----------------------------------------------------------------
     def _part(self, layer: int) -> KVCacheContext:

@@ -66,10 +66,13 @@ class StepBuffers:
         return buf
 
     def floats(self, role: str, values: np.ndarray, capacity: int = 0) -> Buffer:
-        """An f32 buffer holding ``values``; the same host array (by identity) is not written twice."""
+        """An f32 buffer holding ``values`` (rewritten only when they changed: the same host
+        array, by identity, or one equal to the last is not written again).  The host
+        arrays are kept, not copied: pass arrays that are not edited afterwards."""
         buf = self._view(role, tuple(values.shape), DType.F32, capacity)
         key = (role, tuple(values.shape))
-        if self._source.get(key) is not values:
+        last = self._source.get(key)
+        if last is not values and not (last is not None and np.array_equal(last, values)):
             self.device.write(buf, values)
-            self._source[key] = values
+        self._source[key] = values
         return buf

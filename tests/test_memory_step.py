@@ -170,8 +170,10 @@ class Driver:
         self.hist: dict[int, list[int]] = {}
         self.checked = 0
 
-    def run(self, tokens_by_seq: dict[int, list[int]], **kw) -> None:  # type: ignore[no-untyped-def]
+    def run(self, tokens_by_seq: dict[int, list[int]], after=None, **kw) -> None:  # type: ignore[no-untyped-def]
         out = decode_loop(self.mem, self.tables, tokens_by_seq, **kw)
+        if after is not None:
+            after()  # before the oracle runs
         for s, ts in tokens_by_seq.items():
             self.hist.setdefault(s, []).extend(ts)
         for (s, p), y in out.items():
@@ -343,3 +345,23 @@ def test_a_step_used_after_the_context_moved_on_is_refused(dev) -> None:  # type
         with pytest.raises(ContextError, match="moved on"):
             call()
     ctx.step().write_kv(1, np.zeros((n, E), np.float32), np.zeros((n, E), np.float32))
+
+
+@pytest.mark.parametrize("kind", ["kv-iswa", "hybrid-idx"])
+def test_after_prepare_the_layer_calls_copy_nothing_from_the_host(dev, kind, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """What a CUDA graph capture needs: prepare() writes the reused inputs, the layers only read them."""
+    d = Driver(dev, kind)
+    d.run({0: [1, 2, 3], 1: [4, 5]})
+    d.run({0: [1], 1: [2]})  # warm-up of the decode shape (as before a capture)
+    real_write = dev.write
+
+    def capture(step, ub) -> None:  # type: ignore[no-untyped-def]
+        step.prepare()
+        monkeypatch.setattr(dev, "write", lambda *a: pytest.fail("a host copy during the layer calls"))
+
+    def restore() -> None:
+        monkeypatch.setattr(dev, "write", real_write)
+
+    d.run({0: [6], 1: [7]}, on_step=capture, after=restore)  # the loop's calls, then the oracle check
+    d.run({0: [8], 1: [9]}, on_step=capture, after=restore)  # rows changed: rewritten in place, still right
+    assert d.checked == 11
