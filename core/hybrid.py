@@ -131,7 +131,9 @@ class HybridContext(CompositeContext):
         ``keep_undo_rows`` overrides the context's setting for the recurrent part."""
         from statecache.memory_step import MemoryStep
 
-        recr = self.recr.step(keep_undo_rows)  # type: ignore[attr-defined]
+        if not hasattr(self.recr, "step"):
+            raise ContextError("only a planned batch (init_batch) has a step")
+        recr = self.recr.step(keep_undo_rows)
         return MemoryStep(recr, _kv_parts(self.attn))
 
     def _leaves(self) -> list[MemoryContext]:

@@ -1034,9 +1034,11 @@ class KVCacheContext(UBatchContext):
         rows = self.k_idxs()
         return self.cache.step_buffers.indices("rows", rows, max(ub.n_tokens for ub in self.ubatches))
 
-    def step(self) -> Any:
+    def step(self, keep_undo_rows: bool | None = None) -> Any:
         """The applied ubatch's per-layer calls (:class:`~statecache.memory_step.MemoryStep`):
-        ``write_kv``, ``kv_rows``, ``mask`` by model layer, as on every memory kind."""
+        ``write_kv``, ``kv_rows``, ``mask`` by model layer, as on every memory kind.
+        ``keep_undo_rows`` is accepted for one signature across kinds; a KV cache keeps
+        its undo rows at ``apply()`` (see the class docstring)."""
         from statecache.memory_step import MemoryStep
 
         return MemoryStep(None, [self])
@@ -1501,9 +1503,10 @@ class ISWAContext(CompositeContext):
         self.swa = mem.swa.make_context(ubatches, plan[1])
         super().__init__([self.base, self.swa], mem)
 
-    def step(self) -> Any:
+    def step(self, keep_undo_rows: bool | None = None) -> Any:
         """The applied ubatch's per-layer calls; a layer goes to the base or the window cache
-        that holds it (:class:`~statecache.memory_step.MemoryStep`)."""
+        that holds it (:class:`~statecache.memory_step.MemoryStep`; ``keep_undo_rows`` as
+        for :meth:`KVCacheContext.step`)."""
         from statecache.memory_step import MemoryStep
 
         return MemoryStep(None, [self.base, self.swa])
