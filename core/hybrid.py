@@ -275,12 +275,17 @@ class HybridMemory(Memory):
                 self.device.fill_bytes(buf, seed + 500 + 10 * k + j)
 
     # -- plans -------------------------------------------------------------------
-    def split(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool) -> list[UBatch] | None:
+    def split(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool, varlen: bool = False) -> list[UBatch] | None:
+        """The ubatches of a validated batch (``varlen``: packed, see :meth:`init_batch`)."""
         balloc.split_reset()
         keep = self.recr.n_rs_seq + 1 if self.recr.n_rs_seq > 0 else 0
         out = []
         while True:
-            if embd_all:
+            if varlen:
+                # the K/V part places tokens one by one and builds the mask in ubatch
+                # token order, so the packed (set-major) order needs nothing more there
+                ub = balloc.split_varlen(n_ubatch, n_keep_tail=keep)
+            elif embd_all:
                 ub = balloc.split_seq(n_ubatch)
             else:
                 ub = balloc.split_equal(n_ubatch, sequential=not self.unified, n_keep_tail=keep)
@@ -303,9 +308,15 @@ class HybridMemory(Memory):
 
         return self.attn.make_context(ubs, plans[1]), RecurrentContext(self.recr, ubs, plans[0])
 
-    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+    def init_batch(
+        self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False, *, varlen: bool = False
+    ) -> MemoryContext:
+        """Plan a validated batch (:meth:`Memory.init_batch`); ``varlen=True`` puts it into
+        one packed ubatch (:meth:`RecurrentMemory.init_batch
+        <statecache.recurrent.RecurrentMemory.init_batch>` says what changes for the
+        recurrent step).  Both parts plan the same ubatches."""
         balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
-        ubs = self.split(balloc, n_ubatch, embd_all)
+        ubs = self.split(balloc, n_ubatch, embd_all, varlen)
         if ubs is None:
             return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
         plans = self._plan(ubs)

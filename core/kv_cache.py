@@ -272,11 +272,15 @@ class KVCache(Memory):
         return n_kv_for(used, self.size, self.n_pad)
 
     # -- placement (docs/memory-semantics.md#kv-placement) --------------------------
-    def split(self, balloc: BatchAllocator, n_ubatch: int) -> list[UBatch] | None:
+    def split(self, balloc: BatchAllocator, n_ubatch: int, varlen: bool = False) -> list[UBatch] | None:
+        """The ubatches of a validated batch (``varlen``: packed, grouped per sequence set)."""
         balloc.split_reset()
         out = []
         while True:
-            ub = balloc.split_simple(n_ubatch) if self.n_stream == 1 else balloc.split_equal(n_ubatch, True)
+            if varlen:
+                ub = balloc.split_varlen(n_ubatch)
+            else:
+                ub = balloc.split_simple(n_ubatch) if self.n_stream == 1 else balloc.split_equal(n_ubatch, True)
             if ub.n_tokens == 0:
                 break
             out.append(ub)
@@ -417,9 +421,11 @@ class KVCache(Memory):
     def make_context(self, ubatches: Sequence[UBatch], sinfos: Sequence[SlotInfo]) -> KVCacheContext:
         return KVCacheContext(self, ubatches, sinfos)
 
-    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+    def init_batch(
+        self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False, *, varlen: bool = False
+    ) -> MemoryContext:
         balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
-        ubs = self.split(balloc, n_ubatch)
+        ubs = self.split(balloc, n_ubatch, varlen)
         if ubs is None:
             return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
         sinfos = self.prepare(ubs)
@@ -1335,8 +1341,8 @@ class KVCacheISWA(Memory):
         self.base.fill_garbage(seed)
         self.swa.fill_garbage(seed + 1000)
 
-    def split(self, balloc: BatchAllocator, n_ubatch: int) -> list[UBatch] | None:
-        return self.base.split(balloc, n_ubatch)
+    def split(self, balloc: BatchAllocator, n_ubatch: int, varlen: bool = False) -> list[UBatch] | None:
+        return self.base.split(balloc, n_ubatch, varlen)
 
     def prepare(self, ubatches: Sequence[UBatch]) -> tuple[list[SlotInfo], list[SlotInfo]] | None:
         b = self.base.prepare(ubatches)
@@ -1351,9 +1357,11 @@ class KVCacheISWA(Memory):
         """The context of a planned batch (bound to this pair's version)."""
         return ISWAContext(self, ubatches, plan)
 
-    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+    def init_batch(
+        self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False, *, varlen: bool = False
+    ) -> MemoryContext:
         balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
-        ubs = self.split(balloc, n_ubatch)
+        ubs = self.split(balloc, n_ubatch, varlen)
         if ubs is None:
             return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
         plan = self.prepare(ubs)

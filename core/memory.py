@@ -305,7 +305,9 @@ class Memory(abc.ABC):
         return StatusContext(MemoryStatus.NO_UPDATE, memory=self)
 
     @abc.abstractmethod
-    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+    def init_batch(
+        self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False, *, varlen: bool = False
+    ) -> MemoryContext:
         """Plan a validated batch: split it into ubatches of at most ``n_ubatch``
         tokens and find each one's slot.  A dry run: nothing changes until the
         context's :meth:`MemoryContext.apply`.
@@ -314,6 +316,12 @@ class Memory(abc.ABC):
             ``init(batch, self)`` succeeded.
         :param n_ubatch: the most tokens per ubatch.
         :param embd_all: every token is an output (splits one sequence set per ubatch).
+        :param varlen: split with :meth:`~statecache.batch.BatchAllocator.split_varlen`:
+            the whole batch in one packed ubatch when it fits ``n_ubatch`` (sets of any
+            length and any sequence ids, offsets in ``ubatch.cu_seqlens``), so one
+            primitive call per layer advances every sequence.  The default (False) keeps
+            each memory's own split (equal ubatches for recurrent state).  Takes
+            precedence over ``embd_all``'s split.
         :return: the plan; its status is ``FAILED_PREPARE`` (nothing changed)
             when the splitter cannot place every token or the slots do not fit.
             The plan is refused (``ContextError`` at ``apply()``) once the

@@ -165,7 +165,9 @@ class _Book:
 class RecurrentInputs:
     """What the graph side needs for one committed ubatch (docs/memory-semantics.md#graph-side).
 
-    Per sequence set ``i`` (its results go to cell ``head + i``), exactly the
+    Per sequence set ``i`` (its results go to cell ``head + i``; it advances by
+    ``n_seq_tokens`` tokens, or by its own count in a varlen ubatch, see
+    :attr:`cu_seqlens`), exactly the
     rows a primitive call takes: ``start_rows[i]``, the row it reads its state
     from (any plane of any cell; the zero row for a new sequence), and
     ``dst_table[i]``, its snapshot table: column 0 the row that receives the
@@ -197,6 +199,25 @@ class RecurrentInputs:
     staged: bool = False
     plane_src: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_ROWS)
     plane_dst: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_ROWS)
+    cu_seqlens: np.ndarray | None = None
+
+    @property
+    def is_varlen(self) -> bool:
+        """The ubatch is in the packed form: set ``i`` owns tokens ``cu_seqlens[i] ..
+        cu_seqlens[i + 1] - 1`` of one token axis (``n_seq_tokens`` is then the longest)."""
+        return self.cu_seqlens is not None
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """int64 ``[n_seqs]``: the tokens each set advances by."""
+        if self.cu_seqlens is not None:
+            return np.diff(self.cu_seqlens).astype(np.int64)
+        return np.full(self.n_seqs, self.n_seq_tokens, dtype=np.int64)
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens of the ubatch (every set's)."""
+        return int(self.cu_seqlens[-1]) if self.cu_seqlens is not None else self.n_seqs * self.n_seq_tokens
 
     @property
     def copy_src(self) -> np.ndarray:
@@ -548,13 +569,29 @@ class RecurrentMemory(Memory):
         return {self.device.id: total} if total else {}
 
     # -- plans ------------------------------------------------------------------
-    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+    def init_batch(
+        self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False, *, varlen: bool = False
+    ) -> MemoryContext:
+        """Plan a validated batch (:meth:`Memory.init_batch`).
+
+        ``varlen=False`` (the default) splits it into equal ubatches: every set of
+        a ubatch advances by the same number of tokens, consecutive sequence ids
+        (``split_equal(sequential=True)``; ``split_seq`` with ``embd_all``), per-token
+        tensors ``[n_seqs, n_seq_tokens, ...]``.  ``varlen=True`` puts the whole
+        batch into one packed ubatch when it fits ``n_ubatch``
+        (:meth:`BatchAllocator.split_varlen`): sets of any length and any ids, one
+        primitive call per layer, per-token tensors ``[n_tokens, ...]`` with the
+        offsets ``ub.cu_seqlens`` (the step passes them to every primitive).
+        Rollback planes, copy-on-write and undo are the same in both forms.
+        """
         balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
         balloc.split_reset()
         ubatches: list[UBatch] = []
         keep = self.n_rs_seq + 1 if self.n_rs_seq > 0 else 0
         while True:
-            if embd_all:
+            if varlen:
+                ub = balloc.split_varlen(n_ubatch, n_keep_tail=keep)
+            elif embd_all:
                 ub = balloc.split_seq(n_ubatch)
             else:
                 ub = balloc.split_equal(n_ubatch, sequential=True, n_keep_tail=keep)
@@ -597,8 +634,10 @@ class RecurrentMemory(Memory):
         (multi-id) sets, shared cells being split, and reorder swaps, none of
         which the steady decode path meets.  Per-ubatch work is O(size).
         """
-        if not ub.equal_seqs:
-            raise BatchError("the recurrent memory needs an equal split (split_equal or split_seq)", rule="split")
+        if not ub.equal_seqs and not ub.is_varlen:
+            raise BatchError(
+                "the recurrent memory needs sequence sets (split_equal, split_seq or split_varlen)", rule="split"
+            )
         n_seqs = ub.n_seqs
         size = self.size
         if n_seqs == 0:
@@ -675,10 +714,8 @@ class RecurrentMemory(Memory):
             in_slot = (t >= lo) & (t <= hi)
             t[in_slot] = where[t[in_slot] - lo] + lo
         # 6. advance positions; provenance of the planes this write produces
-        n_t = ub.n_seq_tokens
+        n_t, first, last = _set_spans(ub)
         cells = slot[:n_seqs]
-        pos = ub.pos.reshape(n_seqs, n_t)
-        first, last = pos[:, 0].astype(np.int64), pos[:, -1].astype(np.int64)
         old_pos = b.pos[cells]
         consecutive = (old_pos < 0) | (old_pos == first - 1)
         if not consecutive.all() and ub.pos_sections is None:  # M-RoPE positions may jump: no warning
@@ -697,13 +734,12 @@ class RecurrentMemory(Memory):
                     b.tail[x] = lo + k
                 b.n_own[lo + k] = len(ids)
         b.snap_end[cells] = last
-        b.snap_valid[cells] = np.where(consecutive, min(n_t + 1, self.n_snap), min(n_t, self.n_snap))
-        if n_t > 1 and ub.pos_sections is not None:
+        b.snap_valid[cells] = np.where(consecutive, np.minimum(n_t + 1, self.n_snap), np.minimum(n_t, self.n_snap))
+        if ub.pos_sections is not None and (n_t > 1).any():
             # M-RoPE positions may repeat or jump inside a ubatch (an image grid shares
             # one temporal position): plane j then holds no state "after snap_end - j",
             # so only the final state stays reachable.
-            one_per_token = (np.diff(pos, axis=1) == 1).all(axis=1)
-            b.snap_valid[cells] = np.where(one_per_token, b.snap_valid[cells], 1)
+            b.snap_valid[cells] = np.where(_one_position_per_token(ub, n_t), b.snap_valid[cells], 1)
         # 7. zero row: first cell of the slot none of whose rows a cell names as its source
         # (a cell's snapshot planes are rows of the cell its source is in, so they are
         # never the zero row either).  The sources are still those before the step.
@@ -752,7 +788,7 @@ class RecurrentMemory(Memory):
             head=lo,
             n_rs=hi - lo + 1,
             n_seqs=n_seqs,
-            n_seq_tokens=n_t,
+            n_seq_tokens=ub.n_seq_tokens,
             rs_z=rs_z,
             start_rows=start_rows,
             dst_table=dst_table,
@@ -761,6 +797,7 @@ class RecurrentMemory(Memory):
             staged=False,
             plane_src=plane_src,
             plane_dst=plane_dst,
+            cu_seqlens=_host_offsets(ub),
         )
         return dataclasses.replace(inputs, staged=_needs_staging(inputs))
 
@@ -788,8 +825,7 @@ class RecurrentMemory(Memory):
             return None  # M-RoPE positions: the general path decides which planes stay reachable
         if b.head > b.used + 2 * n_seqs:
             b.head = 0
-        pos = ub.pos.reshape(n_seqs, n_t)
-        first, last = pos[:, 0].astype(np.int64), pos[:, -1].astype(np.int64)
+        lens, first, last = _set_spans(ub)
         old = b.pos[lo : lo + n_seqs]
         consecutive = (old < 0) | (old == first - 1)
         if not consecutive.all() and ub.pos_sections is None:  # M-RoPE positions may jump: no warning
@@ -801,15 +837,17 @@ class RecurrentMemory(Memory):
             )
         b.pos[lo : lo + n_seqs] = last
         b.snap_end[lo : lo + n_seqs] = last
-        n_written = min(n_t + 1, self.n_snap)
+        n_written = np.minimum(lens + 1, self.n_snap)
         b.snap_valid[lo : lo + n_seqs] = (
-            n_written if consecutive.all() else np.where(consecutive, n_written, min(n_t, self.n_snap))
+            n_written if consecutive.all() else np.where(consecutive, n_written, np.minimum(lens, self.n_snap))
         )
         own = np.ones(n_seqs, dtype=bool)
-        table, live = _rotated_writes(cells, start_rows // self.size, own, n_t, self.n_snap, self.size)
+        table, live = _rotated_writes(cells, start_rows // self.size, own, lens, self.n_snap, self.size)
         b.src[lo : lo + n_seqs] = live
         b.head = lo
-        return RecurrentInputs(self.size, self.n_snap, lo, n_seqs, n_seqs, n_t, -1, start_rows, table)
+        return RecurrentInputs(
+            self.size, self.n_snap, lo, n_seqs, n_seqs, n_t, -1, start_rows, table, cu_seqlens=_host_offsets(ub)
+        )
 
     def _forget_damaged(self, bad_rows: np.ndarray) -> tuple[int, ...]:
         """After a lossy undo: drop every cell whose logical state row is in ``bad_rows``
@@ -1234,24 +1272,56 @@ class RecurrentMemory(Memory):
 
 
 def _rotated_writes(
-    cells: np.ndarray, start_plane: np.ndarray, own: np.ndarray, n_t: int, n_snap: int, size: int
+    cells: np.ndarray, start_plane: np.ndarray, own: np.ndarray, n_t: np.ndarray, n_snap: int, size: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The snapshot tables of sets that start from plane ``start_plane`` and write
-    ``n_t`` tokens into ``cells``, and the row each one's final state lands in.
+    ``n_t[i]`` tokens into ``cells[i]``, and the row each one's final state lands in.
 
     The final state goes ``n_t`` planes after the start (mod ``n_snap``), column
     ``j`` (the state ``j`` tokens before the end) ``j`` planes before that, so
     column ``n_t``, the input state, is the start plane itself: not written for a
     set that starts from its own cell (``own``), whose input state is already
     there; written for the others when ``n_t < n_snap``.  A decode from its own
-    cell writes one row."""
+    cell writes one row.  A set of a varlen ubatch shorter than the table's
+    width writes nothing in the columns past its own (``-1``), so every set's
+    columns are exactly those an equal ubatch of its length gives it."""
     live = (start_plane + n_t) % n_snap
-    n_w = min(n_t + 1, n_snap) if n_t < n_snap and not own.all() else min(n_t, n_snap)
-    cols = np.arange(n_w, dtype=np.int64)
+    # columns each set writes: its states after 1..n_t tokens (at most n_snap), plus
+    # its input state when it does not start from its own cell and has room for it
+    n_w = np.minimum(n_t, n_snap) + ((n_t < n_snap) & ~own)
+    cols = np.arange(int(n_w.max()), dtype=np.int64)
     table = ((live[:, None] - cols[None, :]) % n_snap) * size + cells[:, None]
-    if n_w > n_t:
-        table[own, n_t] = -1
+    table[cols[None, :] >= n_w[:, None]] = -1
     return table, live * size + cells
+
+
+def _set_spans(ub: UBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per set of an equal or varlen ubatch: its token count, first and last position (int64)."""
+    if ub.cu_seqlens is None:
+        n_s, n_t = ub.n_seqs, ub.n_seq_tokens
+        pos = ub.pos.reshape(n_s, n_t)
+        return np.full(n_s, n_t, dtype=np.int64), pos[:, 0].astype(np.int64), pos[:, -1].astype(np.int64)
+    cu = ub.cu_seqlens.astype(np.int64)
+    return np.diff(cu), ub.pos[cu[:-1]].astype(np.int64), ub.pos[cu[1:] - 1].astype(np.int64)
+
+
+def _one_position_per_token(ub: UBatch, n_t: np.ndarray) -> np.ndarray:
+    """Per set: whether its positions advance by exactly one per token."""
+    step_ok = np.diff(ub.pos.astype(np.int64)) == 1  # token i -> i + 1, across set borders too
+    bad = np.flatnonzero(~step_ok)
+    if not bad.size:
+        return np.ones(n_t.size, dtype=bool)
+    ends = np.cumsum(n_t)  # a set's steps are those between its first and last token
+    starts = ends - n_t
+    # a set is fine when no bad step k has starts <= k < ends - 1
+    first_bad = np.searchsorted(bad, starts)
+    fine: np.ndarray = (first_bad >= bad.size) | (bad[np.minimum(first_bad, bad.size - 1)] >= ends - 1)
+    return fine
+
+
+def _host_offsets(ub: UBatch) -> np.ndarray | None:
+    """A varlen ubatch's set offsets as int64 (None for an equal ubatch)."""
+    return None if ub.cu_seqlens is None else ub.cu_seqlens.astype(np.int64)
 
 
 def _live_planes(b: _Book, cells: np.ndarray, size: int, n_snap: int) -> np.ndarray:
