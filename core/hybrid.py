@@ -127,6 +127,18 @@ class HybridContext(CompositeContext):
         self._undo_log: list[tuple[tuple[Any, ...], Any, int | None]] = []  # (books, extra, edits) before each apply
         self.keep_undo_rows = bool(getattr(recr, "keep_undo_rows", False))
 
+    def step(self, keep_undo_rows: bool | None = None) -> Any:
+        """The applied ubatch's per-layer calls, every part by model layer
+        (:class:`~statecache.memory_step.MemoryStep`): the recurrent calls of
+        ``self.recr.step()`` and the attention calls of the KV part(s).
+        ``keep_undo_rows`` overrides the context's setting for the recurrent part."""
+        from statecache.memory_step import MemoryStep
+
+        if not hasattr(self.recr, "step"):
+            raise ContextError("only a planned batch (init_batch) has a step")
+        recr = self.recr.step(keep_undo_rows)
+        return MemoryStep(recr, _kv_parts(self.attn))
+
     def _leaves(self) -> list[MemoryContext]:
         out: list[MemoryContext] = []
         todo = list(self.parts)
@@ -225,6 +237,13 @@ class HybridContext(CompositeContext):
         else:
             self.update_version()  # exactly the books the undone plans start from
         return tuple(sorted(dropped))
+
+
+def _kv_parts(ctx: MemoryContext) -> list[KVCacheContext]:
+    """The KV contexts of an attention part's context (one, or an iSWA pair's two)."""
+    if isinstance(ctx, KVCacheContext):
+        return [ctx]
+    return [p for p in getattr(ctx, "parts", ()) if isinstance(p, KVCacheContext)]
 
 
 class HybridUpdateContext(HybridContext):

@@ -396,6 +396,14 @@ class HybridIdxContext(HybridContext):
         self._state_for = self.i_cur
         return True
 
+    def step(self, keep_undo_rows: bool | None = None) -> Any:
+        """:meth:`HybridContext.step` plus the indexer cache (``write_index_keys``,
+        ``index_rows``) and this ubatch's ``kpool_inputs``."""
+        from statecache.memory_step import MemoryStep
+
+        recr = self.recr.step(keep_undo_rows)  # type: ignore[attr-defined]
+        return MemoryStep(recr, [self.attn], index=self.idx, kpool=self)  # type: ignore[list-item,arg-type]
+
     # -- undo (HybridContext hooks) ---------------------------------------------------------
     def _undo_extra_snapshot(self) -> _UndoExtra:
         mem = self.mem

@@ -63,6 +63,7 @@ from statecache.state_io import (
     rows_ready,
     unpack_sections,
 )
+from statecache.step_buffers import StepBuffers
 
 if TYPE_CHECKING:
     from statecache.batch import BatchAllocator, UBatch
@@ -255,6 +256,8 @@ class KVCache(Memory):
         rows = self.n_stream * self.size
         self.k: dict[int, Buffer] = {}
         self.v: dict[int, Buffer] = {}
+        #: the K/V write rows and masks of each step, rewritten in place (statecache.step_buffers)
+        self.step_buffers = StepBuffers(device)
         for layer in self.layers:
             self.k[layer.il] = device.alloc((rows, layer.n_embd_k), self.dtype)
             if layer.n_embd_v:
@@ -1190,7 +1193,23 @@ class KVCacheContext(UBatchContext):
             raise ArgumentError(
                 what, f"expected shape {(self.get_ubatch().n_tokens, bufs[il].shape[1])}, got {src.shape}"
             )
-        dev.set_rows(bufs[il], dev.indices(self.k_idxs()), src)
+        dev.set_rows(bufs[il], self.write_rows_buffer(), src)
+
+    def write_rows_buffer(self) -> Buffer:
+        """:meth:`k_idxs` as a device index buffer: the cache's one reused rows buffer,
+        rewritten in place for each ubatch (not a new upload per call or layer), valid
+        until the next ubatch is applied."""
+        rows = self.k_idxs()
+        return self.cache.step_buffers.indices("rows", rows, max(ub.n_tokens for ub in self.ubatches))
+
+    def step(self, keep_undo_rows: bool | None = None) -> Any:
+        """The applied ubatch's per-layer calls (:class:`~statecache.memory_step.MemoryStep`):
+        ``write_kv``, ``kv_rows``, ``mask`` by model layer, as on every memory kind.
+        ``keep_undo_rows`` is accepted for one signature across kinds; a KV cache keeps
+        its undo rows at ``apply()`` (see the class docstring)."""
+        from statecache.memory_step import MemoryStep
+
+        return MemoryStep(None, [self])
 
     def mask(self, *, causal: bool = True, alibi: bool = False) -> np.ndarray:
         """The mask of the current ubatch (:meth:`KVCache.mask`), built once per ubatch
@@ -1684,3 +1703,11 @@ class ISWAContext(CompositeContext):
         self.base = mem.base.make_context(ubatches, plan[0])
         self.swa = mem.swa.make_context(ubatches, plan[1])
         super().__init__([self.base, self.swa], mem)
+
+    def step(self, keep_undo_rows: bool | None = None) -> Any:
+        """The applied ubatch's per-layer calls; a layer goes to the base or the window cache
+        that holds it (:class:`~statecache.memory_step.MemoryStep`; ``keep_undo_rows`` as
+        for :meth:`KVCacheContext.step`)."""
+        from statecache.memory_step import MemoryStep
+
+        return MemoryStep(None, [self.base, self.swa])

@@ -363,7 +363,7 @@ class RecurrentContext(UBatchContext):
         ``keep_undo_rows`` overrides the context's setting for this step."""
         from statecache.recurrent_step import RecurrentStep
 
-        if self.inputs is None:
+        if self.inputs is None or self._applied != self.i_next:  # after next(): the next ubatch is not applied
             raise ArgumentError("context", "apply() a ubatch before asking for its step")
         return RecurrentStep(self.memory, self.inputs, keep_undo_rows=keep_undo_rows)
 

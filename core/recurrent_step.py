@@ -61,14 +61,19 @@ import numpy as np
 from statecache import primitives as P
 from statecache.backend import Buffer, Device
 from statecache.errors import ArgumentError, CapabilityError
+from statecache.memory_step import LayerStep
 from statecache.slot_rows import SlotRows
 
 if TYPE_CHECKING:
     from statecache.recurrent import RecurrentInputs, RecurrentMemory
 
 
-class RecurrentStep:
-    """Runs the device side of one committed ubatch, layer by layer."""
+class RecurrentStep(LayerStep):
+    """Runs the device side of one committed ubatch, layer by layer.
+
+    The recurrent half of the step API every memory kind shares
+    (:class:`~statecache.memory_step.LayerStep`): on a recurrent memory the
+    attention calls raise :class:`ArgumentError` naming ``layer``."""
 
     def __init__(self, memory: RecurrentMemory, inputs: RecurrentInputs, *, keep_undo_rows: bool | None = None) -> None:
         self.memory = memory
@@ -81,10 +86,12 @@ class RecurrentStep:
             rec if rec is not None and rec.inputs is inputs and rec.version_after == memory._version else None
         )
         self.keep_undo_rows = bool(rec.keep_rows if keep_undo_rows is None and rec is not None else keep_undo_rows)
+        self.recurrent_layers = tuple(sorted(memory.pools))
         # Also when staged: new sequences then read zeros from the transient copy, but
         # the one whose own cell holds the zero row keeps it as the snapshot of its
         # input state (plane n_t back), so the pool's row must hold zeros too.
-        self._zero = dev.indices([inp.rs_z]) if inp.rs_z >= 0 else None
+        # (cached by value, not a new upload per step)
+        self._zero = memory._index_buffer(np.asarray([inp.rs_z], dtype=np.int64)) if inp.rs_z >= 0 else None
         self._needs_zero = bool((inp.start_rows == inp.rs_z).any()) if inp.rs_z >= 0 else False
         # A decode with rotating planes cycles through n_snap row sets: the memory hands
         # back the same uploaded index buffers for the same rows (so the launch memo

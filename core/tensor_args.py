@@ -500,6 +500,8 @@ class Relaunches:
                 return  # an index tensor or a copied one: refreshed per call, never relaunched
             else:
                 tensors.append(pos)
+        if not tensors:
+            return  # nothing a relaunch would refresh (and no itemsize to take the max of)
         if len({id(coerced[p]) for p in tensors}) != len(tensors):
             return  # one tensor in two places: the backend could not tell which pointer is which
         shadow_at: list[tuple[int, Any]] = []

@@ -1,6 +1,5 @@
-"""docs/embedding.md, sections "Passing torch tensors", "Slot rows: running your own kernels" and
-"One call per layer: the varlen form":
-their examples run as written."""
+"""docs/embedding.md, sections "Passing torch tensors", "Slot rows: running your own kernels",
+"One call per layer: the varlen form" and "A hybrid step": their examples run as written."""
 
 from __future__ import annotations
 
@@ -51,3 +50,15 @@ def test_the_varlen_example_runs() -> None:
     pytest.importorskip("torch", reason="the torch extra is not installed")
     assert len(VARLEN_BLOCKS) == 1
     exec(compile(VARLEN_BLOCKS[0], "docs/embedding.md[varlen block]", "exec"), {})
+
+
+HYBRID_BLOCKS = re.findall(r"```python\n(.*?)```", _section("A hybrid step"), flags=re.S)
+
+
+def test_the_hybrid_step_example_runs() -> None:
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    assert len(HYBRID_BLOCKS) == 1
+    section = _section("A hybrid step")
+    for needle in ("write_kv", "kv_rows", "mask", "kpool_inputs", "layer `l + 1`'s input is layer `l`'s output"):
+        assert needle in section, needle
+    exec(compile(HYBRID_BLOCKS[0], "docs/embedding.md[hybrid step block]", "exec"), {})

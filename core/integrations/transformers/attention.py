@@ -49,8 +49,7 @@ class KVRows:
         self.slots = slots  # decoder layer index (what attention modules pass) -> memory layer
         self.n_s, self.n_t = int(ub.n_seqs), int(ub.n_seq_tokens)
         self.n_kv = int(actx.n_kv())
-        dev = cache.device
-        self.rows: Buffer = dev.indices(actx.k_idxs())  # one upload per ubatch, shared by every layer
+        self.rows: Buffer = actx.write_rows_buffer()  # the cache's reused rows, shared by every layer
         mask = actx.mask()  # [n_tokens, n_kv], 0 or -inf
         # a copy: the memory hands every layer one read-only mask, and a model's
         # attention code may edit its mask in place (one [n_tokens, n_kv] copy per ubatch)

@@ -238,7 +238,7 @@ class StatecacheCausalLM:
         ids = torch.from_numpy(ub.token.astype(np.int64)).view(n_s, n_t).to(dev)
         step = None
         if self.layouts:
-            step = ctx.recr.step() if self.has_attention else ctx.step()
+            step = ctx.step()  # one step API for recurrent and hybrid memories
         kv = None
         h = fam.embed(ids)
         pe = None
