@@ -550,23 +550,190 @@ static void la_chunk_tokens(const float *Q, const float *K, const float *V, cons
     }
 }
 
-/* prefill_group for RWKV-6 and GLA with S % 8 == 0: chunks that end at the
- * snapshot positions (and every SC_LA_CHUNK tokens between them), packed for
- * the whole group, then each head's chunk in the chunked form or the token
- * loop (see above); the snapshots of every head stored at each stop. */
+/* ---- RWKV-7 prefill: the chunked WY form of the generalized delta rule ----------
+ *
+ * flash-linear-attention's chunked form of a diagonal-plus-low-rank transition
+ * (chunk_dplr_delta_rule, which its RWKV-7 kernels call).  In key-major form
+ * (M = the transpose of the stored [value][key] block) a token is
+ *     M_t = (diag(w_t) + b_t a_t^T) M_{t-1} + k_t v_t^T,   o_t = M_t^T r_t.
+ * Over a chunk of L tokens from M0, with G_t the running sums of the log
+ * decays of each key (G_{-1} = 0) and sa_t = a_t^T M_{t-1} (the a-dot of every
+ * value), unrolling the recurrence gives
+ *     sa_t = at_t M0 + sum_{u<t} (at_t . kh_u) v_u + (at_t . bh_u) sa_u,
+ *     o_t  = rt_t M0 + sum_{u<=t} (rt_t . kh_u) v_u + (rt_t . bh_u) sa_u,
+ *     M_L  = diag(exp G_end) M0 + sum_u exp(G_end) (kh_u v_u^T + bh_u sa_u^T),
+ * with at_t = a_t exp(G_{t-1}), rt_t = r_t exp(G_t), kh_u = k_u exp(-G_u),
+ * bh_u = b_u exp(-G_u).  So the chunk is one product of its [at; rt] rows with
+ * [bh; kh]^T (the four L x L score blocks), the two rows M0 products, the
+ * a-dots SA as a unit lower triangular system (I - Aab) SA = at M0 + Aak V
+ * solved by forward substitution (fla's UT transform, applied to the rows
+ * instead of forming the inverse), one product [Arb Ark] [SA; V] for the
+ * outputs and one [bh kh]^T [SA; V] for the state: about 4 L S^2 + 7 L^2 S
+ * FMAs against the token loop's 5 L S^2.
+ *
+ * As for RWKV-6 / GLA: the factors exp(+-G) are safe in float32 while every
+ * |G| of the chunk stays below SC_LA_SPAN (RWKV-7's log decays are at least
+ * -e^-0.5 per token, so a chunk of 16 spans at most ~10); a steeper chunk runs
+ * the token loop, and a head whose start state or some chunk's inputs are not
+ * all finite runs the token loop from there on.  A chunk of any length takes
+ * this form (a one-token chunk costs about the token loop's work), so the
+ * short runs between snapshot positions stay cheap. */
+#define SC_LA_BLOCK_PAD ((SC_LA_BLOCK + 7) & ~7)
+
+typedef struct {
+    float *G;    /* [SC_LA_BLOCK][S] running sums of the log decays, then exp of them */
+    float *P;    /* [2 SC_LA_BLOCK][S]: at rows, then rt rows */
+    float *Q;    /* [2 SC_LA_BLOCK_PAD][S]: bh rows from 0, kh rows from Lp, zero padding */
+    float *QT;   /* [S][2 SC_LA_BLOCK_PAD]: Q transposed, then scaled into the state update's keys */
+    float *A;    /* [2 SC_LA_BLOCK][2 SC_LA_BLOCK_PAD] scores: rows at, rt; columns bh, kh */
+    float *VS;   /* [2 SC_LA_BLOCK_PAD][S]: SA rows from 0, V rows from Lp, zero padding */
+    float *Eend; /* [S] exp G_end */
+    float *tmp;  /* [S][S] a state in storage (value-major) layout */
+} wkv7_chunk_ws;
+
+/* One chunk of L <= SC_LA_BLOCK tokens of one head in the chunked form, or 0
+ * (nothing written) when its decays span too much.  R (scaled), W (log
+ * decays), K, V, A, B: [L][S]; M: the key-major state [S][S]; outputs at o,
+ * rows ldo apart. */
+static int wkv7_chunk(const float *R, const float *W, const float *K, const float *V, const float *Av,
+                      const float *B, int64_t L, int64_t S, float *M, float *o, int64_t ldo, wkv7_chunk_ws *w) {
+    const int64_t Lp = (L + 7) & ~(int64_t)7, ld = 2 * SC_LA_BLOCK_PAD;
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    __m256 most = _mm256_setzero_ps();
+    for (int64_t t = 0; t < L; t++)
+        for (int64_t i = 0; i < S; i += 8) {
+            __m256 x = _mm256_loadu_ps(W + t * S + i);
+            if (t) x = _mm256_add_ps(x, _mm256_loadu_ps(w->G + (t - 1) * S + i));
+            _mm256_storeu_ps(w->G + t * S + i, x);
+            most = _mm256_max_ps(most, _mm256_andnot_ps(sign, x));
+        }
+    float m8[8];
+    _mm256_storeu_ps(m8, most);
+    for (int l = 0; l < 8; l++)
+        if (!(m8[l] <= SC_LA_SPAN)) return 0;
+    for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(w->Eend + i, sc_exp8(_mm256_loadu_ps(w->G + (L - 1) * S + i)));
+    for (int64_t t = 0; t < L; t++)
+        for (int64_t i = 0; i < S; i += 8) {
+            const __m256 e = sc_exp8(_mm256_loadu_ps(w->G + t * S + i)), inv = _mm256_div_ps(one, e);
+            const __m256 before = t ? _mm256_loadu_ps(w->G + (t - 1) * S + i) : one; /* exp G_{t-1}, exp'd already */
+            _mm256_storeu_ps(w->G + t * S + i, e);
+            _mm256_storeu_ps(w->P + t * S + i, _mm256_mul_ps(_mm256_loadu_ps(Av + t * S + i), before));
+            _mm256_storeu_ps(w->P + (L + t) * S + i, _mm256_mul_ps(_mm256_loadu_ps(R + t * S + i), e));
+            _mm256_storeu_ps(w->Q + t * S + i, _mm256_mul_ps(_mm256_loadu_ps(B + t * S + i), inv));
+            _mm256_storeu_ps(w->Q + (Lp + t) * S + i, _mm256_mul_ps(_mm256_loadu_ps(K + t * S + i), inv));
+        }
+    for (int64_t t = L; t < Lp; t++) {
+        memset(w->Q + t * S, 0, sizeof(float) * (size_t)S);
+        memset(w->Q + (Lp + t) * S, 0, sizeof(float) * (size_t)S);
+        memset(w->VS + t * S, 0, sizeof(float) * (size_t)S);
+        memset(w->VS + (Lp + t) * S, 0, sizeof(float) * (size_t)S);
+    }
+    memcpy(w->VS + Lp * S, V, sizeof(float) * (size_t)(L * S));
+    sc_transpose(w->Q, S, w->QT, ld, 2 * Lp, S);
+    /* The four score blocks in one product, then masked: the a-dots see the
+     * tokens before their own (u < t), the outputs their own too (u <= t). */
+    sc_gemm(2 * L, 2 * Lp, S, w->P, S, w->QT, ld, w->A, ld, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
+    for (int64_t t = 0; t < L; t++) {
+        float *ra = w->A + t * ld, *rr = w->A + (L + t) * ld;
+        for (int64_t u = t; u < Lp; u++) ra[u] = ra[Lp + u] = 0.0f;
+        for (int64_t u = t + 1; u < Lp; u++) rr[u] = rr[Lp + u] = 0.0f;
+    }
+    /* at M0 into the SA rows, rt M0 into the outputs. */
+    sc_gemm(L, S, S, w->P, S, M, S, w->VS, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
+    sc_gemm(L, S, S, w->P + L * S, S, M, S, o, ldo, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
+    /* SA = at M0 + Aak V, then (I - Aab) SA = that, row by row. */
+    sc_gemm(L, S, L, w->A + Lp, ld, w->VS + Lp * S, S, w->VS, S, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 0);
+    for (int64_t t = 1; t < L; t++) {
+        float *sat = w->VS + t * S;
+        const float *ab = w->A + t * ld;
+        for (int64_t u = 0; u < t; u++) {
+            const __m256 f = _mm256_set1_ps(ab[u]);
+            const float *sau = w->VS + u * S;
+            for (int64_t j = 0; j < S; j += 8)
+                _mm256_storeu_ps(sat + j, _mm256_fmadd_ps(f, _mm256_loadu_ps(sau + j), _mm256_loadu_ps(sat + j)));
+        }
+    }
+    /* o += [Arb Ark] [SA; V]. */
+    sc_gemm(L, S, 2 * Lp, w->A + L * ld, ld, w->VS, S, o, ldo, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_DENSE, 0);
+    /* M = diag(exp G_end) M0 + ([bh kh] exp G_end)^T-rows [SA; V]. */
+    for (int64_t i = 0; i < S; i++) {
+        float *row = w->QT + i * ld;
+        const __m256 e = _mm256_set1_ps(w->Eend[i]);
+        for (int64_t u = 0; u < 2 * Lp; u += 8) _mm256_storeu_ps(row + u, _mm256_mul_ps(e, _mm256_loadu_ps(row + u)));
+    }
+    sc_gemm(S, S, 2 * Lp, w->QT, ld, w->VS, S, M, S, SC_GEMM_ROWS, 0.0f, w->Eend, SC_GEMM_DENSE, 0);
+    return 1;
+}
+
+/* Tokens [0, L) of one head the token loop's way (wkv7_rows, as decode runs
+ * them) on the key-major state M, through the value-major scratch w->tmp. */
+static void wkv7_chunk_tokens(const float *R, const float *W, const float *K, const float *V, const float *Av,
+                              const float *B, int64_t L, int64_t S, float *M, float *o, int64_t ldo,
+                              wkv7_chunk_ws *w) {
+    for (int64_t i = 0; i < L * S; i += 8) _mm256_storeu_ps(w->G + i, sc_exp8(_mm256_loadu_ps(W + i)));
+    sc_transpose(M, S, w->tmp, S, S, S);
+    for (int64_t t = 0; t < L; t++)
+        wkv7_rows(w->tmp, w->tmp, S, S, R + t * S, w->G + t * S, K + t * S, V + t * S, Av + t * S, B + t * S,
+                  o + t * ldo);
+    sc_transpose(w->tmp, S, M, S, S, S);
+}
+
+static void wkv7_chunk_ws_alloc(wkv7_chunk_ws *w, int64_t S) {
+    const size_t f = sizeof(float), SS = (size_t)S, C = SC_LA_BLOCK, Cp = SC_LA_BLOCK_PAD;
+    w->G = (float *)sc_alloc(f * C * SS);
+    w->P = (float *)sc_alloc(f * 2 * C * SS);
+    w->Q = (float *)sc_alloc(f * 2 * Cp * SS);
+    w->QT = (float *)sc_alloc(f * SS * 2 * Cp);
+    w->A = (float *)sc_alloc(f * 2 * C * 2 * Cp);
+    w->VS = (float *)sc_alloc(f * 2 * Cp * SS);
+    w->Eend = (float *)sc_alloc(f * SS);
+    w->tmp = (float *)sc_alloc(f * SS * SS);
+}
+
+static void wkv7_chunk_ws_free(wkv7_chunk_ws *w) {
+    float *all[] = {w->G, w->P, w->Q, w->QT, w->A, w->VS, w->Eend, w->tmp};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) free(all[i]);
+}
+
+/* A head's state into / out of its key-major tile: RWKV-6 and GLA store
+ * key-major blocks, RWKV-7 value-major ones (transposed through `tmp`). */
+static void chunked_load(const la_call *c, int64_t row, int64_t head_off, float *tile, float *tmp) {
+    const int64_t S = c->S;
+    if (c->kind != LA_RWKV7) {
+        load_block(c->st, row, head_off, S, S, S, tile, S);
+        return;
+    }
+    load_block(c->st, row, head_off, S, S, S, tmp, S);
+    sc_transpose(tmp, S, tile, S, S, S);
+}
+
+static void chunked_store(const la_call *c, const float *tile, int64_t row, int64_t head_off, float *tmp) {
+    const int64_t S = c->S;
+    if (c->kind != LA_RWKV7) {
+        store_block(c->st, tile, S, row, head_off, S, S, S);
+        return;
+    }
+    sc_transpose(tile, S, tmp, S, S, S);
+    store_block(c->st, tmp, S, row, head_off, S, S, S);
+}
+
+/* Prefill with S % 8 == 0: chunks that end at the snapshot positions (and
+ * every SC_LA_BLOCK tokens between them), packed for the whole group, then
+ * each head's chunk in its chunked form or the token loop (see above); the
+ * snapshots of every head stored at each stop. */
 static void prefill_group_chunked(const la_call *c, int64_t s, int64_t ha, int64_t G, float *buf, float *bonus,
-                                  float *tiles, la_chunk_ws *w) {
+                                  float *tiles, la_chunk_ws *w, wkv7_chunk_ws *w7) {
     const sc_state *st = c->st;
     const int64_t S = c->S, H = c->H, t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
     la_call logc = *c;
-    logc.exp_in = -1; /* the chunked form sums the log decays */
+    logc.exp_in = -1; /* the chunked forms sum the log decays */
     for (int64_t hh = 0; hh < G; hh++) {
         const int64_t head_off = (ha + hh) * S * S;
         copy_input_state(st, s, n_t, head_off, S * S);
-        load_block(st, st->start_rows[s], head_off, S, S, S, tiles + hh * S * S, S);
+        chunked_load(c, st->start_rows[s], head_off, tiles + hh * S * S, w7->tmp);
         w->token_loop[hh] = !sc_all_finite(tiles + hh * S * S, 1, 0, S * S, 1);
     }
-    const int gla = c->kind == LA_GLA;
+    const int gla = c->kind == LA_GLA, wkv7 = c->kind == LA_RWKV7;
     int64_t longest;
     const int64_t n_stops = sc_state_stops(st, s, n_t, w->stops, &longest);
     int64_t pos = 0;
@@ -576,24 +743,29 @@ static void prefill_group_chunked(const la_call *c, int64_t s, int64_t ha, int64
             pack_chunk(&logc, s, pos, L, ha, G, buf, bonus);
             for (int64_t hh = 0; hh < G; hh++) {
                 const int64_t h = ha + hh;
-                const float *p[4];
-                for (int m = 0; m < 4; m++) p[m] = buf + (m * G + hh) * SC_LA_CHUNK * S;
-                const float *b = gla ? NULL : bonus + hh * SC_LA_CHUNK;
+                const float *p[6];
+                for (int m = 0; m < c->n_in; m++) p[m] = buf + (m * G + hh) * SC_LA_CHUNK * S;
+                const float *b = gla || wkv7 ? NULL : bonus + hh * SC_LA_CHUNK;
                 float *tile = tiles + hh * S * S, *o = c->o + ((t0 + pos) * H + h) * S;
                 if (!w->token_loop[hh]) {
                     int ok = 1;
-                    for (int m = 0; m < 4 && ok; m++) ok = sc_all_finite(p[m], 1, 0, L * S, 1);
+                    for (int m = 0; m < c->n_in && ok; m++) ok = sc_all_finite(p[m], 1, 0, L * S, 1);
                     if (ok && b) ok = sc_all_finite(b, 1, 0, L, 1);
                     w->token_loop[hh] = !ok;
                 }
-                if (w->token_loop[hh] || L < SC_LA_CHUNK_MIN || !la_chunk(p[0], p[1], p[2], p[3], b, L, S, tile, o, H * S, w))
+                if (wkv7) {
+                    if (w->token_loop[hh] || !wkv7_chunk(p[0], p[1], p[2], p[3], p[4], p[5], L, S, tile, o, H * S, w7))
+                        wkv7_chunk_tokens(p[0], p[1], p[2], p[3], p[4], p[5], L, S, tile, o, H * S, w7);
+                } else if (w->token_loop[hh] || L < SC_LA_CHUNK_MIN ||
+                           !la_chunk(p[0], p[1], p[2], p[3], b, L, S, tile, o, H * S, w)) {
                     la_chunk_tokens(p[0], p[1], p[2], p[3], b, L, S, tile, o, H * S, w->Qd);
+                }
             }
             pos += L;
         }
         const int64_t r = sc_snap_row(st, s, n_t - w->stops[i]);
         if (r >= 0)
-            for (int64_t hh = 0; hh < G; hh++) store_block(st, tiles + hh * S * S, S, r, (ha + hh) * S * S, S, S, S);
+            for (int64_t hh = 0; hh < G; hh++) chunked_store(c, tiles + hh * S * S, r, (ha + hh) * S * S, w7->tmp);
     }
 }
 #endif
@@ -617,8 +789,10 @@ static void la_run(const la_call *c, int n_threads) {
         const int64_t tile_floats = G * S * S; /* a decode unit uses at most one head's worth */
         float *tiles = (float *)sc_alloc(sizeof(float) * (size_t)tile_floats);
 #ifdef SC_HAVE_AVX2
-        const int chunked = c->kind != LA_RWKV7 && S % 8 == 0 && longest >= 2;
+        const int chunked = S % 8 == 0 && longest >= 2;
         la_chunk_ws w = {0};
+        wkv7_chunk_ws w7 = {0};
+        if (chunked && c->kind == LA_RWKV7) wkv7_chunk_ws_alloc(&w7, S);
         if (chunked) {
             const size_t cs = sizeof(float) * (size_t)(SC_LA_CHUNK * S);
             w.EG = (float *)sc_alloc(cs);
@@ -646,7 +820,7 @@ static void la_run(const la_call *c, int n_threads) {
             const int64_t g = end - unit < G ? end - unit : G;
 #ifdef SC_HAVE_AVX2
             if (chunked)
-                prefill_group_chunked(c, s, h, g, buf, bonus, tiles, &w);
+                prefill_group_chunked(c, s, h, g, buf, bonus, tiles, &w, &w7);
             else
 #endif
                 prefill_group(c, s, h, g, buf, bonus, tiles, tile_rows);
@@ -661,6 +835,7 @@ static void la_run(const la_call *c, int n_threads) {
         free(w.Eend);
         free(w.stops);
         free(w.token_loop);
+        wkv7_chunk_ws_free(&w7);
 #endif
         free(buf);
         free(bonus);
