@@ -578,31 +578,50 @@ static void la_chunk_tokens(const float *Q, const float *K, const float *V, cons
  * all finite runs the token loop from there on.  A chunk of any length takes
  * this form (a one-token chunk costs about the token loop's work), so the
  * short runs between snapshot positions stay cheap. */
-#define SC_LA_BLOCK_PAD ((SC_LA_BLOCK + 7) & ~7)
+#ifndef SC_WKV7_BLOCK
+#define SC_WKV7_BLOCK 8 /* tokens per chunk, <= SC_LA_CHUNK: 8 measured faster than 16 (fewer L^2 S score FMAs) */
+#endif
+#define SC_WKV7_BLOCK_PAD ((SC_WKV7_BLOCK + 7) & ~7)
 
 typedef struct {
-    float *G;    /* [SC_LA_BLOCK][S] running sums of the log decays, then exp of them */
-    float *P;    /* [2 SC_LA_BLOCK][S]: at rows, then rt rows */
-    float *Q;    /* [2 SC_LA_BLOCK_PAD][S]: bh rows from 0, kh rows from Lp, zero padding */
-    float *QT;   /* [S][2 SC_LA_BLOCK_PAD]: Q transposed, then scaled into the state update's keys */
-    float *A;    /* [2 SC_LA_BLOCK][2 SC_LA_BLOCK_PAD] scores: rows at, rt; columns bh, kh */
-    float *VS;   /* [2 SC_LA_BLOCK_PAD][S]: SA rows from 0, V rows from Lp, zero padding */
+    float *G;    /* [SC_WKV7_BLOCK][S] running sums of the log decays, then exp of them */
+    float *P;    /* [2 SC_WKV7_BLOCK][S]: at rows, then rt rows */
+    float *Q;    /* [2 SC_WKV7_BLOCK_PAD][S]: bh rows from 0, kh rows from Lp, zero padding */
+    float *QT;   /* [S][2 SC_WKV7_BLOCK_PAD]: Q transposed, then scaled into the state update's keys */
+    float *A;    /* [2 SC_WKV7_BLOCK][2 SC_WKV7_BLOCK_PAD] scores: rows at, rt; columns bh, kh */
+    float *VS;   /* [2 SC_WKV7_BLOCK_PAD][S]: SA rows from 0, V rows from Lp, zero padding */
+    float *Y;    /* [2 SC_WKV7_BLOCK][S]: [at; rt] M0 */
     float *Eend; /* [S] exp G_end */
     float *tmp;  /* [S][S] a state in storage (value-major) layout */
+    /* The next head's token rows (the inputs read in place): fetched a few
+     * rows at a time while this head computes, so the misses overlap its
+     * products instead of stalling in a burst. */
+    const float *next[6];
+    int64_t next_ls[6], next_rows, fetched;
 } wkv7_chunk_ws;
 
-/* One chunk of L <= SC_LA_BLOCK tokens of one head in the chunked form, or 0
- * (nothing written) when its decays span too much.  R (scaled), W (log
- * decays), K, V, A, B: [L][S]; M: the key-major state [S][S]; outputs at o,
- * rows ldo apart. */
-static int wkv7_chunk(const float *R, const float *W, const float *K, const float *V, const float *Av,
-                      const float *B, int64_t L, int64_t S, float *M, float *o, int64_t ldo, wkv7_chunk_ws *w) {
-    const int64_t Lp = (L + 7) & ~(int64_t)7, ld = 2 * SC_LA_BLOCK_PAD;
-    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+/* Fetches the next `rows` of the next head's 6 * next_rows token rows of S floats. */
+static void wkv7_fetch_next(wkv7_chunk_ws *w, int64_t S, int64_t rows) {
+    for (int64_t r = 0; r < rows && w->fetched < 6 * w->next_rows; r++, w->fetched++) {
+        const int64_t m = w->fetched / w->next_rows, t = w->fetched % w->next_rows;
+        /* into L2: L1 holds this head's state and products */
+        const char *row = (const char *)(w->next[m] + t * w->next_ls[m]);
+        for (int64_t b = 0; b < S * (int64_t)sizeof(float); b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+    }
+}
+
+/* One chunk of L <= SC_WKV7_BLOCK tokens of one head in the chunked form, or 0
+ * (nothing written) when its decays span too much.  in[0..5]: the token rows
+ * of r, w (log decays), k, v, a, b, rows ls[m] apart; r is multiplied by
+ * `scale` here; M: the key-major state [S][S]; outputs at o, rows ldo apart. */
+static int wkv7_chunk(const float *const *in, const int64_t *ls, float scale, int64_t L, int64_t S, float *M,
+                      float *o, int64_t ldo, wkv7_chunk_ws *w) {
+    const int64_t Lp = (L + 7) & ~(int64_t)7, ld = 2 * SC_WKV7_BLOCK_PAD;
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f), sc = _mm256_set1_ps(scale);
     __m256 most = _mm256_setzero_ps();
     for (int64_t t = 0; t < L; t++)
         for (int64_t i = 0; i < S; i += 8) {
-            __m256 x = _mm256_loadu_ps(W + t * S + i);
+            __m256 x = _mm256_loadu_ps(in[1] + t * ls[1] + i);
             if (t) x = _mm256_add_ps(x, _mm256_loadu_ps(w->G + (t - 1) * S + i));
             _mm256_storeu_ps(w->G + t * S + i, x);
             most = _mm256_max_ps(most, _mm256_andnot_ps(sign, x));
@@ -612,23 +631,29 @@ static int wkv7_chunk(const float *R, const float *W, const float *K, const floa
     for (int l = 0; l < 8; l++)
         if (!(m8[l] <= SC_LA_SPAN)) return 0;
     for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(w->Eend + i, sc_exp8(_mm256_loadu_ps(w->G + (L - 1) * S + i)));
-    for (int64_t t = 0; t < L; t++)
+    for (int64_t t = 0; t < L; t++) {
+        const float *R = in[0] + t * ls[0], *K = in[2] + t * ls[2], *Av = in[4] + t * ls[4], *B = in[5] + t * ls[5];
+        wkv7_fetch_next(w, S, 3);
         for (int64_t i = 0; i < S; i += 8) {
-            const __m256 e = sc_exp8(_mm256_loadu_ps(w->G + t * S + i)), inv = _mm256_div_ps(one, e);
+            /* 1 / e by a refined reciprocal (e lies in [e^-60, e^60]): a
+             * divide would hold its port for several cycles per vector */
+            const __m256 e = sc_exp8(_mm256_loadu_ps(w->G + t * S + i)), r0 = _mm256_rcp_ps(e);
+            const __m256 inv = _mm256_fmadd_ps(r0, _mm256_fnmadd_ps(e, r0, one), r0);
             const __m256 before = t ? _mm256_loadu_ps(w->G + (t - 1) * S + i) : one; /* exp G_{t-1}, exp'd already */
             _mm256_storeu_ps(w->G + t * S + i, e);
-            _mm256_storeu_ps(w->P + t * S + i, _mm256_mul_ps(_mm256_loadu_ps(Av + t * S + i), before));
-            _mm256_storeu_ps(w->P + (L + t) * S + i, _mm256_mul_ps(_mm256_loadu_ps(R + t * S + i), e));
-            _mm256_storeu_ps(w->Q + t * S + i, _mm256_mul_ps(_mm256_loadu_ps(B + t * S + i), inv));
-            _mm256_storeu_ps(w->Q + (Lp + t) * S + i, _mm256_mul_ps(_mm256_loadu_ps(K + t * S + i), inv));
+            _mm256_storeu_ps(w->P + t * S + i, _mm256_mul_ps(_mm256_loadu_ps(Av + i), before));
+            _mm256_storeu_ps(w->P + (L + t) * S + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(R + i), sc), e));
+            _mm256_storeu_ps(w->Q + t * S + i, _mm256_mul_ps(_mm256_loadu_ps(B + i), inv));
+            _mm256_storeu_ps(w->Q + (Lp + t) * S + i, _mm256_mul_ps(_mm256_loadu_ps(K + i), inv));
         }
+        memcpy(w->VS + (Lp + t) * S, in[3] + t * ls[3], sizeof(float) * (size_t)S);
+    }
     for (int64_t t = L; t < Lp; t++) {
         memset(w->Q + t * S, 0, sizeof(float) * (size_t)S);
         memset(w->Q + (Lp + t) * S, 0, sizeof(float) * (size_t)S);
         memset(w->VS + t * S, 0, sizeof(float) * (size_t)S);
         memset(w->VS + (Lp + t) * S, 0, sizeof(float) * (size_t)S);
     }
-    memcpy(w->VS + Lp * S, V, sizeof(float) * (size_t)(L * S));
     sc_transpose(w->Q, S, w->QT, ld, 2 * Lp, S);
     /* The four score blocks in one product, then masked: the a-dots see the
      * tokens before their own (u < t), the outputs their own too (u <= t). */
@@ -638,60 +663,84 @@ static int wkv7_chunk(const float *R, const float *W, const float *K, const floa
         for (int64_t u = t; u < Lp; u++) ra[u] = ra[Lp + u] = 0.0f;
         for (int64_t u = t + 1; u < Lp; u++) rr[u] = rr[Lp + u] = 0.0f;
     }
-    /* at M0 into the SA rows, rt M0 into the outputs. */
-    sc_gemm(L, S, S, w->P, S, M, S, w->VS, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
-    sc_gemm(L, S, S, w->P + L * S, S, M, S, o, ldo, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
+    wkv7_fetch_next(w, S, 12);
+    /* [at; rt] M0 in one product (2L rows fill the kernel's row blocks of 6
+     * better than two of L), then at M0 into the SA rows, rt M0 into the outputs. */
+    sc_gemm(2 * L, S, S, w->P, S, M, S, w->Y, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
+    memcpy(w->VS, w->Y, sizeof(float) * (size_t)(L * S));
+    for (int64_t t = 0; t < L; t++) memcpy(o + t * ldo, w->Y + (L + t) * S, sizeof(float) * (size_t)S);
+    wkv7_fetch_next(w, S, 12);
     /* SA = at M0 + Aak V, then (I - Aab) SA = that, row by row. */
     sc_gemm(L, S, L, w->A + Lp, ld, w->VS + Lp * S, S, w->VS, S, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 0);
     for (int64_t t = 1; t < L; t++) {
         float *sat = w->VS + t * S;
         const float *ab = w->A + t * ld;
-        for (int64_t u = 0; u < t; u++) {
-            const __m256 f = _mm256_set1_ps(ab[u]);
-            const float *sau = w->VS + u * S;
-            for (int64_t j = 0; j < S; j += 8)
-                _mm256_storeu_ps(sat + j, _mm256_fmadd_ps(f, _mm256_loadu_ps(sau + j), _mm256_loadu_ps(sat + j)));
+        int64_t j = 0;
+        for (; j + 16 <= S; j += 16) {
+            __m256 x0 = _mm256_loadu_ps(sat + j), x1 = _mm256_loadu_ps(sat + j + 8);
+            for (int64_t u = 0; u < t; u++) {
+                const __m256 f = _mm256_set1_ps(ab[u]);
+                x0 = _mm256_fmadd_ps(f, _mm256_loadu_ps(w->VS + u * S + j), x0);
+                x1 = _mm256_fmadd_ps(f, _mm256_loadu_ps(w->VS + u * S + j + 8), x1);
+            }
+            _mm256_storeu_ps(sat + j, x0);
+            _mm256_storeu_ps(sat + j + 8, x1);
+        }
+        if (j < S) {
+            __m256 x0 = _mm256_loadu_ps(sat + j);
+            for (int64_t u = 0; u < t; u++) x0 = _mm256_fmadd_ps(_mm256_set1_ps(ab[u]), _mm256_loadu_ps(w->VS + u * S + j), x0);
+            _mm256_storeu_ps(sat + j, x0);
         }
     }
+    wkv7_fetch_next(w, S, 12);
     /* o += [Arb Ark] [SA; V]. */
     sc_gemm(L, S, 2 * Lp, w->A + L * ld, ld, w->VS, S, o, ldo, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_DENSE, 0);
-    /* M = diag(exp G_end) M0 + ([bh kh] exp G_end)^T-rows [SA; V]. */
+    wkv7_fetch_next(w, S, 12);
+    /* M = diag(exp G_end) M0 + ([bh kh] exp G_end) [SA; V]. */
     for (int64_t i = 0; i < S; i++) {
         float *row = w->QT + i * ld;
         const __m256 e = _mm256_set1_ps(w->Eend[i]);
         for (int64_t u = 0; u < 2 * Lp; u += 8) _mm256_storeu_ps(row + u, _mm256_mul_ps(e, _mm256_loadu_ps(row + u)));
     }
     sc_gemm(S, S, 2 * Lp, w->QT, ld, w->VS, S, M, S, SC_GEMM_ROWS, 0.0f, w->Eend, SC_GEMM_DENSE, 0);
+    wkv7_fetch_next(w, S, 6 * L); /* whatever is left */
     return 1;
 }
 
 /* Tokens [0, L) of one head the token loop's way (wkv7_rows, as decode runs
- * them) on the key-major state M, through the value-major scratch w->tmp. */
-static void wkv7_chunk_tokens(const float *R, const float *W, const float *K, const float *V, const float *Av,
-                              const float *B, int64_t L, int64_t S, float *M, float *o, int64_t ldo,
-                              wkv7_chunk_ws *w) {
-    for (int64_t i = 0; i < L * S; i += 8) _mm256_storeu_ps(w->G + i, sc_exp8(_mm256_loadu_ps(W + i)));
+ * them) on the key-major state M, through the value-major scratch w->tmp
+ * (arguments as wkv7_chunk's). */
+static void wkv7_chunk_tokens(const float *const *in, const int64_t *ls, float scale, int64_t L, int64_t S, float *M,
+                              float *o, int64_t ldo, wkv7_chunk_ws *w) {
+    float *e = w->G, *r = w->P;
     sc_transpose(M, S, w->tmp, S, S, S);
-    for (int64_t t = 0; t < L; t++)
-        wkv7_rows(w->tmp, w->tmp, S, S, R + t * S, w->G + t * S, K + t * S, V + t * S, Av + t * S, B + t * S,
-                  o + t * ldo);
+    for (int64_t t = 0; t < L; t++) {
+        const float *wt = in[1] + t * ls[1], *rt = in[0] + t * ls[0];
+        for (int64_t i = 0; i < S; i += 8) {
+            _mm256_storeu_ps(e + i, sc_exp8(_mm256_loadu_ps(wt + i)));
+            _mm256_storeu_ps(r + i, _mm256_mul_ps(_mm256_loadu_ps(rt + i), _mm256_set1_ps(scale)));
+        }
+        wkv7_rows(w->tmp, w->tmp, S, S, r, e, in[2] + t * ls[2], in[3] + t * ls[3], in[4] + t * ls[4],
+                  in[5] + t * ls[5], o + t * ldo);
+    }
     sc_transpose(w->tmp, S, M, S, S, S);
 }
 
 static void wkv7_chunk_ws_alloc(wkv7_chunk_ws *w, int64_t S) {
-    const size_t f = sizeof(float), SS = (size_t)S, C = SC_LA_BLOCK, Cp = SC_LA_BLOCK_PAD;
+    const size_t f = sizeof(float), SS = (size_t)S, C = SC_WKV7_BLOCK, Cp = SC_WKV7_BLOCK_PAD;
     w->G = (float *)sc_alloc(f * C * SS);
     w->P = (float *)sc_alloc(f * 2 * C * SS);
     w->Q = (float *)sc_alloc(f * 2 * Cp * SS);
     w->QT = (float *)sc_alloc(f * SS * 2 * Cp);
     w->A = (float *)sc_alloc(f * 2 * C * 2 * Cp);
     w->VS = (float *)sc_alloc(f * 2 * Cp * SS);
+    w->Y = (float *)sc_alloc(f * 2 * C * SS);
     w->Eend = (float *)sc_alloc(f * SS);
     w->tmp = (float *)sc_alloc(f * SS * SS);
 }
 
 static void wkv7_chunk_ws_free(wkv7_chunk_ws *w) {
-    float *all[] = {w->G, w->P, w->Q, w->QT, w->A, w->VS, w->Eend, w->tmp};
+    float *all[] = {w->G, w->P, w->Q, w->QT, w->A, w->VS, w->Y, w->Eend, w->tmp};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) free(all[i]);
 }
 
@@ -734,28 +783,47 @@ static void prefill_group_chunked(const la_call *c, int64_t s, int64_t ha, int64
         w->token_loop[hh] = !sc_all_finite(tiles + hh * S * S, 1, 0, S * S, 1);
     }
     const int gla = c->kind == LA_GLA, wkv7 = c->kind == LA_RWKV7;
+    /* RWKV-7 reads its token rows in place when their elements are adjacent
+     * (its chunk scales every input on the way into the products anyway). */
+    int direct = wkv7;
+    for (int m = 0; m < c->n_in; m++) direct &= c->in[m].strides[2] == 1;
     int64_t longest;
     const int64_t n_stops = sc_state_stops(st, s, n_t, w->stops, &longest);
     int64_t pos = 0;
     for (int64_t i = 0; i < n_stops; i++) {
         while (pos < w->stops[i]) {
-            const int64_t L = w->stops[i] - pos < SC_LA_BLOCK ? w->stops[i] - pos : SC_LA_BLOCK;
-            pack_chunk(&logc, s, pos, L, ha, G, buf, bonus);
+            const int64_t block = wkv7 ? SC_WKV7_BLOCK : SC_LA_BLOCK;
+            const int64_t L = w->stops[i] - pos < block ? w->stops[i] - pos : block;
+            if (!direct) pack_chunk(&logc, s, pos, L, ha, G, buf, bonus);
             for (int64_t hh = 0; hh < G; hh++) {
                 const int64_t h = ha + hh;
                 const float *p[6];
-                for (int m = 0; m < c->n_in; m++) p[m] = buf + (m * G + hh) * SC_LA_CHUNK * S;
+                int64_t ls[6];
+                for (int m = 0; m < c->n_in; m++) {
+                    const sc_view *v = &c->in[m];
+                    p[m] = direct ? v->data + (t0 + pos) * v->strides[0] + h * v->strides[1]
+                                  : buf + (m * G + hh) * SC_LA_CHUNK * S;
+                    ls[m] = direct ? v->strides[0] : S;
+                    /* the next head's rows, fetched while this one computes:
+                     * rows a token apart are in other pages, where no
+                     * hardware prefetcher goes */
+                    w7->next[m] = p[m] + v->strides[1];
+                    w7->next_ls[m] = ls[m];
+                }
+                w7->next_rows = direct && hh + 1 < G ? L : 0;
+                w7->fetched = 0;
                 const float *b = gla || wkv7 ? NULL : bonus + hh * SC_LA_CHUNK;
                 float *tile = tiles + hh * S * S, *o = c->o + ((t0 + pos) * H + h) * S;
                 if (!w->token_loop[hh]) {
                     int ok = 1;
-                    for (int m = 0; m < c->n_in && ok; m++) ok = sc_all_finite(p[m], 1, 0, L * S, 1);
+                    for (int m = 0; m < c->n_in && ok; m++) ok = sc_all_finite(p[m], L, ls[m], S, 1);
                     if (ok && b) ok = sc_all_finite(b, 1, 0, L, 1);
                     w->token_loop[hh] = !ok;
                 }
                 if (wkv7) {
-                    if (w->token_loop[hh] || !wkv7_chunk(p[0], p[1], p[2], p[3], p[4], p[5], L, S, tile, o, H * S, w7))
-                        wkv7_chunk_tokens(p[0], p[1], p[2], p[3], p[4], p[5], L, S, tile, o, H * S, w7);
+                    const float sc = direct ? c->scale : 1.0f;
+                    if (w->token_loop[hh] || !wkv7_chunk(p, ls, sc, L, S, tile, o, H * S, w7))
+                        wkv7_chunk_tokens(p, ls, sc, L, S, tile, o, H * S, w7);
                 } else if (w->token_loop[hh] || L < SC_LA_CHUNK_MIN ||
                            !la_chunk(p[0], p[1], p[2], p[3], b, L, S, tile, o, H * S, w)) {
                     la_chunk_tokens(p[0], p[1], p[2], p[3], b, L, S, tile, o, H * S, w->Qd);
