@@ -208,15 +208,18 @@ def _linear_attn_inputs(rng: np.random.Generator, gla: bool, S: int, H: int, gat
 
 
 @pytest.mark.parametrize("gla", [False, True])
-@pytest.mark.parametrize(("name", "value"), [("q", np.nan), ("k", np.inf), ("v", np.nan), ("g", -np.inf)])
+@pytest.mark.parametrize(
+    ("name", "value"), [("q", np.nan), ("k", np.inf), ("v", np.nan), ("g", -np.inf), ("g", np.nan), ("g", np.inf)]
+)
 def test_linear_attn_places_non_finite_inputs_as_the_definition(gla: bool, name: str, value: float) -> None:
     """RWKV-6 / GLA: a NaN or Inf in a chunk past the first (chunks of 16)
     lands where the reference puts it; the chunks before it stay finite (a
     log decay of -Inf is a decay of 0: everything stays finite).
-    Left out, as the token loop (which such chunks run) differs there: an
-    infinite v (RWKV-6 adds its bonus as (sum_i r u k) v, an Inf where
-    ggml's per-key sum of Infs of both signs is NaN), and a NaN or +Inf log
-    decay (sc_exp clamps its argument, so exp(NaN) is not NaN)."""
+    A NaN or +Inf log decay is a NaN or +Inf decay (sc_exp lets both
+    through, as exp does).  Left out, as the token loop (which such chunks
+    run) differs there: an infinite v (RWKV-6 adds its bonus as
+    (sum_i r u k) v, an Inf where ggml's per-key sum of Infs of both signs is
+    NaN)."""
     S, H = 16, 2
     inputs = _linear_attn_inputs(np.random.default_rng(13), gla, S, H, -1.0)
     key = name if gla else {"q": "r", "g": "w"}.get(name, name)
