@@ -125,6 +125,10 @@ static void kv_step(const float *in, int64_t ins, float *out, int64_t outs, int6
     for (int64_t j = 0; j < cw; j++) o[j] = acc[j] + bonus * v[j];
 }
 
+#ifndef SC_LA_AHEAD
+#define SC_LA_AHEAD 8
+#endif
+
 #ifdef SC_HAVE_AVX2
 /* kv_step for 32 columns: v and the four accumulators stay in registers for
  * the whole pass down the rows (written out, not as arrays: GCC kept arrays
@@ -140,6 +144,10 @@ static inline __attribute__((always_inline)) void kv_step32_impl(const float *in
         const __m256 kb = _mm256_set1_ps(k[i]), qb = _mm256_set1_ps(q[i]), eb = _mm256_set1_ps(e[i]);
         const float *src = in + i * ins;
         float *dst = out + i * outs;
+        /* the tile's row SC_LA_AHEAD on (two lines): rows a head row apart
+         * take half of each line pair, which the prefetchers do not run ahead of */
+        __builtin_prefetch(src + SC_LA_AHEAD * ins);
+        __builtin_prefetch(src + SC_LA_AHEAD * ins + 16);
         const __m256 x0 = _mm256_loadu_ps(src), x1 = _mm256_loadu_ps(src + 8);
         const __m256 x2 = _mm256_loadu_ps(src + 16), x3 = _mm256_loadu_ps(src + 24);
         const __m256 n0 = _mm256_fmadd_ps(x0, eb, _mm256_mul_ps(kb, v0));
@@ -260,6 +268,10 @@ static void wkv7_rows4(const float *in, float *out, int64_t S, const float *r, c
 }
 #endif
 
+#ifndef SC_WKV7_AHEAD
+#define SC_WKV7_AHEAD 8
+#endif
+
 /* One token over rows [0, n) (row stride S, in and out the same memory or
  * disjoint): sa = a . S[i]; S[i][j] = S[i][j] * e[j] + (sa * b[j] + v[i] * k[j]);
  * o[i] = S[i] . r (r already scaled). */
@@ -268,7 +280,14 @@ static void wkv7_rows(const float *in, float *out, int64_t n, int64_t S, const f
     int64_t i = 0;
 #ifdef SC_HAVE_AVX2
     if (S % 8 == 0)
-        for (; i + 4 <= n; i += 4) wkv7_rows4(in + i * S, out + i * S, S, r, e, k, v + i, a, b, o + i);
+        for (; i + 4 <= n; i += 4) {
+            /* Rows SC_WKV7_AHEAD on (past n too: in decode they are the next
+             * head's, which this thread runs next): the a-dots stall on each
+             * row's first touch, and the update pass between them issues no
+             * loads, so the stream would otherwise idle half the time. */
+            sc_prefetch_run(in + (i + SC_WKV7_AHEAD) * S, 4 * S, 1);
+            wkv7_rows4(in + i * S, out + i * S, S, r, e, k, v + i, a, b, o + i);
+        }
 #endif
     for (; i < n; i++) {
         const float *src = in + i * S;
