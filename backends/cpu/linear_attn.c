@@ -30,9 +30,10 @@
  * input state (column n_t) is a raw copy of the start row's head block,
  * made before anything is written.
  *
- * Prefill of RWKV-6 and GLA (head size a multiple of 8, AVX2) runs the chunked
- * form (prefill_group_chunked, below): small matrix products per chunk of
- * tokens instead of a pass over the state per token. */
+ * Prefill (head size a multiple of 8, AVX2) runs the chunked forms
+ * (prefill_group_chunked, below): RWKV-6 and GLA the chunked gated form,
+ * RWKV-7 the chunked WY form of its generalized delta rule; small matrix
+ * products per chunk of tokens instead of a pass over the state per token. */
 #include "sc_gemm.h"
 
 /* Key-major kernels: state columns per tile (S rows each: 16 KiB at S = 128). */
