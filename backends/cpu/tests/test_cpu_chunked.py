@@ -293,7 +293,9 @@ def test_rwkv7_chunked_rounding(decay_min: float) -> None:
     assert _nmse(pool, pool_ref) < 1e-10
 
 
-@pytest.mark.parametrize(("name", "value"), [("r", np.nan), ("k", np.inf), ("v", np.nan), ("a", -np.inf), ("b", np.nan)])
+@pytest.mark.parametrize(
+    ("name", "value"), [("r", np.nan), ("k", np.inf), ("v", np.nan), ("a", -np.inf), ("b", np.nan)]
+)
 def test_rwkv7_places_non_finite_inputs_as_the_definition(name: str, value: float) -> None:
     """A NaN or Inf in a chunk past the first: the chunks before it stay
     chunked (finite), the rest runs token by token and NaN/Inf land where the
