@@ -503,6 +503,28 @@ typedef struct {
     int *token_loop;     /* [group]: the head went to the token loop for good */
 } la_chunk_ws;
 
+/* G[t] = g[0] + ... + g[t] per key for the L token rows of log decays g
+ * (rows lg apart) and Eend = exp G[L-1], or 0 when some |G| passes
+ * SC_LA_SPAN (or is NaN): the chunk's factors exp(+-G) would then leave
+ * float32's comfortable range, and it runs the token loop instead. */
+static int la_log_decay_sums(const float *g, int64_t lg, int64_t L, int64_t S, float *G, float *Eend) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 most = _mm256_setzero_ps();
+    for (int64_t t = 0; t < L; t++)
+        for (int64_t i = 0; i < S; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + t * lg + i);
+            if (t) x = _mm256_add_ps(x, _mm256_loadu_ps(G + (t - 1) * S + i));
+            _mm256_storeu_ps(G + t * S + i, x);
+            most = _mm256_max_ps(most, _mm256_andnot_ps(sign, x));
+        }
+    float m8[8];
+    _mm256_storeu_ps(m8, most);
+    for (int l = 0; l < 8; l++)
+        if (!(m8[l] <= SC_LA_SPAN)) return 0;
+    for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(Eend + i, sc_exp8(_mm256_loadu_ps(G + (L - 1) * S + i)));
+    return 1;
+}
+
 /* One chunk of L tokens (SC_LA_CHUNK_MIN <= L <= SC_LA_CHUNK) of one head in
  * the chunked form, or 0 (nothing written) when its decays span too much.
  * Q, K, V, g: [L][S] (q or r scaled, g the log decays); bonus: RWKV-6's
@@ -512,20 +534,7 @@ static int la_chunk(const float *Q, const float *K, const float *V, const float 
                     int64_t S, float *M, float *o, int64_t ldo, la_chunk_ws *w) {
     const int64_t Lp = (L + 7) & ~(int64_t)7;
     const int gla = bonus == NULL;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 most = _mm256_setzero_ps();
-    for (int64_t t = 0; t < L; t++)
-        for (int64_t i = 0; i < S; i += 8) {
-            __m256 x = _mm256_loadu_ps(g + t * S + i);
-            if (t) x = _mm256_add_ps(x, _mm256_loadu_ps(w->EG + (t - 1) * S + i));
-            _mm256_storeu_ps(w->EG + t * S + i, x);
-            most = _mm256_max_ps(most, _mm256_andnot_ps(sign, x));
-        }
-    float m8[8];
-    _mm256_storeu_ps(m8, most);
-    for (int l = 0; l < 8; l++)
-        if (!(m8[l] <= SC_LA_SPAN)) return 0;
-    for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(w->Eend + i, sc_exp8(_mm256_loadu_ps(w->EG + (L - 1) * S + i)));
+    if (!la_log_decay_sums(g, S, L, S, w->EG, w->Eend)) return 0;
     for (int64_t t = 0; t < L; t++)
         for (int64_t i = 0; i < S; i += 8) {
             const __m256 e = sc_exp8(_mm256_loadu_ps(w->EG + t * S + i));
@@ -637,20 +646,8 @@ static void wkv7_fetch_next(wkv7_chunk_ws *w, int64_t S, int64_t rows) {
 static int wkv7_chunk(const float *const *in, const int64_t *ls, float scale, int64_t L, int64_t S, float *M,
                       float *o, int64_t ldo, wkv7_chunk_ws *w) {
     const int64_t Lp = (L + 7) & ~(int64_t)7, ld = 2 * SC_WKV7_BLOCK_PAD;
-    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f), sc = _mm256_set1_ps(scale);
-    __m256 most = _mm256_setzero_ps();
-    for (int64_t t = 0; t < L; t++)
-        for (int64_t i = 0; i < S; i += 8) {
-            __m256 x = _mm256_loadu_ps(in[1] + t * ls[1] + i);
-            if (t) x = _mm256_add_ps(x, _mm256_loadu_ps(w->G + (t - 1) * S + i));
-            _mm256_storeu_ps(w->G + t * S + i, x);
-            most = _mm256_max_ps(most, _mm256_andnot_ps(sign, x));
-        }
-    float m8[8];
-    _mm256_storeu_ps(m8, most);
-    for (int l = 0; l < 8; l++)
-        if (!(m8[l] <= SC_LA_SPAN)) return 0;
-    for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(w->Eend + i, sc_exp8(_mm256_loadu_ps(w->G + (L - 1) * S + i)));
+    const __m256 one = _mm256_set1_ps(1.0f), sc = _mm256_set1_ps(scale);
+    if (!la_log_decay_sums(in[1], ls[1], L, S, w->G, w->Eend)) return 0;
     for (int64_t t = 0; t < L; t++) {
         const float *R = in[0] + t * ls[0], *K = in[2] + t * ls[2], *Av = in[4] + t * ls[4], *B = in[5] + t * ls[5];
         wkv7_fetch_next(w, S, 3);
