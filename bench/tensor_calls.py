@@ -15,14 +15,17 @@ states, torch does the projections.  Two ways to pass the activations:
   (``matmul(..., out=)``), the primitives getting the same Buffer objects
   every step (the fastest way before tensors were arguments).
 
-Only the statecache calls are timed (the projections are the runtime's).
+Only the statecache calls are timed (the projections are the runtime's),
+by the wall clock or, with ``--clock cpu``, by the process's CPU time (all
+its threads: the kernels' OpenMP workers included), which a shared, loaded
+machine disturbs less.
 Prints calls per step, microseconds per call for each way (median over
 steps, the ways alternating step by step), and the ratio fresh / wrapped
 (target: at most 1.5), for a
 130m-sized layer (d_model 768) and for a tiny one where the per-call
 overhead is everything.
 
-    python bench/tensor_calls.py [--device cpu] [--steps N] [--rounds R]
+    python bench/tensor_calls.py [--device cpu] [--steps N] [--rounds R] [--clock wall|cpu]
     python bench/tensor_calls.py --threads     (the thread default next to torch)
 """
 
@@ -37,6 +40,9 @@ import numpy as np
 
 import statecache
 from statecache.hostmem import as_array
+
+#: What the statecache calls are timed with (``--clock``).
+clock = time.perf_counter
 
 
 class Layer:
@@ -81,15 +87,15 @@ def conv_and_scan(
 ) -> None:
     """A layer's two statecache calls with torch tensors; adds their time (not the views') to ``timer``."""
     n_s, d = y.shape[0], lay.d_inner
-    t0 = time.perf_counter()
+    t0 = clock()
     dev.ssm_conv(lay.conv_pool, rows, rows, xbc, lay.conv_w, conv_out, bias=lay.conv_b, apply_silu=True)
-    t1 = time.perf_counter()
+    t1 = clock()
     x = conv_out[..., :d].view(n_s, 1, lay.H, lay.P)  # the runtime's views: not timed
     B = conv_out[..., d : d + lay.N].view(n_s, 1, 1, lay.N)
     C = conv_out[..., d + lay.N :].view(n_s, 1, 1, lay.N)
-    t2 = time.perf_counter()
+    t2 = clock()
     dev.ssm_scan(lay.ssm_pool, rows, rows, x, dt, lay.A, B, C, y, D=lay.D, z=z, dt_bias=lay.dt_bias)
-    timer[0] += time.perf_counter() - t2 + t1 - t0
+    timer[0] += clock() - t2 + t1 - t0
 
 
 class Stable:
@@ -153,13 +159,13 @@ class Wrapped:
         n_s = h.shape[0]
         for lay, (b, v, w_t) in zip(layers, self.per_layer):
             torch.matmul(h, w_t, out=v["zx"])
-            t0 = time.perf_counter()
+            t0 = clock()
             dev.ssm_conv(lay.conv_pool, rows, rows, b["xbc"], b["conv_w"], b["co"], bias=b["conv_b"], apply_silu=True)
             dev.ssm_scan(
                 lay.ssm_pool, rows, rows, b["x"], b["dt"], b["A"], b["B"], b["C"], b["y"],
                 D=b["D"], z=b["z"], dt_bias=b["dt_bias"],
             )  # fmt: skip
-            timer[0] += time.perf_counter() - t0
+            timer[0] += clock() - t0
             h = lay.out_proj(v["y"].view(n_s, 1, lay.d_inner))
         return h
 
@@ -263,15 +269,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--seqs", type=int, default=1)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall, or cpu: the process CPU time")
     ap.add_argument("--threads", action="store_true", help="measure the thread default instead (cpu)")
     args = ap.parse_args()
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         threads_table()
         return
     dev = statecache.get_device(args.device)
     print(
         f"device {dev.id}; {args.seqs} sequence(s); 4 Mamba-2 layers; "
-        f"medians of {args.rounds * args.steps} steps per way"
+        f"medians of {args.rounds * args.steps} steps per way; {args.clock} clock"
     )
     print("us per statecache call; ratio = fresh / wrapped (target <= 1.5), stable / wrapped")
     print(f"{'layer':<52} {'calls/step':>10} {'fresh':>9} {'stable':>9} {'wrapped':>9} {'ratio':>6} {'stable':>7}")

@@ -200,7 +200,11 @@ class Runner:
         if upd.status.is_fail or (upd.status is MemoryStatus.SUCCESS and not upd.apply()):
             raise ConformanceFailure(f"{label}: the memory update failed ({upd.status.value})")
 
-    def decode(self, tokens_by_seq: dict[int, list[int]], n_ubatch: int = 512, label: str = "") -> None:
+    def decode(
+        self, tokens_by_seq: dict[int, list[int]], n_ubatch: int = 512, label: str = "", *, varlen: bool = False
+    ) -> int:
+        """Decode one batch, check every output; returns the ubatches (forwards) it took.
+        ``varlen``: planned with ``init_batch(varlen=True)`` (packed ubatches)."""
         from statecache.batch import Batch, BatchAllocator
 
         self.update(label)
@@ -208,32 +212,34 @@ class Runner:
         balloc.init(Batch.for_sequences(tokens_by_seq, output_all=True), self.mem)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ctx = self.mem.init_batch(balloc, n_ubatch)
+            ctx = self.mem.init_batch(balloc, n_ubatch, varlen=varlen)
         for w in caught:  # e.g. a part whose position no longer continues the sequence
             raise ConformanceFailure(f"{label}: planning the batch warned: {w.category.__name__}: {w.message}")
         if ctx.status.is_fail:
             raise ConformanceFailure(f"{label}: the memory could not plan the batch ({ctx.status.value})")
         got: dict[tuple[int, int], np.ndarray] = {}
+        n_forwards = 0
         while True:
             ub = ctx.get_ubatch()
+            n_forwards += 1
             if not ctx.apply():
                 raise ConformanceFailure(f"{label}: apply() failed")
             if self.hybrid:
                 mix = StepMixers(self.dev, ctx.recr.step(), ctx.attn)
             else:
                 mix = StepMixers(self.dev, ctx.step())
-            toks = ub.token.reshape(ub.n_seqs, ub.n_seq_tokens)
-            logits = forward(self.dev, mix, self.weights, toks)
-            for s in range(ub.n_seqs):
-                for t in range(ub.n_seq_tokens):
-                    i = s * ub.n_seq_tokens + t
-                    for q in ub.seq_id[i]:
-                        got[(q, int(ub.pos[i]))] = logits[s, t]
+            # a packed ubatch is one row of all its tokens; both forms are set-major
+            toks = ub.token.reshape(1, ub.n_tokens) if ub.is_varlen else ub.token.reshape(ub.n_seqs, ub.n_seq_tokens)
+            logits = forward(self.dev, mix, self.weights, toks).reshape(ub.n_tokens, -1)
+            for i in range(ub.n_tokens):
+                for q in ub.seq_id[i]:
+                    got[(q, int(ub.pos[i]))] = logits[i]
             if not ctx.next():
                 break
         new = {seq: self.history.setdefault(seq, SeqHistory()).append(ts) for seq, ts in tokens_by_seq.items()}
         self.check(got, new, label)
         self.expect_parts_agree(label)
+        return n_forwards
 
     def check(self, got: dict[tuple[int, int], np.ndarray], new: dict[int, list[tuple[int, int]]], label: str) -> None:
         for seq, items in new.items():
@@ -488,6 +494,29 @@ def multi_sequence_speculative(make: MakeRunner, seed: int) -> None:
         r.decode({0: r.tokens(1), 1: r.tokens(1), 2: r.tokens(1)}, label="decode after the rollbacks")
 
 
+def varlen_batch(make: MakeRunner, seed: int) -> None:
+    """``init_batch(varlen=True)``: three prompts of different lengths, a decode, a
+    speculative draft and a fork whose first step copies on write, with sequence ids
+    neither sorted nor consecutive, in ONE ubatch: one call per layer (packed tokens,
+    ``cu_seqlens``) advances every sequence, each to what a full recompute gives.  Then
+    the draft is rolled back (through the planes the packed call wrote) and decoding
+    continues, packed again.  (That one packed call equals one call per sequence,
+    bitwise, is the primitives' ``varlen.packed_split`` cases.)"""
+    r = make(n_seq_max=6, n_rs_seq=3, seed=seed)
+    n = r.decode({4: r.tokens(4), 1: r.tokens(3)}, label="history", varlen=True)
+    if n != 1:
+        raise ConformanceFailure(f"a varlen batch of two prompts took {n} ubatches, expected 1")
+    r.seq_cp(4, 5)
+    mixed = {3: r.tokens(6), 4: r.tokens(1), 0: r.tokens(2), 1: r.tokens(3), 5: r.tokens(2), 2: r.tokens(5)}
+    n = r.decode(mixed, label="prompts, a decode, a draft and a fork in one varlen batch", varlen=True)
+    if n != 1:
+        raise ConformanceFailure(f"the mixed varlen batch took {n} ubatches, expected 1")
+    if not r.seq_rm(1, r.history[1].pos_max - 1, -1):
+        raise ConformanceFailure("rolling the draft of sequence 1 back by 2 tokens was refused")
+    r.expect_pos(1, "the draft after its rollback")
+    r.decode({1: r.tokens(1), 5: r.tokens(3), 0: r.tokens(1)}, label="decode after the rollback", varlen=True)
+
+
 def stale_plan(make: MakeRunner, seed: int) -> None:
     """Two plans made from the same state: once one is applied, the other is refused
     (ContextError, nothing changed) instead of placing its tokens on cells that are
@@ -540,7 +569,10 @@ SCENARIOS: dict[str, tuple[Callable[[MakeRunner, int], None], int]] = {
     "chunked_prefill": (chunked_prefill, 2),
     "multi_sequence_speculative": (multi_sequence_speculative, 2),
     "stale_plan": (stale_plan, 1),
+    "varlen_batch": (varlen_batch, 4),
 }
+#: scenarios whose stateful calls are packed (``cu_seqlens``)
+VARLEN_SCENARIOS = frozenset({"varlen_batch"})
 HYBRID_ONLY: dict[str, tuple[Callable[[MakeRunner, int], None], int]] = {
     "context_shift": (context_shift, 3),
     "fork_streams": (fork_streams, 3),
@@ -572,7 +604,8 @@ def _case(kind: str, layers: tuple[str, ...], name: str, fn: Any, n_snap: int, d
     dtypes = sorted({dtype, "f32"})
     reqs = [Requirement(op, {"dtype": d}) for op in _ROW_OPS for d in dtypes]
     state_ops = tuple(dict.fromkeys(op for kind in layers for op in KIND_OPS[kind]))  # in layer order, once each
-    reqs += [Requirement(op, {"dtype": dtype, "n_snap": n_snap}) for op in state_ops]
+    varlen = {"varlen": True} if name in VARLEN_SCENARIOS else {}
+    reqs += [Requirement(op, {"dtype": dtype, "n_snap": n_snap, **varlen}) for op in state_ops]
     holder: dict[str, Case] = {}
 
     def run(device: Device) -> None:

@@ -40,6 +40,7 @@ import numpy as np
 
 from statecache.backend import Buffer, Device
 from statecache.dtypes import DType
+from statecache.primitives import token_view
 from statecache.spec import AttentionLayerSpec, MemorySpec, ModelSpec, RecurrentLayerSpec
 
 if TYPE_CHECKING:
@@ -300,6 +301,13 @@ class OracleMixers(PoolDriver):
         return out[None]
 
 
+def _packed(buf: Buffer) -> Buffer:
+    """``buf`` [1, n_tokens, ...] as [n_tokens, ...] over the same memory."""
+    view = token_view(buf)
+    assert view is not None  # one row of tokens can always drop its leading axis
+    return view
+
+
 class StepMixers:
     """One committed ubatch of a memory: recurrent layers through its
     :class:`RecurrentStep`, attention through its KV cache context (K/V written
@@ -309,24 +317,36 @@ class StepMixers:
         self.dev = dev
         self.step = step
         self.attn_ctx = attn_ctx
+        # A varlen step (``init_batch(varlen=True)``) takes per-token tensors packed,
+        # [n_tokens, ...]; the model computes the ubatch as one row of n_tokens tokens,
+        # [1, n_tokens, ...], in the ubatch's (set-major) order: the same memory.
+        self.packed = getattr(step, "cu_seqlens", None) is not None
+
+    def _tokens(self, args: tuple[Buffer, ...]) -> tuple[Buffer, ...]:
+        if not self.packed:
+            return args
+        # per-token tensors are [1, n_tokens, ...] (3-D or more); weights have fewer axes
+        return tuple(_packed(b) if b.ndim >= 3 and b.shape[0] == 1 else b for b in args)
 
     def conv(self, L: int, x: Buffer, w: Buffer, y: Buffer, *, bias: Buffer, apply_silu: bool) -> None:
+        x, y = self._tokens((x, y))
         self.step.conv(L, x, w, y, bias=bias, apply_silu=apply_silu)
 
     def scan(self, L: int, *args: Buffer) -> None:
-        self.step.scan(L, *args)
+        self.step.scan(L, *self._tokens(args))
 
     def delta(self, L: int, *args: Buffer) -> None:
-        self.step.delta(L, *args)
+        self.step.delta(L, *self._tokens(args))
 
     def linear_attn(self, L: int, op: str, *args: Buffer) -> None:
         method = {"rwkv_wkv6": self.step.wkv6, "rwkv_wkv7": self.step.wkv7, "gated_linear_attn": self.step.gla}[op]
-        method(L, *args)
+        method(L, *self._tokens(args))
 
     def shift(self, L: int, x: np.ndarray, part: int) -> np.ndarray:
         dev = self.dev
         prev = dev.alloc(x.shape)
-        self.step.shift(L, dev.upload(np.ascontiguousarray(x, dtype=np.float32)), prev, part=part)
+        (x_buf, prev_view) = self._tokens((dev.upload(np.ascontiguousarray(x, dtype=np.float32)), prev))
+        self.step.shift(L, x_buf, prev_view, part=part)
         return dev.download(prev)
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:

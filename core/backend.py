@@ -41,7 +41,7 @@ from statecache import primitives as P
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError, CapabilityError
 from statecache.launch_memo import LaunchMemo
-from statecache.tensor_args import TensorWraps
+from statecache.tensor_args import Relaunches, TensorWraps
 
 if TYPE_CHECKING:
     from statecache.dlpack import TensorMemory
@@ -527,6 +527,60 @@ class Device(abc.ABC):
             wraps = self._wraps = TensorWraps()
         return wraps.coerce(self, names, args, Buffer)
 
+    #: calls matched by geometry, relaunched with new tensor addresses (statecache.tensor_args.Relaunches)
+    _relaunches: Relaunches | None = None
+
+    def _tensors_or_relaunch(self, site: tuple[Any, ...], names: str, given: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """:meth:`_tensors_in` for a primitive that can be relaunched by
+        geometry (:class:`statecache.tensor_args.Relaunches`; ``site``: the
+        primitive and its scalars): None when the call was launched that way,
+        else the arguments as Buffers.  A call with Buffers only pays for one
+        type check per argument, as with :meth:`_tensors_in`."""
+        for arg in given:
+            if arg is not None and not isinstance(arg, Buffer):
+                break
+        else:
+            return given
+        relaunches = self._relaunches
+        if relaunches is not None and relaunches.relaunched(self, site, given, Buffer):
+            return None
+        return self._tensors_in(names, *given)
+
+    def _learn_relaunch(
+        self,
+        op: str,
+        site: tuple[Any, ...],
+        names: str,
+        given: tuple[Any, ...],
+        coerced: tuple[Any, ...],
+        index_bufs: tuple[Any, ...],
+        hit: Any,
+        call_args: tuple[Any, ...],
+    ) -> None:
+        """After a call matched by geometry (``hit``, a loose memo entry) ran:
+        remember it for :meth:`_relaunched`."""
+        relaunches = self._relaunches
+        if relaunches is None:
+            relaunches = self._relaunches = Relaunches()
+        relaunches.learn(self, op, site, names, given, coerced, index_bufs, hit.shadows, call_args, Buffer)
+
+    def _prepare_relaunch(
+        self, op: str, call_args: tuple[Any, ...], tensors: dict[int, int]
+    ) -> Callable[[list[int]], bool] | None:
+        """Optionally turn a validated call into a launch that takes its
+        tensors' addresses.
+
+        ``call_args`` are the positional arguments of ``_<op>``; ``tensors``
+        maps ``id(storage)`` of each tensor Buffer among them (or of the
+        Buffer a token view was made of: the same storage) to the index of
+        its address in the list the launch gets.  A Buffer over a tensor has
+        offset 0 at the tensor's address; the launch must put every one of
+        them at its new address (and keep no pointer of the validated call),
+        or the backend returns None.  The launch returns True, or False when
+        it did nothing (another thread is running it): the call then takes
+        the ordinary path.  None, the default: no relaunching."""
+        return None
+
     def _import_memory(self, memory: TensorMemory, dtype: DType) -> Buffer | None:
         """A Buffer over a tensor's memory (a DLPack export), without a copy,
         or None when this device cannot address that memory.
@@ -619,6 +673,21 @@ class Device(abc.ABC):
         means every call goes through ``_<op>``.
         """
         return None
+
+    def _launch_again(self, op: str, hit: Any, call_args: tuple[Any, ...]) -> bool:
+        """Run a remembered call that has no prepared launch; returns whether
+        it was matched by geometry (``hit.loose``: worth relaunching by
+        geometry next time).  An entry matched by identity gets its launch
+        prepared now: it was stored without one by a call matched by geometry,
+        and is met again (tensors at the addresses of an earlier call)."""
+        if not hit.loose and not hit.prepared:
+            hit.prepared = True  # asked once: a backend that declines is not asked again
+            hit.launch = self._prepare_launch(op, call_args)
+            if hit.launch is not None:
+                hit.launch()
+                return False
+        getattr(self, f"_{op}")(*call_args)
+        return bool(hit.loose)
 
     # -- memory ---------------------------------------------------------------
     def alloc(self, shape: int | Sequence[int], dtype: DType | str = DType.F32) -> Buffer:
@@ -911,12 +980,14 @@ class Device(abc.ABC):
         ``ext[s, :, n_t - j : n_t - j + W]`` (column n_t(s) is the input window).
         """
         given = (pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens)  # held until return: see _tensors_in
-        pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens = self._tensors_in(
-            "pool* start_rows dst_rows x weight y* bias cu_seqlens", *given
-        )
+        silu = bool(apply_silu)
+        site = ("ssm_conv", n_snap, plane_stride, silu)
+        coerced = self._tensors_or_relaunch(site, _CONV_NAMES, given)
+        if coerced is None:
+            return
+        pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
-        silu = bool(apply_silu)
         if cu_seqlens is None:
             bufs: tuple[Any, ...] = (pool, start_rows, dst_rows, x, weight, bias, y)
             key: tuple[Any, ...] = ("ssm_conv", n_snap, plane_stride, silu, id(pool), id(start_rows),
@@ -930,7 +1001,9 @@ class Device(abc.ABC):
         hit = self._remembered(key, bufs, index_bufs)
         if hit is not None:
             if hit.launch is None:
-                self._ssm_conv(*self._conv_args(hit.shape, bufs, silu))
+                args = self._conv_args(hit.shape, bufs, silu)
+                if self._launch_again("ssm_conv", hit, args):
+                    self._learn_relaunch("ssm_conv", site, _CONV_NAMES, given, coerced, index_bufs, hit, args)
             else:
                 hit.launch()
             return
@@ -1025,9 +1098,11 @@ class Device(abc.ABC):
         Snapshot column j receives S after n_t(s) - j tokens.
         """
         given = (pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias)  # held: see _tensors_in
-        pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias = self._tensors_in(
-            "pool* start_rows dst_rows x dt A B C y* cu_seqlens D z dt_bias", *given
-        )
+        site = ("ssm_scan", n_snap, plane_stride, dt_limit)
+        coerced = self._tensors_or_relaunch(site, _SCAN_NAMES, given)
+        if coerced is None:
+            return
+        pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
         if cu_seqlens is None and D is None and z is None and dt_bias is None and dt_limit is None:
@@ -1042,7 +1117,9 @@ class Device(abc.ABC):
         hit = self._remembered(key, bufs, index_bufs)
         if hit is not None:
             if hit.launch is None:
-                self._ssm_scan(*self._scan_args(hit.shape, bufs))
+                args = self._scan_args(hit.shape, bufs)
+                if self._launch_again("ssm_scan", hit, args):
+                    self._learn_relaunch("ssm_scan", site, _SCAN_NAMES, given, coerced, index_bufs, hit, args)
             else:
                 hit.launch()
             return
@@ -1160,9 +1237,11 @@ class Device(abc.ABC):
         Snapshot column j receives M after n_t(s) - j tokens.
         """
         given = (pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias)  # held: see _tensors_in
-        pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias = self._tensors_in(
-            "pool* start_rows dst_rows q k v g beta o* cu_seqlens A_log dt_bias", *given
-        )
+        site = ("gated_delta_net", n_snap, plane_stride, scale, head_map, qk_l2norm, beta_sigmoid)
+        coerced = self._tensors_or_relaunch(site, _DELTA_NAMES, given)
+        if coerced is None:
+            return
+        pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
         if cu_seqlens is None and A_log is None and dt_bias is None:
@@ -1179,7 +1258,9 @@ class Device(abc.ABC):
         hit = self._remembered(key, bufs, index_bufs)
         if hit is not None:
             if hit.launch is None:
-                self._gated_delta_net(*self._delta_args(hit.shape, bufs))
+                args = self._delta_args(hit.shape, bufs)
+                if self._launch_again("gated_delta_net", hit, args):
+                    self._learn_relaunch("gated_delta_net", site, _DELTA_NAMES, given, coerced, index_bufs, hit, args)
             else:
                 hit.launch()
             return
@@ -1610,6 +1691,12 @@ class Device(abc.ABC):
         """GLA in the packed form (q/k/v/g/o [T, H, S]); scale in ``shp``."""
         raise NotImplementedError(f"{self.id} does not implement gated_linear_attn (not in caps.ops)")
 
+
+#: Argument names of the primitives relaunched by geometry, in the order of their ``given``
+#: (``*``: written); see Device._tensors_in.
+_CONV_NAMES = "pool* start_rows dst_rows x weight y* bias cu_seqlens"
+_SCAN_NAMES = "pool* start_rows dst_rows x dt A B C y* cu_seqlens D z dt_bias"
+_DELTA_NAMES = "pool* start_rows dst_rows q k v g beta o* cu_seqlens A_log dt_bias"
 
 #: Per memo key name, the positions in ``bufs`` of the arguments the
 #: primitive writes: where a call matched by geometry must not overlap any

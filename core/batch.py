@@ -6,7 +6,10 @@ positions, sequence ids per token and output flags.  A
 was left out, and then cuts it into :class:`UBatch` es with
 :meth:`~BatchAllocator.split_simple`, :meth:`~BatchAllocator.split_equal` or
 :meth:`~BatchAllocator.split_seq` (docs/memory-semantics.md#splitters).  Every token is emitted exactly
-once; :attr:`BatchAllocator.out_ids` records the batch index of every output
+once.  :meth:`~BatchAllocator.split_varlen` puts a whole mixed batch into one
+ubatch in the packed (varlen) form the stateful primitives take: every
+sequence set's tokens in one run, sets of any length, ``UBatch.cu_seqlens``
+their offsets.  :attr:`BatchAllocator.out_ids` records the batch index of every output
 token in the order the ubatches emitted them, so a caller can put logits back
 in its own order.
 
@@ -147,6 +150,13 @@ class UBatch:
     section-major (row 0 equals ``pos``, rows 1 and 2 are y and x, row 3 is
     passed through); it is None for a 1-D ubatch.  :attr:`pos_ext` gives the
     ``(x, y)`` pairs the KV cells and the mask use.
+
+    A *varlen* (packed) ubatch (:meth:`BatchAllocator.split_varlen`) is
+    set-major too, but its sets may have different lengths: set ``s`` owns
+    tokens ``cu_seqlens[s] .. cu_seqlens[s + 1] - 1`` (``cu_seqlens`` int32
+    ``[n_seqs + 1]``, starting at 0, every set at least one token).  Its
+    ``equal_seqs`` is False and ``n_seq_tokens`` is the longest set's length;
+    ``cu_seqlens`` is None for every other ubatch.
     """
 
     equal_seqs: bool
@@ -161,10 +171,25 @@ class UBatch:
     seq_id_unq: tuple[int, ...]
     set_seq_ids: Sequence[tuple[int, ...]]
     pos_sections: np.ndarray | None = None
+    cu_seqlens: np.ndarray | None = None
 
     @property
     def n_tokens(self) -> int:
         return int(self.token_idx.size)
+
+    @property
+    def is_varlen(self) -> bool:
+        """Whether the ubatch is in the packed form (sets of any length, :attr:`cu_seqlens`)."""
+        return self.cu_seqlens is not None
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """int64 ``[n_seqs]``: the tokens of every set (equal and varlen ubatches)."""
+        if self.cu_seqlens is not None:
+            return np.diff(self.cu_seqlens).astype(np.int64)
+        if self.equal_seqs:
+            return np.full(self.n_seqs, self.n_seq_tokens, dtype=np.int64)
+        raise ArgumentError("ubatch", "a simple split (split_simple) has no sequence sets")
 
     @property
     def n_pos(self) -> int:
@@ -263,6 +288,15 @@ class BatchAllocator:
         self.n_seq_max = 0 if n_seq_max is None else _check_n_seq_max(n_seq_max)
         self.n_tokens = 0
         self._reset_state()
+
+    @classmethod
+    def for_memory(cls, memory: PositionSource) -> BatchAllocator:
+        """An allocator sized by ``memory`` (its ``n_seq_max``), so the two cannot
+        disagree; ``memory.batch_allocator()`` says the same."""
+        n = getattr(memory, "n_seq_max", None)
+        if n is None:
+            raise ArgumentError("memory", f"{type(memory).__name__} has no n_seq_max to size an allocator by")
+        return cls(int(n))
 
     def check_ready(self, n_seq_max: int) -> None:
         """Raise :class:`ArgumentError` (naming ``balloc``) unless a batch was validated
@@ -651,14 +685,16 @@ class BatchAllocator:
         n_seq_tokens: int,
         set_ids: Sequence[tuple[int, ...]],
         sets: np.ndarray | None = None,
+        cu_seqlens: np.ndarray | None = None,
     ) -> UBatch:
-        """Build the ubatch of tokens ``idx``.  ``sets`` (equal splits): the set indices,
-        each contributing ``n_seq_tokens`` tokens, which lets the cursors move without a scatter."""
+        """Build the ubatch of tokens ``idx``.  ``sets`` (equal and varlen splits): the set
+        indices, each contributing ``n_seq_tokens`` tokens (varlen: its ``cu_seqlens`` run),
+        which lets the cursors move without a scatter."""
         idx = np.asarray(idx, dtype=np.int64)
         self._used[idx] = True
         self.n_used += int(idx.size)
         if sets is not None:
-            self._set_cursor[sets] += n_seq_tokens
+            self._set_cursor[sets] += n_seq_tokens if cu_seqlens is None else np.diff(cu_seqlens)
         else:
             np.add.at(self._set_cursor, self._set_of_token[idx], 1)
         out = self.output[idx]
@@ -675,7 +711,7 @@ class BatchAllocator:
         return UBatch(
             equal_seqs=equal,
             n_seq_tokens=n_seq_tokens,
-            n_seqs=len(set_ids) if equal else int(idx.size),
+            n_seqs=len(set_ids) if equal or cu_seqlens is not None else int(idx.size),
             token_idx=idx,
             token=None if self.token is None else self.token[idx],
             embd=None if self.embd is None else self.embd[idx],
@@ -685,6 +721,7 @@ class BatchAllocator:
             seq_id_unq=unq,
             set_seq_ids=set_ids,
             pos_sections=None if self.pos_sections is None else self.pos_sections[:, idx],
+            cu_seqlens=cu_seqlens,
         )
 
     def split_simple(self, n_ubatch: int) -> UBatch:
@@ -703,15 +740,7 @@ class BatchAllocator:
         the batch couples sequences.  With ``n_keep_tail > 0`` every set's last
         ``min(len, n_keep_tail)`` tokens end up in one ubatch.
         """
-        _check_n_ubatch(n_ubatch)
-        if n_keep_tail < 0:
-            raise BatchError(f"n_keep_tail {n_keep_tail} must be >= 0", rule="n_keep_tail")
-        if n_keep_tail and n_ubatch <= n_keep_tail:
-            raise BatchError(
-                f"n_ubatch {n_ubatch} must exceed n_keep_tail {n_keep_tail} (the last n_rs_seq + 1 tokens of a "
-                "sequence must fit in one ubatch)",
-                rule="n_keep_tail",
-            )
+        _check_n_keep_tail(n_ubatch, n_keep_tail)
         if sequential and self.has_coupled:
             return UBatch.empty()
         start = self._next_unused()
@@ -779,6 +808,62 @@ class BatchAllocator:
         else:
             set_ids = [self._set_ids[k] for k in ch.tolist()]
         return self._emit(idx, True, n_len, set_ids, ch)
+
+    def split_varlen(self, n_ubatch: int, n_keep_tail: int = 0) -> UBatch:
+        """The whole batch (up to ``n_ubatch`` tokens) as one packed ubatch: every sequence
+        set's remaining tokens in one run, in batch order, sets of any length
+        (``UBatch.cu_seqlens``), so one primitive call per layer advances all of them.
+
+        Sets are taken in the order of their first unused token, whatever their
+        sequence ids (non-consecutive, unsorted).  Only sets that share a sequence
+        (a token of several sequences next to tokens of one of them) go to
+        different ubatches.  When the tokens left exceed ``n_ubatch``, a set is
+        cut only where none or at least ``n_keep_tail`` of its tokens stay behind
+        (the rule of :meth:`split_equal`: a sequence's last ``n_rs_seq + 1``
+        tokens land in one ubatch, so its rollback planes are all written).
+        Returns an empty ubatch when nothing is left.
+        """
+        _check_n_keep_tail(n_ubatch, n_keep_tail)
+        start = self._next_unused()
+        if start >= self.n_tokens:
+            return UBatch.empty()
+        # sets in the order of their first unused token
+        sets = self._set_of_token[np.flatnonzero(~self._used[start:]) + start]
+        _, first = np.unique(sets, return_index=True)
+        order = sets[np.sort(first)].astype(np.int64)
+        chosen: list[int] = []
+        takes: list[int] = []
+        budget, taken = n_ubatch, 0
+        for k, count in zip(order.tolist(), self._remaining_count(order).tolist(), strict=True):
+            if self.has_coupled:
+                m = self._masks[k]
+                if m & taken:
+                    continue  # shares a sequence with a set already in this ubatch
+            take = min(count, budget)
+            if 0 < count - take < n_keep_tail:
+                take = count - n_keep_tail  # leave a whole tail behind for the next ubatch
+            if take <= 0:
+                continue
+            chosen.append(k)
+            takes.append(take)
+            if self.has_coupled:
+                taken |= self._masks[k]
+            budget -= take
+            if budget == 0:
+                break
+        ch = np.asarray(chosen, dtype=np.int64)
+        lens = np.asarray(takes, dtype=np.int64)
+        cu = np.zeros(ch.size + 1, dtype=np.int32)
+        np.cumsum(lens, out=cu[1:])
+        base = self._bounds[ch] + self._set_cursor[ch]
+        # token t of set i sits at _order[base[i] + t]: one gather for every set
+        offs = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), lens)
+        idx = self._order[np.repeat(base, lens) + offs]
+        if isinstance(self._set_ids, SeqIds):
+            set_ids: Sequence[tuple[int, ...]] = SeqIds(self._set_ids.ids[ch])
+        else:
+            set_ids = [self._set_ids[k] for k in ch.tolist()]
+        return self._emit(idx, False, int(lens.max()), set_ids, ch, cu)
 
     def _remaining_count(self, sets: np.ndarray) -> np.ndarray:
         count: np.ndarray = self._bounds[sets + 1] - self._bounds[sets] - self._set_cursor[sets]
@@ -886,6 +971,18 @@ def _check_n_seq_max(n_seq_max: Any) -> int:
     if not 1 <= int(n_seq_max) <= MAX_SEQ:
         raise BatchError(f"n_seq_max {n_seq_max} must be in [1, {MAX_SEQ}]", rule="n_seq_max")
     return int(n_seq_max)
+
+
+def _check_n_keep_tail(n_ubatch: int, n_keep_tail: int) -> None:
+    _check_n_ubatch(n_ubatch)
+    if n_keep_tail < 0:
+        raise BatchError(f"n_keep_tail {n_keep_tail} must be >= 0", rule="n_keep_tail")
+    if n_keep_tail and n_ubatch <= n_keep_tail:
+        raise BatchError(
+            f"n_ubatch {n_ubatch} must exceed n_keep_tail {n_keep_tail} (the last n_rs_seq + 1 tokens of a "
+            "sequence must fit in one ubatch)",
+            rule="n_keep_tail",
+        )
 
 
 def _check_n_ubatch(n_ubatch: int) -> None:

@@ -355,7 +355,7 @@ def host_flat(memory: TensorMemory, dtype: np.dtype) -> np.ndarray:
 Fingerprint = tuple[Any, ...]
 
 
-def _torch_like(obj: Any) -> Fingerprint:
+def torch_like(obj: Any) -> Fingerprint:
     return (type(obj), obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.device)
 
 
@@ -391,7 +391,7 @@ def reader_for(cls: type) -> Callable[[Any], Fingerprint | None]:
     elif all(callable(getattr(cls, m, None)) for m in ("data_ptr", "stride")) and all(
         hasattr(cls, a) for a in ("shape", "dtype", "device")
     ):
-        reader = _torch_like
+        reader = torch_like
     elif isinstance(getattr(cls, "__array_interface__", None), property) or issubclass(cls, np.ndarray):
         reader = _numpy_like
     else:
@@ -412,6 +412,34 @@ def fingerprint(obj: Any) -> Fingerprint | None:
     the same address, shape, strides, element type and device (None: ``obj``
     does not speak DLPack)."""
     return reader_for(type(obj))(obj)
+
+
+def torch_geometry(obj: Any) -> tuple[Fingerprint, int]:
+    return (type(obj), obj.shape, obj.stride(), obj.dtype, obj.device), obj.data_ptr()
+
+
+def _numpy_geometry(obj: Any) -> tuple[Fingerprint, int]:
+    return (type(obj), obj.shape, obj.strides, obj.dtype, obj.flags.writeable), obj.__array_interface__["data"][0]
+
+
+#: The readers of types read directly, split: ``(geometry, address)``, the
+#: geometry being the fingerprint without its address (what a call validated
+#: once in that geometry depends on), for :class:`statecache.tensor_args.Relaunches`.
+_SPLIT_READERS: dict[Callable[[Any], Fingerprint | None], Callable[[Any], tuple[Fingerprint, int]]] = {
+    torch_like: torch_geometry,
+    _numpy_like: _numpy_geometry,
+}
+
+
+def geometry_reader(cls: type) -> Callable[[Any], tuple[Fingerprint, int]] | None:
+    """How ``(geometry, address)`` of a ``cls`` instance is read, or None for
+    types that are not read directly (exported on every call, or not tensors).
+    Follows :func:`reader_for`, including a type demoted by
+    :func:`confirm_fingerprint`."""
+    reader = READERS.get(cls)
+    if reader is None:
+        reader = reader_for(cls)
+    return _SPLIT_READERS.get(reader)
 
 
 def confirm_fingerprint(obj: Any, fp: Fingerprint, memory: TensorMemory) -> bool:

@@ -50,7 +50,25 @@ def make_model_memory(
     k_shift: Any = None,
 ) -> Memory:
     """Pure attention (KVCache / KVCacheISWA), pure recurrent, hybrid, hybrid-iSWA
-    or hybrid-idx, as the spec says.  ``n_ctx``: positions per sequence."""
+    or hybrid-idx, as the spec says.
+
+    What sizes what (docs/memory-semantics.md#defaults):
+
+    * ``n_ctx``: positions *per sequence*.  A unified cache (the default) gets
+      ``n_ctx * n_seq_max`` cells shared by all sequences (one long sequence
+      may then use more than ``n_ctx`` of them); ``unified=False`` gives each
+      sequence a stream of ``n_ctx`` cells.  (llama.cpp's ``n_ctx`` is the
+      total of a unified cache instead.)
+    * ``n_ubatch`` (512): sizes the window cache of an iSWA pair (it must
+      hold a whole ubatch besides the windows); plan with at most this many
+      tokens per ubatch.
+    * ``n_pad`` (256): rounds ``n_kv`` and the window cache up.
+    * The recurrent part has ``n_seq_max`` cells and ``n_rs_seq`` snapshot
+      planes (0: no rollback); a hybrid-iSWA window keeps ``n_rs_seq`` more
+      positions per sequence.
+    * ``k_shift``: the runtime's K re-rotation hook (None: the runtime rotates
+      K from the update context itself, and ``state_write`` refuses rows a
+      shift still waits for)."""
     kind = spec.kind
     if kind == "recurrent":
         return RecurrentMemory(spec.recurrent, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq)

@@ -15,6 +15,7 @@ import numpy as np
 from statecache.backend import Buffer
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError
+from statecache.state_io import rows_ready
 
 ALIGNMENT = 64
 
@@ -81,6 +82,7 @@ def scatter_rows(device: Any, buf: Buffer, idx: np.ndarray, rows: np.ndarray) ->
     buffer's memory, elsewhere one upload and the device's ``set_rows``."""
     if not idx.size:
         return
+    rows_ready(writing=True)  # a memory that did not wait for a transfer's rows before writing waits here
     if device.caps.host_visible and isinstance(buf.storage, np.ndarray) and buf.is_contiguous:
         if idx.min() < 0 or idx.max() >= buf.shape[0]:
             raise ArgumentError("idx", f"rows outside [0, {buf.shape[0]})")

@@ -68,9 +68,12 @@ from statecache.kv_cache import (
 from statecache.kv_mask import is_masked_swa
 from statecache.memory import (
     ContextError,
+    KVSeqCells,
     Memory,
     MemoryContext,
     MemoryStatus,
+    RollbackReach,
+    SeqState,
     StateFlags,
     StatusContext,
     UBatchContext,
@@ -79,7 +82,7 @@ from statecache.memory import (
     check_seq_id,
     normalize_range,
 )
-from statecache.state_io import Reader, Writer, find_section, pack_sections, unpack_sections
+from statecache.state_io import Reader, Writer, find_section, pack_sections, rows_ready, unpack_sections
 
 if TYPE_CHECKING:
     from statecache.batch import BatchAllocator, UBatch
@@ -165,8 +168,25 @@ class HybridContext(CompositeContext):
             self._undo_log.append((snap, extra, edits))
         return ok
 
-    def undo(self, n: int | None = None) -> tuple[int, ...]:
-        """Take back the last ``n`` applied ubatches (default: all); returns the dropped sequences."""
+    def undo_loses(self, n: int | None = None) -> tuple[int, ...]:
+        """The sequences :meth:`undo` of the last ``n`` ubatches would drop (recurrent rows,
+        or reused window-cache rows, overwritten and not kept); empty: the undo is exact.
+        Changes nothing.
+
+        :raises ContextError: the undo is refused anyway (``n`` out of range)."""
+        k = len(self._undo_log) if n is None else int(n)
+        if not 0 <= k <= len(self._undo_log):
+            raise ContextError(f"cannot undo {n} ubatches; {len(self._undo_log)} can be undone")
+        lost = set(self.recr.undo_loses(k)) if k else set()
+        for p in self._leaves():
+            if isinstance(p, KVCacheContext):
+                lost |= p.undo_rows_damage(k)
+        return tuple(sorted(lost))
+
+    def undo(self, n: int | None = None, *, drop: bool = False) -> tuple[int, ...]:
+        """Take back the last ``n`` applied ubatches (default: all); returns the dropped
+        sequences.  An undo that would drop sequences (:meth:`undo_loses`) is refused
+        with :class:`ContextError`, changing nothing, unless ``drop`` is True."""
         cls = type(self)
         if cls.apply is not HybridContext.apply and cls._undo_extra_restore is HybridContext._undo_extra_restore:
             raise ContextError(f"{cls.__name__}.apply() keeps state that undo() cannot restore")
@@ -180,7 +200,15 @@ class HybridContext(CompositeContext):
             raise ContextError("the memory changed after these ubatches were applied; they can no longer be undone")
         if not self.restorable(snap):  # an attention book changed since by something else
             raise ContextError("the attention part changed after these ubatches were applied; they cannot be undone")
-        dropped = set(self.recr.undo(k))  # refuses, changing nothing, when the recurrent memory changed since
+        if not drop:
+            lost = self.undo_loses(k)
+            if lost:
+                raise ContextError(
+                    f"undo cannot be exact: the state rows of sequences {list(lost)} were overwritten and not kept "
+                    "(keep_undo_rows); nothing changed. undo(drop=True) drops them (re-prefill them after)"
+                )
+        # the recurrent part refuses, changing nothing, when it changed since
+        dropped = set(self.recr.undo(k, drop=True))
         kv = [p for p in self._leaves() if isinstance(p, KVCacheContext)]
         damaged = [(p, p.undo_rows(k)) for p in kv]
         self.restore(snap)  # the recurrent part has no snapshot: its undo did it
@@ -218,7 +246,14 @@ class HybridUpdateContext(HybridContext):
 
 
 class HybridMemory(Memory):
-    """Attention + recurrent memory (hybrid, or hybrid-iSWA when ``attn`` is an iSWA pair)."""
+    """Attention + recurrent memory (hybrid, or hybrid-iSWA when ``attn`` is an iSWA pair).
+
+    The parts are built by the caller and keep their own sizes
+    (docs/memory-semantics.md#defaults): both must have the same ``n_seq_max``;
+    a window cache's ``rollback_depth`` is raised to ``recr.n_rs_seq`` here
+    (size the window with ``KVCacheISWA(rollback_depth=n_rs_seq)`` for the room);
+    contexts keep undo rows as ``recr.keep_undo_rows`` says (default: no, and a
+    lossy undo is refused unless asked for)."""
 
     def __init__(self, attn: AttentionPart, recr: RecurrentMemory) -> None:
         if attn.n_seq_max != recr.n_seq_max:
@@ -256,12 +291,17 @@ class HybridMemory(Memory):
                 self.device.fill_bytes(buf, seed + 500 + 10 * k + j)
 
     # -- plans -------------------------------------------------------------------
-    def split(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool) -> list[UBatch] | None:
+    def split(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool, varlen: bool = False) -> list[UBatch] | None:
+        """The ubatches of a validated batch (``varlen``: packed, see :meth:`init_batch`)."""
         balloc.split_reset()
         keep = self.recr.n_rs_seq + 1 if self.recr.n_rs_seq > 0 else 0
         out = []
         while True:
-            if embd_all:
+            if varlen:
+                # the K/V part places tokens one by one and builds the mask in ubatch
+                # token order, so the packed (set-major) order needs nothing more there
+                ub = balloc.split_varlen(n_ubatch, n_keep_tail=keep)
+            elif embd_all:
                 ub = balloc.split_seq(n_ubatch)
             else:
                 ub = balloc.split_equal(n_ubatch, sequential=not self.unified, n_keep_tail=keep)
@@ -284,9 +324,15 @@ class HybridMemory(Memory):
 
         return self.attn.make_context(ubs, plans[1]), RecurrentContext(self.recr, ubs, plans[0])
 
-    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+    def init_batch(
+        self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False, *, varlen: bool = False
+    ) -> MemoryContext:
+        """Plan a validated batch (:meth:`Memory.init_batch`); ``varlen=True`` puts it into
+        one packed ubatch (:meth:`RecurrentMemory.init_batch
+        <statecache.recurrent.RecurrentMemory.init_batch>` says what changes for the
+        recurrent step).  Both parts plan the same ubatches."""
         balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
-        ubs = self.split(balloc, n_ubatch, embd_all)
+        ubs = self.split(balloc, n_ubatch, embd_all, varlen)
         if ubs is None:
             return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
         plans = self._plan(ubs)
@@ -404,7 +450,7 @@ class HybridMemory(Memory):
         """``dst`` becomes a copy of ``src``, which must be copied whole (a range that
         leaves out part of it is refused, nothing changed).  The attention part
         first drops dst's cells (upstream leaves them, and the parts then disagree)."""
-        self._check_cp(src, dst, p0, p1)
+        self.check_seq_cp(src, dst, p0, p1)
         if src == dst:
             return
         self._edits += 1
@@ -419,26 +465,100 @@ class HybridMemory(Memory):
         self.recr.seq_keep(seq)
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
-        self._check_seq(seq)
-        delta = check_int32(delta, "delta")
-        if delta != 0:  # refusals change nothing anywhere
-            self.recr.check_position_move(seq, p0, p1, "seq_add", delta)
-            self.attn.check_position_move(seq, p0, p1, "seq_add", delta)
-            self._check_move_keeps_ends(seq, p0, p1, lambda p: p + delta, "delta")
+        self.check_seq_add(seq, p0, p1, delta)  # refusals change nothing anywhere
         self._edits += 1
         self.attn.seq_add(seq, p0, p1, delta)
         self.recr.seq_add(seq, p0, p1, delta)
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        self.check_seq_div(seq, p0, p1, d)
+        self._edits += 1
+        self.attn.seq_div(seq, p0, p1, d)
+        self.recr.seq_div(seq, p0, p1, d)
+
+    # -- questions before actions (docs/memory-semantics.md#queries) ----------------
+    def check_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
+        q0, q1 = normalize_range(p0, p1)
+        if seq >= 0 and not self._seq_rm_allowed(seq, q0, q1):
+            if not self._parts_would_agree(seq, q0, q1):
+                why = (
+                    f"after removing [{q0}, {q1}) the parts would end sequence {seq} at different positions "
+                    "(the attention part no longer holds the position a rollback returns to, or the window "
+                    "cache gave up a position the next token reads)"
+                )
+            else:
+                why = f"removing [{q0}, {q1}) would regroup k-pools that sequence {seq} shares with another"
+            raise ArgumentError("p0/p1", why)
+        self.recr.check_seq_rm(seq, q0, q1)
+        self.attn.check_seq_rm(seq, q0, q1)
+
+    def check_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self._check_cp(src, dst, p0, p1)
+
+    def check_seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         self._check_seq(seq)
+        normalize_range(p0, p1)
+        delta = check_int32(delta, "delta")
+        if delta != 0:
+            self.recr.check_position_move(seq, p0, p1, "seq_add", delta)
+            self.attn.check_position_move(seq, p0, p1, "seq_add", delta)
+            self._check_move_keeps_ends(seq, p0, p1, lambda p: p + delta, "delta")
+
+    def check_seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        self._check_seq(seq)
+        normalize_range(p0, p1)
         d = check_divisor(d)
         if d != 1:
             self.recr.check_position_move(seq, p0, p1, "seq_div")
             self._check_move_keeps_ends(seq, p0, p1, lambda p: p // d, "d")
             self.attn.check_position_move(seq, p0, p1, "seq_div", d=d)
-        self._edits += 1
-        self.attn.seq_div(seq, p0, p1, d)
-        self.recr.seq_div(seq, p0, p1, d)
+
+    def check_context_shift(self, seq: int, p0: int, p1: int) -> None:
+        seq = self._check_seq(seq)
+        q0, q1 = normalize_range(p0, p1)
+        if q0 >= q1:
+            return
+        self.check_seq_rm(seq, q0, q1)
+        # The move as the removal leaves the parts: each part's own check.  Their ends
+        # stay equal: the removal was checked to leave them equal, and the move shifts
+        # every position from q1 on, in every part, by the same amount.
+        self.recr.check_context_shift(seq, q0, q1)
+        self.attn.check_context_shift(seq, q0, q1)
+
+    def rollback_reach(self, seq: int) -> RollbackReach:
+        seq = self._check_seq(seq)
+        P = self.seq_pos_max(seq)
+        if P < 0:
+            return RollbackReach(seq, -1, 0)
+        # Below the recurrent part's floor it refuses.  Above it the parts must still
+        # agree: every attention cache must hold p - 1 (so p - 1 lies in the last run of
+        # consecutive positions it holds), and a window cache the positions the next
+        # token's window reads, which only fails deeper the further back p goes.  So the
+        # accepted p form [floor, P]: bisect for the lowest with the seq_rm check itself.
+        lo = max(self.recr.rollback_reach(seq).floor, 1)
+        for cache in self.kv_caches:
+            held = np.unique(cache.cells[cache.stream_of(seq)].seq_pos[seq].positions())
+            gaps = np.flatnonzero(np.diff(held) > 1)
+            start = int(held[gaps[-1] + 1]) if gaps.size else int(held[0]) if held.size else P + 1
+            lo = max(lo, start + 1)
+        hi = P + 1  # accepted: every p >= hi; bisect in [lo, hi)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.can_seq_rm(seq, mid, -1):
+                hi = mid
+            else:
+                lo = mid + 1
+        return RollbackReach(seq, P, hi if hi > 1 else 0)
+
+    def _kv_views(self, seq: int) -> tuple[KVSeqCells, ...]:
+        """``seq``'s cells in every attention cache (hybrid-idx adds its indexer)."""
+        return tuple(cache.seq_cells_view(seq) for cache in self.kv_caches)
+
+    def seq_state(self, seq: int) -> SeqState:
+        seq = self._check_seq(seq)
+        return SeqState(seq, self.version, self.seq_pos_min(seq), self.seq_pos_max(seq),
+                        self.recr.recurrent_rows(seq), self._kv_views(seq), self.rollback_reach(seq))  # fmt: skip
 
     def _check_move_keeps_ends(self, seq: int, p0: int, p1: int, move: Any, name: str) -> None:
         """Refuse (changing nothing) a position move after which the parts would end
@@ -514,7 +634,9 @@ class HybridMemory(Memory):
         plans.  Changes nothing."""
         plans = {
             "attn": self._parse_attn(sections, seq, flags),
-            "recr": self.recr.parse_section(find_section(sections, TAG_RECR), seq),
+            "recr": self.recr.parse_section(
+                find_section(sections, TAG_RECR), seq, planes=bool(flags & StateFlags.WITH_PLANES)
+            ),
         }
         self._check_blob_parts_agree(plans, seq)
         return plans
@@ -583,8 +705,11 @@ class HybridMemory(Memory):
         failure while writing, after validation, drops the destination from the
         parts the read would have written: no half-restored sequence survives."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
-        _, sections = unpack_sections(data, flags)
+        blob_flags, sections = unpack_sections(data, flags)
+        # the blob's own WITH_PLANES bit says whether its recurrent section carries planes
+        flags = (int(flags) & ~StateFlags.WITH_PLANES) | (blob_flags & StateFlags.WITH_PLANES)
         plans = self.parse_all(sections, seq, flags)
+        rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         try:
             self.commit_all(plans)
         except BaseException:

@@ -57,6 +57,7 @@ from statecache.kv_cache import KVCache, KVLayer
 from statecache.kv_cells import SeqCells
 from statecache.memory import (
     ContextError,
+    KVSeqCells,
     MemoryContext,
     MemoryStatus,
     StateFlags,
@@ -80,6 +81,10 @@ class HybridIdxMemory(HybridMemory):
     size ``D``; ``row_factor``: row width in units of ``D`` (3 for glm5-next,
     2 for qwen4exp); ``kpool``: tokens per pool; ``by_order``: order mode
     (pools by rank) instead of position mode.
+
+    Defaults (docs/memory-semantics.md#defaults): ``row_factor`` 3, ``kpool`` 4,
+    position mode; the indexer cache takes ``attn``'s size, streams, window and
+    padding, and its dtype unless ``dtype`` is given.
     """
 
     def __init__(
@@ -244,11 +249,8 @@ class HybridIdxMemory(HybridMemory):
         self.marks.set(-1, 0)
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
-        self._check_seq(seq)
-        delta = check_int32(delta, "delta")
-        if delta:
-            self._check_regroup(seq, p0, p1, lambda p: p + delta, "seq_add")
-        super().seq_add(seq, p0, p1, delta)
+        super().seq_add(seq, p0, p1, delta)  # checks first (check_seq_add), every part's and the k-pools'
+        delta = int(delta)
         q0, q1 = normalize_range(p0, p1)
         if delta == 0 or q0 >= q1:
             return
@@ -257,13 +259,47 @@ class HybridIdxMemory(HybridMemory):
         self.marks.set(seq, st)
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
-        self._check_seq(seq)
-        d = check_divisor(d)
-        if d != 1:
-            self._check_regroup(seq, p0, p1, lambda p: p // d, "seq_div")
-        super().seq_div(seq, p0, p1, d)
+        super().seq_div(seq, p0, p1, d)  # checks first (check_seq_div)
         self.idx.seq_div(seq, p0, p1, d)
         self.marks.set(seq, 0)
+
+    # -- questions before actions: the k-pools' refusals on top of the hybrid's ----------
+    def check_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        if not (p0 <= 0 and p1 < 0):
+            raise ArgumentError("p0/p1", f"hybrid-idx copies whole sequences only, got [{p0}, {p1})")
+        super().check_seq_cp(src, dst, p0, p1)
+
+    def check_seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        self._check_seq(seq)
+        d = check_int32(delta, "delta")
+        if d:
+            self._check_regroup(seq, p0, p1, lambda p: p + d, "seq_add")
+        super().check_seq_add(seq, p0, p1, delta)
+
+    def check_seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        self._check_seq(seq)
+        div = check_divisor(d)
+        if div != 1:
+            self._check_regroup(seq, p0, p1, lambda p: p // div, "seq_div")
+        super().check_seq_div(seq, p0, p1, d)
+
+    def check_context_shift(self, seq: int, p0: int, p1: int) -> None:
+        super().check_context_shift(seq, p0, p1)
+        q0, q1 = normalize_range(p0, p1)
+        _, pairs = self.pairs_of(seq)
+        if q0 >= q1 or not any(p >= q1 for p, _ in pairs):
+            return  # nothing moves after the removal (checked above)
+        # the move as the removal leaves the cells: removed ones gone, later ones down by q1 - q0
+        moved: dict[int, int | None] = {c: (None if p < q1 else p - (q1 - q0)) for p, c in pairs if p >= q0}
+        if not self._groupings_agree(seq, moved):
+            raise ArgumentError(
+                "seq",
+                f"context shift: sequence {seq} shares indexer cells with other sequences, and shifting "
+                f"[{q0}, {q1}) out would group the shared ones into different k-pools (one pooled slot per cell)",
+            )
+
+    def _kv_views(self, seq: int) -> tuple[KVSeqCells, ...]:
+        return (*super()._kv_views(seq), self.idx.seq_cells_view(seq))
 
     def memory_breakdown(self) -> dict[str, int]:
         out = super().memory_breakdown()

@@ -30,14 +30,18 @@ from statecache.backend import Buffer, Device
 from statecache.batch import SeqIds
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, StateError
-from statecache.hostmem import scatter_rows
+from statecache.hostmem import gather_rows, scatter_rows
 from statecache.kv_cells import EMPTY, CellJournal, KVCells
 from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from
 from statecache.memory import (
+    POS_MAX,
     ContextError,
+    KVSeqCells,
     Memory,
     MemoryContext,
     MemoryStatus,
+    RollbackReach,
+    SeqState,
     StateFlags,
     StatusContext,
     UBatchContext,
@@ -46,8 +50,19 @@ from statecache.memory import (
     check_seq_id,
     check_shifted,
     normalize_range,
+    readonly_rows,
+    view_guard,
 )
-from statecache.state_io import CODE_DTYPES, DTYPE_CODES, Reader, Writer, find_section, pack_sections, unpack_sections
+from statecache.state_io import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    Reader,
+    Writer,
+    find_section,
+    pack_sections,
+    rows_ready,
+    unpack_sections,
+)
 
 if TYPE_CHECKING:
     from statecache.batch import BatchAllocator, UBatch
@@ -64,7 +79,10 @@ TAG_KV_SWA = b"KVSW"
 KV_CELL_COUNT_EXT = 1 << 31
 
 #: Signature of the runtime's RoPE re-rotation hook: (cache, layer index, K
-#: buffer, global rows, per-row position shift).
+#: buffer, rows of that buffer, per-row position shift).  The buffer is the
+#: layer's K buffer when an update applies, or a scratch copy of some of its rows
+#: when ``state_write`` writes rows a shift still waits for (rows then index the
+#: copy), so the hook must rotate exactly the rows it is given, in place.
 KShiftFn = Callable[["KVCache", int, Buffer, np.ndarray, np.ndarray], None]
 
 
@@ -164,7 +182,8 @@ class KVCache(Memory):
     mask and by slot reuse.  ``n_pad``: ``n_kv`` padding.  ``can_shift``:
     whether K is RoPE-rotated (False for the indexer cache, which has no
     RoPE: its shifts are cleared without a rotation).  ``k_shift``: the
-    runtime's re-rotation hook, called per layer when an update is applied.
+    runtime's re-rotation hook, called per layer when an update is applied
+    (and by ``state_write`` on a copy, so that a blob never waits for an update).
 
     Sliding-window reuse: the slot search may take a cell its sequence's
     window has left (``swa_evict``, the window cache of an iSWA pair), but
@@ -174,6 +193,16 @@ class KVCache(Memory):
     reads.  A cache that evicts cannot promise that a context shift (which
     moves later tokens down, widening what the next window reaches) keeps
     every needed cell, so :meth:`get_can_shift` is False for it.
+
+    Sizes and defaults (docs/memory-semantics.md#defaults): ``size`` cells
+    *per stream*: a unified cache (the default) shares them between all
+    sequences (a sequence of ``n_ctx`` positions needs ``n_ctx`` of them, so
+    ``n_seq_max`` such sequences need ``n_seq_max * n_ctx``); with
+    ``unified=False`` every sequence has its own ``size`` cells (K/V buffers of
+    ``n_seq_max * size`` rows).  ``dtype`` defaults to f16.  ``n_pad`` (256)
+    rounds the ``n_kv`` the attention reads up; it allocates nothing.
+    ``rollback_depth`` (0) is raised by a hybrid to its recurrent part's
+    ``n_rs_seq``.
     """
 
     def __init__(
@@ -269,11 +298,15 @@ class KVCache(Memory):
         return n_kv_for(used, self.size, self.n_pad)
 
     # -- placement (docs/memory-semantics.md#kv-placement) --------------------------
-    def split(self, balloc: BatchAllocator, n_ubatch: int) -> list[UBatch] | None:
+    def split(self, balloc: BatchAllocator, n_ubatch: int, varlen: bool = False) -> list[UBatch] | None:
+        """The ubatches of a validated batch (``varlen``: packed, grouped per sequence set)."""
         balloc.split_reset()
         out = []
         while True:
-            ub = balloc.split_simple(n_ubatch) if self.n_stream == 1 else balloc.split_equal(n_ubatch, True)
+            if varlen:
+                ub = balloc.split_varlen(n_ubatch)
+            else:
+                ub = balloc.split_simple(n_ubatch) if self.n_stream == 1 else balloc.split_equal(n_ubatch, True)
             if ub.n_tokens == 0:
                 break
             out.append(ub)
@@ -414,9 +447,11 @@ class KVCache(Memory):
     def make_context(self, ubatches: Sequence[UBatch], sinfos: Sequence[SlotInfo]) -> KVCacheContext:
         return KVCacheContext(self, ubatches, sinfos)
 
-    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+    def init_batch(
+        self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False, *, varlen: bool = False
+    ) -> MemoryContext:
         balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
-        ubs = self.split(balloc, n_ubatch)
+        ubs = self.split(balloc, n_ubatch, varlen)
         if ubs is None:
             return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
         sinfos = self.prepare(ubs)
@@ -569,17 +604,25 @@ class KVCache(Memory):
             if inside:
                 check_shifted(max(inside), delta)
         if (delta or d != 1) and pairs:
-            seen: set[tuple[int, int, int]] = set()
-            for p, c in pairs:
-                q = (p + delta if delta else p // d) if q0 <= p < q1 else p
-                key = (q, int(cells.ext[c, 0]), int(cells.ext[c, 1]))
-                if q >= 0 and key in seen:
-                    raise ArgumentError(
-                        "delta" if delta else "d",
-                        f"{op} would leave two cells of sequence {seq} at position {q} (same 2-D extension); "
-                        "remove the positions it would land on first, as a context shift does",
-                    )
-                seen.add(key)
+            self._check_no_twins(cells, seq, pairs, q0, q1, op, delta, d)
+
+    @staticmethod
+    def _check_no_twins(
+        cells: KVCells, seq: int, pairs: Sequence[tuple[int, int]], q0: int, q1: int, op: str, delta: int, d: int
+    ) -> None:
+        """Refuse a move of ``pairs`` (``seq``'s cells) in [q0, q1) by ``delta`` (or ``// d``)
+        that leaves two of them at one whole position."""
+        seen: set[tuple[int, int, int]] = set()
+        for p, c in pairs:
+            q = (p + delta if delta else p // d) if q0 <= p < q1 else p
+            key = (q, int(cells.ext[c, 0]), int(cells.ext[c, 1]))
+            if q >= 0 and key in seen:
+                raise ArgumentError(
+                    "delta" if delta else "d",
+                    f"{op} would leave two cells of sequence {seq} at position {q} (same 2-D extension); "
+                    "remove the positions it would land on first, as a context shift does",
+                )
+            seen.add(key)
 
     @staticmethod
     def _check_unshared(cells: KVCells, seq: int, p0: int, p1: int, op: str) -> None:
@@ -593,6 +636,78 @@ class KVCache(Memory):
                     f"{op}: position {pos} of sequence {seq} is shared with sequences {others}; remove or "
                     "copy them apart first",
                 )
+
+    # -- questions before actions (docs/memory-semantics.md#queries) ----------------
+    def check_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        check_seq_id(seq, self.n_seq_max, allow_all=True)
+        normalize_range(p0, p1)  # a KV cache never refuses a removal
+
+    def check_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        ss, sd = self.stream_of(src, "src"), self.stream_of(dst, "dst")
+        q0, q1 = normalize_range(p0, p1)
+        if src != dst and ss != sd and (q0, q1) != (0, POS_MAX):
+            raise ArgumentError(
+                "p0/p1", f"a copy between streams ({src} -> {dst}) must cover the whole sequence, got [{q0}, {q1})"
+            )
+
+    def check_seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        self.stream_of(seq)
+        q0, q1 = normalize_range(p0, p1)
+        delta = check_int32(delta, "delta")
+        if delta and q0 < q1:
+            self.check_position_move(seq, q0, q1, "seq_add", delta)
+
+    def check_seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        self.stream_of(seq)
+        d = check_divisor(d)
+        q0, q1 = normalize_range(p0, p1)
+        if d != 1 and q0 < q1:
+            self.check_position_move(seq, q0, q1, "seq_div", d=d)
+
+    def check_context_shift(self, seq: int, p0: int, p1: int) -> None:
+        strm = self.stream_of(seq)
+        q0, q1 = normalize_range(p0, p1)
+        # The removal is never refused.  The move, as the removal leaves the cells: the
+        # positions from q1 on land on [q0, ...), which the removal emptied (no int32
+        # overflow either); refused for a cell another sequence shares, or two cells the
+        # sequence already held at one position (seq_cp onto a sequence that held some).
+        if q0 < q1 < POS_MAX:
+            cells = self.cells[strm]
+            self._check_unshared(cells, seq, q1, POS_MAX, "context shift")
+            kept = [(p, c) for p, c in cells.seq_pos[seq] if not q0 <= p < q1]
+            self._check_no_twins(cells, seq, kept, q1, POS_MAX, "context shift", q0 - q1, 1)
+
+    def rollback_reach(self, seq: int) -> RollbackReach:
+        return RollbackReach(int(seq), self.seq_pos_max(seq), 0)  # a KV cache removes any range
+
+    def seq_state(self, seq: int) -> SeqState:
+        rr = self.rollback_reach(seq)
+        return SeqState(rr.seq, self.version, self.seq_pos_min(seq), rr.pos_max, None, (self.seq_cells_view(seq),), rr)
+
+    def seq_cells_view(self, seq: int) -> KVSeqCells:
+        """``seq``'s cells here with their positions (:class:`~statecache.memory.KVSeqCells`)."""
+        strm = self.stream_of(seq)
+        cells = self.cells[strm]
+        sc = cells.seq_pos[seq]
+        idx = readonly_rows(sc.cells())
+        rows = readonly_rows(idx + strm * self.size)
+        version = self.version
+
+        def read(il: int, v: bool) -> np.ndarray:
+            view_guard(self, version)
+            bufs = self.v if v else self.k
+            if il not in bufs:
+                raise ArgumentError("layer", f"{self.name} holds no {'V' if v else 'K'} rows of layer {il}")
+            buf = bufs[il]
+            out: np.ndarray = gather_rows(self.device, buf, rows).view(buf.dtype.numpy).reshape(rows.size, -1)
+            return out
+
+        shared = cells.n_owner[idx] > 1
+        shared.flags.writeable = False
+        layers = tuple(la.il for la in self.layers)
+        pending = readonly_rows(cells.shift[idx])
+        return KVSeqCells(self.name, strm, readonly_rows(sc.positions()), idx, rows, shared, pending, layers,
+                          not self.v, read)  # fmt: skip
 
     def seq_pos_min(self, seq: int) -> int:
         return self.cells[self.stream_of(seq)].seq_pos_min(seq)
@@ -648,8 +763,8 @@ class KVCache(Memory):
 
     def state_write_into(self, w: Writer, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
-        if self.has_pending_update():
-            raise StateError(self.name, "pending stream copies or position shifts; apply init_update() first")
+        # a pending update is accounted for, not required (docs/memory-semantics.md#kv-state)
+        data_stream = self._streams_after_copies()
         # a per-sequence blob holds only that sequence's stream (so it can be
         # restored into another sequence, hence another stream)
         streams = [self.stream_of(seq)] if seq >= 0 else list(range(self.n_stream))
@@ -680,7 +795,8 @@ class KVCache(Memory):
                     if has_ext:
                         w.i32(int(ext[k, 0]))
                         w.i32(int(ext[k, 1]))
-            rows = idxs + strm * self.size
+            rows = idxs + data_stream[strm] * self.size
+            shift = cells.shift[idxs] if self.can_shift and cells.has_shift else None
             w.u32(len(self.layers))
             for bufs in (self.k, self.v):
                 for layer in self.layers:
@@ -690,7 +806,36 @@ class KVCache(Memory):
                     w.u32(layer.il)
                     w.i32(DTYPE_CODES[self.dtype])
                     w.u64(buf.shape[1] * self.dtype.itemsize)
-                    w.rows(self.device, buf, rows)  # only the sequence's rows leave the device
+                    if bufs is self.k and shift is not None and shift.any():
+                        buf, out_rows = self._rotated_copy(layer.il, buf, rows, shift), np.arange(rows.size)
+                        w.rows(self.device, buf, out_rows)
+                    else:
+                        w.rows(self.device, buf, rows)  # only the sequence's rows leave the device
+
+    def _streams_after_copies(self) -> list[int]:
+        """Per stream, the stream whose K/V rows it holds once the pending copies between
+        streams ran (:class:`KVUpdateContext` runs them in request order)."""
+        src = list(range(self.n_stream))
+        for ss, sd in self.pending_copies:
+            src[sd] = src[ss]
+        return src
+
+    def _rotated_copy(self, il: int, buf: Buffer, rows: np.ndarray, shift: np.ndarray) -> Buffer:
+        """The K rows ``rows`` of layer ``il`` as the pending update leaves them: copied
+        into a scratch buffer, whose shifted rows the ``k_shift`` hook re-rotates there
+        (the cache itself is not touched)."""
+        if self.k_shift is None:
+            raise StateError(
+                self.name,
+                "K rows wait for a position shift and this cache has no k_shift hook to rotate a copy: run "
+                "init_update() (the runtime's K rotation) before state_write, or build the cache with k_shift",
+            )
+        dev = self.device
+        tmp = dev.alloc((rows.size, buf.shape[1]), buf.dtype)
+        dev.copy_rows(buf, dev.indices(rows), tmp, dev.indices(np.arange(rows.size)))
+        moved = np.flatnonzero(shift)
+        self.k_shift(self, il, tmp, moved.astype(np.int64), shift[moved].astype(np.int64))
+        return tmp
 
     def state_parse(self, r: Reader, seq: int = -1, flags: int = StateFlags.NONE) -> KVStatePlan:
         """Validate a KV section and choose destination cells; changes nothing.
@@ -844,6 +989,7 @@ class KVCache(Memory):
         r = Reader(find_section(sections, TAG_KV))
         plan = self.state_parse(r, seq)
         r.at_end()
+        rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         try:
             self.state_commit(plan)
         except BaseException:
@@ -868,6 +1014,8 @@ class _KVApplyRecord:
     index: int
     overwrites: np.ndarray
     saved: list[tuple[Buffer, Buffer]] | None
+    #: per overwritten row, the sequences that held its cell before (what an undo drops)
+    owners: tuple[tuple[int, ...], ...] = ()
 
 
 class KVCacheContext(UBatchContext):
@@ -904,8 +1052,12 @@ class KVCacheContext(UBatchContext):
                 tok = sinfo.streams == strm
                 occupied[tok] = cache.cells[strm].pos[sinfo.cells[tok]] != EMPTY
             rows = sinfo.rows[occupied]
+            owners = tuple(
+                tuple(cache.cells[int(st)].seqs_of(int(c)))
+                for st, c in zip(sinfo.streams[occupied].tolist(), sinfo.cells[occupied].tolist(), strict=True)
+            )
         else:
-            rows = np.zeros(0, dtype=np.int64)
+            rows, owners = np.zeros(0, dtype=np.int64), ()
         saved = None
         if self.keep_undo_rows:
             saved = []
@@ -916,7 +1068,7 @@ class KVCacheContext(UBatchContext):
                     tmp = dev.alloc((rows.size, buf.shape[1]), buf.dtype)
                     dev.copy_rows(buf, src, tmp, local)
                     saved.append((buf, tmp))
-        self._records.append(_KVApplyRecord(i, rows, saved))
+        self._records.append(_KVApplyRecord(i, rows, saved, owners))
         streams = [0] if cache.unified else np.unique(sinfo.streams).tolist()
         journal = BookJournal(cache.book, streams)
         self._journals.append(journal)  # before any change: a failure half-way is taken back too
@@ -956,6 +1108,28 @@ class KVCacheContext(UBatchContext):
             damaged[rec.overwrites] = False  # an older copy restores what a newer unkept write broke
         del self._records[len(self._records) - n :]
         return np.flatnonzero(damaged)
+
+    def undo_rows_damage(self, n: int) -> set[int]:
+        """The sequences :meth:`undo_rows` of the last ``n`` ubatches would leave damaged
+        (their reused cells' rows were not kept), in the book the undo restores; a
+        question before the action: changes nothing."""
+        if not 0 <= n <= len(self._records):
+            raise ArgumentError("n", f"cannot undo {n} ubatches; {len(self._records)} can be undone")
+        recs = self._records[len(self._records) - n :]
+        damaged: set[int] = set()
+        for rec in reversed(recs):  # as undo_rows: an older kept copy repairs a newer unkept write
+            rows = set(rec.overwrites.tolist())
+            damaged = damaged | rows if rec.saved is None else damaged - rows
+        # the owners a row had in the restored book: those before the first undone ubatch
+        # that placed into it (none when that one found the cell free)
+        first: dict[int, tuple[int, ...]] = {}
+        placed: set[int] = set()
+        for rec in recs:
+            for r, owners in zip(rec.overwrites.tolist(), rec.owners, strict=True):
+                if r not in placed:
+                    first.setdefault(r, owners)
+            placed.update(self.sinfos[rec.index].rows.tolist())
+        return {s for r in damaged for s in first.get(r, ())}
 
     def damaged_seqs(self, rows: np.ndarray) -> set[int]:
         """Sequences whose cells, in the cache's current book, are at global ``rows``."""
@@ -1261,7 +1435,16 @@ class KVCacheISWA(Memory):
     always keeps the ``rollback_depth`` positions behind each sequence's end
     (a hybrid sets it to its recurrent part's ``n_rs_seq``).  Because a
     context shift widens what the next window reaches, :meth:`get_can_shift`
-    is true only with ``swa_full`` (upstream: "both sizes equal")."""
+    is true only with ``swa_full`` (upstream: "both sizes equal").
+
+    Sizes (docs/memory-semantics.md#defaults): the base cache has ``size``
+    cells (per stream, as :class:`KVCache`); the window cache
+    ``min(size, round_up((n_swa + rollback_depth) * n + n_ubatch, n_pad))``
+    with ``n = n_seq_max`` when unified, else 1 (:func:`iswa_sizes`): so
+    ``n_ubatch``, the largest ubatch the runtime will plan, sizes it, and a
+    larger ubatch later finds no room (``FAILED_PREPARE``); ``n_pad`` (256)
+    rounds it up.  ``rollback_depth`` must be given here (a hybrid raises it to
+    its recurrent part's ``n_rs_seq`` later, but without the room)."""
 
     def __init__(
         self,
@@ -1316,8 +1499,8 @@ class KVCacheISWA(Memory):
         self.base.fill_garbage(seed)
         self.swa.fill_garbage(seed + 1000)
 
-    def split(self, balloc: BatchAllocator, n_ubatch: int) -> list[UBatch] | None:
-        return self.base.split(balloc, n_ubatch)
+    def split(self, balloc: BatchAllocator, n_ubatch: int, varlen: bool = False) -> list[UBatch] | None:
+        return self.base.split(balloc, n_ubatch, varlen)
 
     def prepare(self, ubatches: Sequence[UBatch]) -> tuple[list[SlotInfo], list[SlotInfo]] | None:
         b = self.base.prepare(ubatches)
@@ -1332,9 +1515,11 @@ class KVCacheISWA(Memory):
         """The context of a planned batch (bound to this pair's version)."""
         return ISWAContext(self, ubatches, plan)
 
-    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+    def init_batch(
+        self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False, *, varlen: bool = False
+    ) -> MemoryContext:
         balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
-        ubs = self.split(balloc, n_ubatch)
+        ubs = self.split(balloc, n_ubatch, varlen)
         if ubs is None:
             return StatusContext(MemoryStatus.FAILED_PREPARE, "(the splitter could not consume every token)")
         plan = self.prepare(ubs)
@@ -1360,21 +1545,43 @@ class KVCacheISWA(Memory):
         self.swa.clear(data)
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
-        check_seq_id(seq, self.n_seq_max, allow_all=True)
-        normalize_range(p0, p1)  # validated before either cache changes
+        self.check_seq_rm(seq, p0, p1)  # validated before either cache changes
         self.base.seq_rm(seq, p0, p1)
         self.swa.seq_rm(seq, p0, p1)
         return True
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        # validate on both before touching either (a cross-stream partial copy raises)
-        q0, q1 = normalize_range(p0, p1)
-        for c in self.caches:
-            ss, sd = c.stream_of(src, "src"), c.stream_of(dst, "dst")
-            if ss != sd and (q0, q1) != normalize_range(-1, -1):
-                raise ArgumentError("p0/p1", "a copy between streams must cover the whole sequence")
+        self.check_seq_cp(src, dst, p0, p1)  # on both before touching either
         self.base.seq_cp(src, dst, p0, p1)
         self.swa.seq_cp(src, dst, p0, p1)
+
+    # -- questions before actions (docs/memory-semantics.md#queries): both caches ------
+    def check_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        self.base.check_seq_rm(seq, p0, p1)
+
+    def check_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        for c in self.caches:
+            c.check_seq_cp(src, dst, p0, p1)
+
+    def check_seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        for c in self.caches:
+            c.check_seq_add(seq, p0, p1, delta)
+
+    def check_seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        for c in self.caches:
+            c.check_seq_div(seq, p0, p1, d)
+
+    def check_context_shift(self, seq: int, p0: int, p1: int) -> None:
+        for c in self.caches:
+            c.check_context_shift(seq, p0, p1)
+
+    def rollback_reach(self, seq: int) -> RollbackReach:
+        return RollbackReach(int(seq), self.seq_pos_max(seq), 0)  # neither cache refuses a removal
+
+    def seq_state(self, seq: int) -> SeqState:
+        rr = self.rollback_reach(seq)
+        views = (self.base.seq_cells_view(seq), self.swa.seq_cells_view(seq))
+        return SeqState(rr.seq, self.version, self.seq_pos_min(seq), rr.pos_max, None, views, rr)
 
     def seq_keep(self, seq: int) -> None:
         check_seq_id(seq, self.n_seq_max)
@@ -1387,14 +1594,13 @@ class KVCacheISWA(Memory):
             c.check_position_move(seq, p0, p1, op, delta, d)
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
-        delta = check_int32(delta, "delta")
-        self.check_position_move(seq, p0, p1, "seq_add", delta)
+        # both caches' refusals first; delta == 0 is a no-op (it used to refuse a shared cell)
+        self.check_seq_add(seq, p0, p1, delta)
         self.base.seq_add(seq, p0, p1, delta)
         self.swa.seq_add(seq, p0, p1, delta)
 
     def seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
-        d = check_divisor(d)
-        self.check_position_move(seq, p0, p1, "seq_div", d=d)
+        self.check_seq_div(seq, p0, p1, d)  # d == 1 is a no-op
         self.base.seq_div(seq, p0, p1, d)
         self.swa.seq_div(seq, p0, p1, d)
 
@@ -1469,6 +1675,7 @@ class KVCacheISWA(Memory):
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         _, sections = unpack_sections(data, flags)
         plan = self.parse_sections(sections, seq, flags)
+        rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         try:
             self.state_commit(plan)
         except BaseException:

@@ -34,7 +34,9 @@ strides, offset and extent instead of its identity).  Validation depends on
 nothing else about those Buffers except where they are, so before such an
 entry is used the device checks again that no written argument overlaps
 another one (:meth:`statecache.backend.Device._remembered`); the native
-Buffers and index shadows are checked as for any entry.  Scalars (``n_snap``, ``plane_stride``,
+Buffers and index shadows are checked as for any entry.  A call met again
+in a geometry it was matched by is then relaunched without Buffers at all
+(:class:`statecache.tensor_args.Relaunches`).  Scalars (``n_snap``, ``plane_stride``,
 ``scale``, ``dt_limit``, ``head_map`` ...) are part of the key.  What a
 stateful call derived while validated (the snapshot table of 1-D destination
 rows, the offsets of the equal-length form) is kept in the entry: small
@@ -59,7 +61,7 @@ MEMO_LIMIT = 4096
 class Remembered:
     """One validated call: what to check and what to run."""
 
-    __slots__ = ("caps", "launch", "loose", "refs", "shadows", "shape")
+    __slots__ = ("caps", "launch", "loose", "prepared", "refs", "shadows", "shape")
 
     def __init__(
         self,
@@ -76,6 +78,7 @@ class Remembered:
         self.shape = shape  # what the validator returned (sizes or index values)
         self.launch = launch  # a backend's prepared launch, or None: call _op(shape, ...)
         self.loose = loose  # positions without a reference are matched by the key alone
+        self.prepared = launch is not None  # a launch was prepared, or asked for (Device._launch_again)
 
 
 class LaunchMemo:

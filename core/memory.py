@@ -10,8 +10,14 @@ When the graph compute of an applied ubatch fails (``FAILED_COMPUTE``), a
 runtime calls :meth:`MemoryContext.undo` on the context instead of the
 best-effort ``seq_rm`` of upstream (docs/memory-semantics.md#failed-compute): a context that supports it puts
 the memory back as it was before the ubatch(es) it applied (the recurrent
-memory does, exactly or, when state rows were overwritten and not kept,
-consistently by dropping the affected sequences, whose ids it returns).
+memory does, exactly or, when state rows were overwritten and not kept and
+the caller asks for it with ``undo(drop=True)``, consistently by dropping the
+affected sequences, whose ids it returns; ``undo_loses`` asks first).
+
+Before acting, a runtime can ask what an operation would do
+(docs/memory-semantics.md#queries): ``*_refusal`` / ``can_*`` for every
+sequence operation, ``rollback_reach``, and ``seq_state`` (a read-only view of
+a sequence's state rows).
 
 Composite memories (hybrids) split the batch themselves, ask every part to
 ``prepare(ubatches)`` and build each part's context from the same ubatch
@@ -22,13 +28,14 @@ statuses with :func:`status_combine`.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from statecache.errors import ArgumentError
+from statecache.errors import ArgumentError, InvariantError
 
 # Re-exported: ContextError was defined here before the errors moved to one module.
 from statecache.errors import ContextError as ContextError
@@ -98,6 +105,149 @@ def check_seq_id(seq: Any, n_seq_max: int, name: str = "seq", *, allow_all: bool
     return s
 
 
+def refusal_of(check: Callable[[], object]) -> str | None:
+    """Run ``check`` (a validation that raises :class:`ArgumentError` and changes
+    nothing): its message when it raises, else None.  The queries of
+    :class:`Memory` answer with it, so a query and its action share one check."""
+    try:
+        check()
+    except ArgumentError as exc:
+        return str(exc)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RollbackReach:
+    """How far a sequence can roll back right now (:meth:`Memory.rollback_reach`).
+
+    ``seq_rm(seq, p, -1)`` is accepted exactly for ``p <= 0`` (the whole
+    sequence goes) and for ``p >= floor`` (``p > pos_max`` removes nothing), and
+    refused for ``0 < p < floor``.  ``floor == 0``: every position is accepted;
+    ``floor == pos_max + 1``: no rollback is possible (only dropping it all).
+    (A sequence at the last int32 position is the one exception: ``p1 = -1``
+    ends the range just before it, so ``seq_rm(seq, p, -1)`` removes a hole.)
+    """
+
+    seq: int
+    #: ``seq_pos_max(seq)`` now (-1: the sequence holds nothing).
+    pos_max: int
+    floor: int
+
+    def accepts(self, p: int) -> bool:
+        """Whether ``seq_rm(seq, p, -1)`` would be accepted (``p < 0`` means 0; a ``p``
+        outside int32 is refused, as every position is)."""
+        return POS_MIN <= p <= POS_MAX and (p <= 0 or p >= self.floor)
+
+    @property
+    def depth(self) -> int:
+        """The most trailing tokens a rollback can remove while keeping at least one
+        (``seq_rm(seq, pos_max + 1 - depth, -1)``); dropping everything is always possible."""
+        return max(0, self.pos_max + 1 - max(self.floor, 1))
+
+
+#: Reads rows of a state view: ``(layer, tensor) -> host array`` (see :class:`RecurrentRows`).
+RowReader = Callable[[int, str], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentRows:
+    """One sequence's rows in a recurrent memory's pools (:meth:`Memory.seq_state`).
+
+    Every recurrent layer has one pool per state tensor (``tensors``: the
+    ``(layer, tensor name)`` pairs), all with the same row layout, so the rows
+    below are the rows of every pool.  ``row``: the pool row holding the
+    sequence's logical state (its position ``pos``; any plane, the one a
+    pending rollback reads); ``-1`` when the state is all zeros (a cell no step
+    wrote yet).  ``planes[j - 1]`` holds the state at ``pos - j``: exactly the
+    snapshot planes a rollback can still read.  ``sharers``: every sequence
+    that shares the cell (``seq`` included; copy on write).  ``cell == -1``: the
+    sequence holds no recurrent state.
+    """
+
+    cell: int
+    pos: int
+    row: int
+    planes: tuple[int, ...]
+    pending_rollback: int
+    sharers: tuple[int, ...]
+    tensors: tuple[tuple[int, str], ...]
+    _read: RowReader | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def read(self, layer: int, tensor: str) -> np.ndarray:
+        """``[1 + len(planes), row_size]``: the logical state (zeros when ``row == -1``),
+        then the planes, nearest first, of pool ``(layer, tensor)``, copied to the host.
+
+        :raises ContextError: the memory changed since this view was taken."""
+        if self._read is None:
+            raise ArgumentError("seq", "holds no recurrent state")
+        return self._read(layer, tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSeqCells:
+    """One sequence's cells in one attention (or indexer) cache (:meth:`Memory.seq_state`).
+
+    ``cache``: the cache's name (``kv``, ``kv_base``, ``kv_swa``, ``idx``);
+    ``stream``: the stream the sequence lives in.  Per cell, sorted by position:
+    ``positions``, ``cells``, ``rows`` (``stream * size + cell``: the K/V row
+    of every layer), ``shared`` (another sequence sees the cell too) and
+    ``pending_shift`` (the position change the next update re-rotates K by).
+    ``layers``: the model layers with K (and, unless ``key_only``, V) rows here.
+    Arrays are read-only.
+    """
+
+    cache: str
+    stream: int
+    positions: np.ndarray
+    cells: np.ndarray
+    rows: np.ndarray
+    shared: np.ndarray
+    pending_shift: np.ndarray
+    layers: tuple[int, ...]
+    key_only: bool = False
+    _read: Callable[[int, bool], np.ndarray] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def read(self, layer: int, v: bool = False) -> np.ndarray:
+        """``[len(rows), width]``: the K (``v``: V) rows of ``layer``, copied to the host,
+        as stored (a pending shift is not applied).
+
+        :raises ContextError: the memory changed since this view was taken."""
+        assert self._read is not None
+        return self._read(layer, v)
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqState:
+    """A read-only view of what a memory holds for one sequence (:meth:`Memory.seq_state`):
+    what outside code would otherwise read from private books.  ``version`` is the
+    memory's version it describes; reading rows through it after the memory changed
+    raises :class:`ContextError`."""
+
+    seq: int
+    version: Hashable
+    pos_min: int
+    pos_max: int
+    recurrent: RecurrentRows | None
+    kv: tuple[KVSeqCells, ...]
+    rollback: RollbackReach
+
+
+def readonly_rows(arr: Any) -> np.ndarray:
+    """A read-only int64 copy (what the state views hand out)."""
+    out = np.array(arr, dtype=np.int64, copy=True)
+    out.flags.writeable = False
+    return out
+
+
+def view_guard(memory: Memory, version: Hashable) -> None:
+    """Raise :class:`ContextError` when ``memory`` moved past ``version`` (a state view is stale)."""
+    if memory.version != version:
+        raise ContextError(
+            f"{type(memory).__name__}: the memory changed since this state view was taken "
+            f"(version {version} -> {memory.version}); ask seq_state() again"
+        )
+
+
 class MemoryStatus(enum.Enum):
     SUCCESS = "success"
     NO_UPDATE = "no_update"
@@ -123,11 +273,15 @@ def status_combine(a: MemoryStatus, b: MemoryStatus) -> MemoryStatus:
 
 class StateFlags(enum.IntFlag):
     """``PARTIAL_ONLY``: only the memories that cannot be rebuilt by truncating a
-    later state (recurrent state, SWA caches).  ``ON_DEVICE``: reserved."""
+    later state (recurrent state, SWA caches).  ``ON_DEVICE``: reserved.
+    ``WITH_PLANES``: the recurrent section also carries each cell's snapshot planes
+    still valid, so the restored memory rolls back as the original could
+    (docs/state-format.md); the reader follows the blob's own bit."""
 
     NONE = 0
     PARTIAL_ONLY = 1
     ON_DEVICE = 2
+    WITH_PLANES = 4
 
 
 class MemoryContext(abc.ABC):
@@ -197,13 +351,25 @@ class MemoryContext(abc.ABC):
 
         :return: False when there is none (the plan is exhausted)."""
 
-    def undo(self, n: int | None = None) -> tuple[int, ...]:
+    def undo(self, n: int | None = None, *, drop: bool = False) -> tuple[int, ...]:
         """Take back the last ``n`` applied ubatches (default: all) after a failed compute.
 
-        Returns the sequences that could not be restored and were dropped
-        instead (empty tuple: exact).  Contexts that cannot undo raise
-        :class:`ContextError`.
+        Exact, or refused: when some sequences' state rows were overwritten and
+        not kept (``keep_undo_rows``), the undo could only drop those sequences,
+        and it does so only with ``drop=True`` (:meth:`undo_loses` names them
+        first); without it, :class:`ContextError` and nothing changed.
+
+        :return: the sequences dropped (empty tuple: exact).
+        :raises ContextError: this context cannot undo, the memory changed since,
+            or the undo would drop sequences without ``drop``; nothing changed.
         """
+        raise ContextError(f"{type(self).__name__} cannot undo an applied ubatch")
+
+    def undo_loses(self, n: int | None = None) -> tuple[int, ...]:
+        """The sequences :meth:`undo` of ``n`` ubatches would have to drop (empty: it
+        would be exact).  A question before the action: changes nothing.
+
+        :raises ContextError: the undo would be refused anyway."""
         raise ContextError(f"{type(self).__name__} cannot undo an applied ubatch")
 
 
@@ -231,8 +397,11 @@ class StatusContext(MemoryContext):
     def next(self) -> bool:
         return False
 
-    def undo(self, n: int | None = None) -> tuple[int, ...]:
+    def undo(self, n: int | None = None, *, drop: bool = False) -> tuple[int, ...]:
         return ()  # nothing was ever applied
+
+    def undo_loses(self, n: int | None = None) -> tuple[int, ...]:
+        return ()
 
 
 class UBatchContext(MemoryContext):
@@ -290,6 +459,9 @@ class Memory(abc.ABC):
     ``p1 < 0`` means "to the end" (docs/memory-semantics.md#ranges).
     """
 
+    #: Sequence ids are ``[0, n_seq_max)``; every memory sets it at construction.
+    n_seq_max: int
+
     #: Bumped by every change of the book (sequence operations, applied ubatches and
     #: updates, state reads, clears); never goes back.  See :attr:`version`.
     _version: int = 0
@@ -305,7 +477,9 @@ class Memory(abc.ABC):
         return StatusContext(MemoryStatus.NO_UPDATE, memory=self)
 
     @abc.abstractmethod
-    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+    def init_batch(
+        self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False, *, varlen: bool = False
+    ) -> MemoryContext:
         """Plan a validated batch: split it into ubatches of at most ``n_ubatch``
         tokens and find each one's slot.  A dry run: nothing changes until the
         context's :meth:`MemoryContext.apply`.
@@ -314,6 +488,12 @@ class Memory(abc.ABC):
             ``init(batch, self)`` succeeded.
         :param n_ubatch: the most tokens per ubatch.
         :param embd_all: every token is an output (splits one sequence set per ubatch).
+        :param varlen: split with :meth:`~statecache.batch.BatchAllocator.split_varlen`:
+            the whole batch in one packed ubatch when it fits ``n_ubatch`` (sets of any
+            length and any sequence ids, offsets in ``ubatch.cu_seqlens``), so one
+            primitive call per layer advances every sequence.  The default (False) keeps
+            each memory's own split (equal ubatches for recurrent state).  Takes
+            precedence over ``embd_all``'s split.
         :return: the plan; its status is ``FAILED_PREPARE`` (nothing changed)
             when the splitter cannot place every token or the slots do not fit.
             The plan is refused (``ContextError`` at ``apply()``) once the
@@ -442,6 +622,164 @@ class Memory(abc.ABC):
         batch of ``seq`` must start at ``seq_pos_max(seq) + 1``.  A hybrid
         answers the smaller of its parts' maxima."""
 
+    # -- questions before actions (docs/memory-semantics.md#queries) -----------------
+    # Each ``check_*`` raises exactly when its action would be refused (an exception, or
+    # ``False`` from seq_rm) and changes nothing; the ``*_refusal`` / ``can_*`` answers
+    # are built on them, so a query and its action can never disagree.
+
+    @abc.abstractmethod
+    def check_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Raise :class:`ArgumentError` (naming the argument) exactly when
+        ``seq_rm(seq, p0, p1)`` would return False or raise; changes nothing."""
+
+    @abc.abstractmethod
+    def check_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Raise :class:`ArgumentError` exactly when ``seq_cp(src, dst, p0, p1)`` would; changes nothing."""
+
+    @abc.abstractmethod
+    def check_seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """Raise :class:`ArgumentError` exactly when ``seq_add(seq, p0, p1, delta)`` would (``delta``
+        0 never refuses a valid range); changes nothing."""
+
+    @abc.abstractmethod
+    def check_seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        """Raise :class:`ArgumentError` exactly when ``seq_div(seq, p0, p1, d)`` would (``d`` 1
+        never refuses a valid range); changes nothing."""
+
+    @abc.abstractmethod
+    def check_context_shift(self, seq: int, p0: int, p1: int) -> None:
+        """Raise :class:`ArgumentError` exactly when :meth:`context_shift` would:
+        when either of its halves (the removal, or the move of the later positions
+        as it would find them after the removal) would be refused; changes nothing."""
+
+    def seq_rm_refusal(self, seq: int, p0: int = -1, p1: int = -1) -> str | None:
+        """Why ``seq_rm(seq, p0, p1)`` would be refused (return False, or raise for a bad
+        argument).  Changes nothing.
+
+        A recurrent state (alone or in a hybrid) refuses a partial removal of its
+        tail that no snapshot plane can undo, a second rollback while one is
+        pending, a rollback of a shared cell, and ``seq=-1`` with a range neither
+        empty nor complete; a hybrid also refuses what would leave its parts
+        ending ``seq`` at different positions; hybrid-idx a hole that would regroup
+        k-pools shared with another sequence (docs/memory-semantics.md#seq-rm).
+
+        :return: the reason (the message of the :class:`ArgumentError` that
+            :meth:`check_seq_rm` raises, naming the argument), or None when
+            ``seq_rm`` would return True."""
+        return refusal_of(lambda: self.check_seq_rm(seq, p0, p1))
+
+    def seq_cp_refusal(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> str | None:
+        """Why ``seq_cp(src, dst, p0, p1)`` would raise: a bad ``src`` or ``dst`` id, a
+        partial copy between streams or of a recurrent state, any partial range on
+        hybrid-idx.  Changes nothing.
+
+        :return: the reason, or None when the copy would be accepted."""
+        return refusal_of(lambda: self.check_seq_cp(src, dst, p0, p1))
+
+    def seq_add_refusal(self, seq: int, p0: int, p1: int, delta: int) -> str | None:
+        """Why ``seq_add(seq, p0, p1, delta)`` would raise: a moved position another
+        sequence shares, a ``delta`` that moves a position past int32, two cells left
+        at one position, a hybrid's parts ending at different positions, a k-pool
+        regrouping.  Changes nothing.
+
+        :return: the reason, or None when the shift would be accepted."""
+        return refusal_of(lambda: self.check_seq_add(seq, p0, p1, delta))
+
+    def seq_div_refusal(self, seq: int, p0: int, p1: int, d: int) -> str | None:
+        """Why ``seq_div(seq, p0, p1, d)`` would raise: a divisor ``d < 1``, a shared
+        cell, or the other refusals of :meth:`seq_add_refusal`.  Changes nothing.
+
+        :return: the reason, or None when the division would be accepted."""
+        return refusal_of(lambda: self.check_seq_div(seq, p0, p1, d))
+
+    def context_shift_refusal(self, seq: int, p0: int, p1: int) -> str | None:
+        """Why :meth:`context_shift` would be refused (either half, as
+        :meth:`check_context_shift` says).  Changes nothing.
+
+        :return: the reason, or None when the shift would be accepted."""
+        return refusal_of(lambda: self.check_context_shift(seq, p0, p1))
+
+    def can_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
+        """``seq_rm_refusal(...) is None``: whether ``seq_rm`` would return True, changing nothing.
+
+        :return: True when the removal would be accepted."""
+        return self.seq_rm_refusal(seq, p0, p1) is None
+
+    def can_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> bool:
+        """``seq_cp_refusal(src, dst, ...) is None``: whether the copy would be accepted.
+
+        :return: True when ``seq_cp`` would not raise."""
+        return self.seq_cp_refusal(src, dst, p0, p1) is None
+
+    def can_seq_add(self, seq: int, p0: int, p1: int, delta: int) -> bool:
+        """``seq_add_refusal(..., delta) is None``: whether the shift would be accepted.
+
+        :return: True when ``seq_add`` would not raise."""
+        return self.seq_add_refusal(seq, p0, p1, delta) is None
+
+    def can_seq_div(self, seq: int, p0: int, p1: int, d: int) -> bool:
+        """``seq_div_refusal(..., d) is None``: whether the division would be accepted.
+
+        :return: True when ``seq_div`` would not raise."""
+        return self.seq_div_refusal(seq, p0, p1, d) is None
+
+    def can_context_shift(self, seq: int, p0: int, p1: int) -> bool:
+        """``context_shift_refusal(...) is None``: whether :meth:`context_shift` would be accepted.
+
+        :return: True when the shift would not raise."""
+        return self.context_shift_refusal(seq, p0, p1) is None
+
+    def context_shift(self, seq: int, p0: int, p1: int) -> None:
+        """Drop ``seq``'s positions ``[p0, p1)`` and move every later position down by
+        ``p1 - p0``, as one operation: ``seq_rm(seq, p0, p1)`` then
+        ``seq_add(seq, p1, -1, p0 - p1)`` (docs/memory-semantics.md#context-shift).
+
+        Both halves are checked before either runs, so a refused shift (a forked
+        sequence whose later cells are shared, a removal the recurrent part
+        refuses ...) changes nothing; upstream applies the removal and then
+        refuses the move.  An empty range is a no-op.
+
+        :raises ArgumentError: naming the argument, as :meth:`check_context_shift`
+            says; nothing changed."""
+        self.check_context_shift(seq, p0, p1)
+        q0, q1 = normalize_range(p0, p1)
+        if q0 >= q1:
+            return
+        if not self.seq_rm(seq, q0, q1):
+            raise InvariantError("context-shift", f"seq_rm({seq}, {q0}, {q1}) was refused after its check passed")
+        if q1 < POS_MAX:
+            self.seq_add(seq, q1, -1, q0 - q1)
+
+    @abc.abstractmethod
+    def rollback_reach(self, seq: int) -> RollbackReach:
+        """How far ``seq`` can roll back right now: the positions ``p`` for which
+        ``seq_rm(seq, p, -1)`` would be accepted (:class:`RollbackReach`).  A KV cache
+        accepts every ``p``; a recurrent state as deep as its valid snapshot planes
+        go (none while a rollback is pending or its cell is shared); a hybrid where
+        every part accepts and they would still agree.
+
+        :raises ArgumentError: ``seq`` outside ``[0, n_seq_max)``."""
+
+    def rollback_reach_all(self) -> list[RollbackReach]:
+        """:meth:`rollback_reach` of every sequence id in ``[0, n_seq_max)``."""
+        return [self.rollback_reach(s) for s in range(self.n_seq_max)]
+
+    @abc.abstractmethod
+    def seq_state(self, seq: int) -> SeqState:
+        """A read-only view of ``seq``'s state rows (:class:`SeqState`): its recurrent
+        rows (the logical state's row and the snapshot planes still valid, the same
+        rows in every layer's pools) and its cells with positions in every attention
+        and indexer cache, with readers for their data.  Changes nothing; the view
+        refuses to read once the memory changed.
+
+        :raises ArgumentError: ``seq`` outside ``[0, n_seq_max)``."""
+
+    def batch_allocator(self) -> BatchAllocator:
+        """A :class:`~statecache.batch.BatchAllocator` sized for this memory (its ``n_seq_max``)."""
+        from statecache.batch import BatchAllocator
+
+        return BatchAllocator.for_memory(self)
+
     @abc.abstractmethod
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes of device memory this memory holds (every pool, plane and cache part).
@@ -456,10 +794,15 @@ class Memory(abc.ABC):
         :param flags: ``StateFlags.PARTIAL_ONLY``: only the parts that cannot be
             rebuilt from a later state (recurrent state, sliding-window caches).
         :return: the blob.  A pending rollback is written from its plane, with
-            its rolled-back position (docs/memory-semantics.md#state).
+            its rolled-back position (docs/memory-semantics.md#state).  A pending
+            update (a K shift, a copy between streams) need not be run first: the
+            blob holds the rows as :meth:`init_update` would leave them, K rotated
+            on a copy by the cache's ``k_shift`` hook (the memory is not changed).
         :raises ArgumentError: ``seq`` outside ``[0, n_seq_max)`` and not -1.
         :raises StateError: a whole-memory write of a cell that sequences with
-            different pending rollbacks share.
+            different pending rollbacks share; a written K row waits for a shift
+            while the cache has no ``k_shift`` hook (the runtime rotates K itself:
+            run its update first).
         """
 
     @abc.abstractmethod

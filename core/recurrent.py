@@ -52,7 +52,7 @@ from statecache.backend import Buffer, Device
 from statecache.batch import BatchAllocator, SeqIds, UBatch
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, BatchError, InvariantError, StatecacheWarning, StateError
-from statecache.hostmem import scatter_rows
+from statecache.hostmem import gather_rows, scatter_rows
 from statecache.launch_memo import LaunchMemo
 from statecache.memory import (
     POS_MAX,
@@ -60,6 +60,9 @@ from statecache.memory import (
     Memory,
     MemoryContext,
     MemoryStatus,
+    RecurrentRows,
+    RollbackReach,
+    SeqState,
     StateFlags,
     StatusContext,
     UBatchContext,
@@ -68,16 +71,19 @@ from statecache.memory import (
     check_seq_id,
     check_shifted,
     normalize_range,
+    view_guard,
 )
 from statecache.spec import MemorySpec, RecurrentLayerSpec
 from statecache.state_io import (
     CODE_DTYPES,
     DTYPE_CODES,
+    WITH_PLANES,
     Reader,
     Writer,
     find_section,
     pack_sections,
     planes_apart,
+    rows_ready,
     unpack_sections,
 )
 
@@ -165,7 +171,9 @@ class _Book:
 class RecurrentInputs:
     """What the graph side needs for one committed ubatch (docs/memory-semantics.md#graph-side).
 
-    Per sequence set ``i`` (its results go to cell ``head + i``), exactly the
+    Per sequence set ``i`` (its results go to cell ``head + i``; it advances by
+    ``n_seq_tokens`` tokens, or by its own count in a varlen ubatch, see
+    :attr:`cu_seqlens`), exactly the
     rows a primitive call takes: ``start_rows[i]``, the row it reads its state
     from (any plane of any cell; the zero row for a new sequence), and
     ``dst_table[i]``, its snapshot table: column 0 the row that receives the
@@ -197,6 +205,25 @@ class RecurrentInputs:
     staged: bool = False
     plane_src: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_ROWS)
     plane_dst: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_ROWS)
+    cu_seqlens: np.ndarray | None = None
+
+    @property
+    def is_varlen(self) -> bool:
+        """The ubatch is in the packed form: set ``i`` owns tokens ``cu_seqlens[i] ..
+        cu_seqlens[i + 1] - 1`` of one token axis (``n_seq_tokens`` is then the longest)."""
+        return self.cu_seqlens is not None
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """int64 ``[n_seqs]``: the tokens each set advances by."""
+        if self.cu_seqlens is not None:
+            return np.diff(self.cu_seqlens).astype(np.int64)
+        return np.full(self.n_seqs, self.n_seq_tokens, dtype=np.int64)
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens of the ubatch (every set's)."""
+        return int(self.cu_seqlens[-1]) if self.cu_seqlens is not None else self.n_seqs * self.n_seq_tokens
 
     @property
     def copy_src(self) -> np.ndarray:
@@ -265,14 +292,19 @@ class RecurrentContext(UBatchContext):
       first write to each pool, about ``n_seqs * min(n_t + 1, 1 + n_rs_seq)``
       rows per state tensor): the rows are copied back, then the old book is
       reinstalled -- exact again;
-    * the step wrote without kept rows: exactness is impossible, so undo is
-      *consistent but lossy*: the old book comes back minus every cell whose
+    * the step wrote without kept rows: exactness is impossible when a
+      sequence's logical state row was overwritten (with rotating planes a
+      step usually leaves it in its plane, and undo stays exact).  Then
+      ``undo()`` is refused (:class:`ContextError`, nothing changed, the
+      sequences named; :meth:`undo_loses` asks first), and ``undo(drop=True)``
+      is *consistent but lossy*: the old book comes back minus every cell whose
       logical state row was overwritten (those sequences are dropped, as if
       ``seq_rm(s, 0, -1)``; undo returns their ids so the runtime can
       re-prefill them), and snapshot planes that were overwritten are no
       longer offered for rollback.
 
-    Keeping rows costs one device copy of the slot's rows per state tensor, so
+    Keeping rows costs one device copy of the slot's rows per state tensor (and
+    a scratch allocation per pool and step, which a CUDA graph cannot hold), so
     it is off by default (``RecurrentMemory(keep_undo_rows=...)``, this
     context's ``keep_undo_rows`` attribute, or ``step(keep_undo_rows=True)``);
     the book part of undo is always free.  ``undo()`` is refused
@@ -344,45 +376,90 @@ class RecurrentContext(UBatchContext):
         """The compute of every ubatch applied so far succeeded: drop their undo records."""
         self._records.clear()
 
-    def undo(self, n: int | None = None) -> tuple[int, ...]:
-        """Take back the last ``n`` applied ubatches (default: all not confirmed), newest first.
-
-        Returns the sequences that had to be dropped because their state rows
-        were overwritten without being kept (empty: the undo was exact).
-        Raises :class:`ContextError`, changing nothing, when the memory was
-        modified since the last ``apply()`` or ``n`` is out of range.
-        """
+    def _undo_records(self, n: int | None) -> list[_ApplyRecord]:
+        """The records :meth:`undo` of ``n`` takes back; :class:`ContextError` when it cannot."""
         k = len(self._records) if n is None else int(n)
         if not 0 <= k <= len(self._records):
             raise ContextError(f"cannot undo {n} ubatches; {len(self._records)} can be undone")
-        if k == 0:
-            return ()
-        mem = self.memory
         recs = self._records[len(self._records) - k :]
-        if mem._version != recs[-1].version_after:
+        if recs and self.memory._version != recs[-1].version_after:
             raise ContextError("the memory changed after the last apply(); its ubatches can no longer be undone")
-        dev = mem.device
+        return recs
+
+    def _damaged_rows(self, recs: Sequence[_ApplyRecord]) -> np.ndarray:
+        """Pool rows (a bool mask) that undoing ``recs`` cannot put back: written by a step
+        that kept no copy, and not restored by the kept copy of an older step."""
+        mem = self.memory
         n_rows = mem.size * mem.n_snap
         damaged: dict[tuple[int, str], np.ndarray] = {}
         for rec in reversed(recs):  # newest first: each kept copy is the state before its own step
             if not rec.written:
                 continue
             assert rec.overwrites is not None
-            rows = dev.indices(rec.overwrites)
-            for key, (pool, saved) in rec.written.items():
+            for key, (_, saved) in rec.written.items():
                 if saved is not None:
-                    dev.set_rows(pool, rows, saved)
                     if key in damaged:
                         damaged[key][rec.overwrites] = False
                 else:
                     damaged.setdefault(key, np.zeros(n_rows, dtype=bool))[rec.overwrites] = True
+        bad = np.zeros(n_rows, dtype=bool)
+        for mask in damaged.values():
+            bad |= mask
+        return bad
+
+    def undo_loses(self, n: int | None = None) -> tuple[int, ...]:
+        """The sequences :meth:`undo` of the last ``n`` ubatches would have to drop (their
+        state rows were overwritten and not kept); empty: the undo is exact.  A question
+        before the action: changes nothing.
+
+        :raises ContextError: the undo is refused anyway (``n`` out of range, the memory
+            changed since the last ``apply()``)."""
+        recs = self._undo_records(n)
+        if not recs:
+            return ()
+        bad = self._damaged_rows(recs)
+        return _lost_sequences(recs[0].book_before, bad) if bad.any() else ()
+
+    def undo(self, n: int | None = None, *, drop: bool = False) -> tuple[int, ...]:
+        """Take back the last ``n`` applied ubatches (default: all not confirmed), newest first.
+
+        Exact when no state row was overwritten without being kept
+        (``keep_undo_rows``, or a step that left the old state in its plane).
+        Otherwise the undo can only be consistent, by dropping the sequences
+        whose rows are gone (:meth:`undo_loses` names them): it does that only
+        with ``drop=True`` and returns their ids; without it it is refused.
+
+        :raises ContextError: changing nothing, when the memory was modified
+            since the last ``apply()``, ``n`` is out of range, or the undo would
+            drop sequences and ``drop`` is False.
+        """
+        recs = self._undo_records(n)
+        if not recs:
+            return ()
+        k = len(recs)
+        mem = self.memory
+        bad = self._damaged_rows(recs)
+        if not drop and bad.any():
+            lost = _lost_sequences(recs[0].book_before, bad)
+            if lost:
+                raise ContextError(
+                    f"undo cannot be exact: the state rows of sequences {list(lost)} were overwritten and not kept "
+                    "(keep_undo_rows); nothing changed. undo(drop=True) drops them (re-prefill them after), "
+                    "or keep undo rows before the step"
+                )
+        dev = mem.device
+        for rec in reversed(recs):  # newest first: each kept copy is the state before its own step
+            if not rec.written:
+                continue
+            assert rec.overwrites is not None
+            rows = dev.indices(rec.overwrites)
+            for pool, saved in rec.written.values():
+                if saved is not None:
+                    dev.set_rows(pool, rows, saved)
         mem._book = recs[0].book_before
         mem._version += 1
         mem._last_apply = None
         del self._records[len(self._records) - k :]
-        bad = np.zeros(n_rows, dtype=bool)
-        for mask in damaged.values():
-            bad |= mask
         dropped: tuple[int, ...] = ()
         if bad.any():
             # the book differs from the plans': the context stays stale, apply() refuses
@@ -422,7 +499,26 @@ class FullContext(MemoryContext):
 
 
 class RecurrentMemory(Memory):
-    """Recurrent state for ``n_seq_max`` sequences (docs/memory-semantics.md#recurrent-book)."""
+    """Recurrent state for ``n_seq_max`` sequences (docs/memory-semantics.md#recurrent-book).
+
+    What each argument sizes, and its default (docs/memory-semantics.md#defaults):
+
+    * ``n_seq_max`` (1..256): the sequence ids ``[0, n_seq_max)``.
+    * ``size``: cells, default ``n_seq_max`` (one state per sequence; more
+      cells only give copy on write room to spare).  Each state tensor's pool
+      holds ``size * (1 + n_rs_seq)`` rows.
+    * ``n_rs_seq``: snapshot planes per cell, default 0: **no rollback** (a
+      partial ``seq_rm`` of the tail is refused).  ``n_rs_seq = K - 1`` lets a
+      sequence roll back up to ``K - 1`` tokens and costs ``K`` times the
+      state memory; refused at construction for a family without snapshot
+      kernels, or above the device's ``caps.max_snapshots``.
+    * ``dtype``: the state dtype, default the spec's (f32).
+    * ``keep_undo_rows``: default False.  A step then keeps no copy of the
+      rows it overwrites, so an undo after a failed compute that would lose a
+      sequence's state is refused unless asked for with ``drop=True``
+      (:meth:`RecurrentContext.undo`); True makes every undo exact at one row
+      copy (and a scratch allocation) per state tensor and step.
+    """
 
     def __init__(
         self,
@@ -548,13 +644,29 @@ class RecurrentMemory(Memory):
         return {self.device.id: total} if total else {}
 
     # -- plans ------------------------------------------------------------------
-    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> MemoryContext:
+    def init_batch(
+        self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False, *, varlen: bool = False
+    ) -> MemoryContext:
+        """Plan a validated batch (:meth:`Memory.init_batch`).
+
+        ``varlen=False`` (the default) splits it into equal ubatches: every set of
+        a ubatch advances by the same number of tokens, consecutive sequence ids
+        (``split_equal(sequential=True)``; ``split_seq`` with ``embd_all``), per-token
+        tensors ``[n_seqs, n_seq_tokens, ...]``.  ``varlen=True`` puts the whole
+        batch into one packed ubatch when it fits ``n_ubatch``
+        (:meth:`BatchAllocator.split_varlen`): sets of any length and any ids, one
+        primitive call per layer, per-token tensors ``[n_tokens, ...]`` with the
+        offsets ``ub.cu_seqlens`` (the step passes them to every primitive).
+        Rollback planes, copy-on-write and undo are the same in both forms.
+        """
         balloc.check_ready(self.n_seq_max)  # never initialised, or validated for another memory
         balloc.split_reset()
         ubatches: list[UBatch] = []
         keep = self.n_rs_seq + 1 if self.n_rs_seq > 0 else 0
         while True:
-            if embd_all:
+            if varlen:
+                ub = balloc.split_varlen(n_ubatch, n_keep_tail=keep)
+            elif embd_all:
                 ub = balloc.split_seq(n_ubatch)
             else:
                 ub = balloc.split_equal(n_ubatch, sequential=True, n_keep_tail=keep)
@@ -597,8 +709,10 @@ class RecurrentMemory(Memory):
         (multi-id) sets, shared cells being split, and reorder swaps, none of
         which the steady decode path meets.  Per-ubatch work is O(size).
         """
-        if not ub.equal_seqs:
-            raise BatchError("the recurrent memory needs an equal split (split_equal or split_seq)", rule="split")
+        if not ub.equal_seqs and not ub.is_varlen:
+            raise BatchError(
+                "the recurrent memory needs sequence sets (split_equal, split_seq or split_varlen)", rule="split"
+            )
         n_seqs = ub.n_seqs
         size = self.size
         if n_seqs == 0:
@@ -675,10 +789,8 @@ class RecurrentMemory(Memory):
             in_slot = (t >= lo) & (t <= hi)
             t[in_slot] = where[t[in_slot] - lo] + lo
         # 6. advance positions; provenance of the planes this write produces
-        n_t = ub.n_seq_tokens
+        n_t, first, last = _set_spans(ub)
         cells = slot[:n_seqs]
-        pos = ub.pos.reshape(n_seqs, n_t)
-        first, last = pos[:, 0].astype(np.int64), pos[:, -1].astype(np.int64)
         old_pos = b.pos[cells]
         consecutive = (old_pos < 0) | (old_pos == first - 1)
         if not consecutive.all() and ub.pos_sections is None:  # M-RoPE positions may jump: no warning
@@ -697,13 +809,12 @@ class RecurrentMemory(Memory):
                     b.tail[x] = lo + k
                 b.n_own[lo + k] = len(ids)
         b.snap_end[cells] = last
-        b.snap_valid[cells] = np.where(consecutive, min(n_t + 1, self.n_snap), min(n_t, self.n_snap))
-        if n_t > 1 and ub.pos_sections is not None:
+        b.snap_valid[cells] = np.where(consecutive, np.minimum(n_t + 1, self.n_snap), np.minimum(n_t, self.n_snap))
+        if ub.pos_sections is not None and (n_t > 1).any():
             # M-RoPE positions may repeat or jump inside a ubatch (an image grid shares
             # one temporal position): plane j then holds no state "after snap_end - j",
             # so only the final state stays reachable.
-            one_per_token = (np.diff(pos, axis=1) == 1).all(axis=1)
-            b.snap_valid[cells] = np.where(one_per_token, b.snap_valid[cells], 1)
+            b.snap_valid[cells] = np.where(_one_position_per_token(ub, n_t), b.snap_valid[cells], 1)
         # 7. zero row: first cell of the slot none of whose rows a cell names as its source
         # (a cell's snapshot planes are rows of the cell its source is in, so they are
         # never the zero row either).  The sources are still those before the step.
@@ -752,7 +863,7 @@ class RecurrentMemory(Memory):
             head=lo,
             n_rs=hi - lo + 1,
             n_seqs=n_seqs,
-            n_seq_tokens=n_t,
+            n_seq_tokens=ub.n_seq_tokens,
             rs_z=rs_z,
             start_rows=start_rows,
             dst_table=dst_table,
@@ -761,6 +872,7 @@ class RecurrentMemory(Memory):
             staged=False,
             plane_src=plane_src,
             plane_dst=plane_dst,
+            cu_seqlens=_host_offsets(ub),
         )
         return dataclasses.replace(inputs, staged=_needs_staging(inputs))
 
@@ -788,8 +900,7 @@ class RecurrentMemory(Memory):
             return None  # M-RoPE positions: the general path decides which planes stay reachable
         if b.head > b.used + 2 * n_seqs:
             b.head = 0
-        pos = ub.pos.reshape(n_seqs, n_t)
-        first, last = pos[:, 0].astype(np.int64), pos[:, -1].astype(np.int64)
+        lens, first, last = _set_spans(ub)
         old = b.pos[lo : lo + n_seqs]
         consecutive = (old < 0) | (old == first - 1)
         if not consecutive.all() and ub.pos_sections is None:  # M-RoPE positions may jump: no warning
@@ -801,15 +912,17 @@ class RecurrentMemory(Memory):
             )
         b.pos[lo : lo + n_seqs] = last
         b.snap_end[lo : lo + n_seqs] = last
-        n_written = min(n_t + 1, self.n_snap)
+        n_written = np.minimum(lens + 1, self.n_snap)
         b.snap_valid[lo : lo + n_seqs] = (
-            n_written if consecutive.all() else np.where(consecutive, n_written, min(n_t, self.n_snap))
+            n_written if consecutive.all() else np.where(consecutive, n_written, np.minimum(lens, self.n_snap))
         )
         own = np.ones(n_seqs, dtype=bool)
-        table, live = _rotated_writes(cells, start_rows // self.size, own, n_t, self.n_snap, self.size)
+        table, live = _rotated_writes(cells, start_rows // self.size, own, lens, self.n_snap, self.size)
         b.src[lo : lo + n_seqs] = live
         b.head = lo
-        return RecurrentInputs(self.size, self.n_snap, lo, n_seqs, n_seqs, n_t, -1, start_rows, table)
+        return RecurrentInputs(
+            self.size, self.n_snap, lo, n_seqs, n_seqs, n_t, -1, start_rows, table, cu_seqlens=_host_offsets(ub)
+        )
 
     def _forget_damaged(self, bad_rows: np.ndarray) -> tuple[int, ...]:
         """After a lossy undo: drop every cell whose logical state row is in ``bad_rows``
@@ -820,7 +933,7 @@ class RecurrentMemory(Memory):
         owned = np.flatnonzero(b.n_own > 0)
         src = b.src[owned]
         lost = owned[(src >= 0) & bad_rows[np.maximum(src, 0)]]
-        dropped = np.flatnonzero(np.isin(b.tail, lost)) if lost.size else _EMPTY_ROWS
+        dropped = np.asarray(_lost_sequences(b, bad_rows), dtype=np.int64)
         if lost.size:
             b.tail[dropped] = -1
             b.used -= int(lost.size)
@@ -878,7 +991,7 @@ class RecurrentMemory(Memory):
                         self._version += 1
             return True
         # negative seq: every sequence, only for an empty or complete range (docs/memory-semantics.md#seq-rm)
-        if p0 == p1:
+        if p0 >= p1:  # empty, also when p0 > p1 (docs/memory-semantics.md#ranges)
             return True
         if not (p0 == 0 and p1 == POS_MAX):
             return False
@@ -1028,6 +1141,122 @@ class RecurrentMemory(Memory):
         b.snap_end[c], b.snap_valid[c] = b.pos[c] + pending, pending + 1
         self._version += 1
 
+    # -- questions before actions (docs/memory-semantics.md#queries) ----------------
+    def check_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
+        q0, q1 = normalize_range(p0, p1)
+        if seq < 0:
+            if q0 < q1 and not (q0 == 0 and q1 == POS_MAX):
+                raise ArgumentError(
+                    "seq", f"-1 (every sequence) removes only an empty or the complete range, got [{q0}, {q1})"
+                )
+            return
+        c = int(self._book.tail[seq])
+        if c >= 0 and 0 < q0 <= int(self._book.pos[c]) < q1:
+            self._check_rollback(seq, c, q0)
+
+    def _check_rollback(self, seq: int, c: int, p0: int) -> None:
+        """Raise when :meth:`_rollback` of ``seq`` (cell ``c``) to ``p0 - 1`` would return False."""
+        b = self._book
+        if not self.has_layers:
+            return
+        if b.n_own[c] > 1:
+            others = [q for q in b.owners(c) if q != seq]
+            raise ArgumentError(
+                "seq", f"sequence {seq} shares its recurrent state with {others}; a rollback would move theirs too"
+            )
+        if b.snap_end[c] != b.pos[c]:
+            raise ArgumentError(
+                "seq", f"a rollback of sequence {seq} to {int(b.pos[c])} is pending; decode (or remove it all) first"
+            )
+        depth = int(b.snap_end[c]) - (p0 - 1)
+        valid = int(b.snap_valid[c])
+        if not 0 < depth < valid:
+            reach = f"back to position {int(b.snap_end[c]) - valid + 1}" if valid > 1 else "nowhere (no plane)"
+            raise ArgumentError(
+                "p0", f"no snapshot plane holds sequence {seq}'s state at position {p0 - 1}; its planes reach {reach}"
+            )
+
+    def check_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        check_seq_id(src, self.n_seq_max, "src")
+        check_seq_id(dst, self.n_seq_max, "dst")
+        q0, q1 = normalize_range(p0, p1)
+        self.check_copy_range(int(src), q0, q1)
+
+    def check_seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        check_seq_id(seq, self.n_seq_max)
+        normalize_range(p0, p1)
+        if check_int32(delta, "delta"):
+            self.check_position_move(seq, p0, p1, "seq_add", int(delta))
+
+    def check_seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
+        check_seq_id(seq, self.n_seq_max)
+        normalize_range(p0, p1)
+        if check_divisor(d) != 1:
+            self.check_position_move(seq, p0, p1, "seq_div")
+
+    def check_context_shift(self, seq: int, p0: int, p1: int) -> None:
+        seq = check_seq_id(seq, self.n_seq_max)
+        q0, q1 = normalize_range(p0, p1)
+        if q0 >= q1:
+            return
+        self.check_seq_rm(seq, q0, q1)
+        # the move, as the removal leaves the book: a hole keeps the cell and its
+        # owners; a removal reaching the position leaves it below q1 (nothing moves)
+        c = int(self._book.tail[seq])
+        if q1 < POS_MAX and c >= 0 and int(self._book.pos[c]) >= q1:
+            self._refuse_shared_move(seq, c, "context shift")
+
+    def rollback_reach(self, seq: int) -> RollbackReach:
+        seq = check_seq_id(seq, self.n_seq_max)
+        b = self._book
+        c = int(b.tail[seq])
+        if c < 0:
+            return RollbackReach(seq, -1, 0)
+        P = int(b.pos[c])
+        if not self.has_layers:
+            return RollbackReach(seq, P, 0)
+        if b.n_own[c] > 1 or b.snap_end[c] != b.pos[c]:
+            return RollbackReach(seq, P, P + 1)
+        floor = P + 2 - int(b.snap_valid[c])  # depth P + 1 - p < snap_valid
+        return RollbackReach(seq, P, floor if floor > 1 else 0)
+
+    def seq_state(self, seq: int) -> SeqState:
+        seq = check_seq_id(seq, self.n_seq_max)
+        return SeqState(seq, self.version, self.seq_pos_min(seq), self.seq_pos_max(seq),
+                        self.recurrent_rows(seq), (), self.rollback_reach(seq))  # fmt: skip
+
+    def recurrent_rows(self, seq: int) -> RecurrentRows:
+        """``seq``'s rows in the pools (:class:`~statecache.memory.RecurrentRows`), the
+        recurrent part of :meth:`seq_state`."""
+        seq = check_seq_id(seq, self.n_seq_max)
+        b = self._book
+        c = int(b.tail[seq])
+        tensors = tuple((layer, name) for layer, pools in self.pools.items() for name in pools)
+        if c < 0:
+            return RecurrentRows(-1, -1, -1, (), 0, (), tensors)
+        row = int(b.src[c])
+        planes = tuple(self._valid_planes(c).tolist())
+        version = self.version
+
+        def read(layer: int, tensor: str) -> np.ndarray:
+            view_guard(self, version)
+            try:
+                buf = self.pools[layer][tensor]
+            except KeyError:
+                have = f"no recurrent pool ({layer}, {tensor!r}); have {tensors}"
+                raise ArgumentError("layer/tensor", have) from None
+            width = int(buf.shape[1])
+            rows = np.asarray(planes, dtype=np.int64)
+            data = gather_rows(self.device, buf, rows).view(buf.dtype.numpy).reshape(len(planes), width)
+            state = np.zeros((1, width), dtype=buf.dtype.numpy)
+            if row >= 0:
+                state = gather_rows(self.device, buf, np.asarray([row])).view(buf.dtype.numpy).reshape(1, width)
+            return np.concatenate([state, data])
+
+        return RecurrentRows(c, int(b.pos[c]), row, planes, self.pending_rollback(seq),
+                             tuple(b.owners(c)), tensors, read)  # fmt: skip
+
     # -- state save / restore (docs/memory-semantics.md#state) ----------------------
     def _cells_for(self, seq: int) -> list[int]:
         b = self._book
@@ -1069,7 +1298,7 @@ class RecurrentMemory(Memory):
                 w.u64(row_bytes)
                 if rows.size:
                     w.rows(self.device, buf, rows)
-        if planes_apart():
+        if planes_apart() or flags & StateFlags.WITH_PLANES:
             self._write_planes(w, cells)
         return w
 
@@ -1086,8 +1315,9 @@ class RecurrentMemory(Memory):
         return (src // self.size - behind) % self.n_snap * self.size + c
 
     def _write_planes(self, w: Writer, cells: Sequence[int]) -> None:
-        """Outside the state format (see :func:`statecache.state_io.planes_apart`): per cell the
-        number of valid planes behind its state, then per state tensor their rows."""
+        """With ``StateFlags.WITH_PLANES`` or inside a transfer (see
+        :func:`statecache.state_io.planes_apart`): per cell the number of valid planes
+        behind its state, then per state tensor their rows."""
         planes = [self._valid_planes(c) for c in cells]
         for p in planes:
             w.u32(int(p.size))
@@ -1100,8 +1330,9 @@ class RecurrentMemory(Memory):
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
         return pack_sections([(SECTION_TAG, self.write_section(seq, flags))], flags)
 
-    def parse_section(self, payload: Any, seq: int = -1) -> dict[str, Any]:
-        """Validate a recurrent section completely; returns a restore plan.  Mutates nothing."""
+    def parse_section(self, payload: Any, seq: int = -1, planes: bool = False) -> dict[str, Any]:
+        """Validate a recurrent section completely; returns a restore plan.  Mutates nothing.
+        ``planes``: the section ends with snapshot planes (a ``WITH_PLANES`` blob)."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         r = Reader(payload, "recurrent")
         n_cells = r.u32("cell_count")
@@ -1148,9 +1379,9 @@ class RecurrentMemory(Memory):
                 row_bytes = buf.shape[1] * buf.dtype.itemsize
                 r.expect(f"layer[{layer}].{name}.row_bytes", r.u64(f"layer[{layer}].{name}.row_bytes"), row_bytes)
                 data[layer][name] = r.rows(n_cells, row_bytes, buf.dtype, f"layer[{layer}].{name}.rows")
-        planes = self._parse_planes(r, n_cells) if planes_apart() else None
+        plane_rows = self._parse_planes(r, n_cells) if planes or planes_apart() else None
         r.at_end()
-        return {"seq": seq, "cells": cells, "data": data, "planes": planes}
+        return {"seq": seq, "cells": cells, "data": data, "planes": plane_rows}
 
     def _parse_planes(self, r: Reader, n_cells: int) -> tuple[list[int], dict[int, dict[str, np.ndarray]]]:
         """The snapshot planes :meth:`_write_planes` wrote: per cell how many, per tensor the rows."""
@@ -1228,30 +1459,72 @@ class RecurrentMemory(Memory):
         if hasattr(data, "read") and not isinstance(data, bytes | bytearray | memoryview):
             data = data.read()
         # PARTIAL_ONLY does not change what a recurrent memory writes: only unknown flag bits are refused
-        _, sections = unpack_sections(data)
-        plan = self.parse_section(find_section(sections, SECTION_TAG), seq)
+        blob_flags, sections = unpack_sections(data)
+        plan = self.parse_section(find_section(sections, SECTION_TAG), seq, planes=bool(blob_flags & WITH_PLANES))
+        rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         self.apply_section(plan)
 
 
+def _lost_sequences(book: _Book, bad_rows: np.ndarray) -> tuple[int, ...]:
+    """The sequences of ``book`` whose logical state row is in ``bad_rows`` (a bool mask
+    over pool rows): what :meth:`RecurrentMemory._forget_damaged` drops."""
+    owned = np.flatnonzero(book.n_own > 0)
+    src = book.src[owned]
+    lost = owned[(src >= 0) & bad_rows[np.maximum(src, 0)]]
+    return tuple(np.flatnonzero(np.isin(book.tail, lost)).tolist()) if lost.size else ()
+
+
 def _rotated_writes(
-    cells: np.ndarray, start_plane: np.ndarray, own: np.ndarray, n_t: int, n_snap: int, size: int
+    cells: np.ndarray, start_plane: np.ndarray, own: np.ndarray, n_t: np.ndarray, n_snap: int, size: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The snapshot tables of sets that start from plane ``start_plane`` and write
-    ``n_t`` tokens into ``cells``, and the row each one's final state lands in.
+    ``n_t[i]`` tokens into ``cells[i]``, and the row each one's final state lands in.
 
     The final state goes ``n_t`` planes after the start (mod ``n_snap``), column
     ``j`` (the state ``j`` tokens before the end) ``j`` planes before that, so
     column ``n_t``, the input state, is the start plane itself: not written for a
     set that starts from its own cell (``own``), whose input state is already
     there; written for the others when ``n_t < n_snap``.  A decode from its own
-    cell writes one row."""
+    cell writes one row.  A set of a varlen ubatch shorter than the table's
+    width writes nothing in the columns past its own (``-1``), so every set's
+    columns are exactly those an equal ubatch of its length gives it."""
     live = (start_plane + n_t) % n_snap
-    n_w = min(n_t + 1, n_snap) if n_t < n_snap and not own.all() else min(n_t, n_snap)
-    cols = np.arange(n_w, dtype=np.int64)
+    # columns each set writes: its states after 1..n_t tokens (at most n_snap), plus
+    # its input state when it does not start from its own cell and has room for it
+    n_w = np.minimum(n_t, n_snap) + ((n_t < n_snap) & ~own)
+    cols = np.arange(int(n_w.max()), dtype=np.int64)
     table = ((live[:, None] - cols[None, :]) % n_snap) * size + cells[:, None]
-    if n_w > n_t:
-        table[own, n_t] = -1
+    table[cols[None, :] >= n_w[:, None]] = -1
     return table, live * size + cells
+
+
+def _set_spans(ub: UBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per set of an equal or varlen ubatch: its token count, first and last position (int64)."""
+    if ub.cu_seqlens is None:
+        n_s, n_t = ub.n_seqs, ub.n_seq_tokens
+        pos = ub.pos.reshape(n_s, n_t)
+        return np.full(n_s, n_t, dtype=np.int64), pos[:, 0].astype(np.int64), pos[:, -1].astype(np.int64)
+    cu = ub.cu_seqlens.astype(np.int64)
+    return np.diff(cu), ub.pos[cu[:-1]].astype(np.int64), ub.pos[cu[1:] - 1].astype(np.int64)
+
+
+def _one_position_per_token(ub: UBatch, n_t: np.ndarray) -> np.ndarray:
+    """Per set: whether its positions advance by exactly one per token."""
+    step_ok = np.diff(ub.pos.astype(np.int64)) == 1  # token i -> i + 1, across set borders too
+    bad = np.flatnonzero(~step_ok)
+    if not bad.size:
+        return np.ones(n_t.size, dtype=bool)
+    ends = np.cumsum(n_t)  # a set's steps are those between its first and last token
+    starts = ends - n_t
+    # a set is fine when no bad step k has starts <= k < ends - 1
+    first_bad = np.searchsorted(bad, starts)
+    fine: np.ndarray = (first_bad >= bad.size) | (bad[np.minimum(first_bad, bad.size - 1)] >= ends - 1)
+    return fine
+
+
+def _host_offsets(ub: UBatch) -> np.ndarray | None:
+    """A varlen ubatch's set offsets as int64 (None for an equal ubatch)."""
+    return None if ub.cu_seqlens is None else ub.cu_seqlens.astype(np.int64)
 
 
 def _live_planes(b: _Book, cells: np.ndarray, size: int, n_snap: int) -> np.ndarray:

@@ -28,6 +28,14 @@ transient buffers, the primitive runs on a transient pool of ``n_seqs``
 cells, and the results are copied back.  Only public Device primitives are
 used, so this is the same code on every backend.
 
+Token layout.  An equal ubatch's per-token tensors are ``[n_seqs,
+n_seq_tokens, ...]``; a varlen ubatch's (``init_batch(..., varlen=True)``)
+are packed, ``[n_tokens, ...]``, set ``i`` owning tokens ``cu_seqlens[i] ..
+cu_seqlens[i + 1] - 1``.  The step checks every shape against the ubatch's
+form and passes its offsets (:attr:`RecurrentStep.cu_seqlens`, uploaded
+once per distinct set of offsets and reused) to every primitive it calls, so
+one call per layer advances every sequence of the batch.
+
 Every Buffer argument of the per-layer calls (``conv``, ``scan``, ``delta``,
 ``wkv6``, ``wkv7``, ``gla``, ``shift``) may be a torch
 tensor (any DLPack object): it is turned into a Buffer first, before anything
@@ -73,7 +81,10 @@ class RecurrentStep:
             rec if rec is not None and rec.inputs is inputs and rec.version_after == memory._version else None
         )
         self.keep_undo_rows = bool(rec.keep_rows if keep_undo_rows is None and rec is not None else keep_undo_rows)
-        self._zero = dev.indices([inp.rs_z]) if inp.rs_z >= 0 and not inp.staged else None
+        # Also when staged: new sequences then read zeros from the transient copy, but
+        # the one whose own cell holds the zero row keeps it as the snapshot of its
+        # input state (plane n_t back), so the pool's row must hold zeros too.
+        self._zero = dev.indices([inp.rs_z]) if inp.rs_z >= 0 else None
         self._needs_zero = bool((inp.start_rows == inp.rs_z).any()) if inp.rs_z >= 0 else False
         # A decode with rotating planes cycles through n_snap row sets: the memory hands
         # back the same uploaded index buffers for the same rows (so the launch memo
@@ -87,6 +98,10 @@ class RecurrentStep:
         else:
             self._start = memory._index_buffer(inp.start_rows)
         copy_src, copy_dst = inp.copy_src, inp.copy_dst  # extras, and planes of moved cells
+        # the varlen offsets: one device buffer for every layer of this step, and the same
+        # buffer again for a later step with the same offsets (cached by contents)
+        self._cu = memory._index_buffer(inp.cu_seqlens) if inp.cu_seqlens is not None else None
+        self._lead: tuple[int, ...] = (inp.n_tokens,) if self._cu is not None else (inp.n_seqs, inp.n_seq_tokens)
         self._ex_src = dev.indices(copy_src) if copy_src.size else None
         self._ex_dst = dev.indices(copy_dst) if copy_dst.size else None
         if inp.staged:
@@ -107,6 +122,12 @@ class RecurrentStep:
         self._shift_done: set[tuple[int, str, int]] = set()
         self._shift_targets: dict[tuple[int, str], tuple[Buffer, Buffer, Buffer]] = {}
 
+    @property
+    def cu_seqlens(self) -> Buffer | None:
+        """The device offsets (int32 ``[n_seqs + 1]``) the step passes to every primitive of
+        a varlen ubatch (None for an equal ubatch); host values: ``inputs.cu_seqlens``."""
+        return self._cu
+
     def _pool(self, layer: int, name: str) -> Buffer:
         try:
             return self.memory.pools[layer][name]
@@ -126,7 +147,7 @@ class RecurrentStep:
         """Every pool row (any plane) this step writes, sorted, without repeats."""
         inp = self.inputs
         parts = [inp.written_rows(), inp.copy_dst]
-        if not inp.staged and self._zero is not None and self._needs_zero:
+        if self._zero is not None and self._needs_zero:
             parts.append(np.asarray([inp.rs_z], dtype=np.int64))
         return np.unique(np.concatenate(parts))
 
@@ -209,10 +230,16 @@ class RecurrentStep:
         if self._ex_src is not None:
             ex = dev.alloc((self._ex_src.shape[0], pool.shape[1]), pool.dtype)
             dev.get_rows(pool, self._ex_src, ex)
+        self._zero_pool_row(pool)  # after every read of the pool, before its writes
         self._launch_refusable(key, registered, lambda: launch(tmp, self._local, self._local_dst))
         if ex is not None and self._ex_dst is not None:
             dev.set_rows(pool, self._ex_dst, ex)
         dev.copy_rows(tmp, self._local_written, pool, self._pool_written)
+
+    def _zero_pool_row(self, pool: Buffer) -> None:
+        """Staged ubatch: zero the pool's zero row (see ``_zero`` in ``__init__``)."""
+        if self._zero is not None and self._needs_zero:
+            self.device.zero_rows(pool, self._zero)
 
     def _read_aside(self, pool: Buffer, local: Buffer) -> None:
         """Staged ubatch: copy each set's input state into row i of ``local`` (the
@@ -339,6 +366,7 @@ class RecurrentStep:
         check = getattr(P, f"check_{op}")  # the validator the device runs too
         call = getattr(dev, op)
         opts = options or {}
+        optional = {**optional, "cu_seqlens": self._cu}  # None for an equal ubatch
 
         # dst is a snapshot table (or its one column as 1-D rows): n_snap and plane_stride stay default
         def validate(pool: Buffer, start: Buffer, dst: Buffer) -> None:
@@ -435,27 +463,28 @@ class RecurrentStep:
         )  # fmt: skip
 
     def _linear_attn_shapes(self, layer: int, row: int, per_token: dict[str, Buffer], u: Buffer | None) -> None:
-        """Per-token buffers must be [n_seqs, n_seq_tokens, H, S] of this ubatch and of the
+        """Per-token buffers must be [n_seqs, n_seq_tokens, H, S] (varlen: [n_tokens, H, S]) of this ubatch and of the
         layer's state rows (H * S * S; the layer's heads when its spec names them)."""
         par = self._layer_params(layer)
         names = iter(per_token.items())
         first, buf = next(names)
-        want = self._tokens_dims(first, buf, 4, "n_seqs, n_seq_tokens, H, S")
-        h, size = want[2:]
+        h, size = self._tokens_dims(first, buf, 2, "H, S")
+        want = self._per_token(h, size)
         layer_size = par.get("head_dim", par.get("head_size"))
         if ("n_head" in par and (par["n_head"], layer_size) != (h, size)) or h * size * size != row:
             raise ArgumentError(
-                first, f"shape {want}: [H, S] = {want[2:]} does not fit this layer's state rows of {row}"
+                first, f"shape {want}: [H, S] = {(h, size)} does not fit this layer's state rows of {row}"
             )
         for name, buf in names:
             shape = _shape_of(buf, name)
             if shape != want:
                 raise ArgumentError(name, f"shape {shape} must be {want}, as {first}'s")
-        if u is not None and _shape_of(u, "u") != want[2:]:
-            raise ArgumentError("u", f"shape {_shape_of(u, 'u')} must be [H, S] = {want[2:]}")
+        if u is not None and _shape_of(u, "u") != (h, size):
+            raise ArgumentError("u", f"shape {_shape_of(u, 'u')} must be [H, S] = {(h, size)}")
 
     def shift(self, layer: int, x: Buffer, x_prev: Buffer, *, part: int = 0, tensor: str = "r") -> None:
-        """RWKV's token shift: ``x_prev`` [n_seqs, n_seq_tokens, n_embd] receives each
+        """RWKV's token shift: ``x_prev`` [n_seqs, n_seq_tokens, n_embd] (varlen: [n_tokens,
+        n_embd]) receives each
         token's previous hidden vector (the first token's from the state), and the
         state keeps the last token's, with snapshot planes like every state tensor.
 
@@ -476,14 +505,10 @@ class RecurrentStep:
         token before it)."""
         given = (x, x_prev)  # held until return (Device._tensors_in says why)
         x, x_prev = self.device._tensors_in("x x_prev*", *given)
-        dev, inp = self.device, self.inputs
+        dev = self.device
         pool = self._pool(layer, tensor)
         for name, buf in (("x", x), ("x_prev", x_prev)):
-            if not isinstance(buf, Buffer) or buf.ndim != 3 or buf.shape[:2] != (inp.n_seqs, inp.n_seq_tokens):
-                raise ArgumentError(
-                    name,
-                    f"must be a Buffer [n_seqs={inp.n_seqs}, n_seq_tokens={inp.n_seq_tokens}, n_embd] (this ubatch)",
-                )
+            self._tokens_dims(name, buf, 1, "n_embd")
         if x_prev.shape != x.shape:
             raise ArgumentError("x_prev", f"shape {x_prev.shape} must be x's {x.shape}")
         n_embd = x.shape[-1]
@@ -503,7 +528,7 @@ class RecurrentStep:
         def launch(target: Buffer, start: Buffer, dst: Buffer) -> None:
             rows = target.view((target.shape[0] * count, n_embd))
             s_rows, d_rows = _part_rows(dev, start, count, int(part)), _part_rows(dev, dst, count, int(part))
-            dev.ssm_conv(rows, s_rows, d_rows, x, weight, x_prev)
+            dev.ssm_conv(rows, s_rows, d_rows, x, weight, x_prev, cu_seqlens=self._cu)
 
         key = (layer, tensor)
         if key not in targets:
@@ -567,28 +592,38 @@ class RecurrentStep:
             if self._ex_src is not None and self._ex_dst is not None:
                 moved = dev.alloc((self._ex_src.shape[0], pool.shape[1]), pool.dtype)
                 dev.get_rows(pool, self._ex_src, moved)
+                self._zero_pool_row(pool)
                 dev.set_rows(pool, self._ex_dst, moved)
+            else:
+                self._zero_pool_row(pool)
             read, read_buf = np.arange(inp.n_seqs, dtype=np.int64), self._local
         return SlotRows(
             pool=pool, source=source,
             read=read.astype(np.int64), write=write.astype(np.int64), snapshots=snaps.astype(np.int64),
             read_buffer=read_buf, write_buffer=write_buf, snapshots_buffer=snaps_buf,
             plane_stride=mem.size, staged=bool(inp.staged),
+            cu_seqlens=None if inp.cu_seqlens is None else inp.cu_seqlens.astype(np.int64),
+            cu_seqlens_buffer=self._cu,
         )  # fmt: skip
 
     # -- shapes against the ubatch and the layer (names the argument that is wrong) ----
-    def _tokens_dims(self, name: str, buf: object, ndim: int, layout: str) -> tuple[int, ...]:
-        """The shape of a per-token input, checked against the ubatch: ``ndim`` axes,
-        the first two ``[n_seqs, n_seq_tokens]``."""
-        inp = self.inputs
-        want = (inp.n_seqs, inp.n_seq_tokens)
+    def _tokens_dims(self, name: str, buf: object, n_tail: int, tail: str) -> tuple[int, ...]:
+        """The shape of a per-token input, checked against the ubatch: the token axes
+        (``[n_seqs, n_seq_tokens]``, or ``[n_tokens]`` for a varlen ubatch) and then
+        ``n_tail`` axes named ``tail``.  Returns the tail."""
+        lead = self._lead
         shape = _shape_of(buf, name)
-        if len(shape) != ndim or shape[:2] != want:
-            raise ArgumentError(
-                name,
-                f"shape {shape} must be [{layout}] with n_seqs={want[0]}, n_seq_tokens={want[1]} (this ubatch)",
-            )
-        return shape
+        if len(shape) != len(lead) + n_tail or shape[: len(lead)] != lead:
+            if len(lead) == 1:
+                want = f"[n_tokens, {tail}] with n_tokens={lead[0]} (this varlen ubatch)"
+            else:
+                want = f"[n_seqs, n_seq_tokens, {tail}] with n_seqs={lead[0]}, n_seq_tokens={lead[1]} (this ubatch)"
+            raise ArgumentError(name, f"shape {shape} must be {want}")
+        return shape[len(lead) :]
+
+    def _per_token(self, *tail: int) -> tuple[int, ...]:
+        """The full shape of a per-token tensor of this ubatch with trailing axes ``tail``."""
+        return (*self._lead, *tail)
 
     def _conv_shapes(self, layer: int, row: int, x: object, weight: object, y: object, bias: object | None) -> None:
         par = self._layer_params(layer)
@@ -603,9 +638,10 @@ class RecurrentStep:
                 f"the conv window this layer's state rows hold",
             )
         ch = w[0]
-        xs = self._tokens_dims("x", x, 3, "n_seqs, n_seq_tokens, channels")
-        if xs[2] != ch:
-            raise ArgumentError("x", f"shape {xs} has {xs[2]} channels, the layer's conv has {ch}")
+        (x_ch,) = self._tokens_dims("x", x, 1, "channels")
+        xs = self._per_token(x_ch)
+        if x_ch != ch:
+            raise ArgumentError("x", f"shape {xs} has {x_ch} channels, the layer's conv has {ch}")
         ys = _shape_of(y, "y")
         if ys != xs:
             raise ArgumentError("y", f"shape {ys} must be {xs} (one output per input of x)")
@@ -617,29 +653,31 @@ class RecurrentStep:
         D: object | None = None, z: object | None = None, dt_bias: object | None = None,
     ) -> None:  # fmt: skip
         par = self._layer_params(layer)
-        xs = self._tokens_dims("x", x, 4, "n_seqs, n_seq_tokens, n_head, head_dim")
-        n_s, n_t = xs[:2]
+        x_tail = self._tokens_dims("x", x, 2, "n_head, head_dim")
+        xs = self._per_token(*x_tail)
         dts, As = _shape_of(dt, "dt"), _shape_of(A, "A")
         if "n_head" in par and "head_dim" in par:
             h, hd = par["n_head"], par["head_dim"]
-        elif len(dts) == 3 and len(As) >= 1 and dts[2] == As[0] != xs[2]:
-            h, hd = As[0], xs[3]  # dt and A agree on the head count: x is the odd one out
+        elif len(dts) == len(xs) - 1 and len(As) >= 1 and dts[-1] == As[0] != x_tail[0]:
+            h, hd = As[0], x_tail[1]  # dt and A agree on the head count: x is the odd one out
         else:
-            h, hd = xs[2], xs[3]
-        if xs[2:] != (h, hd) or row % (h * hd):
+            h, hd = x_tail
+        if x_tail != (h, hd) or row % (h * hd):
             raise ArgumentError(
-                "x", f"shape {xs}: [n_head, head_dim] = {xs[2:]} does not fit this layer's state rows of {row}"
+                "x", f"shape {xs}: [n_head, head_dim] = {x_tail} does not fit this layer's state rows of {row}"
             )
         n = par.get("d_state", row // (h * hd))
-        if dts != (n_s, n_t, h):
-            raise ArgumentError("dt", f"shape {dts} must be [n_seqs={n_s}, n_seq_tokens={n_t}, n_head={h}]")
+        lead = self._lead
+        if dts != self._per_token(h):
+            raise ArgumentError("dt", f"shape {dts} must be {list(self._per_token(h))} (tokens of this ubatch, n_head)")
         if As not in ((h,), (h, n)):
             raise ArgumentError("A", f"shape {As} must be [n_head={h}] (Mamba-2) or [n_head={h}, d_state={n}]")
         Bs, Cs = _shape_of(B, "B"), _shape_of(C, "C")
+        k = len(lead)
         for name, sh in (("B", Bs), ("C", Cs)):
-            if len(sh) != 4 or sh[:2] != (n_s, n_t) or sh[3] != n or sh[2] < 1 or h % sh[2]:
+            if len(sh) != k + 2 or sh[:k] != lead or sh[-1] != n or sh[k] < 1 or h % sh[k]:
                 raise ArgumentError(
-                    name, f"shape {sh} must be [n_seqs={n_s}, n_seq_tokens={n_t}, n_group (dividing {h}), d_state={n}]"
+                    name, f"shape {sh} must be [{', '.join(map(str, lead))}, n_group (dividing {h}), d_state={n}]"
                 )
         if Cs != Bs:
             raise ArgumentError("C", f"shape {Cs} must equal B's {Bs}")
@@ -658,34 +696,38 @@ class RecurrentStep:
         A_log: object | None = None, dt_bias: object | None = None,
     ) -> None:  # fmt: skip
         par = self._layer_params(layer)
-        vs = self._tokens_dims("v", v, 4, "n_seqs, n_seq_tokens, H_v, S")
-        n_s, n_t, h_v, size = vs
+        h_v, size = self._tokens_dims("v", v, 2, "H_v, S")
+        vs = self._per_token(h_v, size)
         if ("n_head" in par and (par["n_head"], par["head_dim"]) != (h_v, size)) or h_v * size * size != row:
-            raise ArgumentError("v", f"shape {vs}: [H_v, S] = {vs[2:]} does not fit this layer's state rows of {row}")
-        qs = self._tokens_dims("q", q, 4, "n_seqs, n_seq_tokens, H_k, S")
+            raise ArgumentError(
+                "v", f"shape {vs}: [H_v, S] = {(h_v, size)} does not fit this layer's state rows of {row}"
+            )
+        h_k, q_size = self._tokens_dims("q", q, 2, "H_k, S")
+        qs = self._per_token(h_k, q_size)
         # q/k carry the layer's key heads, or H_v heads when the runtime repeated them
         # itself (the head map is then the identity, which is what it computed)
-        h_k = qs[2]
         allowed = {par["n_head_k"], h_v} if "n_head_k" in par else {h_k}
-        if qs != (n_s, n_t, h_k, size) or h_k < 1 or h_v % h_k or h_k not in allowed:
+        if q_size != size or h_k < 1 or h_v % h_k or h_k not in allowed:
             want = " or ".join(str(a) for a in sorted(allowed)) if "n_head_k" in par else f"H_k dividing H_v={h_v}"
-            raise ArgumentError("q", f"shape {qs} must be [{n_s}, {n_t}, {want}, S={size}]")
+            lead = ", ".join(map(str, self._lead))
+            raise ArgumentError("q", f"shape {qs} must be [{lead}, {want}, S={size}]")
         ks = _shape_of(k, "k")
         if ks != qs:
             raise ArgumentError("k", f"shape {ks} must equal q's {qs}")
         gs = _shape_of(g, "g")
-        if gs not in ((n_s, n_t, h_v), (n_s, n_t, h_v, size)):
-            raise ArgumentError("g", f"shape {gs} must be [{n_s}, {n_t}, {h_v}] or [{n_s}, {n_t}, {h_v}, {size}]")
+        g_forms = (self._per_token(h_v), self._per_token(h_v, size))
+        if gs not in g_forms:
+            raise ArgumentError("g", f"shape {gs} must be {list(g_forms[0])} or {list(g_forms[1])}")
         bs = _shape_of(beta, "beta")
-        if bs != (n_s, n_t, h_v):
-            raise ArgumentError("beta", f"shape {bs} must be [{n_s}, {n_t}, {h_v}]")
+        if bs != self._per_token(h_v):
+            raise ArgumentError("beta", f"shape {bs} must be {list(self._per_token(h_v))}")
         os_ = _shape_of(o, "o")
         if os_ != vs:
             raise ArgumentError("o", f"shape {os_} must be {vs} (one output per value of v)")
         # the raw gate: per value head (per key dimension of it for KDA's [.., H_v, S] gate)
         if A_log is not None and _shape_of(A_log, "A_log") != (h_v,):
             raise ArgumentError("A_log", f"shape {_shape_of(A_log, 'A_log')} must be [H_v={h_v}]")
-        want_bias = (h_v,) if len(gs) == 3 else (h_v, size)
+        want_bias = (h_v,) if gs == g_forms[0] else (h_v, size)
         if dt_bias is not None and _shape_of(dt_bias, "dt_bias") != want_bias:
             raise ArgumentError("dt_bias", f"shape {_shape_of(dt_bias, 'dt_bias')} must be {list(want_bias)}")
 

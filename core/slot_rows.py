@@ -12,7 +12,9 @@ The rule, per sequence set ``i`` of the ubatch:
   step);
 - write the final state to row ``write[i]`` of ``pool``, and the state ``j``
   tokens before the end to row ``snapshots[i, j - 1]`` of ``pool``; ``-1``
-  means "write nothing there".  A decode that starts from one of its own
+  means "write nothing there".  In a varlen ubatch set ``i`` advances by
+  its own ``cu_seqlens[i + 1] - cu_seqlens[i]`` tokens (:attr:`SlotRows.cu_seqlens`),
+  and its snapshot columns past that count are ``-1``.  A decode that starts from one of its own
   planes writes the next plane, so ``read[i] != write[i]`` in general.
 
 ``slot_rows`` has already done everything else the step does for that pool
@@ -56,6 +58,11 @@ class SlotRows:
     plane_stride: int
     #: True when ``source`` is a transient copy (some read row is also written this step)
     staged: bool
+    #: varlen ubatch: int64 ``[n_seqs + 1]``, set ``i`` owns packed tokens ``cu_seqlens[i] ..
+    #: cu_seqlens[i + 1] - 1`` (None for an equal ubatch: ``n_seq_tokens`` each)
+    cu_seqlens: np.ndarray | None = None
+    #: the same offsets as the device int32 buffer the step passes to its primitives
+    cu_seqlens_buffer: Buffer | None = None
 
     @property
     def n_seqs(self) -> int:

@@ -32,7 +32,7 @@ import contextvars
 import dataclasses
 import struct
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,10 +47,14 @@ READ_VERSIONS = (1, 2)
 _HEADER = struct.Struct("<4sHHI")
 _SECTION_V1 = struct.Struct("<4sQ")
 _SECTION = struct.Struct("<4sQI")  # version 2: tag, length, crc32 of the payload
-#: Header flag bits a reader understands (``StateFlags``: PARTIAL_ONLY, ON_DEVICE).
-KNOWN_FLAGS = 0b11
+#: Header flag bits a reader understands (``StateFlags``: PARTIAL_ONLY, ON_DEVICE, WITH_PLANES).
+#: A reader older than WITH_PLANES refuses such a blob by its flags, naming the unknown bit.
+KNOWN_FLAGS = 0b111
 #: The flag that changes which sections a blob holds: reader and writer must agree on it.
 PARTIAL_ONLY = 1
+#: The recurrent section ends with the snapshot planes (``StateFlags.WITH_PLANES``): the
+#: blob's own bit decides how it is read.
+WITH_PLANES = 4
 
 #: dtype codes stored in blobs (never renumber).
 DTYPE_CODES: dict[DType, int] = {DType.F32: 0, DType.F16: 1, DType.BF16: 30, DType.I32: 26}
@@ -84,10 +88,25 @@ class RowSink:
 @dataclasses.dataclass
 class RowSource:
     """Row blocks for :meth:`Reader.rows` while :func:`rows_apart` is active: taken
-    from ``data`` (``uint8``) in order, from ``offset`` on."""
+    from ``data`` (``uint8``) in order, from ``offset`` on.
+
+    ``wait``, when given, is called once, by :func:`rows_ready`, before the first row
+    is written: the rows may still be arriving while the metadata is validated (the
+    views :meth:`take` hands out are only read when written), and ``wait`` returns
+    once all of ``data`` is there, or raises why it never will be."""
 
     data: np.ndarray
     offset: int = 0
+    wait: Callable[[], None] | None = None
+    #: The wait happened only once the memory was writing (see :func:`rows_ready`).
+    late: bool = False
+
+    def ready(self, writing: bool = False) -> None:
+        """Block until every row is in ``data`` (see ``wait``); then a no-op."""
+        wait, self.wait = self.wait, None
+        if wait is not None:
+            self.late = writing
+            wait()
 
     def take(self, n: int, field: str) -> np.ndarray:
         if self.offset + n > self.data.size:
@@ -119,6 +138,19 @@ def rows_apart(where: RowSink | RowSource) -> Iterator[RowSink | RowSource]:
         yield where
     finally:
         _ROWS.reset(token)
+
+
+def rows_ready(writing: bool = False) -> None:
+    """Memories call this in ``state_read`` after validating everything and before
+    writing anything: inside :func:`rows_apart` with a :class:`RowSource` whose rows
+    are still arriving (a sequence transfer validates the metadata while the rows
+    are on the wire), it waits for them, and raises, with nothing written, when they
+    never come.  Elsewhere a no-op.  ``writing``: called where rows are written
+    (:func:`statecache.hostmem.scatter_rows`, for a memory that did not call it
+    before), so a failure there may follow writes."""
+    source = _ROWS.get()
+    if isinstance(source, RowSource):
+        source.ready(writing)
 
 
 def planes_apart() -> bool:

@@ -51,6 +51,35 @@ the call.
   both were passed as separate tensors over one storage
   (:meth:`statecache.backend.Buffer.same_storage`).
 
+Relaunching by geometry
+-----------------------
+Where the allocator hands out a new address every step (small CPU
+tensors), remembering wraps by fingerprint does not help: every call would
+wrap its tensors again (a Buffer, and its token view, per tensor), match the
+validated call by geometry, and rebuild the backend's launch.
+:class:`Relaunches` skips all of that.  Once a call has been matched by
+geometry, it is remembered per primitive and scalars under its *geometry
+key* (each tensor's fingerprint without its address; each Buffer's
+identity), with a backend launch that takes the tensors' addresses
+(:meth:`Device._prepare_relaunch <statecache.backend.Device._prepare_relaunch>`).
+A later call with that key reads each tensor's address and geometry
+directly (no DLPack export, no Buffer) and launches, after the checks the
+geometry path makes:
+
+* the Buffers are the very objects validated (weak references) and every
+  index Buffer still holds the host copy that was checked;
+* the device's capabilities are the same object;
+* every tensor address is aligned to its elements;
+* no written argument overlaps another (tensor address ranges against each
+  other and against the Buffers' ranges), as for any call matched by
+  geometry.
+
+Index tensors and host tensors that are copied in never take this path
+(their values or copies are refreshed per call); nor does a call that
+passes one tensor object in two places.  The launch keeps no reference to a
+tensor: its pointers are set from this call's addresses before every
+launch.
+
 Parameters that require grad are read through ``.detach()``
 (:func:`statecache.dlpack.exportable` says why).  Nothing here imports
 torch.
@@ -59,6 +88,9 @@ torch.
 from __future__ import annotations
 
 import functools
+import weakref
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -72,8 +104,10 @@ from statecache.dlpack import (
     export_fingerprint,
     exported_memory,
     fingerprint,
+    geometry_reader,
     host_array,
     reader_for,
+    torch_like,
 )
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError
@@ -280,3 +314,235 @@ def _refresh_index(dev: Device, wrap: _Wrap, name: str) -> None:
     wrap.last = None  # a failed write must not leave the old values marked current
     dev.write(wrap.buffer, values)
     wrap.last = raw
+
+
+#: Relaunches kept per device (a model has a few call geometries per layer kind).
+RELAUNCH_LIMIT = 1024
+
+
+class _Relaunch:
+    """One call geometry remembered for relaunching: what to check, and the launch."""
+
+    __slots__ = ("align", "caps", "longest", "native_pairs", "natives", "ranges", "run", "shadows", "tensor_pairs",
+                 "written")  # fmt: skip
+
+    def __init__(
+        self,
+        caps: object,
+        natives: tuple[tuple[int, weakref.ref[Any]], ...],
+        shadows: tuple[tuple[int, Any], ...],
+        align: int,
+        tensor_pairs: tuple[tuple[int, int, int, int], ...],
+        native_pairs: tuple[tuple[int, int, int, int], ...],
+        written: tuple[tuple[int, int], ...],
+        run: Callable[[list[int]], bool],
+    ) -> None:
+        self.caps = caps
+        self.natives = natives  # (position, weak reference to the Buffer validated there)
+        self.shadows = shadows  # (position, host copy that index Buffer held when validated)
+        # The largest element size less one: an address with any of these bits set may be
+        # misaligned (checked on all addresses at once: a false alarm only costs the ordinary path).
+        self.align = align
+        # Overlap checks, as Device._remembered_by_geometry makes them: (tensor k, its extent in
+        # bytes, tensor m, its extent) and (tensor k, its extent, lo, hi of a Buffer's bytes).
+        self.tensor_pairs = tensor_pairs
+        self.native_pairs = native_pairs
+        # For the check of all pairs at once (relaunched()): the Buffer ranges a tensor is
+        # checked against, each written tensor with its extent, and the longest extent.
+        self.ranges = tuple(sorted({(lo, hi) for _, _, lo, hi in native_pairs}))
+        self.written = written
+        extents = (
+            [n for _, n, _, _ in native_pairs] + [n for _, n, _, _ in tensor_pairs] + [n for _, _, _, n in tensor_pairs]
+        )
+        self.longest = max(extents, default=0)
+        self.run = run  # the backend's launch, given the tensors' addresses in argument order (False: busy)
+
+    def apart(self, addresses: list[int]) -> bool:
+        """Whether no pair that must not overlap does, pair by pair (as
+        Device._remembered_by_geometry checks a call matched by geometry)."""
+        for k, k_len, m, m_len in self.tensor_pairs:
+            a, b = addresses[k], addresses[m]
+            if a < b + m_len and b < a + k_len:
+                return False
+        for k, k_len, lo, hi in self.native_pairs:
+            a = addresses[k]
+            if a < hi and lo < a + k_len:
+                return False
+        return True
+
+
+class Relaunches:
+    """One device's calls remembered by geometry, relaunched with new tensor
+    addresses (see "Relaunching by geometry" above)."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[Any, ...], _Relaunch] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    @staticmethod
+    def key(
+        site: tuple[Any, ...], given: tuple[Any, ...], buffer_type: type
+    ) -> tuple[tuple[Any, ...], list[int]] | None:
+        """The geometry key of a call and its tensors' addresses, or None when
+        an argument is neither None, a Buffer nor a tensor read directly."""
+        parts: list[Any] = [site]
+        addresses: list[int] = []
+        for obj in given:
+            if obj is None:
+                parts.append(None)
+            elif isinstance(obj, buffer_type):
+                parts.append(id(obj))
+            else:
+                reader = geometry_reader(type(obj))
+                if reader is None:
+                    return None
+                geometry, address = reader(obj)
+                parts.append(geometry)
+                addresses.append(address)
+        return tuple(parts), addresses
+
+    def relaunched(self, dev: Device, site: tuple[Any, ...], given: tuple[Any, ...], buffer_type: type) -> bool:
+        """Launch the call if its geometry was remembered and every check
+        passes (True); False: nothing was done, take the ordinary path."""
+        # The key, inlined (this runs for every call with tensors, and reads every tensor).
+        parts: list[Any] = [site]
+        addresses: list[int] = []
+        bits = 0
+        readers = READERS
+        try:
+            for obj in given:
+                cls = type(obj)
+                if readers.get(cls) is torch_like:  # dlpack.torch_geometry, inlined
+                    parts.append((cls, obj.shape, obj.stride(), obj.dtype, obj.device))
+                    address = obj.data_ptr()
+                elif obj is None:
+                    parts.append(None)
+                    continue
+                elif isinstance(obj, buffer_type):
+                    parts.append(id(obj))
+                    continue
+                else:
+                    reader = geometry_reader(cls)
+                    if reader is None:
+                        return False
+                    geometry, address = reader(obj)
+                    parts.append(geometry)
+                addresses.append(address)
+                bits |= address
+            entry = self._entries.get(tuple(parts))
+        except Exception:  # a producer that cannot say where it is, an unhashable scalar: the ordinary path says
+            return False
+        if entry is None or entry.caps is not dev.caps or bits & entry.align:
+            return False  # (misaligned: the ordinary path refuses it by name)
+        for pos, ref in entry.natives:
+            if ref() is not given[pos]:
+                return False
+        for pos, shadow in entry.shadows:
+            if given[pos].host_indices is not shadow:
+                return False
+        if entry.ranges or entry.written:
+            # Overlaps, first all at once: a tensor starting at b reaches [lo, hi) only if
+            # lo - longest < b < hi, so two bisections of the sorted addresses find whether any
+            # may (a written tensor finds itself: one is none).  Only then pair by pair.
+            starts = sorted(addresses)
+            longest = entry.longest
+            suspect = False
+            for lo, hi in entry.ranges:
+                if bisect_left(starts, hi) > bisect_right(starts, lo - longest):
+                    suspect = True
+                    break
+            else:
+                for k, k_len in entry.written:
+                    a = addresses[k]
+                    if bisect_left(starts, a + max(k_len, 1)) - bisect_right(starts, a - longest) > 1:
+                        suspect = True
+                        break
+            if suspect and not entry.apart(addresses):
+                return False
+        return entry.run(addresses)
+
+    def learn(
+        self,
+        dev: Device,
+        op: str,
+        site: tuple[Any, ...],
+        names: str,
+        given: tuple[Any, ...],
+        coerced: Sequence[Any],
+        index_bufs: Sequence[Any],
+        shadows: Sequence[Any],
+        call_args: tuple[Any, ...],
+        buffer_type: type,
+    ) -> None:
+        """Remember a call just matched by geometry (``coerced``: its arguments
+        as Buffers, in the order of ``given``; ``shadows``: the index copies
+        it was validated with), if the backend can relaunch it."""
+        found = self.key(site, given, buffer_type)
+        if found is None or found[0] in self._entries:
+            return
+        key = found[0]
+        natives: list[tuple[int, weakref.ref[Any]]] = []
+        tensors: list[int] = []  # positions of the tensors, in argument order
+        for pos, (obj, buf) in enumerate(zip(given, coerced)):
+            if obj is None:
+                continue
+            if isinstance(obj, buffer_type):
+                if all(given[p] is not obj for p, _ in natives):  # (one check per object)
+                    natives.append((pos, weakref.ref(obj)))
+            elif buf is None or buf._geometry is None:
+                return  # an index tensor or a copied one: refreshed per call, never relaunched
+            else:
+                tensors.append(pos)
+        if len({id(coerced[p]) for p in tensors}) != len(tensors):
+            return  # one tensor in two places: the backend could not tell which pointer is which
+        shadow_at: list[tuple[int, Any]] = []
+        for buf, shadow in zip(index_bufs, shadows):
+            at = next((p for p, obj in enumerate(given) if obj is buf), None)
+            if at is None:
+                return
+            if all(p != at for p, _ in shadow_at):
+                shadow_at.append((at, shadow))
+        ranges = {pos: coerced[pos].byte_range() for pos in range(len(given)) if coerced[pos] is not None}
+        if any(r is None for r in ranges.values()):
+            return  # a Buffer that does not say where it is: overlaps could not be checked
+        order = {pos: k for k, pos in enumerate(tensors)}
+        extent = {pos: ranges[pos][1] - ranges[pos][0] for pos in tensors}
+        tensor_pairs: set[tuple[int, int, int, int]] = set()
+        native_pairs: list[tuple[int, int, int, int]] = []
+        written_tensors = [w for w, (_, written) in enumerate(argument_names(names)) if written and w in order]
+        for w, (_, written) in enumerate(argument_names(names)):
+            if not written or coerced[w] is None:
+                continue
+            for j in ranges:
+                if j == w or (w not in order and j not in order):
+                    continue
+                if w in order and j in order:
+                    a, b = sorted((order[w], order[j]))
+                    tensor_pairs.add((a, extent[tensors[a]], b, extent[tensors[b]]))
+                else:
+                    t, native = (w, j) if w in order else (j, w)
+                    lo, hi = ranges[native]
+                    native_pairs.append((order[t], extent[t], lo, hi))
+        templates = {id(coerced[pos].storage): k for k, pos in enumerate(tensors)}
+        run = dev._prepare_relaunch(op, call_args, templates)
+        if run is None:
+            return
+        if len(self._entries) >= RELAUNCH_LIMIT:
+            self._entries.clear()
+        self._entries[key] = _Relaunch(
+            dev.caps,
+            tuple(natives),
+            tuple(shadow_at),
+            max(coerced[pos].dtype.itemsize for pos in tensors) - 1,
+            tuple(sorted(tensor_pairs)),
+            tuple(native_pairs),
+            tuple((order[w], extent[w]) for w in written_tensors),
+            run,
+        )

@@ -88,13 +88,15 @@ class HybridToy:
     def attn_cache(self) -> KVCache:
         return self.mem.attn.swa if isinstance(self.mem.attn, KVCacheISWA) else self.mem.attn
 
-    def decode(self, tokens_by_seq, n_ubatch=8, on_apply=None):  # type: ignore[no-untyped-def]
-        """One batch; returns {(seq, pos): output vector} or None when planning failed."""
+    def decode(self, tokens_by_seq, n_ubatch=8, on_apply=None, varlen=False):  # type: ignore[no-untyped-def]
+        """One batch; returns {(seq, pos): output vector} or None when planning failed.
+        ``varlen``: planned with ``init_batch(varlen=True)`` (packed ubatches)."""
         balloc = BatchAllocator(self.mem.n_seq_max)
         balloc.init(Batch.for_sequences(tokens_by_seq, output_all=True), self.mem)
-        ctx = self.mem.init_batch(balloc, n_ubatch)
+        ctx = self.mem.init_batch(balloc, n_ubatch, varlen=varlen)
         if ctx.status.is_fail:
             return None
+        self.forwards = 0
         out = {}
         cache = self.attn_cache
         while True:
@@ -102,7 +104,9 @@ class HybridToy:
             assert ctx.apply()
             if on_apply is not None:
                 on_apply(ctx)
-            y_rec = run_layers(self.dev, ctx.recr.step(), self.tables, ub.token.reshape(ub.n_seqs, ub.n_seq_tokens))
+            self.forwards += 1
+            toks = ub.token if ub.is_varlen else ub.token.reshape(ub.n_seqs, ub.n_seq_tokens)
+            y_rec = run_layers(self.dev, ctx.recr.step(), self.tables, toks)
             y_rec = y_rec.reshape(ub.n_tokens, -1)
             actx = ctx.attn.swa if isinstance(self.mem.attn, KVCacheISWA) else ctx.attn
             actx.cpy_k(ATTN, np.stack([emb(int(t), 1) for t in ub.token]))

@@ -50,22 +50,23 @@ class Tables:
 
 
 def run_layers(dev, step_or_pools, tables: Tables, toks: np.ndarray):  # type: ignore[no-untyped-def]
-    """Run all layers for tokens ``toks`` [n_s, n_t]; returns outputs [n_s, n_t, K].
+    """Run all layers for tokens ``toks`` [n_s, n_t] (or [n_tokens] of a varlen ubatch:
+    the packed form); returns outputs [n_s, n_t, K] (or [n_tokens, K]).
 
     ``step_or_pools`` is a RecurrentStep, or ``(pools, start, dst)`` for the oracle."""
-    n_s, n_t = toks.shape
+    lead = toks.shape
     outs = []
     for L in (0, 2):
         xc = dev.upload(tables.conv_x[L][toks])
         wc = dev.upload(tables.conv_w[L])
-        yc = dev.alloc((n_s, n_t, CH))
+        yc = dev.alloc((*lead, CH))
         if L == 0:
             args = [dev.upload(a) for a in (tables.x[toks], tables.dt[toks], tables.A, tables.B[toks], tables.C[toks])]
-            ys = dev.alloc((n_s, n_t, H, P))
+            ys = dev.alloc((*lead, H, P))
         else:
             args = [dev.upload(a) for a in (tables.q[toks], tables.k[toks], tables.v[toks], tables.g[toks])]
             args.append(dev.upload(tables.beta[toks]))
-            ys = dev.alloc((n_s, n_t, HV, S))
+            ys = dev.alloc((*lead, HV, S))
         if isinstance(step_or_pools, tuple):
             pools, start, dst = step_or_pools
             dev.ssm_conv(pools[L]["r"], start, dst, xc, wc, yc)
@@ -79,7 +80,7 @@ def run_layers(dev, step_or_pools, tables: Tables, toks: np.ndarray):  # type: i
                 step_or_pools.scan(L, *args, ys)
             else:
                 step_or_pools.delta(L, *args, ys)
-        outs += [yc.numpy().reshape(n_s, n_t, -1), ys.numpy().reshape(n_s, n_t, -1)]
+        outs += [yc.numpy().reshape(*lead, -1), ys.numpy().reshape(*lead, -1)]
     return np.concatenate(outs, axis=-1)
 
 
@@ -105,29 +106,38 @@ class Toy:
                 dev.fill_bytes(buf, seed * 100 + L * 10 + k)
         self.tables = Tables()
         self.staged_steps = 0
+        self.forwards = 0  # ubatches run (one forward of the model each)
 
-    def decode(self, tokens_by_seq: dict[int, list[int]], n_ubatch: int = 512):  # type: ignore[no-untyped-def]
-        """Decode one batch; returns {(seq, pos): output} or None when the plan failed."""
+    def decode(  # type: ignore[no-untyped-def]
+        self, tokens_by_seq: dict[int, list[int]], n_ubatch: int = 512, *, varlen: bool = False, undo: bool = False
+    ):
+        """Decode one batch; returns {(seq, pos): output} or None when the plan failed.
+        ``varlen``: plan it with ``init_batch(varlen=True)`` (packed ubatches);
+        ``undo``: run every ubatch, then take the whole batch back (a failed compute)."""
         balloc = BatchAllocator(self.mem.n_seq_max)
         balloc.init(Batch.for_sequences(tokens_by_seq, output_all=True), self.mem)
-        ctx = self.mem.init_batch(balloc, n_ubatch)
+        ctx = self.mem.init_batch(balloc, n_ubatch, varlen=varlen)
         if ctx.status.is_fail:
             return None
+        if undo:
+            ctx.keep_undo_rows = True
         out = {}
         while True:
             ub = ctx.get_ubatch()
             assert ctx.apply()
             step = ctx.step()
             self.staged_steps += int(step.inputs.staged)
-            toks = ub.token.reshape(ub.n_seqs, ub.n_seq_tokens)
-            y = self.run_step(step, toks)
-            for s in range(ub.n_seqs):
-                for t in range(ub.n_seq_tokens):
-                    i = s * ub.n_seq_tokens + t
-                    for q in ub.seq_id[i]:
-                        out[(q, int(ub.pos[i]))] = y[s, t]
+            self.forwards += 1
+            toks = ub.token if ub.is_varlen else ub.token.reshape(ub.n_seqs, ub.n_seq_tokens)
+            y = self.run_step(step, toks).reshape(ub.n_tokens, -1)  # set-major in both forms
+            for i in range(ub.n_tokens):
+                for q in ub.seq_id[i]:
+                    out[(q, int(ub.pos[i]))] = y[i]
             if not ctx.next():
-                return out
+                break
+        if undo:
+            assert ctx.undo() == ()
+        return out
 
     def run_step(self, step, toks: np.ndarray):  # type: ignore[no-untyped-def]
         """Every layer of one applied ubatch (a subclass may run its own kernels)."""

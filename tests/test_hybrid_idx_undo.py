@@ -175,7 +175,12 @@ def test_lossy_undo_drops_sequences_and_marks_them(dev) -> None:
     mem = toy.mem
     ctx = plan(toy, {0: [8], 1: [9]})
     drive(toy, ctx, fail="ran")
-    assert ctx.undo() == (0, 1)  # both live recurrent rows were overwritten in place
+    assert ctx.undo_loses() == (0, 1)  # both live recurrent rows were overwritten in place
+    version = mem.version
+    with pytest.raises(ContextError, match="cannot be exact"):
+        ctx.undo()  # a lossy undo is asked for, not silent
+    assert mem.version == version
+    assert ctx.undo(drop=True) == (0, 1)
     for s in (0, 1):
         assert mem.recr.seq_pos_max(s) == mem.attn.seq_pos_max(s) == mem.idx.seq_pos_max(s) == -1
         toy.forget(s)

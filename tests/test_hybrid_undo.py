@@ -56,7 +56,15 @@ def failing_decode(toy: HybridToy, batch, mode: str, n_ubatch: int = 4):
         if not (last and mode == "never"):
             compute(toy, ctx, keep=mode != "ran")
         if last:
-            return ctx, ctx.undo()
+            lost = ctx.undo_loses()
+            if lost:  # refused, changing nothing, unless asked for
+                version = toy.mem.version
+                with pytest.raises(ContextError, match="cannot be exact"):
+                    ctx.undo()
+                assert toy.mem.version == version
+            dropped = ctx.undo(drop=True)
+            assert dropped == lost
+            return ctx, dropped
         assert ctx.next()
 
 

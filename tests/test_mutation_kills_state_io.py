@@ -45,7 +45,8 @@ def test_unpack_sections_names_every_fault():
     newer = FORMAT_VERSION + 1
     refused(header(0, version=newer), "version", f"is {newer}, this library reads versions 1, 2")
     refused(header(0, version=0), "version", "is 0, this library reads versions 1, 2")
-    refused(header(0, flags=4), "flags", "is 0x4: bits 0x4 are not StateFlags")
+    refused(header(0, flags=8), "flags", "is 0x8: bits 0x8 are not StateFlags")
+    refused(header(0, flags=13), "flags", "is 0xd: bits 0x8 are not StateFlags")
     refused(header(1) + b"KVA", "section[0].tag", "truncated: section header missing")
     refused(header(1) + b"KVAT" + struct.pack("<Q", 0), "section[0].tag", "truncated: section header missing")  # no crc
     refused(header(2) + section(b"KVAT", b""), "section[1].tag", "truncated: section header missing")
@@ -74,8 +75,8 @@ def test_pack_sections_header_and_tags():
     assert blob == header(1) + section(b"RECR", b"abc")  # flags 0 unless given
     assert len(blob) == HEADER + SECTION + 3
     assert pack_sections([], 3)[:HEADER] == header(0, flags=3)
-    with pytest.raises(ValueError, match=r"unknown state flags 0x5 \(known: 0x3\)"):
-        pack_sections([], 5)
+    with pytest.raises(ValueError, match=r"unknown state flags 0x9 \(known: 0x7\)"):
+        pack_sections([], 9)
     with pytest.raises(ValueError, match="section tag b'REC' must be 4 bytes"):
         pack_sections([(b"REC", b"")])
 

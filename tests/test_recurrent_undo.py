@@ -75,7 +75,21 @@ def fail_batch(t: Toy, batch, mode: str, n_ubatch: int = 512, fail_at: int = 0):
             run_step(t, ctx, ub, keep=True)
         elif mode == "ran":  # no kept rows: lossy
             run_step(t, ctx, ub, keep=False)
-    return ctx, ctx.undo()
+    return ctx, undo_asking_first(t.mem, ctx)
+
+
+def undo_asking_first(mem, ctx) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
+    """undo() as a runtime does it: ask what it would drop; a lossy undo is refused,
+    changing nothing, until asked for with drop=True, and then drops exactly those."""
+    lost = ctx.undo_loses()
+    if lost:
+        before = mem.book_snapshot()
+        with pytest.raises(ContextError, match="cannot be exact"):
+            ctx.undo()
+        assert mem.book_snapshot().same(before)
+    dropped = ctx.undo(drop=True)
+    assert dropped == lost
+    return dropped
 
 
 SCENARIOS = {

@@ -1,4 +1,5 @@
-"""docs/embedding.md, sections "Passing torch tensors" and "Slot rows: running your own kernels":
+"""docs/embedding.md, sections "Passing torch tensors", "Slot rows: running your own kernels" and
+"One call per layer: the varlen form":
 their examples run as written."""
 
 from __future__ import annotations
@@ -41,3 +42,12 @@ def test_the_slot_rows_example_runs() -> None:
     pytest.importorskip("torch", reason="the torch extra is not installed")
     assert len(SLOT_BLOCKS) == 1
     exec(compile(SLOT_BLOCKS[0], "docs/embedding.md[slot rows block]", "exec"), {})
+
+
+VARLEN_BLOCKS = re.findall(r"```python\n(.*?)```", _section("One call per layer: the varlen form"), flags=re.S)
+
+
+def test_the_varlen_example_runs() -> None:
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    assert len(VARLEN_BLOCKS) == 1
+    exec(compile(VARLEN_BLOCKS[0], "docs/embedding.md[varlen block]", "exec"), {})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -487,6 +488,77 @@ class CpuDevice(Device):
         rows = (start_rows, snap_rows, cu_seqlens)
         return self._linear_attn_call(self._lib.sc_gated_linear_attn, shp, pool, rows, (q, k, v, g), None, o)
 
+    def _prepare_relaunch(self, op: str, call_args: tuple[Any, ...], tensors: dict[int, int]) -> Any:
+        slots = _RELAUNCH_SLOTS.get(op)
+        if slots is None:
+            return None
+        launch = self._prepare_launch(op, call_args)  # None: weights packed per call
+        if launch is None:
+            return None
+        kernel, args, keep = getattr(self, f"_{op}_call")(*call_args)
+        args = list(args)
+        ffi = self._ffi
+        # A pointer inside a struct is set by writing the address through a
+        # uintptr_t alias of the field: no pointer object per call (five
+        # times cheaper than casting and assigning).  A pointer passed as an
+        # argument is cast per call, unless its address is the previous one.
+        fields: list[tuple[int, int, Any]] = []  # (address index, byte offset, alias of the field)
+        pointers: list[tuple[int, int, str, int]] = []  # (address index, byte offset, ctype, argument)
+        placed: set[int] = set()
+        for pos, buf in enumerate(call_args):
+            if not isinstance(buf, Buffer):
+                continue
+            k = tensors.get(id(buf.storage))
+            if k is None:
+                continue  # the device's own memory: its pointer stays
+            how = slots.get(pos)
+            if how is None:
+                return None  # a tensor where no pointer can be replaced (a tensor pool): validate instead
+            delta = buf.offset * buf.dtype.itemsize
+            if how[0] == "arg":
+                pointers.append((k, delta, how[2], how[1]))
+            else:
+                if how[0] == "view":
+                    struct = ffi.new("sc_view *")  # the validated buffer's cached struct stays as it is
+                    struct[0] = args[how[1]][0]
+                    args[how[1]] = struct
+                    path: tuple[str, ...] = ("data",)
+                else:
+                    struct = args[how[1]]  # the options struct: made for this call, private
+                    path = tuple(how[2].split("."))
+                fields.append((k, delta, ffi.cast("uintptr_t *", ffi.addressof(struct[0], *path))))
+            placed.add(k)
+        if placed != set(tensors.values()):
+            return None  # a tensor the call does not pass as a pointer: nothing to relaunch safely
+        cast = ffi.cast
+        num_threads = settings.num_threads
+        field_steps = tuple(fields)
+        pointer_steps = tuple(pointers)
+        last = [-1] * len(pointer_steps)
+        # The structs are patched in place and the kernel runs without the GIL: a second thread
+        # relaunching the same call meanwhile would move the first one's pointers.  It takes the
+        # ordinary path instead (relaunch returns False, nothing done).
+        busy = threading.Lock()
+
+        def relaunch(addresses: list[int]) -> bool:
+            if not busy.acquire(blocking=False):
+                return False
+            try:
+                for k, delta, alias in field_steps:
+                    alias[0] = addresses[k] + delta
+                for i, (k, delta, ctype, arg) in enumerate(pointer_steps):
+                    address = addresses[k] + delta
+                    if address != last[i]:
+                        args[arg] = cast(ctype, address)
+                        last[i] = address
+                kernel(*args, num_threads())
+            finally:
+                busy.release()
+            return True
+
+        relaunch.keep = (keep, args)  # type: ignore[attr-defined]  # the structs the aliases write into
+        return relaunch
+
     def _launch(self, call: tuple[Any, tuple[Any, ...], Any]) -> None:
         kernel, args, _keep = call
         kernel(*args, self.num_threads)
@@ -533,6 +605,39 @@ class CpuDevice(Device):
 
         launch.keep = keep  # type: ignore[attr-defined]  # index arrays (and a packed A) the pointers point into
         return launch
+
+
+#: How a relaunch (CpuDevice._prepare_relaunch) puts a tensor's new address into a prepared
+#: call: per position in the ``_<op>`` arguments, ("arg", i, ctype): argument i is the pointer;
+#: ("view", i): argument i is an sc_view whose data it is; ("opt", i, field): a pointer field
+#: of the options struct at argument i (z.data: the gate's view).
+_RELAUNCH_SLOTS: dict[str, dict[int, tuple[Any, ...]]] = {
+    # (shp, pool, start_rows, snap_rows, cu_seqlens, x, weight, bias, y, apply_silu)
+    "ssm_conv": {5: ("view", 1), 6: ("arg", 2, "float *"), 7: ("arg", 3, "float *"), 8: ("arg", 4, "void *")},
+    # (shp, pool, start_rows, snap_rows, cu_seqlens, x, dt, A, B, C, y, D, z, dt_bias)
+    "ssm_scan": {
+        5: ("view", 1),
+        6: ("view", 2),
+        7: ("arg", 3, "float *"),
+        8: ("view", 5),
+        9: ("view", 6),
+        10: ("arg", 7, "void *"),
+        11: ("opt", 9, "D"),
+        12: ("opt", 9, "z.data"),
+        13: ("opt", 9, "dt_bias"),
+    },
+    # (shp, pool, start_rows, snap_rows, cu_seqlens, q, k, v, g, beta, o, A_log, dt_bias)
+    "gated_delta_net": {
+        5: ("view", 1),
+        6: ("view", 2),
+        7: ("view", 3),
+        8: ("view", 4),
+        9: ("view", 6),
+        10: ("arg", 7, "void *"),
+        11: ("opt", 9, "A_log"),
+        12: ("opt", 9, "dt_bias"),
+    },
+}
 
 
 def _address(buf: Buffer) -> int:

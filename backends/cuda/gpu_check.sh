@@ -12,7 +12,13 @@
 #    runtime captured with torch.cuda.graph and replayed (same states and
 #    outputs as eager steps, nothing allocated while capturing);
 # 4. `statecache conformance --perf --backend cuda`: GB/s and the ratio to the
-#    GPU's own device-to-device copy bandwidth for the benchmark shapes.
+#    GPU's own device-to-device copy bandwidth for the benchmark shapes;
+# 5. backends/cuda/nccl_loopback.py: a sequence transfer (send_sequence /
+#    recv_sequence) between two processes over NCCL, CUDA memories on both
+#    sides, rank r on GPU r, received states and rollbacks compared with the
+#    sender's (needs 2 GPUs: NCCL refuses two ranks on one device; with one GPU
+#    it runs the NCCL collectives in a group of one and says the transfer did
+#    not run).
 # All steps share the time limit; the script exits non-zero if any step fails
 # or runs out of time (exit 124).  Set PYTHON to pick the interpreter (default:
 # the checkout's .venv as the README creates it, else python3 on PATH).
@@ -47,5 +53,6 @@ step "$python" -m statecache.backends.cuda build
 step "$python" -m statecache.cli conformance --backend cuda --require-device
 step "$python" -m pytest -q -p no:cacheprovider -m cuda "$root/backends/cuda/tests/test_cuda_gpu.py"
 step "$python" -m statecache.cli conformance --perf --backend cuda
+step "$python" "$root/backends/cuda/nccl_loopback.py" --device cuda --timeout 300
 echo "== gpu_check: exit $status"
 exit $status

@@ -233,8 +233,8 @@ class _CheckedContext(MemoryContext):
     def next(self) -> bool:
         return self.inner.next()
 
-    def undo(self, n: int | None = None) -> tuple[int, ...]:
-        dropped = self.inner.undo(n)
+    def undo(self, n: int | None = None, *, drop: bool = False) -> tuple[int, ...]:
+        dropped = self.inner.undo(n, drop=drop)
         self.check.step()
         return dropped
 

@@ -25,6 +25,7 @@ accepted theirs put back what they held.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -82,7 +83,8 @@ def _layout(spec: MemorySpec | ModelSpec, sec: Section, block: RowBlock, rank: i
 
 def _parse_all(blob: Any) -> tuple[int, tuple[int, int] | None, list[Section]]:
     flags, shard, sections = _split_blob(blob)
-    return flags, shard, [parse_section(tag, payload) for tag, payload in sections]
+    planes = bool(flags & StateFlags.WITH_PLANES)
+    return flags, shard, [parse_section(tag, payload, planes) for tag, payload in sections]
 
 
 def gather_state(blobs: Sequence[Any], spec: MemorySpec | ModelSpec) -> bytes:
@@ -169,7 +171,7 @@ def _gather_block(spec: MemorySpec | ModelSpec, secs: list[Section], blocks: lis
         seen[idx] = True
     if not seen.all():
         raise StateError(f"{b0.field}.rows", f"{int((~seen).sum())} elements of each row are held by no rank")
-    return RowBlock(b0.key, b0.field, b0.type_code, out.reshape(n, full * item))
+    return dataclasses.replace(b0, rows=out.reshape(n, full * item))
 
 
 def scatter_state(blob: Any, spec: MemorySpec | ModelSpec, world: int) -> list[bytes]:
@@ -196,7 +198,7 @@ def scatter_state(blob: Any, spec: MemorySpec | ModelSpec, world: int) -> list[b
                 if idx is not None:
                     n, item = part.rows.shape[0], part.dtype.itemsize
                     local = part.rows.reshape(n, full, item)[:, idx].reshape(n, -1)
-                    part = RowBlock(part.key, part.field, part.type_code, local)
+                    part = dataclasses.replace(part, rows=local)
                 parts.append(part)
             sections.append((sec.tag, Section(sec.tag, parts, sec.positions).payload()))
         out.append(pack_sections(sections, flags))
@@ -271,7 +273,7 @@ def scatter_memory(
             raise failure
         raise StateError("blob", f"rank {src} could not cut the blob into {world} parts")
     mine = scatter_bytes(parts, src, group)
-    backup = memory.state_write(seq, flags)
+    backup = memory.state_write(seq, flags | StateFlags.WITH_PLANES)  # put back with its rollback budget
     try:
         restore_shard(memory, mine, rank, world, seq, flags)
     except Exception as exc:

@@ -50,6 +50,9 @@ class RowBlock:
     field: str
     type_code: int
     rows: np.ndarray
+    #: Rows only, without the type code and row size before them: a recurrent section's
+    #: snapshot planes, whose tensor's block (same key) already said both.
+    bare: bool = False
 
     @property
     def dtype(self) -> DType:
@@ -89,8 +92,9 @@ class Section:
         w = Writer()
         for part in self.parts:
             if isinstance(part, RowBlock):
-                w.i32(part.type_code)
-                w.u64(part.rows.shape[1])
+                if not part.bare:
+                    w.i32(part.type_code)
+                    w.u64(part.rows.shape[1])
                 w.raw(np.ascontiguousarray(part.rows).data)
             else:
                 w.raw(part)
@@ -115,13 +119,21 @@ class _Cutter:
         self.parts.append(RowBlock(key, f"{self.r.where}.{field}", code, rows))
         self.start = self.r.off
 
+    def bare_block(self, like: RowBlock, n_rows: int) -> None:
+        """Rows of ``like``'s tensor without a type code and row size (snapshot planes)."""
+        self.parts.append(bytes(self.data[self.start : self.r.off]))
+        row_bytes = like.rows.shape[1]
+        rows = self.r.row_bytes(n_rows * row_bytes, f"{like.field}.planes").reshape(n_rows, row_bytes)
+        self.parts.append(RowBlock(like.key, f"{like.field}.planes", like.type_code, rows, bare=True))
+        self.start = self.r.off
+
     def finish(self) -> list[bytes | RowBlock]:
         self.r.at_end()
         self.parts.append(bytes(self.data[self.start :]))
         return self.parts
 
 
-def _parse_recurrent(tag: bytes, payload: Any) -> Section:
+def _parse_recurrent(tag: bytes, payload: Any, planes: bool) -> Section:
     c = _Cutter(tag, payload)
     r = c.r
     n = r.u32("cell_count")
@@ -132,17 +144,17 @@ def _parse_recurrent(tag: bytes, payload: Any) -> Section:
             r.i32(f"cell[{i}].seq_id[{k}]")
     r.u32("s_trans")
     r.u32("n_layer")
-    row_sizes = []
+    tensors: list[RowBlock] = []
     for _ in range(r.u32("n_state_layers")):
         layer = r.u32("layer")
         for _ in range(r.u32(f"layer[{layer}].n_tensors")):
             name = r.name(f"layer[{layer}].tensor")
             c.block(("recr", layer, name), f"layer[{layer}].{name}", n)
-            row_sizes.append(c.parts[-1].rows.shape[1])  # type: ignore[union-attr]
-    if planes_apart():  # a transfer's snapshot planes (metadata here: only positions are read)
+            tensors.append(c.parts[-1])  # type: ignore[arg-type]
+    if planes or planes_apart():  # snapshot planes: per cell how many, then per tensor their rows
         total = sum(r.u32(f"cell[{i}].n_planes") for i in range(n))
-        for size in row_sizes:
-            r.row_bytes(total * size, "planes")
+        for block in tensors:
+            c.bare_block(block, total)
     return Section(tag, c.finish(), positions)
 
 
@@ -174,11 +186,13 @@ def _parse_kv(tag: bytes, payload: Any) -> Section:
     return Section(tag, c.finish(), positions)
 
 
-def parse_section(tag: bytes, payload: Any) -> Section:
-    """Split one section payload (from :func:`statecache.state_io.unpack_sections`).
+def parse_section(tag: bytes, payload: Any, planes: bool = False) -> Section:
+    """Split one section payload (from :func:`statecache.state_io.unpack_sections`);
+    ``planes``: the blob has ``StateFlags.WITH_PLANES`` (a recurrent section then ends
+    with the snapshot planes, cut into bare row blocks of their tensors' keys).
     Raises :class:`StateError` naming the field for a truncated or unknown section."""
     if tag == TAG_RECR:
-        return _parse_recurrent(tag, payload)
+        return _parse_recurrent(tag, payload, planes)
     if tag in KV_TAGS:
         return _parse_kv(tag, payload)
     raise StateError("section", f"no layout is known for section {tag.decode(errors='replace')!r}")

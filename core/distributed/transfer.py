@@ -30,16 +30,21 @@ The protocol keeps the receiver safe:
 2. the receiver checks the header (a corrupt one, or a payload larger than
    its memory could ever hold, is refused before it allocates anything) and
    answers *go* or *refused*;
-3. the sender sends the payload, its rows in :data:`CHUNK_BYTES` messages,
-   each as soon as it is gathered (gathering overlaps the wire); the receiver
-   waits for them within ``timeout`` seconds (a sender that dies or stalls
-   raises :class:`~statecache.distributed.errors.TransferError`), checks the
-   CRC when one was sent, that every part's last position is the header's
-   and that the metadata uses every row byte, then reads it into its sequence;
+3. the sender sends the metadata in one message, then the rows in
+   :data:`CHUNK_BYTES` messages, each as soon as it is gathered (gathering
+   overlaps the wire); the receiver posts every receive at once and, while
+   the rows travel, checks that every part's last position is the header's
+   and that the metadata uses every row byte, saves what the destination
+   sequence held, and runs the memory's ``state_read``, which validates
+   everything from the metadata and then, before writing anything, waits
+   for the rows (:func:`statecache.state_io.rows_ready`: within ``timeout``
+   seconds, the CRC checked when one was sent; a sender that dies or stalls
+   raises :class:`~statecache.distributed.errors.TransferError` there, with
+   nothing written), and writes them;
 4. the receiver answers *accepted* or why not; the sender raises if not.
 
-The receiving memory changes only in step 3's final read, which validates
-the whole state first and changes nothing when it refuses it; if writing
+The receiving memory changes only in step 3's writes, after the whole state
+is validated and the whole payload staged; if writing
 fails after validation, the sequence's previous state (saved before the
 read, with its planes) is put back.  So a transfer that fails anywhere
 leaves the receiver as it was, and raises an error that says where it failed.
@@ -66,13 +71,13 @@ from typing import Any
 import numpy as np
 
 from statecache.distributed.errors import TransferError
-from statecache.distributed.wire import as_tensor, group_device, host_view, post, torch_dist, wait
+from statecache.distributed.wire import as_tensor, group_device, host_view, on_host, post, torch_dist, wait
 from statecache.errors import StateError
 from statecache.memory import StateFlags
 from statecache.state_io import RowSink, RowSource, rows_apart, unpack_sections
 
 MAGIC = 0x5343_5351  # "SCSQ"
-PROTOCOL = 2
+PROTOCOL = 3  # 3: the metadata travels in its own message, ahead of the rows
 ANSWER = 0x5343_4F4B  # "SCOK": the magic of every answer
 _HEADER_WORDS = 10
 _CRC_PRESENT = 1 << 16  # in the header's flags word, above the state flags
@@ -264,33 +269,51 @@ def _offer(
         fill()
         fill = None
     crc = zlib.crc32(blob if isinstance(blob, bytes) else blob.data) if checksum else None
-    chunk = CHUNK_BYTES if fill is not None else 0
+    chunk = CHUNK_BYTES if meta_bytes is not None else 0
     header = _header(len(blob), pos_min, pos_max, flags, crc, meta_bytes, chunk)
     sent = ch.send(ch.ints(header), "sending the header")
     code = ch.hear("waiting for the answer to the header")
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
-    tensor = as_tensor(blob, ch.device)
     works: list[Any] = []
-    if fill is None:
-        works.append(ch.send(tensor, "sending the payload"))
-    else:
+    if meta_bytes is None:
+        works.append(ch.send(as_tensor(blob, ch.device), "sending the payload"))
+    else:  # the metadata first, on its own, so the receiver validates it while the rows travel
+        host = np.frombuffer(blob, dtype=np.uint8) if not isinstance(blob, np.ndarray) else blob
+        if on_host(ch.device):
+            tensor = as_tensor(host, ch.device)  # the buffer itself: rows gathered into it are sent from it
+        else:  # NCCL: each message is uploaded once its bytes are gathered, then sent from the device
+            tensor = ch.torch.empty(len(blob), dtype=ch.torch.uint8, device=ch.device)
 
-        def progress(ready: int) -> None:  # send every whole chunk that is ready (the rest at the end)
-            while len(works) * chunk < len(blob):
-                lo = len(works) * chunk
-                hi = min(lo + chunk, len(blob))
-                if hi > ready:
-                    return
-                works.append(ch.send(tensor[lo:hi], "sending the payload"))
+        def send(lo: int, hi: int, what: str) -> None:
+            if not on_host(ch.device):
+                tensor[lo:hi].copy_(ch.torch.from_numpy(host[lo:hi]))
+            works.append(ch.send(tensor[lo:hi], what))
 
-        fill(progress)
+        send(0, meta_bytes, "sending the metadata")
+        cuts = _row_messages(len(blob), meta_bytes, chunk)
+        if fill is None:
+            for lo, hi in cuts:
+                send(lo, hi, "sending the rows")
+        else:
+
+            def progress(ready: int) -> None:  # send every message whose rows are all gathered
+                while len(works) <= len(cuts) and cuts[len(works) - 1][1] <= ready:
+                    send(*cuts[len(works) - 1], "sending the rows")
+
+            fill(progress)
     code = ch.hear("waiting for the answer to the payload")
     wait(sent, ch.timeout, ch.peer, "sending the header")
     for work in works:
         wait(work, ch.timeout, ch.peer, "sending the payload")
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
+
+
+def _row_messages(nbytes: int, meta_bytes: int, chunk: int) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` byte ranges of the payload's row messages: after the metadata
+    (its own message), ``chunk`` bytes at a time (none when there are no rows)."""
+    return [(lo, min(lo + chunk, nbytes)) for lo in range(meta_bytes, nbytes, chunk)]
 
 
 def default_max_bytes(memory: Any) -> int:
@@ -324,32 +347,44 @@ def recv_sequence(
     t0 = time.perf_counter()
     ch = _Channel(src, group, tag, timeout)
     limit = default_max_bytes(memory) if max_bytes is None else int(max_bytes)
-    data, (nbytes, pos_min, pos_max, flags, meta_bytes) = _take(ch, limit)
-    meta, rows = data, None
-    if meta_bytes >= 0:  # metadata, then the rows
-        meta, rows = data[:meta_bytes], np.frombuffer(data, dtype=np.uint8)[meta_bytes:]
+    got = _take(ch, limit)
     try:
-        _check_positions(meta, pos_max, rows)
+        _check_positions(got.meta, got.pos_max, got.rows)
     except StateError:
+        got.abandon()
         ch.answer(REFUSED)
         raise
     # what a failure after validation must put back (an empty destination: nothing to save)
     held = max(memory.seq_pos_min(seq_id), memory.seq_pos_max(seq_id)) >= 0  # either part of a hybrid
-    backup = _save(memory, seq_id, flags) if held else None
+    backup = _save(memory, seq_id, got.flags) if held else None
+    # the rows travel while the above and state_read's validation run; it waits for them before writing
+    source = None if got.rows is None else RowSource(got.rows, wait=got.arrive)
     try:
-        _read(memory, meta, rows, seq_id, flags)
+        _read(memory, got.meta, source, seq_id, got.flags)
+    except TransferError:
+        if source is not None and source.late:  # a memory that waited only once writing
+            _put_back(memory, backup, seq_id, got.flags)
+        raise  # else raised by the wait for the rows, before anything was written
     except StateError:
+        got.abandon()
         ch.answer(REFUSED)  # state_read validates everything before writing: nothing changed
         raise
     except BaseException:
-        if backup is not None:
-            _read(memory, *backup, seq_id, flags)  # failed after validating: put the old state back
-        else:
-            memory.seq_rm(seq_id, -1, -1)
+        got.abandon()
+        _put_back(memory, backup, seq_id, got.flags)
         ch.answer(FAILED)
         raise
+    got.arrive()  # a blob (rows inline) or a memory that wrote no rows: the payload is still complete
     ch.answer(OK)
-    return Transfer(nbytes, pos_min, pos_max, time.perf_counter() - t0)
+    return Transfer(got.nbytes, got.pos_min, got.pos_max, time.perf_counter() - t0)
+
+
+def _put_back(memory: Any, backup: tuple[bytes, np.ndarray] | None, seq_id: int, flags: int) -> None:
+    """After a failure that may have written: the sequence's previous state, or nothing."""
+    if backup is not None:
+        _read(memory, *backup, seq_id, flags)
+    else:
+        memory.seq_rm(seq_id, -1, -1)
 
 
 def _save(memory: Any, seq_id: int, flags: int) -> tuple[bytes, np.ndarray]:
@@ -363,19 +398,54 @@ def _save(memory: Any, seq_id: int, flags: int) -> tuple[bytes, np.ndarray]:
     return meta, rows
 
 
-def _read(memory: Any, meta: Any, rows: np.ndarray | None, seq_id: int, flags: int) -> None:
-    """``state_read`` of a blob, or of metadata whose rows are apart."""
+def _read(memory: Any, meta: Any, rows: np.ndarray | RowSource | None, seq_id: int, flags: int) -> None:
+    """``state_read`` of a blob, or of metadata whose rows are apart (a RowSource whose
+    ``wait`` the memory calls between validating and writing, or the rows themselves)."""
     if rows is None:
         memory.state_read(meta, seq_id, flags)
         return
-    with rows_apart(RowSource(rows)):
+    with rows_apart(rows if isinstance(rows, RowSource) else RowSource(rows)):
         memory.state_read(meta, seq_id, flags)
 
 
-def _take(ch: _Channel, limit: int) -> tuple[memoryview, tuple[int, int, int, int, int]]:
-    """The receiver's side up to a payload it has checked: ``(payload, (bytes, pos_min,
-    pos_max, state flags, metadata bytes or -1 for a whole blob))``; the final answer
-    is the caller's."""
+@dataclasses.dataclass
+class _Arrival:
+    """A payload whose header the receiver accepted: its metadata is here (a whole blob,
+    for ``rows=False``), its rows (``rows``, a host array) may still be arriving;
+    :meth:`arrive` waits for them (and checks the CRC), raising TransferError."""
+
+    ch: _Channel
+    nbytes: int
+    pos_min: int
+    pos_max: int
+    flags: int
+    meta: Any
+    rows: np.ndarray | None
+    pending: list[Any]
+    finish: Callable[[], None]
+    waited: bool = False
+
+    def arrive(self) -> None:
+        if self.waited:
+            return
+        self.waited = True
+        what = "receiving the rows"
+        for work in self.pending:
+            wait(work, self.ch.timeout, self.ch.peer, what)
+        self.pending = []
+        self.finish()
+
+    def abandon(self) -> None:
+        """Refused before the rows arrived: let them arrive (best effort) so the pair's
+        messages stay in step, within the timeout."""
+        if not self.waited:
+            with contextlib.suppress(TransferError):
+                self.arrive()
+
+
+def _take(ch: _Channel, limit: int) -> _Arrival:
+    """The receiver's side up to a payload whose metadata it holds (the rows may still
+    be on the wire: :meth:`_Arrival.arrive`); the final answer is the caller's."""
     src = ch.peer
     words = [int(x) for x in ch.recv(ch.ints([0] * _HEADER_WORDS), "receiving the header").tolist()]
     bad = _check_header(words)
@@ -390,18 +460,43 @@ def _take(ch: _Channel, limit: int) -> tuple[memoryview, tuple[int, int, int, in
         raise TransferError(src, f"rank {src} announced {nbytes} bytes, more than max_bytes={limit}; refused")
     ch.answer(OK)
     payload = _receive_buffer(ch, nbytes)
-    if not chunk:
+    host = on_host(ch.device)
+    flags = flags_word & 0xFFFF
+    checked = flags_word & _CRC_PRESENT
+
+    def check_crc(data: Any) -> None:
+        if checked and zlib.crc32(data) != crc:
+            raise TransferError(src, f"the payload from rank {src} does not match its CRC-32; nothing was written")
+
+    if not flags_word & _ROWS_APART:  # a whole blob in one message
         ch.recv(payload, "receiving the payload")
-    else:  # every message posted at once, into its place
-        what = "receiving the payload"
-        works = [ch.post_recv(payload[lo : lo + chunk], what) for lo in range(0, nbytes, chunk)]
-        for work in works:
-            wait(work, ch.timeout, src, what)
-    data = host_view(payload)
-    if flags_word & _CRC_PRESENT and zlib.crc32(data) != crc:
-        ch.answer(BAD_CHECKSUM)
-        raise TransferError(src, f"the payload from rank {src} does not match its CRC-32; nothing was written")
-    return data, (nbytes, pos_min, pos_max, flags_word & 0xFFFF, meta_bytes if flags_word & _ROWS_APART else -1)
+        data = host_view(payload)
+        try:
+            check_crc(data)
+        except TransferError:
+            ch.answer(BAD_CHECKSUM)
+            raise
+        return _Arrival(ch, nbytes, pos_min, pos_max, flags, data, None, [], lambda: None, waited=True)
+    # every message posted at once, into its place: the metadata, then the rows
+    first = ch.post_recv(payload[:meta_bytes], "receiving the metadata")  # posted first: messages match in order
+    works = [ch.post_recv(payload[lo:hi], "receiving the rows") for lo, hi in _row_messages(nbytes, meta_bytes, chunk)]
+    wait(first, ch.timeout, src, "receiving the metadata")
+    meta = host_view(payload[:meta_bytes])
+    # over NCCL the rows land on the device: they are read from a host copy made once they are all there
+    rows_host = np.frombuffer(host_view(payload), dtype=np.uint8) if host else np.empty(nbytes, dtype=np.uint8)
+    rows = rows_host[meta_bytes:]
+
+    def finish() -> None:
+        if not host:
+            ch.torch.from_numpy(rows).copy_(payload[meta_bytes:])
+            rows_host[:meta_bytes] = np.frombuffer(meta, dtype=np.uint8)
+        try:
+            check_crc(rows_host.data if host else rows_host)
+        except TransferError:
+            ch.answer(BAD_CHECKSUM)
+            raise
+
+    return _Arrival(ch, nbytes, pos_min, pos_max, flags, meta, rows, works, finish)
 
 
 _BUFFERS = threading.local()

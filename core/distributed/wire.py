@@ -57,6 +57,12 @@ def global_rank(group: Any, rank: int) -> int:
     return int(dist.get_global_rank(group, rank))
 
 
+def on_host(device: Any) -> bool:
+    """Whether tensors on ``device`` are host memory (gloo) rather than a GPU's (NCCL):
+    the one place the transfer decides between sharing a host buffer and copying."""
+    return bool(device.type == "cpu")
+
+
 def as_tensor(data: bytes | bytearray | memoryview | np.ndarray, device: Any) -> Any:
     """A ``uint8`` tensor over ``data`` (no copy on the host; one copy to a GPU)."""
     torch, _ = torch_dist()
@@ -65,7 +71,7 @@ def as_tensor(data: bytes | bytearray | memoryview | np.ndarray, device: Any) ->
         # torch warns that a read-only buffer is not writable; sends only read it
         warnings.simplefilter("ignore", UserWarning)
         t = torch.from_numpy(arr)
-    return t if device.type == "cpu" else t.to(device)
+    return t if on_host(device) else t.to(device, copy=True)
 
 
 def host_view(t: Any) -> memoryview:

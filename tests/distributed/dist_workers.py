@@ -149,6 +149,7 @@ def transfer(rank: int, world: int) -> Any:
     from statecache.distributed import transfer as T
 
     side = dist.new_group([0, 1])
+    rows_side = dist.new_group([0, 1])  # for the metadata whose rows never come (a timeout closes its pair)
     w = M.Weights.random(SEED, M.HYBRID_LAYERS)
     spec = M.model_spec("f32")
     cpu, ref = statecache.get_device("cpu"), statecache.get_device("reference")
@@ -189,10 +190,19 @@ def transfer(rank: int, world: int) -> Any:
             send_sequence(mem, 9, 1, tag=9)
         except Exception as exc:
             out["abort"] = type(exc).__name__
+        # valid metadata whose rows never come: the receiver validates it (and saves the
+        # state it holds) while waiting for them, then times out with nothing written
+        import torch
+
+        data, meta_bytes, fill = T._rows_payload(mem, 2, 0)
+        fill()
+        header = T._header(len(data), mem.seq_pos_min(2), mem.seq_pos_max(2), 0, None, meta_bytes, T.CHUNK_BYTES)
+        out["lost_rows"] = _forge(header, 1, tag=13, group=rows_side)
+        dist.send(torch.from_numpy(data[:meta_bytes].copy()), 1, group=rows_side, tag=13)
         # a sender that stalls past the receiver's timeout, in a group of its own (a gloo
         # timeout closes the connection it happened on)
         _forge(T._header(len(out["blob"]), 0, 7, 0, None), 1, tag=11, group=side)
-        time.sleep(2)
+        time.sleep(3)
         # finally: die while the payload is on its way (a large one, so that it is mid-way)
         import torch
         import torch.distributed as dist
@@ -219,6 +229,8 @@ def transfer(rank: int, world: int) -> Any:
         out[name] = _expect_failure(mem, lambda tag=tag: recv_sequence(mem, 0, 0, tag=tag))
     out["refused"] = _expect_failure(mem, lambda: recv_sequence(mem, 0, 0, tag=8))
     out["abort"] = _expect_failure(mem, lambda: recv_sequence(mem, 0, 0, tag=9))
+    assert mem.seq_pos_max(0) >= 0  # the destination holds a state a write would change
+    out["lost_rows"] = _expect_failure(mem, lambda: recv_sequence(mem, 0, 0, rows_side, tag=13, timeout=1.0))
     out["timeout"] = _expect_failure(mem, lambda: recv_sequence(mem, 0, 0, side, tag=11, timeout=1.0))
     out["died"] = _expect_failure(mem, lambda: recv_sequence(mem, 0, 0, tag=10, timeout=3.0, max_bytes=BIG))
     out["after_all"] = [decode(mem, w, s)[0] for s in ({0: [3]},)]

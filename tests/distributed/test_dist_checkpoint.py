@@ -135,3 +135,54 @@ def test_a_part_restores_only_into_its_own_rank(ref_device):
     assert err.value.field == "shard"
     assert shard.state_write() == before
     np.testing.assert_equal(shard.seq_pos_max(1), 1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_checkpoints_with_planes_roll_back_after_a_scatter_gather_and_reshard(backend):
+    """StateFlags.WITH_PLANES through the per-rank path: scatter to 2 ranks, restore and
+    save each shard, gather (and reshard to 1): the unsharded memory restored from that
+    rolls back into the last write exactly as the original."""
+    from statecache.memory import StateFlags
+
+    planes = StateFlags.WITH_PLANES
+    spec = ModelSpec.build(3, recurrent={0: SPECS["hybrid_iswa"].recurrent.layers[0], 2: M2},
+                           attention={1: AttentionLayerSpec(2, 4)}, kv_dtype="f16")  # fmt: skip
+    dev = statecache.get_device(backend)
+
+    def memory(local, seed):
+        mem = make_memory(local, dev, 2, 3, n_ctx=16, n_ubatch=8)
+        mem.fill_garbage(seed)
+        return mem
+
+    def written():
+        mem = memory(spec, 1)
+        place(mem, {0: [1, 2], 1: [3]})
+        place(mem, {0: [4, 5, 6, 7]})  # the last write of sequence 0 arms three planes
+        return mem
+
+    original = written()
+    parts = scatter_state(original.state_write(0, planes), spec, 2)
+    shards = []
+    for rank, part in enumerate(parts):
+        shard = memory(spec.shard(rank, 2), 10 + rank)
+        restore_shard(shard, part, rank, 2, 0)
+        shards.append(save_shard(shard, rank, 2, 0, planes))
+    assert shards == parts  # the planes survive each rank's restore and save
+    for blob in (gather_state(shards, spec), reshard(shards, spec, 1)[0]):
+        restored = memory(spec, 20)
+        restore_shard(restored, blob, 0, 1, 0)
+        twin = written()  # the original, rolled back itself
+        for depth in (3, 2):
+            p0 = original.seq_pos_max(0) + 1 - depth
+            assert restored.seq_rm(0, p0, -1) and twin.seq_rm(0, p0, -1)
+            assert restored.state_write(0) == twin.state_write(0)
+            place(restored, {0: list(range(p0, p0 + depth))})
+            place(twin, {0: list(range(p0, p0 + depth))})
+    # a corrupt plane row in one rank's part is refused by that rank, which stays as it was
+    bad = bytearray(parts[1])
+    bad[-1] ^= 1
+    shard = memory(spec.shard(1, 2), 30)
+    before = shard.state_write(-1, planes)
+    with pytest.raises(StateError):
+        restore_shard(shard, bytes(bad), 1, 2, 0)
+    assert shard.state_write(-1, planes) == before

@@ -152,6 +152,15 @@ def test_a_stalled_or_dead_sender_times_out_and_changes_nothing(two_ranks, case)
     assert "receiving the payload" in message and "rank 0" in message
 
 
+def test_metadata_whose_rows_never_come_changes_nothing(two_ranks):
+    """The receiver validates the metadata while the rows travel; rows that never come
+    end the wait for them before anything is written."""
+    assert two_ranks[0]["transfer"]["lost_rows"] == [OK]
+    error, message, unchanged = two_ranks[1]["transfer"]["lost_rows"]
+    assert (error, unchanged) == ("TransferError", True), message
+    assert "receiving the rows" in message and "rank 0" in message
+
+
 @pytest.mark.slow
 def test_disaggregated_tensor_parallel_instances():
     """Prefill at t=2 (ranks 0, 1) -> decode at t=2 (ranks 2, 3) with smaller memories:

@@ -177,3 +177,41 @@ def test_rows_cross_a_device_whose_memory_the_host_cannot_see(kind):
         ref = build(SPECS[kind], cpu, n_seq_max=4)
         ref.state_read(src.state_write(1), 0)
         assert dst.state_write(0) == ref.state_write(0)
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_rows_that_arrive_while_the_metadata_is_validated_install_and_a_lost_tail_changes_nothing(kind):
+    """recv_sequence validates the metadata while the rows are on the wire: every memory
+    waits for them (state_io.rows_ready) after validating and before writing.  Rows that
+    land only at that wait install the same state as rows that were there first; rows
+    that never come raise at the wait with the receiver untouched, its destination
+    sequence holding a state of its own (so a write would show)."""
+    from statecache.distributed.errors import TransferError
+    from statecache.state_io import RowSource
+
+    dev = statecache.get_device("cpu")
+    src = garbage_memory(kind, dev, seed=31)
+    meta, rows = payload(src, 1)
+    staging = np.zeros_like(rows)  # what the receiver holds before the rows arrive
+
+    def arrive():
+        staging[:] = rows
+
+    late, ref = build(SPECS[kind], dev, n_seq_max=4), build(SPECS[kind], dev, n_seq_max=4)
+    for mem in (late, ref):
+        place(mem, {0: [4, 4], 3: [5]})
+    T._check_positions(meta, src.seq_pos_max(1), staging)
+    T._read(late, meta, RowSource(staging, wait=arrive), 0, 0)
+    ref.state_read(src.state_write(1), 0)
+    assert late.state_write() == ref.state_write()
+
+    def lost():
+        raise TransferError(0, "receiving the rows: rank 0 is gone")
+
+    before = everything(late)
+    source = RowSource(np.zeros_like(rows), wait=lost)
+    with pytest.raises(TransferError, match="receiving the rows"):
+        T._read(late, meta, source, 3, 0)
+    assert not source.late  # the wait came before any write, not from scatter_rows
+    after = everything(late)
+    assert before[0] == after[0] and np.array_equal(before[1], after[1])

@@ -20,7 +20,7 @@ import numpy as np
 
 import statecache
 from statecache.backend import Device
-from statecache.batch import Batch, BatchAllocator
+from statecache.batch import Batch
 from statecache.dtypes import DType
 from statecache.errors import MemoryPlanError
 from statecache.factory import make_model_memory
@@ -197,7 +197,7 @@ class StatecacheCausalLM:
         each sequence; a bad batch raises and changes nothing); a compute that fails after the
         memory planned it is undone before the error propagates."""
         torch = self.torch
-        balloc = BatchAllocator(self.n_seq_max)
+        balloc = self.memory.batch_allocator()
         balloc.init(batch, self.memory, n_vocab=self.n_vocab, output_all=output_all)
         self._run_updates()
         ctx = self.memory.init_batch(balloc, self.n_ubatch)
@@ -218,7 +218,8 @@ class StatecacheCausalLM:
                         break
         except BaseException as exc:
             if applied:
-                self.last_dropped = tuple(ctx.undo())
+                # the model documents the lossy undo (keep_undo_rows=False): ask for it
+                self.last_dropped = tuple(ctx.undo(drop=True))
                 if self.last_dropped:
                     exc.add_note(f"statecache undid the batch and dropped sequences {list(self.last_dropped)}")
             raise
