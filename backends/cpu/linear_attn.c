@@ -30,9 +30,10 @@
  * input state (column n_t) is a raw copy of the start row's head block,
  * made before anything is written.
  *
- * Prefill of RWKV-6 and GLA (head size a multiple of 8, AVX2) runs the chunked
- * form (prefill_group_chunked, below): small matrix products per chunk of
- * tokens instead of a pass over the state per token. */
+ * Prefill (head size a multiple of 8, AVX2) runs the chunked forms
+ * (prefill_group_chunked, below): RWKV-6 and GLA the chunked gated form,
+ * RWKV-7 the chunked WY form of its generalized delta rule; small matrix
+ * products per chunk of tokens instead of a pass over the state per token. */
 #include "sc_gemm.h"
 
 /* Key-major kernels: state columns per tile (S rows each: 16 KiB at S = 128). */
@@ -125,6 +126,10 @@ static void kv_step(const float *in, int64_t ins, float *out, int64_t outs, int6
     for (int64_t j = 0; j < cw; j++) o[j] = acc[j] + bonus * v[j];
 }
 
+#ifndef SC_LA_AHEAD
+#define SC_LA_AHEAD 8
+#endif
+
 #ifdef SC_HAVE_AVX2
 /* kv_step for 32 columns: v and the four accumulators stay in registers for
  * the whole pass down the rows (written out, not as arrays: GCC kept arrays
@@ -140,6 +145,10 @@ static inline __attribute__((always_inline)) void kv_step32_impl(const float *in
         const __m256 kb = _mm256_set1_ps(k[i]), qb = _mm256_set1_ps(q[i]), eb = _mm256_set1_ps(e[i]);
         const float *src = in + i * ins;
         float *dst = out + i * outs;
+        /* the tile's row SC_LA_AHEAD on (two lines): rows a head row apart
+         * take half of each line pair, which the prefetchers do not run ahead of */
+        __builtin_prefetch(src + SC_LA_AHEAD * ins);
+        __builtin_prefetch(src + SC_LA_AHEAD * ins + 16);
         const __m256 x0 = _mm256_loadu_ps(src), x1 = _mm256_loadu_ps(src + 8);
         const __m256 x2 = _mm256_loadu_ps(src + 16), x3 = _mm256_loadu_ps(src + 24);
         const __m256 n0 = _mm256_fmadd_ps(x0, eb, _mm256_mul_ps(kb, v0));
@@ -260,6 +269,10 @@ static void wkv7_rows4(const float *in, float *out, int64_t S, const float *r, c
 }
 #endif
 
+#ifndef SC_WKV7_AHEAD
+#define SC_WKV7_AHEAD 8
+#endif
+
 /* One token over rows [0, n) (row stride S, in and out the same memory or
  * disjoint): sa = a . S[i]; S[i][j] = S[i][j] * e[j] + (sa * b[j] + v[i] * k[j]);
  * o[i] = S[i] . r (r already scaled). */
@@ -268,7 +281,14 @@ static void wkv7_rows(const float *in, float *out, int64_t n, int64_t S, const f
     int64_t i = 0;
 #ifdef SC_HAVE_AVX2
     if (S % 8 == 0)
-        for (; i + 4 <= n; i += 4) wkv7_rows4(in + i * S, out + i * S, S, r, e, k, v + i, a, b, o + i);
+        for (; i + 4 <= n; i += 4) {
+            /* Rows SC_WKV7_AHEAD on (past n too: in decode they are the next
+             * head's, which this thread runs next): the a-dots stall on each
+             * row's first touch, and the update pass between them issues no
+             * loads, so the stream would otherwise idle half the time. */
+            sc_prefetch_run(in + (i + SC_WKV7_AHEAD) * S, 4 * S, 1);
+            wkv7_rows4(in + i * S, out + i * S, S, r, e, k, v + i, a, b, o + i);
+        }
 #endif
     for (; i < n; i++) {
         const float *src = in + i * S;
@@ -483,6 +503,28 @@ typedef struct {
     int *token_loop;     /* [group]: the head went to the token loop for good */
 } la_chunk_ws;
 
+/* G[t] = g[0] + ... + g[t] per key for the L token rows of log decays g
+ * (rows lg apart) and Eend = exp G[L-1], or 0 when some |G| passes
+ * SC_LA_SPAN (or is NaN): the chunk's factors exp(+-G) would then leave
+ * float32's comfortable range, and it runs the token loop instead. */
+static int la_log_decay_sums(const float *g, int64_t lg, int64_t L, int64_t S, float *G, float *Eend) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 most = _mm256_setzero_ps();
+    for (int64_t t = 0; t < L; t++)
+        for (int64_t i = 0; i < S; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + t * lg + i);
+            if (t) x = _mm256_add_ps(x, _mm256_loadu_ps(G + (t - 1) * S + i));
+            _mm256_storeu_ps(G + t * S + i, x);
+            most = _mm256_max_ps(most, _mm256_andnot_ps(sign, x));
+        }
+    float m8[8];
+    _mm256_storeu_ps(m8, most);
+    for (int l = 0; l < 8; l++)
+        if (!(m8[l] <= SC_LA_SPAN)) return 0;
+    for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(Eend + i, sc_exp8(_mm256_loadu_ps(G + (L - 1) * S + i)));
+    return 1;
+}
+
 /* One chunk of L tokens (SC_LA_CHUNK_MIN <= L <= SC_LA_CHUNK) of one head in
  * the chunked form, or 0 (nothing written) when its decays span too much.
  * Q, K, V, g: [L][S] (q or r scaled, g the log decays); bonus: RWKV-6's
@@ -492,20 +534,7 @@ static int la_chunk(const float *Q, const float *K, const float *V, const float 
                     int64_t S, float *M, float *o, int64_t ldo, la_chunk_ws *w) {
     const int64_t Lp = (L + 7) & ~(int64_t)7;
     const int gla = bonus == NULL;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 most = _mm256_setzero_ps();
-    for (int64_t t = 0; t < L; t++)
-        for (int64_t i = 0; i < S; i += 8) {
-            __m256 x = _mm256_loadu_ps(g + t * S + i);
-            if (t) x = _mm256_add_ps(x, _mm256_loadu_ps(w->EG + (t - 1) * S + i));
-            _mm256_storeu_ps(w->EG + t * S + i, x);
-            most = _mm256_max_ps(most, _mm256_andnot_ps(sign, x));
-        }
-    float m8[8];
-    _mm256_storeu_ps(m8, most);
-    for (int l = 0; l < 8; l++)
-        if (!(m8[l] <= SC_LA_SPAN)) return 0;
-    for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(w->Eend + i, sc_exp8(_mm256_loadu_ps(w->EG + (L - 1) * S + i)));
+    if (!la_log_decay_sums(g, S, L, S, w->EG, w->Eend)) return 0;
     for (int64_t t = 0; t < L; t++)
         for (int64_t i = 0; i < S; i += 8) {
             const __m256 e = sc_exp8(_mm256_loadu_ps(w->EG + t * S + i));
@@ -550,50 +579,278 @@ static void la_chunk_tokens(const float *Q, const float *K, const float *V, cons
     }
 }
 
-/* prefill_group for RWKV-6 and GLA with S % 8 == 0: chunks that end at the
- * snapshot positions (and every SC_LA_CHUNK tokens between them), packed for
- * the whole group, then each head's chunk in the chunked form or the token
- * loop (see above); the snapshots of every head stored at each stop. */
+/* ---- RWKV-7 prefill: the chunked WY form of the generalized delta rule ----------
+ *
+ * flash-linear-attention's chunked form of a diagonal-plus-low-rank transition
+ * (chunk_dplr_delta_rule, which its RWKV-7 kernels call).  In key-major form
+ * (M = the transpose of the stored [value][key] block) a token is
+ *     M_t = (diag(w_t) + b_t a_t^T) M_{t-1} + k_t v_t^T,   o_t = M_t^T r_t.
+ * Over a chunk of L tokens from M0, with G_t the running sums of the log
+ * decays of each key (G_{-1} = 0) and sa_t = a_t^T M_{t-1} (the a-dot of every
+ * value), unrolling the recurrence gives
+ *     sa_t = at_t M0 + sum_{u<t} (at_t . kh_u) v_u + (at_t . bh_u) sa_u,
+ *     o_t  = rt_t M0 + sum_{u<=t} (rt_t . kh_u) v_u + (rt_t . bh_u) sa_u,
+ *     M_L  = diag(exp G_end) M0 + sum_u exp(G_end) (kh_u v_u^T + bh_u sa_u^T),
+ * with at_t = a_t exp(G_{t-1}), rt_t = r_t exp(G_t), kh_u = k_u exp(-G_u),
+ * bh_u = b_u exp(-G_u).  So the chunk is one product of its [at; rt] rows with
+ * [bh; kh]^T (the four L x L score blocks), the two rows M0 products, the
+ * a-dots SA as a unit lower triangular system (I - Aab) SA = at M0 + Aak V
+ * solved by forward substitution (fla's UT transform, applied to the rows
+ * instead of forming the inverse), one product [Arb Ark] [SA; V] for the
+ * outputs and one [bh kh]^T [SA; V] for the state: about 4 L S^2 + 7 L^2 S
+ * FMAs against the token loop's 5 L S^2.
+ *
+ * As for RWKV-6 / GLA: the factors exp(+-G) are safe in float32 while every
+ * |G| of the chunk stays below SC_LA_SPAN (RWKV-7's log decays are at least
+ * -e^-0.5 per token, so a chunk of 16 spans at most ~10); a steeper chunk runs
+ * the token loop, and a head whose start state or some chunk's inputs are not
+ * all finite runs the token loop from there on.  A chunk of any length takes
+ * this form (a one-token chunk costs about the token loop's work), so the
+ * short runs between snapshot positions stay cheap. */
+#ifndef SC_WKV7_BLOCK
+#define SC_WKV7_BLOCK 8 /* tokens per chunk, <= SC_LA_CHUNK: 8 measured faster than 16 (fewer L^2 S score FMAs) */
+#endif
+#define SC_WKV7_BLOCK_PAD ((SC_WKV7_BLOCK + 7) & ~7)
+
+typedef struct {
+    float *G;    /* [SC_WKV7_BLOCK][S] running sums of the log decays, then exp of them */
+    float *P;    /* [2 SC_WKV7_BLOCK][S]: at rows, then rt rows */
+    float *Q;    /* [2 SC_WKV7_BLOCK_PAD][S]: bh rows from 0, kh rows from Lp, zero padding */
+    float *QT;   /* [S][2 SC_WKV7_BLOCK_PAD]: Q transposed, then scaled into the state update's keys */
+    float *A;    /* [2 SC_WKV7_BLOCK][2 SC_WKV7_BLOCK_PAD] scores: rows at, rt; columns bh, kh */
+    float *VS;   /* [2 SC_WKV7_BLOCK_PAD][S]: SA rows from 0, V rows from Lp, zero padding */
+    float *Y;    /* [2 SC_WKV7_BLOCK][S]: [at; rt] M0 */
+    float *Eend; /* [S] exp G_end */
+    float *tmp;  /* [S][S] a state in storage (value-major) layout */
+    /* The next head's token rows (the inputs read in place): fetched a few
+     * rows at a time while this head computes, so the misses overlap its
+     * products instead of stalling in a burst. */
+    const float *next[6];
+    int64_t next_ls[6], next_rows, fetched;
+} wkv7_chunk_ws;
+
+/* Fetches the next `rows` of the next head's 6 * next_rows token rows of S floats. */
+static void wkv7_fetch_next(wkv7_chunk_ws *w, int64_t S, int64_t rows) {
+    for (int64_t r = 0; r < rows && w->fetched < 6 * w->next_rows; r++, w->fetched++) {
+        const int64_t m = w->fetched / w->next_rows, t = w->fetched % w->next_rows;
+        /* into L2: L1 holds this head's state and products */
+        const char *row = (const char *)(w->next[m] + t * w->next_ls[m]);
+        for (int64_t b = 0; b < S * (int64_t)sizeof(float); b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+    }
+}
+
+/* One chunk of L <= SC_WKV7_BLOCK tokens of one head in the chunked form, or 0
+ * (nothing written) when its decays span too much.  in[0..5]: the token rows
+ * of r, w (log decays), k, v, a, b, rows ls[m] apart; r is multiplied by
+ * `scale` here; M: the key-major state [S][S]; outputs at o, rows ldo apart. */
+static int wkv7_chunk(const float *const *in, const int64_t *ls, float scale, int64_t L, int64_t S, float *M,
+                      float *o, int64_t ldo, wkv7_chunk_ws *w) {
+    const int64_t Lp = (L + 7) & ~(int64_t)7, ld = 2 * SC_WKV7_BLOCK_PAD;
+    const __m256 one = _mm256_set1_ps(1.0f), sc = _mm256_set1_ps(scale);
+    if (!la_log_decay_sums(in[1], ls[1], L, S, w->G, w->Eend)) return 0;
+    for (int64_t t = 0; t < L; t++) {
+        const float *R = in[0] + t * ls[0], *K = in[2] + t * ls[2], *Av = in[4] + t * ls[4], *B = in[5] + t * ls[5];
+        wkv7_fetch_next(w, S, 3);
+        for (int64_t i = 0; i < S; i += 8) {
+            /* 1 / e by a refined reciprocal (e lies in [e^-60, e^60]): a
+             * divide would hold its port for several cycles per vector */
+            const __m256 e = sc_exp8(_mm256_loadu_ps(w->G + t * S + i)), r0 = _mm256_rcp_ps(e);
+            const __m256 inv = _mm256_fmadd_ps(r0, _mm256_fnmadd_ps(e, r0, one), r0);
+            const __m256 before = t ? _mm256_loadu_ps(w->G + (t - 1) * S + i) : one; /* exp G_{t-1}, exp'd already */
+            _mm256_storeu_ps(w->G + t * S + i, e);
+            _mm256_storeu_ps(w->P + t * S + i, _mm256_mul_ps(_mm256_loadu_ps(Av + i), before));
+            _mm256_storeu_ps(w->P + (L + t) * S + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(R + i), sc), e));
+            _mm256_storeu_ps(w->Q + t * S + i, _mm256_mul_ps(_mm256_loadu_ps(B + i), inv));
+            _mm256_storeu_ps(w->Q + (Lp + t) * S + i, _mm256_mul_ps(_mm256_loadu_ps(K + i), inv));
+        }
+        memcpy(w->VS + (Lp + t) * S, in[3] + t * ls[3], sizeof(float) * (size_t)S);
+    }
+    for (int64_t t = L; t < Lp; t++) {
+        memset(w->Q + t * S, 0, sizeof(float) * (size_t)S);
+        memset(w->Q + (Lp + t) * S, 0, sizeof(float) * (size_t)S);
+        memset(w->VS + t * S, 0, sizeof(float) * (size_t)S);
+        memset(w->VS + (Lp + t) * S, 0, sizeof(float) * (size_t)S);
+    }
+    sc_transpose(w->Q, S, w->QT, ld, 2 * Lp, S);
+    /* The four score blocks in one product, then masked: the a-dots see the
+     * tokens before their own (u < t), the outputs their own too (u <= t). */
+    sc_gemm(2 * L, 2 * Lp, S, w->P, S, w->QT, ld, w->A, ld, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
+    for (int64_t t = 0; t < L; t++) {
+        float *ra = w->A + t * ld, *rr = w->A + (L + t) * ld;
+        for (int64_t u = t; u < Lp; u++) ra[u] = ra[Lp + u] = 0.0f;
+        for (int64_t u = t + 1; u < Lp; u++) rr[u] = rr[Lp + u] = 0.0f;
+    }
+    wkv7_fetch_next(w, S, 12);
+    /* [at; rt] M0 in one product (2L rows fill the kernel's row blocks of 6
+     * better than two of L), then at M0 into the SA rows, rt M0 into the outputs. */
+    sc_gemm(2 * L, S, S, w->P, S, M, S, w->Y, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
+    memcpy(w->VS, w->Y, sizeof(float) * (size_t)(L * S));
+    for (int64_t t = 0; t < L; t++) memcpy(o + t * ldo, w->Y + (L + t) * S, sizeof(float) * (size_t)S);
+    wkv7_fetch_next(w, S, 12);
+    /* SA = at M0 + Aak V, then (I - Aab) SA = that, row by row. */
+    sc_gemm(L, S, L, w->A + Lp, ld, w->VS + Lp * S, S, w->VS, S, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 0);
+    for (int64_t t = 1; t < L; t++) {
+        float *sat = w->VS + t * S;
+        const float *ab = w->A + t * ld;
+        int64_t j = 0;
+        for (; j + 16 <= S; j += 16) {
+            __m256 x0 = _mm256_loadu_ps(sat + j), x1 = _mm256_loadu_ps(sat + j + 8);
+            for (int64_t u = 0; u < t; u++) {
+                const __m256 f = _mm256_set1_ps(ab[u]);
+                x0 = _mm256_fmadd_ps(f, _mm256_loadu_ps(w->VS + u * S + j), x0);
+                x1 = _mm256_fmadd_ps(f, _mm256_loadu_ps(w->VS + u * S + j + 8), x1);
+            }
+            _mm256_storeu_ps(sat + j, x0);
+            _mm256_storeu_ps(sat + j + 8, x1);
+        }
+        if (j < S) {
+            __m256 x0 = _mm256_loadu_ps(sat + j);
+            for (int64_t u = 0; u < t; u++) x0 = _mm256_fmadd_ps(_mm256_set1_ps(ab[u]), _mm256_loadu_ps(w->VS + u * S + j), x0);
+            _mm256_storeu_ps(sat + j, x0);
+        }
+    }
+    wkv7_fetch_next(w, S, 12);
+    /* o += [Arb Ark] [SA; V]. */
+    sc_gemm(L, S, 2 * Lp, w->A + L * ld, ld, w->VS, S, o, ldo, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_DENSE, 0);
+    wkv7_fetch_next(w, S, 12);
+    /* M = diag(exp G_end) M0 + ([bh kh] exp G_end) [SA; V]. */
+    for (int64_t i = 0; i < S; i++) {
+        float *row = w->QT + i * ld;
+        const __m256 e = _mm256_set1_ps(w->Eend[i]);
+        for (int64_t u = 0; u < 2 * Lp; u += 8) _mm256_storeu_ps(row + u, _mm256_mul_ps(e, _mm256_loadu_ps(row + u)));
+    }
+    sc_gemm(S, S, 2 * Lp, w->QT, ld, w->VS, S, M, S, SC_GEMM_ROWS, 0.0f, w->Eend, SC_GEMM_DENSE, 0);
+    wkv7_fetch_next(w, S, 6 * L); /* whatever is left */
+    return 1;
+}
+
+/* Tokens [0, L) of one head the token loop's way (wkv7_rows, as decode runs
+ * them) on the key-major state M, through the value-major scratch w->tmp
+ * (arguments as wkv7_chunk's). */
+static void wkv7_chunk_tokens(const float *const *in, const int64_t *ls, float scale, int64_t L, int64_t S, float *M,
+                              float *o, int64_t ldo, wkv7_chunk_ws *w) {
+    float *e = w->G, *r = w->P;
+    sc_transpose(M, S, w->tmp, S, S, S);
+    for (int64_t t = 0; t < L; t++) {
+        const float *wt = in[1] + t * ls[1], *rt = in[0] + t * ls[0];
+        for (int64_t i = 0; i < S; i += 8) {
+            _mm256_storeu_ps(e + i, sc_exp8(_mm256_loadu_ps(wt + i)));
+            _mm256_storeu_ps(r + i, _mm256_mul_ps(_mm256_loadu_ps(rt + i), _mm256_set1_ps(scale)));
+        }
+        wkv7_rows(w->tmp, w->tmp, S, S, r, e, in[2] + t * ls[2], in[3] + t * ls[3], in[4] + t * ls[4],
+                  in[5] + t * ls[5], o + t * ldo);
+    }
+    sc_transpose(w->tmp, S, M, S, S, S);
+}
+
+static void wkv7_chunk_ws_alloc(wkv7_chunk_ws *w, int64_t S) {
+    const size_t f = sizeof(float), SS = (size_t)S, C = SC_WKV7_BLOCK, Cp = SC_WKV7_BLOCK_PAD;
+    w->G = (float *)sc_alloc(f * C * SS);
+    w->P = (float *)sc_alloc(f * 2 * C * SS);
+    w->Q = (float *)sc_alloc(f * 2 * Cp * SS);
+    w->QT = (float *)sc_alloc(f * SS * 2 * Cp);
+    w->A = (float *)sc_alloc(f * 2 * C * 2 * Cp);
+    w->VS = (float *)sc_alloc(f * 2 * Cp * SS);
+    w->Y = (float *)sc_alloc(f * 2 * C * SS);
+    w->Eend = (float *)sc_alloc(f * SS);
+    w->tmp = (float *)sc_alloc(f * SS * SS);
+}
+
+static void wkv7_chunk_ws_free(wkv7_chunk_ws *w) {
+    float *all[] = {w->G, w->P, w->Q, w->QT, w->A, w->VS, w->Y, w->Eend, w->tmp};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) free(all[i]);
+}
+
+/* A head's state into / out of its key-major tile: RWKV-6 and GLA store
+ * key-major blocks, RWKV-7 value-major ones (transposed through `tmp`). */
+static void chunked_load(const la_call *c, int64_t row, int64_t head_off, float *tile, float *tmp) {
+    const int64_t S = c->S;
+    if (c->kind != LA_RWKV7) {
+        load_block(c->st, row, head_off, S, S, S, tile, S);
+        return;
+    }
+    load_block(c->st, row, head_off, S, S, S, tmp, S);
+    sc_transpose(tmp, S, tile, S, S, S);
+}
+
+static void chunked_store(const la_call *c, const float *tile, int64_t row, int64_t head_off, float *tmp) {
+    const int64_t S = c->S;
+    if (c->kind != LA_RWKV7) {
+        store_block(c->st, tile, S, row, head_off, S, S, S);
+        return;
+    }
+    sc_transpose(tile, S, tmp, S, S, S);
+    store_block(c->st, tmp, S, row, head_off, S, S, S);
+}
+
+/* Prefill with S % 8 == 0: chunks that end at the snapshot positions (and
+ * every SC_LA_BLOCK tokens between them), packed for the whole group, then
+ * each head's chunk in its chunked form or the token loop (see above); the
+ * snapshots of every head stored at each stop. */
 static void prefill_group_chunked(const la_call *c, int64_t s, int64_t ha, int64_t G, float *buf, float *bonus,
-                                  float *tiles, la_chunk_ws *w) {
+                                  float *tiles, la_chunk_ws *w, wkv7_chunk_ws *w7) {
     const sc_state *st = c->st;
     const int64_t S = c->S, H = c->H, t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
     la_call logc = *c;
-    logc.exp_in = -1; /* the chunked form sums the log decays */
+    logc.exp_in = -1; /* the chunked forms sum the log decays */
     for (int64_t hh = 0; hh < G; hh++) {
         const int64_t head_off = (ha + hh) * S * S;
         copy_input_state(st, s, n_t, head_off, S * S);
-        load_block(st, st->start_rows[s], head_off, S, S, S, tiles + hh * S * S, S);
+        chunked_load(c, st->start_rows[s], head_off, tiles + hh * S * S, w7->tmp);
         w->token_loop[hh] = !sc_all_finite(tiles + hh * S * S, 1, 0, S * S, 1);
     }
-    const int gla = c->kind == LA_GLA;
+    const int gla = c->kind == LA_GLA, wkv7 = c->kind == LA_RWKV7;
+    /* RWKV-7 reads its token rows in place when their elements are adjacent
+     * (its chunk scales every input on the way into the products anyway). */
+    int direct = wkv7;
+    for (int m = 0; m < c->n_in; m++) direct &= c->in[m].strides[2] == 1;
     int64_t longest;
     const int64_t n_stops = sc_state_stops(st, s, n_t, w->stops, &longest);
     int64_t pos = 0;
     for (int64_t i = 0; i < n_stops; i++) {
         while (pos < w->stops[i]) {
-            const int64_t L = w->stops[i] - pos < SC_LA_BLOCK ? w->stops[i] - pos : SC_LA_BLOCK;
-            pack_chunk(&logc, s, pos, L, ha, G, buf, bonus);
+            const int64_t block = wkv7 ? SC_WKV7_BLOCK : SC_LA_BLOCK;
+            const int64_t L = w->stops[i] - pos < block ? w->stops[i] - pos : block;
+            if (!direct) pack_chunk(&logc, s, pos, L, ha, G, buf, bonus);
             for (int64_t hh = 0; hh < G; hh++) {
                 const int64_t h = ha + hh;
-                const float *p[4];
-                for (int m = 0; m < 4; m++) p[m] = buf + (m * G + hh) * SC_LA_CHUNK * S;
-                const float *b = gla ? NULL : bonus + hh * SC_LA_CHUNK;
+                const float *p[6];
+                int64_t ls[6];
+                for (int m = 0; m < c->n_in; m++) {
+                    const sc_view *v = &c->in[m];
+                    p[m] = direct ? v->data + (t0 + pos) * v->strides[0] + h * v->strides[1]
+                                  : buf + (m * G + hh) * SC_LA_CHUNK * S;
+                    ls[m] = direct ? v->strides[0] : S;
+                    /* the next head's rows, fetched while this one computes:
+                     * rows a token apart are in other pages, where no
+                     * hardware prefetcher goes */
+                    w7->next[m] = p[m] + v->strides[1];
+                    w7->next_ls[m] = ls[m];
+                }
+                w7->next_rows = direct && hh + 1 < G ? L : 0;
+                w7->fetched = 0;
+                const float *b = gla || wkv7 ? NULL : bonus + hh * SC_LA_CHUNK;
                 float *tile = tiles + hh * S * S, *o = c->o + ((t0 + pos) * H + h) * S;
                 if (!w->token_loop[hh]) {
                     int ok = 1;
-                    for (int m = 0; m < 4 && ok; m++) ok = sc_all_finite(p[m], 1, 0, L * S, 1);
+                    for (int m = 0; m < c->n_in && ok; m++) ok = sc_all_finite(p[m], L, ls[m], S, 1);
                     if (ok && b) ok = sc_all_finite(b, 1, 0, L, 1);
                     w->token_loop[hh] = !ok;
                 }
-                if (w->token_loop[hh] || L < SC_LA_CHUNK_MIN || !la_chunk(p[0], p[1], p[2], p[3], b, L, S, tile, o, H * S, w))
+                if (wkv7) {
+                    const float sc = direct ? c->scale : 1.0f;
+                    if (w->token_loop[hh] || !wkv7_chunk(p, ls, sc, L, S, tile, o, H * S, w7))
+                        wkv7_chunk_tokens(p, ls, sc, L, S, tile, o, H * S, w7);
+                } else if (w->token_loop[hh] || L < SC_LA_CHUNK_MIN ||
+                           !la_chunk(p[0], p[1], p[2], p[3], b, L, S, tile, o, H * S, w)) {
                     la_chunk_tokens(p[0], p[1], p[2], p[3], b, L, S, tile, o, H * S, w->Qd);
+                }
             }
             pos += L;
         }
         const int64_t r = sc_snap_row(st, s, n_t - w->stops[i]);
         if (r >= 0)
-            for (int64_t hh = 0; hh < G; hh++) store_block(st, tiles + hh * S * S, S, r, (ha + hh) * S * S, S, S, S);
+            for (int64_t hh = 0; hh < G; hh++) chunked_store(c, tiles + hh * S * S, r, (ha + hh) * S * S, w7->tmp);
     }
 }
 #endif
@@ -617,8 +874,10 @@ static void la_run(const la_call *c, int n_threads) {
         const int64_t tile_floats = G * S * S; /* a decode unit uses at most one head's worth */
         float *tiles = (float *)sc_alloc(sizeof(float) * (size_t)tile_floats);
 #ifdef SC_HAVE_AVX2
-        const int chunked = c->kind != LA_RWKV7 && S % 8 == 0 && longest >= 2;
+        const int chunked = S % 8 == 0 && longest >= 2;
         la_chunk_ws w = {0};
+        wkv7_chunk_ws w7 = {0};
+        if (chunked && c->kind == LA_RWKV7) wkv7_chunk_ws_alloc(&w7, S);
         if (chunked) {
             const size_t cs = sizeof(float) * (size_t)(SC_LA_CHUNK * S);
             w.EG = (float *)sc_alloc(cs);
@@ -646,7 +905,7 @@ static void la_run(const la_call *c, int n_threads) {
             const int64_t g = end - unit < G ? end - unit : G;
 #ifdef SC_HAVE_AVX2
             if (chunked)
-                prefill_group_chunked(c, s, h, g, buf, bonus, tiles, &w);
+                prefill_group_chunked(c, s, h, g, buf, bonus, tiles, &w, &w7);
             else
 #endif
                 prefill_group(c, s, h, g, buf, bonus, tiles, tile_rows);
@@ -661,6 +920,7 @@ static void la_run(const la_call *c, int n_threads) {
         free(w.Eend);
         free(w.stops);
         free(w.token_loop);
+        wkv7_chunk_ws_free(&w7);
 #endif
         free(buf);
         free(bonus);

@@ -150,11 +150,16 @@ static inline void sc_store_f32(const float *SC_RESTRICT src, void *SC_RESTRICT 
 
 /* exp(x) in float32 written so the compiler vectorises it inside
  * `omp simd` loops (libm's expf is a scalar call).  Cephes polynomial, about
- * 1 ulp over the clamped range; below -87.3 it returns ~1e-38 instead of a
- * subnormal, which no decay or gate here can tell apart from zero. */
+ * 1 ulp where the result is a normal float.  Non-finite arguments give what
+ * exp gives (the reference backend's float64 math): NaN stays NaN (every
+ * comparison with it is false, so the clamps let it through), and the clamps
+ * to [-88, 89] put 2^n at 2^-127 (bits 0: the result is 0, as for -Inf) and
+ * 2^128 (bits of +Inf: the result is +Inf, as for +Inf) at the ends.  Below
+ * -87.68 the result is 0 rather than a subnormal, and above 88.38 +Inf where
+ * float32's own overflow starts at 88.72: no decay or gate here can tell. */
 static inline float sc_exp(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    x = x > 88.3f ? 88.3f : x;
+    x = x < -88.0f ? -88.0f : x;
+    x = x > 89.0f ? 89.0f : x;
     const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
     float t = x * 1.44269504088896341f + shifter;
     float n = t - shifter;
@@ -167,8 +172,9 @@ static inline float sc_exp(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     float y = p * r * r + r + 1.0f;
-    int32_t e = (int32_t)n + 127;
-    return y * sc_u2f((uint32_t)e << 23);
+    /* 2^n from the shifter's low mantissa bits (n + 127 in [0, 255]; wraps to
+     * 0 for n = -127), as sc_exp8 does: no float-to-int conversion of a NaN */
+    return y * sc_u2f((sc_f2u(t) << 23) + (127u << 23));
 }
 
 /* softplus(z) = z above 20 (upstream's threshold), else log1p(exp(z)),
@@ -200,10 +206,12 @@ static inline float sc_softplus(float z) {
 #define SC_HAVE_AVX2 1
 
 /* sc_exp on 8 lanes, same constants and clamps.  2^n is built from the
- * shifter's mantissa bits, which hold n after the add. */
+ * shifter's mantissa bits, which hold n after the add.  max/min return their
+ * second operand when either is NaN: the constant goes first, so a NaN lane
+ * passes the clamps and stays NaN. */
 static inline __m256 sc_exp8(__m256 x) {
     const __m256 shifter = _mm256_set1_ps(12582912.0f);
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-88.0f), x));
     __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shifter);
     __m256 n = _mm256_sub_ps(t, shifter);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);

@@ -1,6 +1,7 @@
 """The chunked prefill forms of the C kernels: Mamba-2's SSD blocks (heads of a
 group walked together), the gated delta rule / KDA in flash-linear-
-attention's WY form, and RWKV-6 / GLA in its chunked gated form.  A sequence
+attention's WY form, RWKV-6 / GLA in its chunked gated form and RWKV-7 in
+its chunked WY form of the generalized (diagonal plus low rank) delta rule.  A sequence
 takes them when a run of at least 16 tokens (8 for RWKV-6 / GLA) lies between
 its snapshot positions, so every case here has such runs, with snapshot
 columns anywhere in the sequence (chunks end at each of them).
@@ -49,6 +50,8 @@ CHUNKED_OPS: tuple[Callable[[], V.Op], ...] = (
     lambda: LA.rwkv6_op(16, 3),
     lambda: LA.gla_op(16, 3),
     lambda: LA.rwkv6_op(24, 2, scale=0.5),
+    lambda: LA.rwkv7_op(16, 3),
+    lambda: LA.rwkv7_op(8, 2, scale=0.5),
 )
 
 
@@ -185,6 +188,17 @@ def test_non_finite_start_state_takes_the_token_loop() -> None:
     assert_close("state", results[0][0], results[1][0], 1e-7)
 
 
+def _rwkv7_inputs(rng: np.random.Generator, S: int, H: int, decay_min: float) -> dict[str, np.ndarray]:
+    """RWKV-7's inputs as a model makes them: a = -kk, b = kk * iclr with kk a
+    unit vector and iclr in (0, 1) (the in-context learning rate)."""
+    r, k, v = rng.uniform(-1, 1, (3, N_T, H, S)).astype(np.float32)
+    kk = rng.uniform(-1, 1, (N_T, H, S))
+    kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+    w = rng.uniform(decay_min, -1e-3, (N_T, H, S)).astype(np.float32)
+    iclr = rng.uniform(0, 1, (N_T, H, S))
+    return {"r": r, "w": w, "k": k, "v": v, "a": (-kk).astype(np.float32), "b": (kk * iclr).astype(np.float32)}
+
+
 def _linear_attn_inputs(rng: np.random.Generator, gla: bool, S: int, H: int, gate_min: float) -> dict[str, np.ndarray]:
     q, k, v = rng.uniform(-1, 1, (3, N_T, H, S)).astype(np.float32)
     g = rng.uniform(gate_min, -1e-3, (N_T, H, S)).astype(np.float32)
@@ -194,15 +208,18 @@ def _linear_attn_inputs(rng: np.random.Generator, gla: bool, S: int, H: int, gat
 
 
 @pytest.mark.parametrize("gla", [False, True])
-@pytest.mark.parametrize(("name", "value"), [("q", np.nan), ("k", np.inf), ("v", np.nan), ("g", -np.inf)])
+@pytest.mark.parametrize(
+    ("name", "value"), [("q", np.nan), ("k", np.inf), ("v", np.nan), ("g", -np.inf), ("g", np.nan), ("g", np.inf)]
+)
 def test_linear_attn_places_non_finite_inputs_as_the_definition(gla: bool, name: str, value: float) -> None:
     """RWKV-6 / GLA: a NaN or Inf in a chunk past the first (chunks of 16)
     lands where the reference puts it; the chunks before it stay finite (a
     log decay of -Inf is a decay of 0: everything stays finite).
-    Left out, as the token loop (which such chunks run) differs there: an
-    infinite v (RWKV-6 adds its bonus as (sum_i r u k) v, an Inf where
-    ggml's per-key sum of Infs of both signs is NaN), and a NaN or +Inf log
-    decay (sc_exp clamps its argument, so exp(NaN) is not NaN)."""
+    A NaN or +Inf log decay is a NaN or +Inf decay (sc_exp lets both
+    through, as exp does).  Left out, as the token loop (which such chunks
+    run) differs there: an infinite v (RWKV-6 adds its bonus as
+    (sum_i r u k) v, an Inf where ggml's per-key sum of Infs of both signs is
+    NaN)."""
     S, H = 16, 2
     inputs = _linear_attn_inputs(np.random.default_rng(13), gla, S, H, -1.0)
     key = name if gla else {"q": "r", "g": "w"}.get(name, name)
@@ -260,3 +277,33 @@ def test_linear_attn_chunked_rounding(gla: bool, gate_min: float) -> None:
     (pool, o), (pool_ref, o_ref) = _both_devices(op, H * S * S, inputs, (N_T, H, S))
     assert _nmse(o, o_ref) < 1e-10
     assert _nmse(pool, pool_ref) < 1e-10
+
+
+@pytest.mark.parametrize("decay_min", [-0.6065, -10.0, -20.0])
+def test_rwkv7_chunked_rounding(decay_min: float) -> None:
+    """RWKV-7 against the float64 reference at head size 64 (the bench's).
+    Log decays down to -e^-0.5 per token (RWKV-7's own range) keep every chunk
+    factored; down to -10, about one in eight of the (chunk, head) pairs of 8 tokens
+    span more than 60 and run the token loop between chunked ones; down to -20
+    all do."""
+    S, H = 64, 2
+    inputs = _rwkv7_inputs(np.random.default_rng(15), S, H, decay_min)
+    (pool, o), (pool_ref, o_ref) = _both_devices("rwkv_wkv7", H * S * S, inputs, (N_T, H, S))
+    assert _nmse(o, o_ref) < 1e-10
+    assert _nmse(pool, pool_ref) < 1e-10
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("r", np.nan), ("k", np.inf), ("v", np.nan), ("a", -np.inf), ("b", np.nan)]
+)
+def test_rwkv7_places_non_finite_inputs_as_the_definition(name: str, value: float) -> None:
+    """A NaN or Inf in a chunk past the first: the chunks before it stay
+    chunked (finite), the rest runs token by token and NaN/Inf land where the
+    reference puts them."""
+    S, H = 16, 2
+    inputs = _rwkv7_inputs(np.random.default_rng(16), S, H, -0.6065)
+    inputs[name][41, 1, 3] = value
+    (pool, o), (pool_ref, o_ref) = _both_devices("rwkv_wkv7", H * S * S, inputs, (N_T, H, S))
+    assert_close("o", o, o_ref, 1e-7)
+    assert_close("snapshots", pool, pool_ref, 1e-7)
+    assert np.isfinite(o[:41]).all() and not np.isfinite(o[41:]).all()
