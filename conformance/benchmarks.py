@@ -46,9 +46,14 @@ through a ``RecurrentMemory`` (batch, plan, apply, the primitive on every
 layer) with ``n_rs_seq = 3`` against ``n_rs_seq = 0``, per family: the
 memory rotates its planes, so the primitive writes one row per sequence
 either way, in place without rollback and into the next plane with it.
+Next to those ratios, their floor on this host (:func:`host_rotation_floor`):
+a bare ``y = a x + b`` pass over 16 layers of 8 MiB in place against one
+streamed into another plane; the same bytes move, but the in-place pass
+writes lines already in cache and its state has half the footprint, so on a
+host where that pass is slower rotated, no kernel's rollback ratio can beat it.
 
 Importable: :data:`SHAPES`, :func:`make_case`, :func:`time_call`,
-:func:`memcpy_seconds`, :func:`host_memcpy_seconds`, :func:`fma_peak`,
+:func:`memcpy_seconds`, :func:`host_memcpy_seconds`, :func:`host_rotation_floor`, :func:`fma_peak`,
 :func:`exp_rate`, :func:`run` (returns one dict per shape), so a conformance
 ``--perf`` run can reuse them.  Ratios are printed, never asserted: this is not a timed test.
 """
@@ -252,6 +257,31 @@ void bench_memcpy(void *dst, const void *src, int64_t nbytes, int threads) {
     }
 }
 
+/* One pass of y = a * x + b over n floats, as a decode passes over a layer's
+ * state: in place (dst == src, normal stores: the lines are in cache from the
+ * read) or into another buffer with non-temporal stores in address order, the
+ * cheapest way to write lines that are out of cache (rotated planes).  The
+ * floor of decode with rollback against decode without, free of any kernel's
+ * arithmetic or access pattern. */
+void bench_update(float *dst, const float *src, int64_t n, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        int64_t lo = n / 16 * tid / nt * 16, hi = tid + 1 == nt ? n : n / 16 * (tid + 1) / nt * 16;
+        int64_t i = lo;
+#ifdef SC_HAVE_AVX2
+        const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+        if (dst != src && ((uintptr_t)dst & 31) == 0) {
+            for (; i + 8 <= hi; i += 8) _mm256_stream_ps(dst + i, _mm256_fmadd_ps(_mm256_loadu_ps(src + i), a, b));
+            _mm_sfence();
+        } else {
+            for (; i + 8 <= hi; i += 8) _mm256_storeu_ps(dst + i, _mm256_fmadd_ps(_mm256_loadu_ps(src + i), a, b));
+        }
+#endif
+        for (; i < hi; i++) dst[i] = src[i] * 0.999f + 1e-3f;
+    }
+}
+
 /* Independent FMA chains: iters * 96 lane-FMAs per thread. */
 float bench_fma_loop(int64_t iters, int threads) {
     float sink = 0.0f;
@@ -332,6 +362,7 @@ void scalar_conv(float *win, const float *x, const float *w, const float *bias, 
 
 _BENCH_CDEF = """
 void bench_memcpy(void *dst, const void *src, int64_t nbytes, int threads);
+void bench_update(float *dst, const float *src, int64_t n, int threads);
 float bench_fma_loop(int64_t iters, int threads);
 float bench_exp_loop(int64_t iters, int threads);
 void scalar_mamba1(float *state, const float *x, const float *dt, const float *A, const float *B, const float *C,
@@ -384,6 +415,35 @@ def host_memcpy_seconds(nbytes: int, threads: int, clock: Callable[[], float] = 
     dst = np.zeros(nbytes, np.uint8)
     ps, pd = ffi.from_buffer(src), ffi.from_buffer(dst)
     return time_call(lambda: lib.bench_memcpy(pd, ps, nbytes, threads), clock=clock)
+
+
+def host_rotation_floor(
+    layers: int, nbytes: int, threads: int, clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, float]:
+    """Seconds of one pass of ``bench_update`` over ``layers`` buffers of
+    ``nbytes``: in place, and from one of two planes into the other (the planes
+    swap every pass, as rotated rollback planes do; two planes have the same
+    traffic and reuse distance as four).  Their ratio is what decode with
+    rollback can reach against decode without on this host when both are
+    bound by memory: the same bytes move, but an in-place pass finds the
+    lines it writes in cache and its state has half the footprint."""
+    ffi, lib = bench_lib()
+    n = nbytes // 4
+    live = [np.ones(n, np.float32) for _ in range(layers)]
+    planes = [[np.ones(n, np.float32), np.ones(n, np.float32)] for _ in range(layers)]
+    ptr = {id(a): ffi.cast("float *", a.ctypes.data) for a in live + [p for pair in planes for p in pair]}
+    turn = [0]
+
+    def in_place() -> None:
+        for a in live:
+            lib.bench_update(ptr[id(a)], ptr[id(a)], n, threads)
+
+    def rotate() -> None:
+        turn[0] ^= 1
+        for pair in planes:
+            lib.bench_update(ptr[id(pair[turn[0]])], ptr[id(pair[1 - turn[0]])], n, threads)
+
+    return time_call(in_place, clock=clock), time_call(rotate, clock=clock)
 
 
 def _rate(
@@ -769,6 +829,9 @@ def run(
     memcpy_best: dict[int, float] = {}
     host_best: dict[tuple[int, int], float] = {}
     peak = exps = 0.0
+    # with rollback rows on a host: the floor of their ratio (the state of 16 layers of 8 MiB)
+    floor_rows = host and any(s.op == "memory" or "rotate" in s.name for s in shapes)
+    floor_best = [inf, inf]
     for _ in range(max(rounds, 1)):
         if host or scalar:
             peak = max(peak, fma_peak(threads, tick))
@@ -784,6 +847,8 @@ def run(
                 b["scalar"] = min(b["scalar"], time_call(case.scalar, None, min_time, clock=tick))
             if on_measured is not None:
                 on_measured(shape)
+        if floor_rows:
+            floor_best = [min(a, b) for a, b in zip(floor_best, host_rotation_floor(16, 8 * MiB, threads, tick))]
         if host and full_run:
             for nbytes in (8 * MiB, 32 * MiB):
                 for n_threads in (1, 2):
@@ -864,6 +929,12 @@ def run(
     ]
     if memory:
         say("decode through the memory, n_rs_seq=3 vs 0 (n_s=8, every layer): " + "; ".join(memory))
+    if floor_rows:
+        t_in, t_rot = floor_best
+        say(
+            f"floor of those ratios on this host (y = a x + b over 16 layers x 8 MiB): in place {t_in * 1e6:.0f} us, "
+            f"streamed into the other plane {t_rot * 1e6:.0f} us: {t_rot / t_in:.2f}x"
+        )
     if full_run:
         costs = ", ".join(
             f"{op} {call_overhead(device, op, clock=tick) * 1e6:.0f} / "

@@ -51,9 +51,9 @@ static const float *pack_tokens(const sc_view *v, int64_t t0, int64_t h, int64_t
  * k-dot, then update and q-dot) handle the four rows together, so k, q and
  * the gate are loaded once for four rows and the four dot products are
  * independent FMA chains.  `et` is the per-key gate (KDA) or NULL for the
- * scalar gate `es`.  With `mid` (4 * S floats of scratch) the decayed rows go
- * there and the updated ones to `out` with non-temporal stores: `out` is then
- * a pool row other than `in` in a large call (see update_rows in ssm_scan.c). */
+ * scalar gate `es`.  With `mid` (4 * S floats of scratch) the rows are updated
+ * there and then copied to `out` with non-temporal stores: `out` is then a
+ * pool row other than `in` in a large call (see update_rows in ssm_scan.c). */
 static inline __attribute__((always_inline)) void gdn_rows4_impl(const float *in, float *out, float *mid, int64_t S,
                                                                  const float *kt, const float *qt, const float *et,
                                                                  float es, const float *vt, int64_t vstride,
@@ -61,7 +61,6 @@ static inline __attribute__((always_inline)) void gdn_rows4_impl(const float *in
                                                                  const int stream) {
     const float *i0 = in, *i1 = i0 + S, *i2 = i1 + S, *i3 = i2 + S;
     float *r0 = stream ? mid : out, *r1 = r0 + S, *r2 = r1 + S, *r3 = r2 + S;
-    float *w0 = out, *w1 = w0 + S, *w2 = w1 + S, *w3 = w2 + S;
     __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
     const __m256 gs = _mm256_set1_ps(es);
     for (int64_t i = 0; i < S; i += 8) {
@@ -89,23 +88,21 @@ static inline __attribute__((always_inline)) void gdn_rows4_impl(const float *in
         const __m256 m1 = _mm256_fmadd_ps(k, e1, _mm256_loadu_ps(r1 + i));
         const __m256 m2 = _mm256_fmadd_ps(k, e2, _mm256_loadu_ps(r2 + i));
         const __m256 m3 = _mm256_fmadd_ps(k, e3, _mm256_loadu_ps(r3 + i));
-        if (stream) {
-            _mm256_stream_ps(w0 + i, m0);
-            _mm256_stream_ps(w1 + i, m1);
-            _mm256_stream_ps(w2 + i, m2);
-            _mm256_stream_ps(w3 + i, m3);
-        } else {
-            _mm256_storeu_ps(w0 + i, m0);
-            _mm256_storeu_ps(w1 + i, m1);
-            _mm256_storeu_ps(w2 + i, m2);
-            _mm256_storeu_ps(w3 + i, m3);
-        }
+        _mm256_storeu_ps(r0 + i, m0);
+        _mm256_storeu_ps(r1 + i, m1);
+        _mm256_storeu_ps(r2 + i, m2);
+        _mm256_storeu_ps(r3 + i, m3);
         o0 = _mm256_fmadd_ps(m0, q, o0);
         o1 = _mm256_fmadd_ps(m1, q, o1);
         o2 = _mm256_fmadd_ps(m2, q, o2);
         o3 = _mm256_fmadd_ps(m3, q, o3);
     }
     _mm_storeu_ps(ot, _mm_mul_ps(_mm_set1_ps(scale), sc_hsum4x8(o0, o1, o2, o3)));
+    /* The four updated rows leave `mid` as one contiguous run of streamed
+     * stores, each line finished before the next begins: streamed 32 bytes
+     * per row in turn, four half-written lines stayed open at once and held
+     * the fill buffers the loads need (see update_rows in ssm_scan.c). */
+    if (stream) sc_store_state(mid, out, SC_F32, 4 * S, 1);
 }
 
 static void gdn_rows4(const float *in, float *out, float *mid, int64_t S, const float *kt, const float *qt,
@@ -173,7 +170,7 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
             int64_t r = 0;
 #ifdef SC_HAVE_AVX2
             if (S % 8 == 0) {
-                /* a disjoint, aligned pool row of a large call: streamed */
+                /* a disjoint, aligned pool row of a large call or decode (sc_stream_rows): streamed */
                 float *via = stream && out != tile && out != in && ((uintptr_t)out & 31) == 0 ? mid : NULL;
                 for (; r + 4 <= jr; r += 4)
                     gdn_rows4(in + r * S, out + r * S, via, S, kt, qt, et, es_t, vt + r * u->ves, u->ves, b, u->scale,
@@ -700,6 +697,7 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
     const int64_t work_bytes = Hv * S * S * (int64_t)sizeof(float) * (st->n_tokens + n_s * sc_max_written(st));
     const int team = sc_state_team(n_units, work_bytes, n_threads);
     const int stream = work_bytes >= sc_stream_min_bytes;
+    const int rows_stream = sc_stream_rows(st, work_bytes, Hv * S * S * (int64_t)sizeof(float));
     const size_t tmax = (size_t)(st->max_tokens > 0 ? st->max_tokens : 1);
     const int64_t per = kda ? S : 1;
 #ifdef SC_HAVE_AVX2
@@ -768,7 +766,7 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
             u.q = pack_tokens(q, t0, hk, n_t, S, eps, 0, qpack, &u.qts);
 #pragma omp simd
             for (int64_t i = 0; i < n_t * per; i++) gbuf[i] = sc_exp(gbuf[i]);
-            gdn_token_unit(st, s, head_off, &u, tile_rows, stream, tile, mid);
+            gdn_token_unit(st, s, head_off, &u, tile_rows, rows_stream, tile, mid);
         }
         free(kpack);
         free(qpack);

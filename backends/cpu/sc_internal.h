@@ -298,6 +298,22 @@ static inline __m128 sc_hsum4x8(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
 #define SC_STREAM_MIN_BYTES ((int64_t)4 << 20)
 extern int64_t sc_stream_min_bytes; /* SC_STREAM_MIN_BYTES unless a test changed it */
 
+/* A decode call (one token per sequence) streams its rows from this much
+ * state on: one layer's call is small, but a decode step walks every layer
+ * before it reads the rows again, so a rotated plane's destination is out of
+ * cache whenever the model's state is (a 5376-channel conv window of 8
+ * sequences is 516 KiB per layer, 132 MiB over 256 layers; with normal
+ * stores each line was read before it was written, 1.5x the bytes). */
+#define SC_DECODE_STREAM_MIN_BYTES ((int64_t)256 << 10)
+
+/* Whether a call writes rows other than the ones it reads with non-temporal
+ * stores: `work_bytes` of state moved in all, `state_bytes` of state per
+ * sequence. */
+static inline int sc_stream_rows(const sc_state *st, int64_t work_bytes, int64_t state_bytes) {
+    if (work_bytes >= sc_stream_min_bytes) return 1;
+    return st->max_tokens == 1 && st->n_seqs * state_bytes >= SC_DECODE_STREAM_MIN_BYTES;
+}
+
 /* Orders a thread's non-temporal (streamed) stores before what follows. */
 static inline void sc_stream_fence(void) {
 #ifdef SC_HAVE_AVX2

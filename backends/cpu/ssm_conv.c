@@ -67,6 +67,14 @@ static void conv_decode_block(const float *win, float *nwin, const float *xr, in
     }
 }
 
+/* 8 outputs: streamed (`stream`, dst 32-byte aligned) or stored. */
+static inline void conv_store8(float *dst, __m256 v, int stream) {
+    if (stream)
+        _mm256_stream_ps(dst, v);
+    else
+        _mm256_storeu_ps(dst, v);
+}
+
 /* Tap k of the 8 channels at kc ([8][4] weights, 32 floats) in k[0..3],
  * channel order kept: each 128-bit half is a 4x4 transpose, channels 0-3 in
  * the low halves and 4-7 in the high ones.  vshufps rather than vunpck*: it
@@ -102,7 +110,8 @@ static inline void conv4_taps(const float *kc, __m256 k[4]) {
 static inline __attribute__((always_inline)) void conv4_decode_loop(const float *win, float *nwin, float *old,
                                                                     const float *xr, const float *weight,
                                                                     const float *wT, const float *bias, float *yr,
-                                                                    int64_t c_vec, const int transposed) {
+                                                                    int64_t c_vec, const int transposed,
+                                                                    const int stream) {
     /* After the blends, tap k of channel j sits in lane perm_k[j]. */
     const __m256i perm0 = _mm256_setr_epi32(0, 3, 6, 1, 4, 7, 2, 5);
     const __m256i perm1 = _mm256_setr_epi32(1, 4, 7, 2, 5, 0, 3, 6);
@@ -128,24 +137,27 @@ static inline __attribute__((always_inline)) void conv4_decode_loop(const float 
         acc = _mm256_fmadd_ps(xv, k[3], acc);
         if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + c));
         if (old) {
-            _mm256_storeu_ps(old + c * 3, va);
-            _mm256_storeu_ps(old + c * 3 + 8, vb);
-            _mm256_storeu_ps(old + c * 3 + 16, vc);
+            conv_store8(old + c * 3, va, stream);
+            conv_store8(old + c * 3 + 8, vb, stream);
+            conv_store8(old + c * 3 + 16, vc, stream);
         }
         /* x of channel j goes to stream slot 3j + 2: lanes 2, 5 of the first
          * vector, 0, 3, 6 of the second, 1, 4, 7 of the third, which one
          * permute (perm2's) serves for all three. */
         const __m256 xs = _mm256_permutevar8x32_ps(xv, perm2);
-        _mm256_storeu_ps(nwin + c * 3, _mm256_blend_ps(na, xs, 0x24));
-        _mm256_storeu_ps(nwin + c * 3 + 8, _mm256_blend_ps(nb, xs, 0x49));
-        _mm256_storeu_ps(nwin + c * 3 + 16, _mm256_blend_ps(_mm256_permutevar8x32_ps(vc, shift1), xs, 0x92));
+        conv_store8(nwin + c * 3, _mm256_blend_ps(na, xs, 0x24), stream);
+        conv_store8(nwin + c * 3 + 8, _mm256_blend_ps(nb, xs, 0x49), stream);
+        conv_store8(nwin + c * 3 + 16, _mm256_blend_ps(_mm256_permutevar8x32_ps(vc, shift1), xs, 0x92), stream);
         _mm256_storeu_ps(yr + c, acc);
     }
 }
 
+/* `stream`: nwin and old are pool rows other than win, 32-byte aligned, in a
+ * call large enough to stream (see conv_f32): written with non-temporal
+ * stores, in order, three whole vectors per group. */
 static void conv4_decode_block(const float *win, float *nwin, float *old, const float *xr, int64_t xs2,
                                const float *weight, const float *wT, const float *bias, float *yr, int64_t c0,
-                               int64_t cb, int apply_silu) {
+                               int64_t cb, int apply_silu, int stream) {
     const int64_t c_vec = cb - cb % 8;
     float xpack[SC_CONV_BLOCK];
     const float *xc = xr;
@@ -153,11 +165,16 @@ static void conv4_decode_block(const float *win, float *nwin, float *old, const 
         for (int64_t c = 0; c < c_vec; c++) xpack[c] = xr[c * xs2];
         xc = xpack;
     }
-    /* Two copies of the loop, so that neither tests the weights' source per group. */
-    if (wT)
-        conv4_decode_loop(win, nwin, old, xc, NULL, wT, bias ? bias + c0 : NULL, yr, c_vec, 1);
+    /* Copies of the loop, so that none tests the weights' source or the stores per group. */
+    const float *b = bias ? bias + c0 : NULL;
+    if (wT && stream)
+        conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 1);
+    else if (wT)
+        conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 0);
+    else if (stream)
+        conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 1);
     else
-        conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, bias ? bias + c0 : NULL, yr, c_vec, 0);
+        conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 0);
     /* SiLU in a second pass over the (L1-hot) outputs: inside the loop, its
      * ~90-cycle dependency chain per vector left the out-of-order window room
      * for only two or three groups at a time (one 5376-channel decode: 9.8 us
@@ -187,15 +204,6 @@ static void conv4_decode_block(const float *win, float *nwin, float *old, const 
 }
 #endif
 
-#ifdef SC_HAVE_AVX2
-/* 8 outputs: streamed (`stream`, dst 32-byte aligned) or stored. */
-static inline void conv_store8(float *dst, __m256 v, int stream) {
-    if (stream)
-        _mm256_stream_ps(dst, v);
-    else
-        _mm256_storeu_ps(dst, v);
-}
-#endif
 
 /* Unit (s, channels [c0, c0 + cb)) of a sequence with n_t != 1 tokens (or
  * any count on builds without AVX2): windows through the time-major `ext`. */
@@ -324,6 +332,7 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
         channels * (int64_t)sizeof(float) * (n_s * W * (1 + sc_max_written(st)) + 2 * st->n_tokens);
     const int team = sc_state_team(n_units, work_bytes, n_threads);
     const int stream = work_bytes >= sc_stream_min_bytes;
+    const int rows_stream = sc_stream_rows(st, work_bytes, channels * W * (int64_t)sizeof(float));
 #ifdef SC_HAVE_AVX2
     const int has_avx2 = 1;
 #else
@@ -380,12 +389,17 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
                         /* f32 windows are read and written in the pool, no scratch. */
                         float *fresh = r0 >= 0 ? (float *)sc_pool_at(st, r0, slice) : nwin;
                         float *old = r1 >= 0 ? (float *)sc_pool_at(st, r1, slice) : NULL;
-                        conv4_decode_block((const float *)src, fresh, old == (const float *)src ? NULL : old, xr, xc,
-                                           weight, taps, bias, yr, c0, cb, apply_silu);
+                        old = old == (const float *)src ? NULL : old;
+                        /* streamed: a destination row other than the start row (rotated
+                         * planes), as every store of that row is a whole aligned vector */
+                        const int nt = rows_stream && r0 >= 0 && fresh != (const float *)src && ((uintptr_t)fresh & 31) == 0 &&
+                                       ((uintptr_t)(old ? old : fresh) & 31) == 0;
+                        conv4_decode_block((const float *)src, fresh, old, xr, xc, weight, taps, bias, yr, c0, cb,
+                                           apply_silu, nt);
                         continue;
                     }
                     sc_load_f32(src, pool_dtype, win, cb * W);
-                    conv4_decode_block(win, nwin, NULL, xr, xc, weight, taps, bias, yr, c0, cb, apply_silu);
+                    conv4_decode_block(win, nwin, NULL, xr, xc, weight, taps, bias, yr, c0, cb, apply_silu, 0);
                 } else {
                     sc_load_f32(src, pool_dtype, win, cb * W);
                     conv_decode_block(win, nwin, xr, xc, weight, bias, yr, c0, cb, d_conv, apply_silu);

@@ -112,12 +112,11 @@ static void scan_epilogue(const scan_call *c, int64_t t0, int64_t n_t, int64_t h
 /* One token over `ir` rows of N: out[r] = in[r] * a + B * xd[r] and
  * y[r] = out[r] . C.  `in` and `out` are either the same rows or disjoint. */
 #ifdef SC_HAVE_AVX2
-/* Four rows of one token, lanes across N; `stream` stores the results with
- * non-temporal stores (see update_rows). */
+/* Four rows of one token, lanes across N (see update_rows). */
 static inline __attribute__((always_inline)) void update_rows4(const float *i0, float *o0, int64_t N,
                                                                const float *SC_RESTRICT Bt,
                                                                const float *SC_RESTRICT Ct, __m256 av,
-                                                               const float *xd, float *yt, const int stream) {
+                                                               const float *xd, float *yt) {
     const float *i1 = i0 + N, *i2 = i1 + N, *i3 = i2 + N;
     float *o1 = o0 + N, *o2 = o1 + N, *o3 = o2 + N;
     const __m256 x0 = _mm256_set1_ps(xd[0]), x1 = _mm256_set1_ps(xd[1]);
@@ -129,17 +128,10 @@ static inline __attribute__((always_inline)) void update_rows4(const float *i0, 
         __m256 v1 = _mm256_fmadd_ps(_mm256_loadu_ps(i1 + k), av, _mm256_mul_ps(b, x1));
         __m256 v2 = _mm256_fmadd_ps(_mm256_loadu_ps(i2 + k), av, _mm256_mul_ps(b, x2));
         __m256 v3 = _mm256_fmadd_ps(_mm256_loadu_ps(i3 + k), av, _mm256_mul_ps(b, x3));
-        if (stream) {
-            _mm256_stream_ps(o0 + k, v0);
-            _mm256_stream_ps(o1 + k, v1);
-            _mm256_stream_ps(o2 + k, v2);
-            _mm256_stream_ps(o3 + k, v3);
-        } else {
-            _mm256_storeu_ps(o0 + k, v0);
-            _mm256_storeu_ps(o1 + k, v1);
-            _mm256_storeu_ps(o2 + k, v2);
-            _mm256_storeu_ps(o3 + k, v3);
-        }
+        _mm256_storeu_ps(o0 + k, v0);
+        _mm256_storeu_ps(o1 + k, v1);
+        _mm256_storeu_ps(o2 + k, v2);
+        _mm256_storeu_ps(o3 + k, v3);
         c0 = _mm256_fmadd_ps(v0, c, c0);
         c1 = _mm256_fmadd_ps(v1, c, c1);
         c2 = _mm256_fmadd_ps(v2, c, c2);
@@ -160,18 +152,31 @@ static inline __attribute__((always_inline)) void update_rows4(const float *i0, 
  * buffer full of such stores stalls every later load at the same address
  * modulo 4 KiB (pool rows are multiples of 4 KiB apart, so the next rows'
  * loads all alias): reading one row and writing another was several times
- * slower than updating in place.  Streamed, it moves the same bytes.  The
+ * slower than updating in place.  Streamed, it moves the same bytes.
+ *
+ * The four rows go to `scratch` (4 * N floats, L1) and from there to `out`
+ * as one contiguous run of streamed stores (sc_store_state): streamed straight
+ * from update_rows4, each 64-byte line would be finished only a loop
+ * iteration after it was started, four lines of four rows open at once,
+ * and the write-combining buffers those hold are the line fill buffers the
+ * loads of the next rows need.  Measured over 384 MiB of state (one thread,
+ * CPU time, 4-row groups of 128-float rows): rows interleaved 32 bytes at a
+ * time ran at 0.45x of in-place updates, whole lines in order at 0.81x.  The
  * caller fences (sc_stream_fence) before the kernel returns. */
 static inline void update_rows(const float *in, float *out, int64_t ir, int64_t N, const float *SC_RESTRICT Bt,
-                               const float *SC_RESTRICT Ct, float a, const float *xd, float *yt, int to_pool) {
+                               const float *SC_RESTRICT Ct, float a, const float *xd, float *yt, int to_pool,
+                               float *scratch) {
     int64_t r = 0;
 #ifdef SC_HAVE_AVX2
     if (N % 8 == 0) {
         const __m256 av = _mm256_set1_ps(a);
-        if (to_pool && out != in && ((uintptr_t)out & 31) == 0) {
-            for (; r + 4 <= ir; r += 4) update_rows4(in + r * N, out + r * N, N, Bt, Ct, av, xd + r, yt + r, 1);
+        if (to_pool && scratch && out != in && ((uintptr_t)out & 31) == 0) {
+            for (; r + 4 <= ir; r += 4) {
+                update_rows4(in + r * N, scratch, N, Bt, Ct, av, xd + r, yt + r);
+                sc_store_state(scratch, out + r * N, SC_F32, 4 * N, 1);
+            }
         } else {
-            for (; r + 4 <= ir; r += 4) update_rows4(in + r * N, out + r * N, N, Bt, Ct, av, xd + r, yt + r, 0);
+            for (; r + 4 <= ir; r += 4) update_rows4(in + r * N, out + r * N, N, Bt, Ct, av, xd + r, yt + r);
         }
     }
 #endif
@@ -196,8 +201,9 @@ static inline int64_t tile_rows(int64_t N) {
     return rows < 4 ? 4 : rows > SC_SCAN_TILE ? SC_SCAN_TILE : rows;
 }
 
+/* `quad`: 4 * N floats of scratch (see update_rows). */
 static void scan_mamba2_unit(const scan_call *c, int64_t s, int64_t h, float *dbuf, float *abuf, float *bpack,
-                             float *cpack, float *tile) {
+                             float *cpack, float *tile, float *quad) {
     const sc_state *st = c->st;
     const sc_dtype pdt = (sc_dtype)st->pool_dtype;
     const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
@@ -227,7 +233,7 @@ static void scan_mamba2_unit(const scan_call *c, int64_t s, int64_t h, float *db
             const int64_t j = n_t - 1 - t;
             const float *in = t == 0 && direct ? (const float *)sc_pool_at(st, start_row, off) : tile;
             float *out = j == 0 && direct && r0 >= 0 ? (float *)sc_pool_at(st, r0, off) : tile;
-            update_rows(in, out, ir, N, Bs + t * bts, Cs + t * cts, a, xd, yt, c->stream && out != tile);
+            update_rows(in, out, ir, N, Bs + t * bts, Cs + t * cts, a, xd, yt, c->stream && out != tile, quad);
             const int64_t rj = sc_snap_row(st, s, j);
             if (out == tile && rj >= 0) sc_store_f32(tile, sc_pool_at(st, rj, off), pdt, ir * N);
         }
@@ -544,7 +550,7 @@ static void mamba2_tokens_from(const scan_call *c, m2_chunk_ws *w, int64_t s, in
             for (int64_t p = 0; p < P; p++) w->xdT[p] = xr[p * x->strides[2]] * d;
             float *S = w->S + hh * P * N;
             update_rows(S, S, P, N, w->Bc, w->Cc, sc_exp(w->dA[hh * n_t + t]), w->xdT,
-                        c->y + (tt * H + h0 + hh) * P, 0);
+                        c->y + (tt * H + h0 + hh) * P, 0, NULL);
         }
         for (; i < n_stops && stops[i] <= t + 1; i++) {
             const int64_t r = sc_snap_row(st, s, n_t - stops[i]);
@@ -651,7 +657,8 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
     const int64_t H = n_head, P = head_dim, N = d_state, n_s = st->n_seqs, n_t_max = st->max_tokens;
     /* State streamed: every token passes over the state, plus the rows written. */
     const int64_t work_bytes = H * P * N * (int64_t)sizeof(float) * (st->n_tokens + n_s * sc_max_written(st));
-    const scan_call c = {st, x, dt, B, C, A, y, opt, H, P, N, n_group, work_bytes >= sc_stream_min_bytes};
+    const scan_call c = {st, x, dt, B, C, A, y, opt, H, P, N, n_group,
+                         sc_stream_rows(st, work_bytes, H * P * N * (int64_t)sizeof(float))};
     if (a_per_state) {
         const int64_t n_blocks = (H + SC_M1_HEADS - 1) / SC_M1_HEADS, n_units = n_s * n_blocks;
         const int team = sc_state_team(n_units, work_bytes, n_threads);
@@ -710,6 +717,7 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
         float *bpack = need_pack ? (float *)sc_alloc(sizeof(float) * tmax * (size_t)N) : NULL;
         float *cpack = need_pack ? (float *)sc_alloc(sizeof(float) * tmax * (size_t)N) : NULL;
         float *tile = (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows(N) * N));
+        float *quad = (float *)sc_alloc(sizeof(float) * (size_t)(4 * N));
 #ifdef SC_HAVE_AVX2
         m2_chunk_ws w = {0};
         if (may_chunk) m2_chunk_ws_alloc(&w, P, N, (int64_t)tmax, st->n_cols);
@@ -729,7 +737,7 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
                     continue;
             }
 #endif
-            for (int64_t h = h0; h < h0 + hb; h++) scan_mamba2_unit(&c, s, h, dbuf, abuf, bpack, cpack, tile);
+            for (int64_t h = h0; h < h0 + hb; h++) scan_mamba2_unit(&c, s, h, dbuf, abuf, bpack, cpack, tile, quad);
         }
         sc_stream_fence(); /* this thread's streamed rows are visible before it joins */
         (void)may_chunk;
@@ -738,6 +746,7 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
         free(bpack);
         free(cpack);
         free(tile);
+        free(quad);
 #ifdef SC_HAVE_AVX2
         if (may_chunk) m2_chunk_ws_free(&w);
 #endif

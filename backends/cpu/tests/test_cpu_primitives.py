@@ -479,10 +479,11 @@ def test_streamed_destination_rows_pass_the_contract_cases() -> None:
 
     dev = cpu_device()
     ids = ("rotation[", "packed_split[", "equal_form[", "varlen[")
-    ran = 0
+    ran = dict.fromkeys(("ssm_scan", "gated_delta_net", "ssm_conv"), 0)
     for case in V.all_cases():
-        if any(marker in case.id for marker in ids) and case.ops[0] in ("ssm_scan", "gated_delta_net"):
+        if any(marker in case.id for marker in ids) and case.ops[0] in ("ssm_scan", "gated_delta_net", "ssm_conv"):
             with np.errstate(all="ignore"):
                 case.run(dev)
-            ran += 1
-    assert ran >= 16
+            ran[case.ops[0]] += 1
+    # the conv's windows of 24 channels are 288-byte rows: aligned, so its decode streams them too
+    assert min(ran.values()) >= 8, ran
