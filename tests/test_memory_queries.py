@@ -96,19 +96,26 @@ def build(kind: str, n_rs_seq: int = 2) -> Memory:
     return mem
 
 
-def decode(mem: Memory, tokens: dict[int, int], n_ubatch: int = 8) -> None:
-    """Plan and apply a batch (book only: the queries are about the book; rows keep
-    whatever they hold, which the fingerprints compare anyway)."""
+def plan(mem: Memory, tokens: dict[int, int], n_ubatch: int) -> Any:
+    """The context of a batch of ``tokens[s]`` tokens per sequence, or None where the
+    batch is empty or refused (a refusal is what the queries are tested against elsewhere)."""
     balloc = BatchAllocator.for_memory(mem)
     batch = {s: [1 + (s + k) % 5 for k in range(n)] for s, n in tokens.items() if n}
     if not batch:
-        return
+        return None
     try:
         balloc.init(Batch.for_sequences(batch, output_all=True), mem)
     except BatchError:
-        return
+        return None
     ctx = mem.init_batch(balloc, n_ubatch)
-    if ctx.status.is_fail:
+    return None if ctx.status.is_fail else ctx
+
+
+def decode(mem: Memory, tokens: dict[int, int], n_ubatch: int = 8) -> None:
+    """Plan and apply a batch (book only: the queries are about the book; rows keep
+    whatever they hold, which the fingerprints compare anyway)."""
+    ctx = plan(mem, tokens, n_ubatch)
+    if ctx is None:
         return
     while True:
         assert ctx.apply()
@@ -125,16 +132,8 @@ def decode_then_undo(mem: Memory, tokens: dict[int, int]) -> None:
     drops, and a plain ``undo()`` is refused, changing nothing, exactly when it is lossy."""
     if not isinstance(mem, RecurrentMemory | HybridMemory):
         return  # a KV cache alone offers no undo
-    balloc = mem.batch_allocator()
-    batch = {s: [1 + (s + k) % 5 for k in range(n)] for s, n in tokens.items() if n}
-    if not batch:
-        return
-    try:
-        balloc.init(Batch.for_sequences(batch, output_all=True), mem)
-    except BatchError:
-        return
-    ctx: Any = mem.init_batch(balloc, 4)
-    if ctx.status.is_fail:
+    ctx: Any = plan(mem, tokens, 4)
+    if ctx is None:
         return
     recr = mem if isinstance(mem, RecurrentMemory) else mem.recr
     while True:
