@@ -20,7 +20,11 @@ to the one that applies (a roofline):
 
 The larger floor is the shape's bound (column ``bound``: ``memcpy``, ``fma``
 or ``exp`` for a compute floor made mostly of exponentials, as the Mamba-1
-scan's per-element decays); ``x bound`` is that floor over the time.  The
+scan's per-element decays); ``x bound`` is that floor over the time.  Below
+the table a line per shape says why its bound applies: its lane FMAs and
+exponentials per byte moved, and the two floors they give on this machine
+(the conv prefill, a few FMAs per 8 bytes, is bound by its SiLU's one
+exponential per output element wherever that costs more than the copy).  The
 operation counts are those of the token-by-token definition (a chunked
 kernel may do a little more or less arithmetic than that).  Also printed:
 the speed-up over the NumPy reference backend, and for the Mamba-1 scan and
@@ -54,7 +58,7 @@ host where that pass is slower rotated, no kernel's rollback ratio can beat it.
 
 Importable: :data:`SHAPES`, :func:`make_case`, :func:`time_call`,
 :func:`memcpy_seconds`, :func:`host_memcpy_seconds`, :func:`host_rotation_floor`, :func:`fma_peak`,
-:func:`exp_rate`, :func:`run` (returns one dict per shape), so a conformance
+:func:`exp_rate`, :func:`bound_reason`, :func:`run` (returns one dict per shape), so a conformance
 ``--perf`` run can reuse them.  Ratios are printed, never asserted: this is not a timed test.
 """
 
@@ -783,6 +787,25 @@ def bound_of(case: Case, memcpy: float, peak: float, exps: float) -> tuple[str, 
     return ("exp" if t_exp > t_fma else "fma"), compute, compute
 
 
+def bound_reason(case: Case, memcpy: float, peak: float, exps: float) -> str:
+    """Why a case has the bound :func:`bound_of` names: its arithmetic
+    intensity (lane FMAs and exponentials per byte moved) and the floors that
+    intensity gives on this machine, the larger one first.  A depthwise conv
+    does a few FMAs per 8 bytes, yet one SiLU exponential per output element
+    can cost more than moving the element's bytes: the line shows which."""
+    mb = case.traffic / 1e6
+    intensity = f"{case.fma_ops / case.traffic:.2f} FMA + {case.exp_ops / case.traffic:.3f} exp per byte"
+    if not peak or not exps:
+        return f"memcpy: {mb:.1f} MB moved, {intensity} (compute floor not measured)"
+    t_fma, t_exp = case.fma_ops / peak * 1e6, case.exp_ops / exps * 1e6
+    copy = f"copy of {mb:.1f} MB {memcpy * 1e6:.0f} us"
+    compute = f"{case.fma_ops / 1e6:.2f} M FMA {t_fma:.0f} us + {case.exp_ops / 1e6:.2f} M exp {t_exp:.0f} us"
+    bound = bound_of(case, memcpy, peak, exps)[0]
+    if bound == "memcpy":
+        return f"memcpy: {intensity}; {copy} >= {compute}"
+    return f"{bound}: {intensity}; {compute} > {copy}"
+
+
 def run(
     device_name: str | Device = "cpu",
     *,
@@ -884,6 +907,7 @@ def run(
             "bound": bound,
             "bound_ratio": floor / t,
             "fma_ratio": (case.fma_ops / peak) / t if peak and bound != "memcpy" else None,
+            "why": bound_reason(case, t_copy, peak, exps),
         }
         if ref is not None:
             ref_case = make_case(ref, shape)
@@ -902,6 +926,9 @@ def run(
             "memcpy / compute: the floors in us (copy of the shape's bytes; its FMAs at the FMA peak plus its "
             "exps at the exp rate); bound: the larger one; x bound: that floor / the time"
         )
+        say("why each bound applies (the shape's work per byte moved, and the floors it gives here):")
+        for row in rows:
+            say(f"  {row['shape']:28} {row['why']}")
     if host and full_run:
         for nbytes in (8 * MiB, 32 * MiB):
             t1, t2 = host_best[(nbytes, 1)], host_best[(nbytes, 2)]
