@@ -4,17 +4,17 @@
  * and a sequence's path depends only on its own length, so a packed call
  * computes every sequence exactly as a call of its own would.
  *
- * A work unit is (sequence, block of SC_CONV_BLOCK channels).  Each unit
- * transposes its windows into a time-major scratch `ext[t][c]` and reads x
- * rows in place (strided x is packed into ext), so that the taps, bias and
- * SiLU vectorise over channels (8-lane AVX2 loop, portable loops for the
- * channel tail and other builds); then it writes outputs and snapshot
- * windows straight back into the pool.  Decode (one token) on AVX2 skips the
- * transposes: with d_conv == 4 it shuffles windows and weights in registers
- * (f32 pools read and written in place), other widths gather them.  Each
- * part of the start row's slice is read before anything is written over it,
- * and no other unit touches that slice, so in-place decode and rollback are
- * safe under any thread split. */
+ * A work unit is (sequence, block of up to SC_CONV_BLOCK channels; conv_f32
+ * picks the width).  Each unit transposes its windows into a time-major
+ * scratch `ext[t][c]` and reads x rows in place (strided x is packed into
+ * ext), so that the taps, bias and SiLU vectorise over channels (8-lane
+ * AVX2 loop, portable loops for the channel tail and other builds); then it
+ * writes outputs and snapshot windows straight back into the pool.  Decode
+ * (one token) on AVX2 skips the transposes: with d_conv == 4 it shuffles
+ * windows and weights in registers (f32 pools read and written in place),
+ * other widths gather them.  Each part of the start row's slice is read
+ * before anything is written over it, and no other unit touches that slice,
+ * so in-place decode and rollback are safe under any thread split. */
 #include "sc_internal.h"
 
 /* 1 KiB of each x and y row per token: long contiguous runs for the
@@ -323,14 +323,28 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
 static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, const float *bias, float *y,
                      int64_t channels, int64_t d_conv, int apply_silu, int n_threads) {
     const int64_t W = d_conv - 1, n_s = st->n_seqs;
-    const int64_t n_blocks = (channels + SC_CONV_BLOCK - 1) / SC_CONV_BLOCK;
-    const int64_t n_units = n_s * n_blocks;
+    int64_t n_blocks = (channels + SC_CONV_BLOCK - 1) / SC_CONV_BLOCK;
     const sc_dtype pool_dtype = (sc_dtype)st->pool_dtype;
     const int64_t xt = x->strides[0], xc = x->strides[1];
     /* Bytes moved: the window read and the rows written, plus x in and y out. */
     const int64_t work_bytes =
         channels * (int64_t)sizeof(float) * (n_s * W * (1 + sc_max_written(st)) + 2 * st->n_tokens);
-    const int team = sc_state_team(n_units, work_bytes, n_threads);
+    const int team = sc_state_team(n_s * n_blocks, work_bytes, n_threads);
+    /* Units of equal width split evenly over the team: a 3328-channel prefill
+     * is 13 blocks of 256, 7 for one thread and 6 for the other, where 14 of
+     * 240 give each 7.  Widths stay multiples of 8 (the last block takes the
+     * rest), so every channel goes through the same vector lane or scalar
+     * tail whatever the split: results do not depend on the thread count. */
+    int64_t width = SC_CONV_BLOCK;
+    for (int64_t nb = n_blocks; team > 1 && nb < n_blocks + team && nb * 8 <= channels; nb++) {
+        const int64_t w = ((channels + nb - 1) / nb + 7) / 8 * 8;
+        if ((n_s * ((channels + w - 1) / w)) % team == 0) {
+            width = w;
+            break;
+        }
+    }
+    n_blocks = (channels + width - 1) / width;
+    const int64_t n_units = n_s * n_blocks;
     const int stream = work_bytes >= sc_stream_min_bytes;
     const int rows_stream = sc_stream_rows(st, work_bytes, channels * W * (int64_t)sizeof(float));
 #ifdef SC_HAVE_AVX2
@@ -359,8 +373,8 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
         sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
         for (int64_t u = lo; u < hi; u++) {
             const int64_t s = block_major ? u % n_s : u / n_blocks;
-            const int64_t c0 = (block_major ? u / n_s : u % n_blocks) * SC_CONV_BLOCK;
-            const int64_t cb = channels - c0 < SC_CONV_BLOCK ? channels - c0 : SC_CONV_BLOCK;
+            const int64_t c0 = (block_major ? u / n_s : u % n_blocks) * width;
+            const int64_t cb = channels - c0 < width ? channels - c0 : width;
             const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
             const int64_t slice = c0 * W;
 #ifdef SC_HAVE_AVX2

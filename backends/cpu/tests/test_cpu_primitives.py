@@ -343,7 +343,9 @@ def _every_family(rng: np.random.Generator):  # type: ignore[no-untyped-def]
     def conv_call(dev, pool, start_rows, dst_rows, x, w, b, y):  # type: ignore[no-untyped-def]
         dev.ssm_conv(pool, start_rows, dst_rows, x, w, y, bias=b, apply_silu=True, n_snap=K, plane_stride=stride)
 
-    ch = 300
+    # 603 channels: 3 blocks of up to 256 for one or three threads, 4 of 152 for
+    # two (units split evenly), with a 3-channel scalar tail either way
+    ch = 603
     cases.append(
         (
             {
