@@ -332,12 +332,14 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
     const int team = sc_state_team(n_s * n_blocks, work_bytes, n_threads);
     /* Units of equal width split evenly over the team: a 3328-channel prefill
      * is 13 blocks of 256, 7 for one thread and 6 for the other, where 14 of
-     * 240 give each 7.  Widths stay multiples of 8 (the last block takes the
-     * rest), so every channel goes through the same vector lane or scalar
-     * tail whatever the split: results do not depend on the thread count. */
+     * 240 give each 7.  Widths stay multiples of 16 (the last block takes the
+     * rest): a multiple of 8, so every channel goes through the same vector
+     * lane or scalar tail whatever the split, and results do not depend on
+     * the thread count; of 16, so that two threads' blocks never share the
+     * 64-byte line of an x or y row where the row is line-aligned. */
     int64_t width = SC_CONV_BLOCK;
-    for (int64_t nb = n_blocks; team > 1 && nb < n_blocks + team && nb * 8 <= channels; nb++) {
-        const int64_t w = ((channels + nb - 1) / nb + 7) / 8 * 8;
+    for (int64_t nb = n_blocks; team > 1 && nb < n_blocks + team && nb * 16 <= channels; nb++) {
+        const int64_t w = ((channels + nb - 1) / nb + 15) / 16 * 16;
         if ((n_s * ((channels + w - 1) / w)) % team == 0) {
             width = w;
             break;

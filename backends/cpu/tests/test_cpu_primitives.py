@@ -343,8 +343,9 @@ def _every_family(rng: np.random.Generator):  # type: ignore[no-untyped-def]
     def conv_call(dev, pool, start_rows, dst_rows, x, w, b, y):  # type: ignore[no-untyped-def]
         dev.ssm_conv(pool, start_rows, dst_rows, x, w, y, bias=b, apply_silu=True, n_snap=K, plane_stride=stride)
 
-    # 603 channels: 3 blocks of up to 256 for one or three threads, 4 of 152 for
-    # two (units split evenly), with a 3-channel scalar tail either way
+    # 603 channels: blocks of 256, 256 and 91 on one thread, 4 of up to 160 on
+    # two and 3 of up to 208 on three (units split evenly), a 3-channel scalar
+    # tail on every split
     ch = 603
     cases.append(
         (
