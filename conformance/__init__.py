@@ -16,5 +16,6 @@ hybrid model the memory cases run), ``test_*.py`` (the thin test functions).
 #: 2.0: backend protocol 2 (packed tokens, snapshot tables, epilogues, activations); 2.1: prefix family;
 #: 2.2: oracle family, branch-reaching primitive inputs; 2.3: the linear-attention primitives (rwkv_wkv6,
 #: rwkv_wkv7, gated_linear_attn) and a recurrent model of every state family in the memory cases;
-#: 2.4: DLPack tensors as arguments (device.tensors.*).
-SUITE_VERSION = "2.4"
+#: 2.4: DLPack tensors as arguments (device.tensors.*); 2.5: a whole mixed batch in one packed ubatch
+#: (memory.*[varlen_batch-*]) and non-finite log decays placed as exp places them (*.nonfinite_decay).
+SUITE_VERSION = "2.5"
