@@ -140,11 +140,12 @@ class HybridIdxMemory(HybridMemory):
         strm = 0 if self.idx.unified else s  # s is a loop index in range: no check (once per sequence and apply)
         return strm, self.idx.cells[strm].seq_pos[s]
 
-    def _live_pairs(self) -> list[SeqCells]:
-        """The live pairs of every sequence, in its stream (what :meth:`_pairs_view` returns)."""
+    def _live_pairs(self) -> Sequence[SeqCells]:
+        """The live pairs of every sequence, in its stream (what :meth:`_pairs_view` returns):
+        with one stream, its whole book (the layout reads its arrays)."""
         cells = self.idx.cells
         if self.idx.unified:
-            return cells[0].seq_pos[: self.idx.n_seq_max]
+            return cells[0].seq_pos
         return [cells[s].seq_pos[s] for s in range(self.idx.n_seq_max)]
 
     # -- plans ----------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from statecache.errors import ArgumentError
-from statecache.kv_cells import _CELL_BITS, _CELL_MASK, SeqCells, last_keys, stamps_and_counts
+from statecache.kv_cells import _CELL_BITS, _CELL_MASK, SeqCells, SeqPairBook
 
 #: A stale mark of "clean" (no pooled key of the sequence may be wrong).
 POS_CLEAN = 2**31 - 1
@@ -331,9 +331,13 @@ class KPoolLayout:
         ``live[s]`` is in stream ``s`` with one stream per sequence, else in stream 0."""
         kp, by_order, one_stream = self.kpool, self.by_order, self.n_stream == 1
         rest: list[int] = []
-        for s, (x, (stamp, n), last, clean) in enumerate(
-            zip(self.seqs, stamps_and_counts(live), last_keys(live), clean_all, strict=True)
-        ):
+        if isinstance(live, SeqPairBook):  # one stream: its arrays, read whole
+            stamps, counts, lasts = live.stamps.tolist(), live.n.tolist(), live.last_keys().tolist()
+        else:
+            stamps = [sc.stamp for sc in live]
+            counts = [len(sc) for sc in live]
+            lasts = [sc.last_key for sc in live]
+        for s, (x, stamp, n, last, clean) in enumerate(zip(self.seqs, stamps, counts, lasts, clean_all, strict=True)):
             old = x.cells
             if clean and old and stamp == x.src_stamp:
                 n_old = len(old)

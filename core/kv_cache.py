@@ -31,7 +31,7 @@ from statecache.batch import SeqIds
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, StateError
 from statecache.hostmem import gather_rows, scatter_rows
-from statecache.kv_cells import EMPTY, CellJournal, KVCells, first_positions, last_positions
+from statecache.kv_cells import EMPTY, CellJournal, KVCells, last_positions
 from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from_many
 from statecache.memory import (
     POS_MAX,
@@ -363,7 +363,7 @@ class KVCache(Memory):
         rest = np.ones(self.n_seq_max, dtype=bool)
         rest[own] = False
         order = [*own, *np.flatnonzero(rest).tolist()]
-        p_next = last_positions(cells.seq_pos[: self.n_seq_max])[order] + 1 - self.rollback_depth
+        p_next = cells.seq_pos.last_positions(np.asarray(order, dtype=np.int64)) + 1 - self.rollback_depth
         return cells.oldest_alone_many(order, swa_visible_from_many(self.n_swa, self.swa_type, p_next), need)
 
     def _apply_ubatch(self, book: _Book, sinfo: SlotInfo, ub: UBatch) -> None:
@@ -399,7 +399,7 @@ class KVCache(Memory):
             # purge: a sequence keeps every position between its min and max (the sequences
             # whose oldest position is still at or below one they lost; read all at once)
             if held.size:
-                lo = first_positions([cells.seq_pos[s] for s in held.tolist()])
+                lo = cells.seq_pos.first_positions(held)
                 for k in np.flatnonzero((lo != -1) & (lo <= pmax)).tolist():
                     self._seq_rm_cells(book, strm, int(held[k]), int(lo[k]), int(pmax[k]) + 1)
             head = int(idx.max()) + 1
@@ -718,7 +718,7 @@ class KVCache(Memory):
         n = self.n_seq_max
         cells = self.cells
         if self.unified:
-            return last_positions(cells[0].seq_pos[:n])
+            return cells[0].seq_pos.last_positions()[:n]
         return last_positions([cells[s].seq_pos[s] for s in range(n)])
 
     def memory_breakdown(self) -> dict[str, int]:
@@ -1011,8 +1011,10 @@ class _KVApplyRecord:
     index: int
     overwrites: np.ndarray
     saved: list[tuple[Buffer, Buffer]] | None
-    #: per overwritten row, the sequences that held its cell before (what an undo drops)
-    owners: tuple[tuple[int, ...], ...] = ()
+    #: per overwritten row, the sequences that held its cell before (what an undo drops):
+    #: ``owners[k, s]`` for row ``overwrites[k]`` (a copy of the cells' sequence rows, no
+    #: Python work per row at apply; read only by :meth:`KVCacheContext.undo_rows_damage`)
+    owners: np.ndarray | None = None
 
 
 class KVCacheContext(UBatchContext):
@@ -1043,18 +1045,22 @@ class KVCacheContext(UBatchContext):
 
     def _apply_ubatch(self, i: int) -> bool:
         cache, sinfo = self.cache, self.sinfos[i]
+        owners = None
         if cache.evicts:  # only a window cache places tokens into cells it still uses
             occupied = np.zeros(sinfo.cells.size, dtype=bool)
-            for strm in np.unique(sinfo.streams).tolist():
+            streams = [0] if cache.unified else np.unique(sinfo.streams).tolist()
+            for strm in streams:
                 tok = sinfo.streams == strm
                 occupied[tok] = cache.cells[strm].pos[sinfo.cells[tok]] != EMPTY
             rows = sinfo.rows[occupied]
-            owners = tuple(
-                tuple(cache.cells[int(st)].seqs_of(int(c)))
-                for st, c in zip(sinfo.streams[occupied].tolist(), sinfo.cells[occupied].tolist(), strict=True)
-            )
+            if rows.size:
+                occ_cells, occ_streams = sinfo.cells[occupied], sinfo.streams[occupied]
+                owners = np.zeros((rows.size, cache.n_seq_max), dtype=bool)
+                for strm in streams:
+                    at = occ_streams == strm
+                    owners[at] = cache.cells[strm].seq[occ_cells[at]]
         else:
-            rows, owners = np.zeros(0, dtype=np.int64), ()
+            rows = np.zeros(0, dtype=np.int64)
         saved = None
         if self.keep_undo_rows:
             saved = []
@@ -1122,9 +1128,9 @@ class KVCacheContext(UBatchContext):
         first: dict[int, tuple[int, ...]] = {}
         placed: set[int] = set()
         for rec in recs:
-            for r, owners in zip(rec.overwrites.tolist(), rec.owners, strict=True):
-                if r not in placed:
-                    first.setdefault(r, owners)
+            for k, r in enumerate(rec.overwrites.tolist()):
+                if r not in placed and rec.owners is not None:
+                    first.setdefault(r, tuple(np.flatnonzero(rec.owners[k]).tolist()))
             placed.update(self.sinfos[rec.index].rows.tolist())
         return {s for r in damaged for s in first.get(r, ())}
 

@@ -26,7 +26,6 @@ Everything here is host-side bookkeeping; no device buffer is touched.
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -50,20 +49,32 @@ _CELL_BITS = 32
 _CELL_MASK = (1 << _CELL_BITS) - 1
 _POS_END = 1 << 31  # one past the largest position
 
-#: Stamps of :class:`SeqCells` contents: a new, never reused value at every change
-#: that is not an append at the end, so a reader that saw stamp ``t`` and ``n``
-#: pairs knows that, while the stamp is still ``t``, those ``n`` pairs are unchanged.
-_STAMPS = itertools.count(1)
+#: Pair capacity a sequence's row starts with in a :class:`SeqPairBook` arena.
+_ROW_CAP0 = 8
+
+
+class _StampClock:
+    """Stamps of sequence contents: a new, never reused value at every change that is not
+    an append at the end, so a reader that saw stamp ``t`` and ``n`` pairs knows that,
+    while the stamp is still ``t``, those ``n`` pairs are unchanged.  Handed out one at a
+    time or as a block (a decode step that changes 256 sequences at once)."""
+
+    next = 1
+
+    @classmethod
+    def one(cls) -> int:
+        v = cls.next
+        cls.next = v + 1
+        return v
+
+    @classmethod
+    def block(cls, m: int) -> np.ndarray:
+        v = cls.next
+        cls.next = v + m
+        return np.arange(v, v + m, dtype=np.int64)
+
 
 _NO_KEYS = np.zeros(0, dtype=np.int64)
-
-#: (stamp, pair count) and the last key of a :class:`SeqCells`, read by C-level ``map`` over
-#: every sequence of a stream (a decode step at 256 sequences pays no Python call per sequence)
-_STAMP_AND_N = operator.attrgetter("stamp", "_n")
-_LAST_KEY = operator.attrgetter("_last")
-_FIRST_KEY = operator.attrgetter("_first")
-_STAMP = operator.attrgetter("stamp")
-_N = operator.attrgetter("_n")
 
 
 def _key(p: int, c: int) -> int:
@@ -75,71 +86,339 @@ def _pos_key(p: int) -> int:
     return min(max(p, 0), _POS_END) << _CELL_BITS
 
 
+class SeqPairBook:
+    """The ``(pos, cell)`` pairs of every sequence of one stream, each sequence's sorted by
+    position then cell, as int64 keys (``pos << 32 | cell``) in one shared arena.
+
+    Sequence ``s`` holds ``arena[start[s] : start[s] + n[s]]``, inside its own reserved
+    segment ``[base[s], end[s])``; segments never overlap.  Because every sequence's
+    bounds are rows of NumPy arrays, the edits a decode step makes to all its sequences
+    at once (one appended pair each, a window cache's oldest pair of each dropped) are a
+    few vectorised operations (:meth:`append_keys`, :meth:`remove_keys`), not a Python
+    call per sequence.  Dropping the oldest pair moves ``start`` (no copy) and leaves
+    room in front, so taking that drop back (a rolled-back plan) is O(1) too.  A row that
+    runs out of room at its end is moved to its segment's start when it fills at most half
+    of it, else to a new segment twice its size at the arena's top; the arena is repacked
+    when its top is reached (both amortised O(1) per pair).
+
+    ``book[s]`` is sequence ``s``'s :class:`SeqCells` (a view that reads the arrays).
+    """
+
+    __slots__ = ("_rows", "_top", "arena", "base", "end", "n", "stamps", "start")
+
+    def __init__(self, n_rows: int) -> None:
+        self.arena = np.empty(max(64, 2 * _ROW_CAP0 * n_rows), dtype=np.int64)
+        self.base = np.arange(n_rows, dtype=np.int64) * _ROW_CAP0
+        self.start = self.base.copy()
+        self.end = self.base + _ROW_CAP0
+        self.n = np.zeros(n_rows, dtype=np.int64)
+        #: per sequence, its stamp (:class:`_StampClock`)
+        self.stamps = _StampClock.block(n_rows)
+        self._top = n_rows * _ROW_CAP0
+        self._rows = [SeqCells(self, s) for s in range(n_rows)]
+
+    # -- the rows ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __iter__(self) -> Iterator[SeqCells]:
+        return iter(self._rows)
+
+    def __getitem__(self, s: Any) -> Any:
+        return self._rows[s]
+
+    def copy(self) -> SeqPairBook:
+        """An independent book with the same pairs (and stamps), packed."""
+        out = SeqPairBook.__new__(SeqPairBook)
+        n_rows = len(self._rows)
+        out.n = self.n.copy()
+        out.stamps = self.stamps.copy()
+        caps = np.maximum(_ROW_CAP0, 2 * out.n)
+        out.base = np.zeros(n_rows, dtype=np.int64)
+        np.cumsum(caps[:-1], out=out.base[1:])
+        out.start = out.base.copy()
+        out.end = out.base + caps
+        out._top = int(caps.sum())
+        out.arena = np.empty(max(64, 2 * out._top), dtype=np.int64)
+        src, dst = self._ranges(self.start, self.n), self._ranges(out.start, out.n)
+        out.arena[dst] = self.arena[src]
+        out._rows = [SeqCells(out, s) for s in range(n_rows)]
+        return out
+
+    @staticmethod
+    def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """The arena indices of every row's pairs, rows in order (one gather, no loop)."""
+        total = int(counts.sum())
+        if not total:
+            return _NO_KEYS
+        offs = np.repeat(starts - np.cumsum(counts) + counts, counts)
+        return offs + np.arange(total, dtype=np.int64)
+
+    def clear(self) -> None:
+        """Every sequence holds nothing (new stamps); the arena is kept."""
+        self.start[:] = self.base
+        self.n[:] = 0
+        self.stamps[:] = _StampClock.block(len(self._rows))
+
+    def keys_of(self, s: int) -> np.ndarray:
+        st = int(self.start[s])
+        return self.arena[st : st + int(self.n[s])]
+
+    def first_keys(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """The first key of each of ``rows`` (all when None), -1 for an empty one."""
+        st, n = (self.start, self.n) if rows is None else (self.start[rows], self.n[rows])
+        if not st.size:
+            return _NO_KEYS
+        return np.where(n > 0, self.arena[np.minimum(st, self.arena.size - 1)], -1)
+
+    def last_keys(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """The last key of each of ``rows`` (all when None), -1 for an empty one."""
+        st, n = (self.start, self.n) if rows is None else (self.start[rows], self.n[rows])
+        if not st.size:
+            return _NO_KEYS
+        return np.where(n > 0, self.arena[np.maximum(st + n - 1, 0)], -1)
+
+    def first_positions(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """``first_pos()`` of each of ``rows`` (all when None; -1: holds nothing)."""
+        return self.first_keys(rows) >> _CELL_BITS  # an arithmetic shift: -1 stays -1
+
+    def last_positions(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """``last_pos()`` of each of ``rows`` (all when None; -1: holds nothing)."""
+        return self.last_keys(rows) >> _CELL_BITS
+
+    def check(self) -> None:
+        """Raise :class:`InvariantError` unless every row lies in its segment and no two overlap."""
+        if ((self.base > self.start) | (self.start + self.n > self.end) | (self.end > self._top)).any():
+            raise InvariantError("kv-seq-pos", "a sequence's pairs lie outside its segment")
+        if self._top > self.arena.size:
+            raise InvariantError("kv-seq-pos", "the segments pass the arena's end")
+        order = np.argsort(self.base, kind="stable")
+        if (self.end[order][:-1] > self.base[order][1:]).any():
+            raise InvariantError("kv-seq-pos", "two sequences' segments overlap")
+
+    # -- room -----------------------------------------------------------------------------------
+    def _room(self, s: int, extra: int) -> int:
+        """Make room for ``extra`` more pairs after row ``s``'s last; returns its start."""
+        st, n, end = int(self.start[s]), int(self.n[s]), int(self.end[s])
+        if st + n + extra <= end:
+            return st
+        base = int(self.base[s])
+        if n + extra <= (end - base) // 2:  # the row drifted to its segment's end: back to the start
+            self.arena[base : base + n] = self.arena[st : st + n]  # NumPy copies overlapping slices correctly
+            self.start[s] = base
+            return base
+        cap = max(_ROW_CAP0, 2 * (n + extra))
+        if self._top + cap > self.arena.size:
+            self._repack(s, cap)
+        else:
+            top = self._top
+            self.arena[top : top + n] = self.arena[st : st + n]
+            self.base[s] = self.start[s] = top
+            self.end[s] = top + cap
+            self._top = top + cap
+        return int(self.start[s])
+
+    def _repack(self, s: int, cap_s: int) -> None:
+        """A new arena with every row packed at the start of a segment of twice its pairs
+        (row ``s``: ``cap_s``), the arena twice their total: O(pairs), once per doubling."""
+        caps = np.maximum(_ROW_CAP0, 2 * self.n)
+        caps[s] = max(int(caps[s]), cap_s)
+        base = np.zeros(len(self._rows), dtype=np.int64)
+        np.cumsum(caps[:-1], out=base[1:])
+        top = int(caps.sum())
+        arena = np.empty(max(64, 2 * top), dtype=np.int64)
+        arena[self._ranges(base, self.n)] = self.arena[self._ranges(self.start, self.n)]
+        self.arena, self.base, self.start, self.end, self._top = arena, base, base.copy(), base + caps, top
+
+    # -- edits of one row -----------------------------------------------------------------------
+    def add_key(self, s: int, k: int) -> None:
+        n = int(self.n[s])
+        st = int(self.start[s])
+        arena = self.arena
+        if n == 0 or k > int(arena[st + n - 1]):
+            st = self._room(s, 1)
+            self.arena[st + n] = k
+        elif k < int(arena[st]) and st > int(self.base[s]):  # before the first, with room in front
+            arena[st - 1] = k
+            self.start[s] = st - 1
+            self.stamps[s] = _StampClock.one()
+        else:
+            st = self._room(s, 1)
+            arena = self.arena
+            i = st + int(np.searchsorted(arena[st : st + n], k))
+            arena[i + 1 : st + n + 1] = arena[i : st + n]
+            arena[i] = k
+            self.stamps[s] = _StampClock.one()
+        self.n[s] = n + 1
+
+    def add_many(self, s: int, keys_sorted: np.ndarray) -> None:
+        m = int(keys_sorted.size)
+        if not m:
+            return
+        n = int(self.n[s])
+        st = self._room(s, m)
+        arena = self.arena
+        if n == 0 or keys_sorted[0] > arena[st + n - 1]:
+            arena[st + n : st + n + m] = keys_sorted
+        else:
+            merged = np.concatenate([arena[st : st + n], keys_sorted])
+            merged.sort(kind="stable")
+            arena[st : st + n + m] = merged
+            self.stamps[s] = _StampClock.one()
+        self.n[s] = n + m
+
+    def remove_key(self, s: int, k: int) -> None:
+        n, st = int(self.n[s]), int(self.start[s])
+        arena = self.arena
+        if n and k == int(arena[st + n - 1]):
+            pass  # the newest: just shorter
+        elif n and k == int(arena[st]):
+            self.start[s] = st + 1  # the oldest: the row starts one later
+        else:
+            i = int(np.searchsorted(arena[st : st + n], k))
+            if i >= n or arena[st + i] != k:
+                raise InvariantError("kv-seq-pos", f"pair (pos {k >> _CELL_BITS}, cell {k & _CELL_MASK}) is not held")
+            arena[st + i : st + n - 1] = arena[st + i + 1 : st + n]
+        self.n[s] = n - 1
+        self.stamps[s] = _StampClock.one()
+
+    def remove_many(self, s: int, keys_sorted: np.ndarray) -> None:
+        m = int(keys_sorted.size)
+        if not m:
+            return
+        n, st = int(self.n[s]), int(self.start[s])
+        keys = self.arena[st : st + n]
+        # m distinct held keys (the precondition) between the first and the last of a run of m
+        # held keys are exactly that run: the ends alone tell a tail or a head (O(1) each)
+        if m <= n and keys[n - 1] == keys_sorted[-1] and keys[n - m] == keys_sorted[0]:
+            self.n[s] = n - m
+        elif m <= n and keys[0] == keys_sorted[0] and keys[m - 1] == keys_sorted[-1]:
+            self.start[s] = st + m  # the oldest pairs (a window cache reusing a sequence's first cells)
+            self.n[s] = n - m
+        else:
+            idx = np.searchsorted(keys, keys_sorted)
+            if (idx >= n).any() or not np.array_equal(keys[np.minimum(idx, n - 1)], keys_sorted):
+                raise InvariantError("kv-seq-pos", "removing pairs that are not held")
+            kept = np.delete(keys, idx)
+            keys[: kept.size] = kept
+            self.n[s] = int(kept.size)
+        self.stamps[s] = _StampClock.one()
+
+    # -- edits of many rows at once (a decode step) -------------------------------------------
+    def append_keys(self, rows: np.ndarray, keys: np.ndarray) -> None:
+        """Add ``keys[k]`` to row ``rows[k]`` (rows distinct, keys not held): one NumPy
+        write for those that go after their row's last pair with room left, :meth:`add_key`
+        for the others (a row that must grow: about one in ``cap / 2`` appends)."""
+        st, n = self.start[rows], self.n[rows]
+        at = st + n
+        last = np.where(n > 0, self.arena[np.maximum(at - 1, 0)], -1)
+        fast = (keys > last) & (at < self.end[rows])
+        if fast.all():
+            self.arena[at] = keys
+            self.n[rows] = n + 1
+            return
+        self.arena[at[fast]] = keys[fast]
+        self.n[rows[fast]] += 1
+        for s, k in zip(rows[~fast].tolist(), keys[~fast].tolist(), strict=True):
+            self.add_key(s, k)
+
+    def remove_runs(self, rows: np.ndarray, bounds: np.ndarray, keys: np.ndarray) -> None:
+        """Remove ``keys[bounds[g] : bounds[g + 1]]`` (sorted, each held) from row ``rows[g]``
+        (rows distinct): every run that is its row's oldest or newest pairs in one NumPy pass
+        for all of them (a window cache's decode step drops each sequence's oldest), the
+        others one by one (:meth:`remove_many`)."""
+        m = bounds[1:] - bounds[:-1]
+        st, n = self.start[rows], self.n[rows]
+        g_first, g_last = keys[bounds[:-1]], keys[bounds[1:] - 1]
+        arena = self.arena
+        head = (g_first == arena[st]) & (g_last == arena[st + m - 1])
+        tail = ~head & (g_last == arena[st + n - 1]) & (g_first == arena[st + n - m])
+        done = head | tail
+        if not done.all():
+            for g in np.flatnonzero(~done).tolist():
+                self.remove_many(int(rows[g]), keys[bounds[g] : bounds[g + 1]])
+            rows, m, head = rows[done], m[done], head[done]
+        self.start[rows[head]] += m[head]
+        self.n[rows] -= m
+        self.stamps[rows] = _StampClock.block(int(rows.size))
+
+
 class SeqCells(Sequence[tuple[int, int]]):
     """The ``(pos, cell)`` pairs one sequence holds in one stream, sorted by position
-    then cell: a growable int64 array of keys (``pos << 32 | cell``).
+    then cell: a view of its row of the stream's :class:`SeqPairBook`.
 
     Reads like a sequence of tuples (``len``, indexing, slicing, iteration,
     ``==`` with a list of tuples) for callers that want pairs; the hot paths
     use :meth:`positions`, :meth:`cells` and :meth:`span` (NumPy arrays and
-    index bounds).  Adding a pair after the last one is O(1) amortised;
-    adding or removing elsewhere moves the later keys (one ``memmove``).
+    index bounds).  Adding a pair after the last one is O(1) amortised, so is
+    removing the first or the last; elsewhere the later keys move (one ``memmove``).
     """
 
-    __slots__ = ("_first", "_keys", "_last", "_n", "stamp")
+    __slots__ = ("_book", "_s")
 
-    def __init__(self) -> None:
-        self._keys = _NO_KEYS
-        self._n = 0
-        #: the last key as a Python int (-1 when empty): the decode append compares against it,
-        #: and ``seq_pos_max`` of every sequence is read without a NumPy scalar per sequence
-        self._last = -1
-        #: the first key likewise (a window cache asks every sequence whether its oldest pair left the window)
-        self._first = -1
-        #: changes at every edit that is not an append at the end (see ``_STAMPS``)
-        self.stamp = next(_STAMPS)
+    def __init__(self, book: SeqPairBook, s: int) -> None:
+        self._book = book
+        self._s = s
 
     # -- reads ----------------------------------------------------------------------
     @property
     def keys(self) -> np.ndarray:
-        """The sorted keys (a view: never write through it)."""
-        return self._keys[: self._n]
+        """The sorted keys (a view: never write through it; valid until the next edit of the stream)."""
+        return self._book.keys_of(self._s)
+
+    @property
+    def stamp(self) -> int:
+        """Changes at every edit that is not an append at the end (:class:`_StampClock`)."""
+        return int(self._book.stamps[self._s])
+
+    @stamp.setter
+    def stamp(self, value: int) -> None:
+        self._book.stamps[self._s] = value
 
     def positions(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
-        return self._keys[lo : self._n if hi is None else hi] >> _CELL_BITS
+        return self.keys[lo:hi] >> _CELL_BITS
 
     def cells(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
-        return self._keys[lo : self._n if hi is None else hi] & _CELL_MASK
+        return self.keys[lo:hi] & _CELL_MASK
 
     def pairs_from(self, lo: int) -> list[tuple[int, int]]:
         """The pairs from index ``lo`` on, as tuples (O(pairs returned))."""
-        return [(k >> _CELL_BITS, k & _CELL_MASK) for k in self._keys[lo : self._n].tolist()]
+        return [(k >> _CELL_BITS, k & _CELL_MASK) for k in self.keys[lo:].tolist()]
 
-    def first_pos(self) -> int:
-        return self._first >> _CELL_BITS  # -1 >> 32 is -1: empty
-
-    def last_pos(self) -> int:
-        return self._last >> _CELL_BITS  # -1 >> 32 is -1: empty
+    @property
+    def first_key(self) -> int:
+        """The first key (``pos << 32 | cell``), -1 when empty; O(1)."""
+        b, s = self._book, self._s
+        return int(b.arena[b.start[s]]) if b.n[s] else -1
 
     @property
     def last_key(self) -> int:
         """The last key (``pos << 32 | cell``), -1 when empty; O(1)."""
-        return self._last
+        b, s = self._book, self._s
+        n = int(b.n[s])
+        return int(b.arena[int(b.start[s]) + n - 1]) if n else -1
+
+    def first_pos(self) -> int:
+        return self.first_key >> _CELL_BITS  # -1 >> 32 is -1: empty
+
+    def last_pos(self) -> int:
+        return self.last_key >> _CELL_BITS  # -1 >> 32 is -1: empty
 
     def span(self, p0: int, p1: int) -> tuple[int, int]:
         """Index bounds ``[lo, hi)`` of the pairs with ``p0 <= pos < p1``; O(log n)."""
-        if p1 <= p0 or not self._n:
+        n = len(self)
+        if p1 <= p0 or not n:
             return 0, 0
         keys = self.keys
         lo = int(np.searchsorted(keys, _pos_key(p0))) if p0 > 0 else 0
-        hi = self._n if p1 >= _POS_END else int(np.searchsorted(keys, _pos_key(p1)))
+        hi = n if p1 >= _POS_END else int(np.searchsorted(keys, _pos_key(p1)))
         return lo, max(lo, hi)
 
     def __len__(self) -> int:
-        return self._n
+        return int(self._book.n[self._s])
 
     def __bool__(self) -> bool:
-        return self._n > 0
+        return bool(self._book.n[self._s])
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         keys = self.keys
@@ -149,11 +428,13 @@ class SeqCells(Sequence[tuple[int, int]]):
         if isinstance(i, slice):
             keys = self.keys[i]
             return list(zip((keys >> _CELL_BITS).tolist(), (keys & _CELL_MASK).tolist(), strict=True))
+        b, s = self._book, self._s
+        n = int(b.n[s])
         if i < 0:
-            i += self._n
-        if not 0 <= i < self._n:
-            raise IndexError(f"pair {i} out of range ({self._n} pairs)")
-        k = int(self._keys[i])  # no view of the keys: one read (the k-pool layout's decode append)
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"pair {i} out of range ({n} pairs)")
+        k = int(b.arena[int(b.start[s]) + i])  # no view of the keys: one read
         return (k >> _CELL_BITS, k & _CELL_MASK)
 
     def __eq__(self, other: object) -> bool:
@@ -168,135 +449,33 @@ class SeqCells(Sequence[tuple[int, int]]):
     def __repr__(self) -> str:
         return f"SeqCells({list(self)!r})"
 
-    def copy(self) -> SeqCells:
-        out = SeqCells()
-        out._keys = self._keys[: self._n].copy() if self._n else _NO_KEYS
-        out._n = self._n
-        out._last = self._last
-        out._first = self._first
-        return out
-
-    # -- edits --------------------------------------------------------------------------
-    def _room(self, extra: int) -> None:
-        need = self._n + extra
-        if need > self._keys.size:
-            grown = np.empty(max(8, need, 2 * self._keys.size), dtype=np.int64)
-            grown[: self._n] = self._keys[: self._n]
-            self._keys = grown
-
+    # -- edits (of the book's row) ------------------------------------------------------
     def add(self, p: int, c: int) -> None:
-        k = _key(int(p), int(c))
-        n = self._n
-        self._room(1)
-        keys = self._keys
-        if k > self._last:
-            keys[n] = k
-            self._last = k
-        else:
-            i = int(np.searchsorted(keys[:n], k))
-            keys[i + 1 : n + 1] = keys[i:n]  # NumPy copies overlapping slices correctly
-            keys[i] = k
-            self.stamp = next(_STAMPS)
-        if n == 0 or k < self._first:
-            self._first = k
-        self._n = n + 1
+        self._book.add_key(self._s, _key(int(p), int(c)))
 
     def add_key(self, k: int) -> None:
-        """:meth:`add` of a pair given as its key (the decode path: usually an append)."""
-        n = self._n
-        if k > self._last and n < self._keys.size:
-            self._keys[n] = k
-            self._n = n + 1
-            self._last = k
-            if n == 0:
-                self._first = k
-        else:
-            self.add(k >> _CELL_BITS, k & _CELL_MASK)
+        """:meth:`add` of a pair given as its key."""
+        self._book.add_key(self._s, k)
 
     def add_many(self, keys_sorted: np.ndarray) -> None:
         """Add sorted keys none of which is held yet (one merge)."""
-        m = int(keys_sorted.size)
-        if not m:
-            return
-        n = self._n
-        self._room(m)
-        if keys_sorted[0] > self._last:
-            self._keys[n : n + m] = keys_sorted
-        else:
-            merged = np.concatenate([self._keys[:n], keys_sorted])
-            merged.sort(kind="stable")
-            self._keys[: n + m] = merged
-            self.stamp = next(_STAMPS)
-        self._n = n + m
-        self._last = int(self._keys[n + m - 1])
-        self._first = int(self._keys[0])
+        self._book.add_many(self._s, keys_sorted)
 
     def remove(self, p: int, c: int) -> None:
-        self.remove_key(_key(p, c))
+        self._book.remove_key(self._s, _key(p, c))
 
     def remove_key(self, k: int) -> None:
         """Remove one held pair given as its key: O(1) for the oldest or the newest."""
-        n, keys = self._n, self._keys
-        if n and k == self._last:
-            pass  # the newest: just shorter
-        elif n and keys[0] == k:
-            keys[: n - 1] = keys[1:n]
-        else:
-            i = int(np.searchsorted(keys[:n], k))
-            if i >= n or keys[i] != k:
-                raise InvariantError("kv-seq-pos", f"pair (pos {k >> _CELL_BITS}, cell {k & _CELL_MASK}) is not held")
-            keys[i : n - 1] = keys[i + 1 : n]
-        self._n = n - 1
-        self._last = int(keys[n - 2]) if n > 1 else -1
-        self._first = int(keys[0]) if n > 1 else -1
-        self.stamp = next(_STAMPS)
+        self._book.remove_key(self._s, k)
 
     def remove_many(self, keys_sorted: np.ndarray) -> None:
-        """Remove sorted keys, every one of them held (a tail is cut in O(m))."""
-        m = int(keys_sorted.size)
-        if not m:
-            return
-        n = self._n
-        keys = self._keys[:n]
-        # m distinct held keys (the precondition) between the first and the last of a run of m
-        # held keys are exactly that run: the ends alone tell a tail or a head (O(1) each)
-        if m <= n and int(keys_sorted[-1]) == self._last and keys[n - m] == keys_sorted[0]:
-            self._n = n - m
-        elif m <= n and keys[0] == keys_sorted[0] and keys[m - 1] == keys_sorted[-1]:
-            # the oldest pairs (a window cache reusing a sequence's first cells): one move
-            self._keys[: n - m] = self._keys[m:n]
-            self._n = n - m
-        else:
-            idx = np.searchsorted(keys, keys_sorted)
-            if (idx >= n).any() or not np.array_equal(keys[np.minimum(idx, n - 1)], keys_sorted):
-                raise InvariantError("kv-seq-pos", "removing pairs that are not held")
-            kept = np.delete(keys, idx)
-            self._keys[: kept.size] = kept
-            self._n = int(kept.size)
-        self._last = int(self._keys[self._n - 1]) if self._n else -1
-        self._first = int(self._keys[0]) if self._n else -1
-        self.stamp = next(_STAMPS)
-
-
-def stamps_and_counts(seqs: Sequence[SeqCells]) -> Iterator[tuple[int, int]]:
-    """``(stamp, len)`` of each of ``seqs``, lazily, with no Python call per sequence."""
-    return map(_STAMP_AND_N, seqs)
-
-
-def last_keys(seqs: Sequence[SeqCells]) -> Iterator[int]:
-    """:attr:`SeqCells.last_key` of each of ``seqs``, lazily, with no Python call per sequence."""
-    return map(_LAST_KEY, seqs)
-
-
-def first_positions(seqs: Sequence[SeqCells]) -> np.ndarray:
-    """``first_pos()`` of each of ``seqs`` (-1: holds nothing) as one int64 array."""
-    keys = np.fromiter(map(_FIRST_KEY, seqs), dtype=np.int64, count=len(seqs))
-    return keys >> _CELL_BITS
+        """Remove sorted keys, every one of them held (a tail or a head is cut in O(m))."""
+        self._book.remove_many(self._s, keys_sorted)
 
 
 def last_positions(seqs: Sequence[SeqCells]) -> np.ndarray:
     """``last_pos()`` of each of ``seqs`` (-1: holds nothing) as one int64 array."""
-    keys = np.fromiter(map(_LAST_KEY, seqs), dtype=np.int64, count=len(seqs))
+    keys = np.fromiter((sc.last_key for sc in seqs), dtype=np.int64, count=len(seqs))
     return keys >> _CELL_BITS  # an arithmetic shift: -1 stays -1
 
 
@@ -325,9 +504,8 @@ class CellJournal:
         self.removals = cells.removals
         #: each sequence's (stamp, pair count) at attach: given back by a rollback that finds the
         #: same pairs (O(sequences), so a reader of the pairs need not read them again)
-        seq_pos = cells.seq_pos
-        self.stamps = np.fromiter(map(_STAMP, seq_pos), dtype=np.int64, count=len(seq_pos))
-        self.counts = np.fromiter(map(_N, seq_pos), dtype=np.int64, count=len(seq_pos))
+        self.stamps = cells.seq_pos.stamps.copy()
+        self.counts = cells.seq_pos.n.copy()
 
     def _seen(self, i: int) -> bool:
         return i in self.saved or i in self.empty_before or i in self.bulk_cells
@@ -387,7 +565,8 @@ class KVCells:
         self.seq = np.zeros((self.size, self.n_seq_max), dtype=bool)
         self.used = 0
         self.has_shift = False
-        self.seq_pos: list[SeqCells] = [SeqCells() for _ in range(self.n_seq_max)]
+        #: every sequence's ordered pairs (``seq_pos[s]``: a :class:`SeqCells`)
+        self.seq_pos = SeqPairBook(self.n_seq_max)
         self.removals = 0  # (cell, sequence) pairs ever dropped: tells a caller whether an edit removed anything
         self._derive()
         self._journal: CellJournal | None = None
@@ -416,7 +595,7 @@ class KVCells:
         out.seq = self.seq.copy()
         out.used = self.used
         out.has_shift = self.has_shift
-        out.seq_pos = [sc.copy() for sc in self.seq_pos]
+        out.seq_pos = self.seq_pos.copy()
         out.removals = self.removals
         out._derive()
         out._journal = None
@@ -527,43 +706,44 @@ class KVCells:
         first pairs are all below its end may hold more there, and is asked alone."""
         if need <= 0 or not len(seqs):
             return []
-        seq_pos = self.seq_pos
+        rows = np.asarray(seqs, dtype=np.int64)
         end_key = np.clip(np.asarray(p_end, dtype=np.int64), 0, _POS_END) << _CELL_BITS
-        first = np.fromiter(map(_FIRST_KEY, [seq_pos[s] for s in seqs]), dtype=np.int64, count=len(seqs))
-        giving = np.flatnonzero((first >= 0) & (first < end_key)).tolist()
+        first = self.seq_pos.first_keys(rows)
+        giving = np.flatnonzero((first >= 0) & (first < end_key))
         out: list[int] = []
-        if len(giving) <= 2:  # one or two sequences give (a small batch): asked one by one, no gather
-            for g in giving:
-                out += self.oldest_alone(seqs[g], int(end_key[g] >> _CELL_BITS), need - len(out))
+        if giving.size <= 2:  # one or two sequences give (a small batch): asked one by one, no gather
+            for g in giving.tolist():
+                out += self.oldest_alone(int(rows[g]), int(end_key[g] >> _CELL_BITS), need - len(out))
                 if len(out) >= need:
                     break
             return out
-        lo, run = 0, 16
-        while lo < len(giving) and len(out) < need:
+        lo, run = 0, max(16, need)  # a decode step (about one cell each): every giving sequence at once
+        while lo < giving.size and len(out) < need:
             sel = giving[lo : lo + run]
-            out += self._oldest_alone_heads([seqs[g] for g in sel], end_key[sel], need - len(out))
+            out += self._oldest_alone_heads(rows[sel], end_key[sel], need - len(out))
             lo, run = lo + run, 2 * run
         return out
 
-    def _oldest_alone_heads(self, seqs: list[int], end_key: np.ndarray, need: int) -> list[int]:
-        """:meth:`oldest_alone_many` of sequences that each give at least one pair."""
-        seq_pos = self.seq_pos
-        heads = [seq_pos[s]._keys[: min(_HEAD, seq_pos[s]._n)] for s in seqs]
-        lens = np.fromiter(map(len, heads), dtype=np.int64, count=len(heads))
-        flat = np.concatenate(heads)
-        row = np.repeat(np.arange(len(heads)), lens)
-        below = flat < end_key[row]
-        cells = flat & _CELL_MASK
+    def _oldest_alone_heads(self, seqs: np.ndarray, end_key: np.ndarray, need: int) -> list[int]:
+        """:meth:`oldest_alone_many` of sequences that each give at least one pair: the first
+        :data:`_HEAD` pairs of every one of them in one gather ``[sequences, _HEAD]``."""
+        book = self.seq_pos
+        n_rows = int(seqs.size)
+        j = np.arange(_HEAD, dtype=np.int64)
+        valid = j < book.n[seqs][:, None]
+        flat = book.arena[np.minimum(book.start[seqs][:, None] + j, book.arena.size - 1)]
+        below = valid & (flat < end_key[:, None])
+        cells = np.where(valid, flat & _CELL_MASK, 0)
         take = below & (self.n_owner[cells] == 1)
-        more = (np.bincount(row, weights=below, minlength=len(heads)) == _HEAD).nonzero()[0].tolist()
+        more = np.flatnonzero(below.all(axis=1)).tolist()  # every head pair below its end: may hold more
         out: list[int] = []
         lo = 0
-        for r in [*more, len(heads)]:
-            seg = take & (row >= lo) & (row < r) if lo or r < len(heads) else take
-            out += cells[seg][: need - len(out)].tolist()
-            if len(out) >= need or r == len(heads):
+        for r in [*more, n_rows]:
+            seg = cells[lo:r][take[lo:r]] if lo or r < n_rows else cells[take]  # row-major: oldest first
+            out += seg[: need - len(out)].tolist()
+            if len(out) >= need or r == n_rows:
                 break
-            out += self._oldest_alone_from(seqs[r], 0, int(end_key[r] >> _CELL_BITS), need - len(out))
+            out += self._oldest_alone_from(int(seqs[r]), 0, int(end_key[r] >> _CELL_BITS), need - len(out))
             if len(out) >= need:
                 break
             lo = r + 1
@@ -578,7 +758,8 @@ class KVCells:
         if need <= 0 or p_end <= 0:
             return out
         sc = self.seq_pos[s]
-        keys, n, end_key, owners = sc._keys, len(sc), _pos_key(p_end), self.n_owner
+        keys, end_key, owners = sc.keys, _pos_key(p_end), self.n_owner
+        n = keys.size
         j = 0
         while j < min(n, 8) and len(out) < need:
             k = int(keys[j])
@@ -626,10 +807,7 @@ class KVCells:
             expect = np.sort((self.pos[held] << _CELL_BITS) | held)
             if not np.array_equal(self.seq_pos[s].keys, expect):
                 raise InvariantError("kv-seq-pos", f"ordered positions of seq {s} out of step")
-            if (self.seq_pos[s]._first, self.seq_pos[s].last_key) != (
-                (int(expect[0]), int(expect[-1])) if expect.size else (-1, -1)
-            ):
-                raise InvariantError("kv-seq-pos", f"first or last pair of seq {s} out of step")
+        self.seq_pos.check()
         if self.shift.any() and not self.has_shift:
             raise InvariantError("kv-shift", "a cell holds a shift but has_shift is False")
         fresh = self.clone()  # the derived counts recomputed from the cells
@@ -677,9 +855,8 @@ class KVCells:
             # Only cells empty at attach were touched (trial placements), and they are empty
             # again: every sequence holds exactly its pairs of then, so it gets its stamp of then
             # back (the k-pool layout then reads no pair again at the next apply).
-            now = np.fromiter(map(_N, self.seq_pos), dtype=np.int64, count=len(self.seq_pos))
-            for s in np.flatnonzero(now == journal.counts).tolist():
-                self.seq_pos[s].stamp = int(journal.stamps[s])
+            same = self.seq_pos.n == journal.counts
+            self.seq_pos.stamps[same] = journal.stamps[same]
         if self.used != journal.used:
             raise InvariantError("kv-journal", f"rollback left {self.used} cells used, expected {journal.used}")
 
@@ -770,26 +947,22 @@ class KVCells:
             self._hi = top
         keys = (pos << _CELL_BITS) | idx
         if n == 1:
-            k = int(keys[0])
-            self.seq_pos[int(seqs[0])].add(k >> _CELL_BITS, k & _CELL_MASK)
+            self.seq_pos.add_key(int(seqs[0]), int(keys[0]))
             return
-        if np.bincount(seqs).max() == 1:  # one cell per sequence (a decode step): one append each
-            seq_pos = self.seq_pos
-            for s, k in zip(seqs.tolist(), keys.tolist(), strict=True):
-                seq_pos[s].add_key(k)  # an append: compares Python ints, writes one key
+        if np.bincount(seqs).max() == 1:  # one cell per sequence (a decode step): one NumPy append for all
+            self.seq_pos.append_keys(np.asarray(seqs, dtype=np.int64), keys)
             return
         order = np.lexsort((keys, seqs))
         seqs_sorted, keys_sorted = seqs[order], keys[order]
         new_seq = seqs_sorted[1:] != seqs_sorted[:-1]
         starts = np.flatnonzero(np.r_[True, new_seq])
         ends = np.r_[starts[1:], n]
+        book = self.seq_pos
         for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-            sc = self.seq_pos[int(seqs_sorted[a])]
             if b - a == 1:
-                k = int(keys_sorted[a])
-                sc.add(k >> _CELL_BITS, k & _CELL_MASK)
+                book.add_key(int(seqs_sorted[a]), int(keys_sorted[a]))
             else:
-                sc.add_many(keys_sorted[a:b])
+                book.add_many(int(seqs_sorted[a]), keys_sorted[a:b])
 
     def _put_back(self, idx: np.ndarray, pos: np.ndarray, ext: np.ndarray, shift: np.ndarray, seq: np.ndarray) -> None:
         """Occupy the empty cells ``idx`` (distinct) with saved contents: positions, 2-D
@@ -863,25 +1036,9 @@ class KVCells:
         keys = ((self.pos[idx] << _CELL_BITS) | idx)[rows]
         order = np.lexsort((keys, seqs))
         seqs, keys = seqs[order], keys[order]
-        new_seq = seqs[1:] != seqs[:-1]
-        if new_seq.all():  # one cell per sequence (a decode step's window reuse): no grouping
-            for q, k in zip(seqs.tolist(), keys.tolist(), strict=True):
-                self.seq_pos[q].remove_key(k)
-        else:
-            bounds = [0, *(np.flatnonzero(new_seq) + 1).tolist(), int(seqs.size)]
-            seq_l, key_l = seqs.tolist(), keys.tolist()
-            for a, b in itertools.pairwise(bounds):
-                sc = self.seq_pos[seq_l[a]]
-                n, m, held = sc._n, b - a, sc._keys
-                if m < n and sc._first == key_l[a] and held[m - 1] == key_l[b - 1]:
-                    # a sequence's oldest pairs (a window cache's reuse): SeqCells.remove_many's
-                    # head case, inlined (once per sequence that gave cells)
-                    held[: n - m] = held[m:n]
-                    sc._n = n - m
-                    sc._first = int(held[0])
-                    sc.stamp = next(_STAMPS)
-                else:
-                    sc.remove_many(keys[a:b])
+        # each sequence's run of keys (a window cache's reuse: its oldest pairs), all at once
+        bounds = np.flatnonzero(np.r_[True, seqs[1:] != seqs[:-1], True])
+        self.seq_pos.remove_runs(seqs[bounds[:-1]], bounds, keys)
         self.removals += int(seqs.size)
         self.seq[idx] = False
         self.n_owner[idx] = 0
@@ -930,14 +1087,14 @@ class KVCells:
     def reset(self) -> None:
         if self._journal is not None:
             raise InvariantError("kv-journal", "reset() while a journal is attached")
-        self.removals += sum(len(sc) for sc in self.seq_pos)
+        self.removals += int(self.seq_pos.n.sum())
         self.pos[:] = EMPTY
         self.ext[:] = 0
         self.shift[:] = 0
         self.seq[:] = False
         self.used = 0
         self.has_shift = False
-        self.seq_pos = [SeqCells() for _ in range(self.n_seq_max)]
+        self.seq_pos.clear()  # in place: views of its rows stay valid
         self._derive()
 
     def snapshot(self, idxs: np.ndarray) -> tuple[np.ndarray, ...]:
