@@ -15,11 +15,12 @@ Array layouts are NumPy C order; the spec's ggml shapes are reversed
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import itertools
 import operator
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,6 +38,25 @@ _CELLS = operator.attrgetter("cells")
 _POOLS = operator.attrgetter("pools")
 _J_NEXT = operator.attrgetter("j_next")
 _SRC_STAMP = operator.attrgetter("src_stamp")
+_STRM = operator.attrgetter("strm")
+_TOK_SEQS = operator.itemgetter(1)
+_TOK_POS = operator.itemgetter(0)
+_FIRST = operator.itemgetter(0)
+_LAST = operator.itemgetter(-1)
+_POS_MIN = operator.attrgetter("pos_min")
+
+
+def _pick(items: list[Any], rows: np.ndarray) -> tuple[Any, ...]:
+    """``items[r]`` for each of ``rows`` (one C-level ``itemgetter``)."""
+    if rows.size == 1:
+        return (items[int(rows[0])],)
+    return operator.itemgetter(*rows.tolist())(items)  # type: ignore[no-any-return]
+
+
+def _consume(it: Iterable[Any]) -> None:
+    """Run an iterator of side effects to its end (C-level, nothing kept)."""
+    collections.deque(it, maxlen=0)
+
 
 #: an empty pool table (a layout's arrays before its first :meth:`SeqLayout.pool_table`)
 _NO_TABLE: np.ndarray = np.zeros((0, 0), dtype=np.int64)
@@ -60,7 +80,8 @@ class SeqLayout:
     #: the ``stamp`` of the sequence's cells (:class:`~statecache.kv_cells.SeqCells`) when ``cells`` was
     #: last made equal to them: while the stamp is unchanged, those pairs are still its first ones and
     #: only appends happened since, so :meth:`KPoolLayout.update` reads just the new pairs
-    src_stamp: int | None = dataclasses.field(default=None, compare=False)
+    #: (0: none; stamps start at 1)
+    src_stamp: int = dataclasses.field(default=0, compare=False)
     #: ``pools`` as arrays, filled up to ``_n_table`` pools (:meth:`pool_table`): pools and their
     #: members are only appended between edits, so the arrays grow by the new pools alone, and the
     #: graph inputs copy them with NumPy instead of a Python loop over every pool of the context
@@ -72,7 +93,7 @@ class SeqLayout:
     def copy(self) -> SeqLayout:
         return SeqLayout(self.strm, list(self.cells), self.pos_min, list(self.pools), self.j_next, self.src_stamp)
 
-    def truncate(self, n_cells: int, n_pools: int, j_next: int, stamp: int | None) -> None:
+    def truncate(self, n_cells: int, n_pools: int, j_next: int, stamp: int) -> None:
         """Put back the lengths of an earlier :meth:`KPoolLayout.mark` (the table keeps only its
         first ``n_pools`` rows: the pools appended later may come back different)."""
         del self.cells[n_cells:]
@@ -244,7 +265,7 @@ class KPoolLayout:
 
     def pool_counts(self) -> list[int]:
         """Pools per sequence."""
-        return [len(layout.pools) for layout in self.seqs]
+        return list(map(len, map(_POOLS, self.seqs)))
 
     def pool_start(self) -> list[int]:
         """Global index of each sequence's first pool (sequences in order)."""
@@ -287,12 +308,12 @@ class KPoolLayout:
             layout = self.seqs[s]
             old = layout.cells
             clean = clean_all[s]
-            stamp = sp.stamp if isinstance(sp, SeqCells) else None
+            stamp = sp.stamp if isinstance(sp, SeqCells) else 0
             n_old, n_now = len(old), len(sp)
             if (
                 clean
                 and n_old
-                and stamp is not None
+                and stamp
                 and stamp == layout.src_stamp
                 and strm == layout.strm
                 and n_now >= n_old  # fewer pairs under the stamp: appends it saw were rolled back
@@ -326,39 +347,73 @@ class KPoolLayout:
     def _update_live(self, live: Sequence[SeqCells], clean_all: list[bool]) -> list[int]:
         """:meth:`update` of the sequences whose pairs did not change (skipped) or, under the
         stamp the layout was made from, gained one pair at the end (a decode token: appended
-        from the last key); returns the others, for the general path.  One pass with no call
-        per sequence but the pool scan when a pool completes (256 sequences a decode step).
-        ``live[s]`` is in stream ``s`` with one stream per sequence, else in stream 0."""
-        kp, by_order, one_stream = self.kpool, self.by_order, self.n_stream == 1
-        rest: list[int] = []
-        if isinstance(live, SeqPairBook):  # one stream: its arrays, read whole
-            stamps, counts, lasts = live.stamps.tolist(), live.n.tolist(), live.last_keys().tolist()
-        else:
-            stamps = [sc.stamp for sc in live]
-            counts = [len(sc) for sc in live]
-            lasts = [sc.last_key for sc in live]
-        for s, (x, stamp, n, last, clean) in enumerate(zip(self.seqs, stamps, counts, lasts, clean_all, strict=True)):
-            old = x.cells
-            if clean and old and stamp == x.src_stamp:
-                n_old = len(old)
-                if n == n_old:
-                    continue
-                if n == n_old + 1 and x.strm == (0 if one_stream else s):
-                    old.append((last >> _CELL_BITS, last & _CELL_MASK))
-                    if x.j_next + kp <= n:  # a pool may be complete
-                        scan_pools(x, kp, by_order)
-                    continue
-            rest.append(s)
-        return rest
+        from the last key); returns the others, for the general path.  ``live[s]`` is in
+        stream ``s`` with one stream per sequence, else in stream 0.
 
-    def mark(self) -> list[tuple[SeqLayout, int, int, int, int | None]]:
+        No Python call per sequence (256 a decode step): the sequences' counts, stamps and
+        last keys are arrays (read whole from the stream's :class:`SeqPairBook` when ``live``
+        is one), the layouts' fields are read and written by C-level ``map``, and the pool a
+        decode token may complete is checked for all of them at once (:meth:`_close_pools`)."""
+        seqs, n_seq = self.seqs, self.n_seq_max
+        if isinstance(live, SeqPairBook):  # one stream: its arrays, read whole
+            stamps, counts, lasts = live.stamps[:n_seq], live.n[:n_seq], live.last_keys()[:n_seq]
+        else:
+            stamps = np.fromiter((sc.stamp for sc in live), dtype=np.int64, count=n_seq)
+            counts = np.fromiter(map(len, live), dtype=np.int64, count=n_seq)
+            lasts = np.fromiter((sc.last_key for sc in live), dtype=np.int64, count=n_seq)
+        cells = list(map(_CELLS, seqs))
+        n_old = np.fromiter(map(len, cells), dtype=np.int64, count=n_seq)
+        src = np.fromiter(map(_SRC_STAMP, seqs), dtype=np.int64, count=n_seq)
+        strm = np.fromiter(map(_STRM, seqs), dtype=np.int64, count=n_seq)
+        own_strm = 0 if self.n_stream == 1 else np.arange(n_seq)
+        ok = np.asarray(clean_all, dtype=bool) & (n_old > 0) & (stamps == src)
+        same = ok & (counts == n_old)
+        grew = ok & (counts == n_old + 1) & (strm == own_strm)
+        rows = np.flatnonzero(grew)
+        if rows.size:
+            k = lasts[rows]
+            pairs = zip((k >> _CELL_BITS).tolist(), (k & _CELL_MASK).tolist(), strict=True)
+            _consume(map(list.append, _pick(cells, rows), pairs))
+            j_next = np.fromiter(map(_J_NEXT, seqs), dtype=np.int64, count=n_seq)[rows]
+            may = j_next + self.kpool <= counts[rows]  # a pool may be complete
+            if may.any():
+                self._close_pools(rows[may], j_next[may], counts[rows[may]], live)
+        return np.flatnonzero(~(same | grew)).tolist()
+
+    def _close_pools(self, rows: np.ndarray, j_next: np.ndarray, counts: np.ndarray, live: Sequence[SeqCells]) -> None:
+        """:func:`scan_pools` of the layouts ``rows`` after one appended pair: the scan left
+        ``j_next + kpool`` past the old count, so with one pair more the only candidate pool
+        starts at ``j_next`` and ends at the new last pair; checked for all rows at once from
+        the live keys (equal to the layouts' pairs under their stamps), else row by row."""
+        kp, seqs = self.kpool, self.seqs
+        exact = j_next + kp == counts
+        if isinstance(live, SeqPairBook) and exact.all():
+            if self.by_order:
+                good = np.ones(rows.size, dtype=bool)
+            else:
+                at = live.start[rows][:, None] + j_next[:, None] + np.arange(kp)
+                pos = live.arena[at] >> _CELL_BITS
+                pos_min = np.fromiter(map(_POS_MIN, _pick(seqs, rows)), dtype=np.int64, count=rows.size)
+                good = ((pos[:, 0] - pos_min) % kp == 0) & (pos == pos[:, :1] + np.arange(kp)).all(axis=1)
+            layouts = _pick(seqs, rows)
+            if good.any():
+                _consume(map(list.append, map(_POOLS, _pick(seqs, rows[good])), j_next[good].tolist()))
+            # a pool: the scan goes on after it; none: the scan moves one pair on (scan_pools' steps)
+            _consume(
+                map(setattr, layouts, itertools.repeat("j_next"), np.where(good, j_next + kp, j_next + 1).tolist())
+            )
+            return
+        for s in rows.tolist():
+            scan_pools(seqs[s], kp, self.by_order)
+
+    def mark(self) -> list[tuple[SeqLayout, int, int, int, int]]:
         """A mark of every layout, O(sequences): :meth:`update` only appends to a layout
         in place (or replaces it), so the object and its lengths describe it exactly."""
         seqs = self.seqs
         cells, pools = map(_CELLS, seqs), map(_POOLS, seqs)
         return list(zip(seqs, map(len, cells), map(len, pools), map(_J_NEXT, seqs), map(_SRC_STAMP, seqs)))
 
-    def restore(self, mark: list[tuple[SeqLayout, int, int, int, int | None]]) -> None:
+    def restore(self, mark: list[tuple[SeqLayout, int, int, int, int]]) -> None:
         """Put every layout back as it was at :meth:`mark` (undo)."""
         for x, n_cells, n_pools, j_next, stamp in mark:
             x.truncate(n_cells, n_pools, j_next, stamp)
@@ -421,7 +476,8 @@ class KPoolLayout:
             for k in np.flatnonzero(last_pos >= stale[s]).tolist():  # the pools from the mark on
                 mark(s, k)
         kp, seqs = self.kpool, self.seqs
-        for tok in tokens:
+        decoded = not self.by_order and bool(tokens) and self._mark_decode_tokens(tokens, counts, mark)
+        for tok in () if decoded else tokens:
             for s in tok.seqs:
                 if self.by_order:
                     r = self._rank(s, tok.pos, tok.cell)
@@ -443,6 +499,35 @@ class KPoolLayout:
         bound = len(tokens) // self.kpool + n_seqs_unq
         n_new_g = max(n_new, 1, min(bound, kpool_pad(n_real) - 1, self.n_pool_max))
         return KPoolState(n_real, kpool_pad(n_real), is_new, n_new, n_new_g)
+
+    def _mark_decode_tokens(self, tokens: Sequence[Token], counts: list[int], mark: Callable[[int, int], None]) -> bool:
+        """The token loop of :meth:`build_state` (position mode) for a ubatch of decode tokens
+        -- one sequence each, none before its sequence's last pool -- read for all of them at
+        once: each token's pool is its sequence's last one or none.  False (nothing marked)
+        when some token is not such a token: the loop then takes every token."""
+        tok_seqs = list(map(_TOK_SEQS, tokens))
+        if any(len(t) != 1 for t in tok_seqs):
+            return False
+        seq_l = list(map(_FIRST, tok_seqs))
+        ts = np.asarray(seq_l, dtype=np.int64)
+        pos = np.fromiter(map(_TOK_POS, tokens), dtype=np.int64, count=len(tokens))
+        n_pools = np.asarray(counts, dtype=np.int64)[ts]
+        has = np.flatnonzero(n_pools > 0)
+        if not has.size:
+            return True  # no token's sequence has a pool yet
+        layouts = _pick(self.seqs, ts[has])
+        j_last = np.fromiter(map(_LAST, map(_POOLS, layouts)), dtype=np.int64, count=has.size)
+        cells = list(map(_CELLS, layouts))
+        first = np.fromiter(map(_FIRST, map(operator.getitem, cells, j_last.tolist())), np.int64, has.size)
+        if (pos[has] < first).any():
+            return False  # a token before its last pool (a prefill or an insert): the loop
+        ends = map(operator.getitem, cells, (j_last + self.kpool - 1).tolist())
+        last_pairs = list(ends)
+        last = np.fromiter(map(_FIRST, last_pairs), dtype=np.int64, count=has.size)
+        for r in np.flatnonzero(pos[has] <= last).tolist():  # tokens that completed a pool (about 1 in kpool)
+            k = int(has[r])
+            mark(seq_l[k], int(n_pools[k]) - 1)
+        return True
 
     # -- graph inputs (docs/memory-semantics.md#kpool-inputs) -------------------------
     def build_inputs(
