@@ -48,7 +48,7 @@ from statecache.kpool import (
     KPoolInputs,
     KPoolLayout,
     KPoolState,
-    SeqLayout,
+    LayoutMark,
     StaleMarks,
     Token,
     rebuild,
@@ -352,11 +352,25 @@ class HybridIdxMemory(HybridMemory):
         self.marks.set(seq, 0)
 
 
+class _LazyTokens(Sequence[Token]):
+    """:meth:`HybridIdxContext.tokens` made on first read (a decode ubatch's k-pool state is
+    read from arrays and never needs them)."""
+
+    def __init__(self, ctx: HybridIdxContext, n: int) -> None:
+        self._ctx, self._n = ctx, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._ctx.tokens()[i]
+
+
 @dataclasses.dataclass(frozen=True)
 class _UndoExtra:
     """What ``HybridIdxContext.apply()`` (and a later ``next()``) change besides the books."""
 
-    layout: list[tuple[SeqLayout, int, int, int, int | None]]  # KPoolLayout.mark()
+    layout: LayoutMark  # KPoolLayout.mark()
     marks: np.ndarray
     i_cur: int
     state_for: int
@@ -390,10 +404,14 @@ class HybridIdxContext(HybridContext):
             return False
         mem = self.mem
         forced = mem.layout.update(mem._pairs_view, mem.marks, mem._live_pairs())
-        tokens = self.tokens()
         first = self.stale_batch if self.i_cur == 0 else None
         ub = self.get_ubatch()
-        self.kpool_state = mem.layout.build_state(tokens, first, ub.n_seqs_unq, forced=forced)
+        if isinstance(ub.seq_id, SeqIds):  # one sequence per token: read as arrays, Token tuples made only if needed
+            one_seq = (np.asarray(ub.pos), ub.seq_id.ids)
+            tokens: Sequence[Token] = _LazyTokens(self, ub.n_tokens)
+        else:
+            one_seq, tokens = None, self.tokens()
+        self.kpool_state = mem.layout.build_state(tokens, first, ub.n_seqs_unq, forced=forced, one_seq=one_seq)
         self._state_for = self.i_cur
         return True
 

@@ -42,6 +42,7 @@ _STRM = operator.attrgetter("strm")
 _TOK_SEQS = operator.itemgetter(1)
 _TOK_POS = operator.itemgetter(0)
 _FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
 _LAST = operator.itemgetter(-1)
 _POS_MIN = operator.attrgetter("pos_min")
 
@@ -241,6 +242,17 @@ class Token(NamedTuple):
     cell: int
 
 
+class LayoutMark(NamedTuple):
+    """:meth:`KPoolLayout.mark`: each sequence's layout object and the lengths and scan
+    state it had (lists indexed by sequence)."""
+
+    layouts: list[SeqLayout]
+    n_cells: list[int]
+    n_pools: list[int]
+    j_next: list[int]
+    src_stamp: list[int]
+
+
 class KPoolLayout:
     """Layouts of every sequence, updated at each ``apply()`` (docs/memory-semantics.md#kpool-layout)."""
 
@@ -406,18 +418,24 @@ class KPoolLayout:
         for s in rows.tolist():
             scan_pools(seqs[s], kp, self.by_order)
 
-    def mark(self) -> list[tuple[SeqLayout, int, int, int, int]]:
+    def mark(self) -> LayoutMark:
         """A mark of every layout, O(sequences): :meth:`update` only appends to a layout
-        in place (or replaces it), so the object and its lengths describe it exactly."""
-        seqs = self.seqs
-        cells, pools = map(_CELLS, seqs), map(_POOLS, seqs)
-        return list(zip(seqs, map(len, cells), map(len, pools), map(_J_NEXT, seqs), map(_SRC_STAMP, seqs)))
+        in place (or replaces it), so the object and its lengths describe it exactly.
+        Kept as one list per field (made by C-level ``map``: no tuple per sequence)."""
+        seqs = list(self.seqs)
+        return LayoutMark(
+            seqs,
+            list(map(len, map(_CELLS, seqs))),
+            list(map(len, map(_POOLS, seqs))),
+            list(map(_J_NEXT, seqs)),
+            list(map(_SRC_STAMP, seqs)),
+        )
 
-    def restore(self, mark: list[tuple[SeqLayout, int, int, int, int]]) -> None:
+    def restore(self, mark: LayoutMark) -> None:
         """Put every layout back as it was at :meth:`mark` (undo)."""
-        for x, n_cells, n_pools, j_next, stamp in mark:
+        for x, n_cells, n_pools, j_next, stamp in zip(*mark, strict=True):
             x.truncate(n_cells, n_pools, j_next, stamp)
-        self.seqs = [m[0] for m in mark]
+        self.seqs = list(mark.layouts)
 
     # -- per-ubatch state (docs/memory-semantics.md#kpool-new) -----------------
     def _rank(self, s: int, pos: int, cell: int) -> int:
@@ -448,10 +466,13 @@ class KPoolLayout:
         *,
         forced: dict[int, int] | None = None,
         reserve: bool = False,
+        one_seq: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> KPoolState:
         """Which pools are new this ubatch.  ``stale_batch`` is the copy of the
         marks taken when the batch was planned, given only for its first ubatch;
-        ``forced`` are the extra marks returned by :meth:`update`."""
+        ``forced`` are the extra marks returned by :meth:`update`.  ``one_seq``: the
+        tokens' positions and sequences as arrays when each token has one sequence (a
+        decode ubatch is then read without touching ``tokens``, which may be lazy)."""
         counts = self.pool_counts()
         starts = [0, *itertools.accumulate(counts)]
         n_real = starts.pop()
@@ -476,7 +497,15 @@ class KPoolLayout:
             for k in np.flatnonzero(last_pos >= stale[s]).tolist():  # the pools from the mark on
                 mark(s, k)
         kp, seqs = self.kpool, self.seqs
-        decoded = not self.by_order and bool(tokens) and self._mark_decode_tokens(tokens, counts, mark)
+        decoded = False
+        if not self.by_order and len(tokens):
+            if one_seq is None:
+                tok_seqs = list(map(_TOK_SEQS, tokens))
+                if all(map((1).__eq__, map(len, tok_seqs))):
+                    pos_a = np.fromiter(map(_TOK_POS, tokens), dtype=np.int64, count=len(tokens))
+                    one_seq = (pos_a, np.fromiter(map(_FIRST, tok_seqs), dtype=np.int64, count=len(tokens)))
+            if one_seq is not None:
+                decoded = self._mark_decode_tokens(*one_seq, counts, starts, is_new, seen_reps)
         for tok in () if decoded else tokens:
             for s in tok.seqs:
                 if self.by_order:
@@ -500,17 +529,21 @@ class KPoolLayout:
         n_new_g = max(n_new, 1, min(bound, kpool_pad(n_real) - 1, self.n_pool_max))
         return KPoolState(n_real, kpool_pad(n_real), is_new, n_new, n_new_g)
 
-    def _mark_decode_tokens(self, tokens: Sequence[Token], counts: list[int], mark: Callable[[int, int], None]) -> bool:
+    def _mark_decode_tokens(
+        self,
+        pos: np.ndarray,
+        ts: np.ndarray,
+        counts: list[int],
+        starts: list[int],
+        is_new: np.ndarray,
+        seen_reps: set[int],
+    ) -> bool:
         """The token loop of :meth:`build_state` (position mode) for a ubatch of decode tokens
-        -- one sequence each, none before its sequence's last pool -- read for all of them at
-        once: each token's pool is its sequence's last one or none.  False (nothing marked)
-        when some token is not such a token: the loop then takes every token."""
-        tok_seqs = list(map(_TOK_SEQS, tokens))
-        if any(len(t) != 1 for t in tok_seqs):
-            return False
-        seq_l = list(map(_FIRST, tok_seqs))
-        ts = np.asarray(seq_l, dtype=np.int64)
-        pos = np.fromiter(map(_TOK_POS, tokens), dtype=np.int64, count=len(tokens))
+        at positions ``pos`` of sequences ``ts`` (one each), none before its sequence's last
+        pool, read for all of them at once: each token's pool is its sequence's last one or
+        none.  False (nothing marked) when some token is not such a token: the loop then
+        takes every token."""
+        pos, ts = np.asarray(pos, dtype=np.int64), np.asarray(ts, dtype=np.int64)
         n_pools = np.asarray(counts, dtype=np.int64)[ts]
         has = np.flatnonzero(n_pools > 0)
         if not has.size:
@@ -521,12 +554,22 @@ class KPoolLayout:
         first = np.fromiter(map(_FIRST, map(operator.getitem, cells, j_last.tolist())), np.int64, has.size)
         if (pos[has] < first).any():
             return False  # a token before its last pool (a prefill or an insert): the loop
-        ends = map(operator.getitem, cells, (j_last + self.kpool - 1).tolist())
-        last_pairs = list(ends)
+        last_pairs = list(map(operator.getitem, cells, (j_last + self.kpool - 1).tolist()))
         last = np.fromiter(map(_FIRST, last_pairs), dtype=np.int64, count=has.size)
-        for r in np.flatnonzero(pos[has] <= last).tolist():  # tokens that completed a pool (about 1 in kpool)
-            k = int(has[r])
-            mark(seq_l[k], int(n_pools[k]) - 1)
+        closing = np.flatnonzero(pos[has] <= last)  # tokens whose pool is their last (about 1 in kpool)
+        if not closing.size:
+            return True
+        # build_state's mark() of each, at once: the pool's rep row, claimed by its first claimer
+        tok = has[closing]
+        rep_cells = np.fromiter(map(_SECOND, _pick(last_pairs, closing)), dtype=np.int64, count=closing.size)
+        strm = np.fromiter(map(_STRM, _pick(self.seqs, ts[tok])), dtype=np.int64, count=closing.size)
+        reps = strm * self.kv_size + rep_cells
+        _, first = np.unique(reps, return_index=True)
+        first.sort()  # token order
+        fresh = [k for k in first.tolist() if int(reps[k]) not in seen_reps] if seen_reps else first.tolist()
+        seen_reps.update(reps[fresh].tolist())
+        at = np.asarray(starts, dtype=np.int64)[ts[tok[fresh]]] + n_pools[tok[fresh]] - 1
+        is_new[at] = True
         return True
 
     # -- graph inputs (docs/memory-semantics.md#kpool-inputs) -------------------------
