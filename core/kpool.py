@@ -49,8 +49,8 @@ _POS_MIN = operator.attrgetter("pos_min")
 
 def _pick(items: list[Any], rows: np.ndarray) -> tuple[Any, ...]:
     """``items[r]`` for each of ``rows`` (one C-level ``itemgetter``)."""
-    if rows.size == 1:
-        return (items[int(rows[0])],)
+    if rows.size <= 1:
+        return (items[int(rows[0])],) if rows.size else ()
     return operator.itemgetter(*rows.tolist())(items)  # type: ignore[no-any-return]
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from statecache.errors import InvariantError
 from statecache.kpool import KPoolLayout, KPoolState, StaleMarks, Token, rebuild
-from statecache.kv_cells import BLOCK, EMPTY, KVCells
+from statecache.kv_cells import BLOCK, EMPTY, KVCells, SeqPairBook
 from statecache.kv_mask import SWAType, build_mask, build_mask_seqs
 
 N_SEQ = 3
@@ -500,3 +500,106 @@ def test_seq_pos_max_all_is_seq_pos_max_of_every_sequence(kind: str, unified: bo
     check()
     mem.clear()
     check()
+
+
+@given(seed=st.integers(0, 2**32 - 1), n_ops=st.integers(1, 120), n_rows=st.integers(1, 5))
+def test_seq_pair_book_holds_each_rows_sorted_keys_through_every_edit(seed: int, n_ops: int, n_rows: int) -> None:
+    """Every sequence's keys in one arena (:class:`SeqPairBook`): through appends (one row or
+    many at once), inserts before and between pairs, removals of the oldest, the newest or
+    inner pairs (one row or runs of many rows at once), growth, moves and repacks, each row
+    holds exactly its sorted keys (a plain sorted list per row is the oracle), the segments
+    stay apart, and a row's stamp is unchanged exactly when only appends happened to it."""
+    rng = np.random.default_rng(seed)
+    book = SeqPairBook(n_rows)
+    model: list[list[int]] = [[] for _ in range(n_rows)]
+    used: set[int] = set()
+
+    def fresh(lo: int = 0, hi: int = 1 << 20) -> int:
+        k = int(rng.integers(lo, hi))
+        while k in used:
+            k = int(rng.integers(lo, hi))
+        used.add(k)
+        return k
+
+    for _ in range(n_ops):
+        op = int(rng.integers(0, 8))
+        stamps = book.stamps.copy()
+        appended_only = np.ones(n_rows, dtype=bool)
+        if op == 0:  # many rows, one key each: mostly appends, some inserts
+            rows = rng.permutation(n_rows)[: int(rng.integers(1, n_rows + 1))]
+            keys = []
+            for r in rows.tolist():
+                top = model[r][-1] + 1 if model[r] and rng.random() < 0.8 else 0
+                keys.append(fresh(top, top + 64) if top else fresh())
+                appended_only[r] = not model[r] or keys[-1] > model[r][-1]
+                model[r] = sorted([*model[r], keys[-1]])
+            book.append_keys(rows.astype(np.int64), np.asarray(keys, dtype=np.int64))
+        elif op == 1:  # one row, one key anywhere
+            r = int(rng.integers(0, n_rows))
+            k = fresh()
+            appended_only[r] = not model[r] or k > model[r][-1]
+            book.add_key(r, k)
+            model[r] = sorted([*model[r], k])
+        elif op == 2:  # one row, a sorted run
+            r = int(rng.integers(0, n_rows))
+            ks = sorted(fresh() for _ in range(int(rng.integers(1, 40))))
+            appended_only[r] = not model[r] or ks[0] > model[r][-1]
+            book.add_many(r, np.asarray(ks, dtype=np.int64))
+            model[r] = sorted(model[r] + ks)
+        elif op == 3:  # one row, one held key
+            r = int(rng.integers(0, n_rows))
+            if model[r]:
+                k = model[r][int(rng.choice([0, -1, int(rng.integers(0, len(model[r])))]))]
+                book.remove_key(r, k)
+                model[r].remove(k)
+                appended_only[r] = False
+        elif op == 4:  # one row, some held keys (a head, a tail or any)
+            r = int(rng.integers(0, n_rows))
+            if model[r]:
+                m = int(rng.integers(1, len(model[r]) + 1))
+                pick = rng.choice(3)
+                ks = (
+                    model[r][:m]
+                    if pick == 0
+                    else model[r][-m:]
+                    if pick == 1
+                    else sorted(rng.choice(model[r], m, False))
+                )
+                book.remove_many(r, np.asarray(ks, dtype=np.int64))
+                model[r] = [k for k in model[r] if k not in set(ks)]
+                appended_only[r] = False
+        elif op == 5:  # runs of several rows at once (a window cache's decode step)
+            rows = [r for r in rng.permutation(n_rows).tolist() if model[r]][: int(rng.integers(1, n_rows + 1))]
+            rows.sort()
+            bounds, keys = [0], []
+            for r in rows:
+                m = int(rng.integers(1, len(model[r]) + 1))
+                pick = rng.choice(3)
+                ks = (
+                    model[r][:m]
+                    if pick == 0
+                    else model[r][-m:]
+                    if pick == 1
+                    else sorted(rng.choice(model[r], m, False))
+                )
+                keys += [int(k) for k in ks]
+                bounds.append(len(keys))
+                model[r] = [k for k in model[r] if k not in set(ks)]
+                appended_only[r] = False
+            if rows:
+                book.remove_runs(np.asarray(rows), np.asarray(bounds), np.asarray(keys, dtype=np.int64))
+        elif op == 6:
+            book = book.copy()
+        elif rng.random() < 0.2:
+            book.clear()
+            model = [[] for _ in range(n_rows)]
+            appended_only[:] = False
+        book.check()
+        for r in range(n_rows):
+            assert book[r].keys.tolist() == model[r], r
+            assert book[r].first_key == (model[r][0] if model[r] else -1)
+            assert book[r].last_key == (model[r][-1] if model[r] else -1)
+        assert book.first_keys().tolist() == [m[0] if m else -1 for m in model]
+        assert book.last_keys().tolist() == [m[-1] if m else -1 for m in model]
+        if op != 6:
+            assert ((book.stamps == stamps) == appended_only).all(), (op, book.stamps, stamps, appended_only)
