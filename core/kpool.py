@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from statecache.errors import ArgumentError
+from statecache.errors import ArgumentError, InvariantError
 from statecache.kv_cells import _CELL_BITS, _CELL_MASK, SeqCells, SeqPairBook
 
 #: A stale mark of "clean" (no pooled key of the sequence may be wrong).
@@ -38,13 +38,9 @@ _CELLS = operator.attrgetter("cells")
 _POOLS = operator.attrgetter("pools")
 _J_NEXT = operator.attrgetter("j_next")
 _SRC_STAMP = operator.attrgetter("src_stamp")
-_STRM = operator.attrgetter("strm")
 _TOK_SEQS = operator.itemgetter(1)
 _TOK_POS = operator.itemgetter(0)
 _FIRST = operator.itemgetter(0)
-_SECOND = operator.itemgetter(1)
-_LAST = operator.itemgetter(-1)
-_POS_MIN = operator.attrgetter("pos_min")
 
 
 def _pick(items: list[Any], rows: np.ndarray) -> tuple[Any, ...]:
@@ -247,10 +243,49 @@ class LayoutMark(NamedTuple):
     state it had (lists indexed by sequence)."""
 
     layouts: list[SeqLayout]
-    n_cells: list[int]
-    n_pools: list[int]
-    j_next: list[int]
-    src_stamp: list[int]
+    n_cells: list[int] | np.ndarray
+    n_pools: list[int] | np.ndarray
+    j_next: list[int] | np.ndarray
+    src_stamp: list[int] | np.ndarray
+
+
+class _DecodeArrays:
+    """What a decode step reads of every layout, as arrays indexed by sequence: kept equal
+    to the :class:`SeqLayout` objects by :meth:`KPoolLayout._update_live` (the decode path
+    changes both), refreshed row by row where the general path of :meth:`KPoolLayout.update`
+    changed a layout, dropped when anything else replaces or cuts layouts (``seqs`` set,
+    :meth:`KPoolLayout.restore`) and made again from the objects at the next update."""
+
+    __slots__ = ("j_next", "last_first", "last_last", "last_rep", "n_cells", "n_pools", "pos_min", "src", "strm")
+
+    def __init__(self, seqs: Sequence[SeqLayout], kpool: int) -> None:
+        n = len(seqs)
+        self.n_cells = np.zeros(n, dtype=np.int64)
+        self.src = np.zeros(n, dtype=np.int64)
+        self.strm = np.zeros(n, dtype=np.int64)
+        self.pos_min = np.zeros(n, dtype=np.int64)
+        self.j_next = np.zeros(n, dtype=np.int64)
+        self.n_pools = np.zeros(n, dtype=np.int64)
+        #: the last pool's first and last position and its rep's stream-local cell (-1: no pool)
+        self.last_first = np.full(n, -1, dtype=np.int64)
+        self.last_last = np.full(n, -1, dtype=np.int64)
+        self.last_rep = np.full(n, -1, dtype=np.int64)
+        self.refresh(seqs, range(n), kpool)
+
+    def refresh(self, seqs: Sequence[SeqLayout], rows: Iterable[int], kpool: int) -> None:
+        """Read the rows ``rows`` again from their layouts (O(rows))."""
+        for s in rows:
+            x = seqs[s]
+            self.n_cells[s], self.src[s], self.strm[s] = len(x.cells), x.src_stamp, x.strm
+            self.pos_min[s], self.j_next[s], self.n_pools[s] = x.pos_min, x.j_next, len(x.pools)
+            if x.pools:
+                j = x.pools[-1]
+                self.last_first[s], (self.last_last[s], self.last_rep[s]) = x.cells[j][0], x.cells[j + kpool - 1]
+            else:
+                self.last_first[s] = self.last_last[s] = self.last_rep[s] = -1
+
+    def equals(self, other: _DecodeArrays) -> bool:
+        return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in self.__slots__)
 
 
 class KPoolLayout:
@@ -269,6 +304,26 @@ class KPoolLayout:
         self.seqs = [SeqLayout() for _ in range(self.n_seq_max)]
 
     @property
+    def seqs(self) -> list[SeqLayout]:
+        """Each sequence's layout (replace the list, never a layout in place, from outside)."""
+        return self._seqs
+
+    @seqs.setter
+    def seqs(self, layouts: list[SeqLayout]) -> None:
+        self._seqs = layouts
+        self._fast: _DecodeArrays | None = None
+
+    def _arrays(self) -> _DecodeArrays:
+        if self._fast is None:
+            self._fast = _DecodeArrays(self._seqs, self.kpool)
+        return self._fast
+
+    def check(self) -> None:
+        """Raise :class:`InvariantError` unless the decode arrays (when made) equal the layouts."""
+        if self._fast is not None and not self._fast.equals(_DecodeArrays(self._seqs, self.kpool)):
+            raise InvariantError("kpool-arrays", "the decode arrays of the k-pool layout are out of step")
+
+    @property
     def n_pool_max(self) -> int:
         return (self.kv_size // self.kpool) * self.n_seq_max
 
@@ -277,6 +332,8 @@ class KPoolLayout:
 
     def pool_counts(self) -> list[int]:
         """Pools per sequence."""
+        if self._fast is not None:
+            return self._fast.n_pools.tolist()  # type: ignore[no-any-return]
         return list(map(len, map(_POOLS, self.seqs)))
 
     def pool_start(self) -> list[int]:
@@ -315,6 +372,8 @@ class KPoolLayout:
         kp = self.kpool
         if live is not None:
             todo = self._update_live(live, clean_all)
+        else:
+            self._fast = None
         for s in todo:
             strm, sp = pairs_of(s)
             layout = self.seqs[s]
@@ -354,6 +413,8 @@ class KPoolLayout:
                     forced[s] = max(0, min(candidates))
             self.seqs[s] = rebuild(sp, strm, self.kpool, self.by_order)
             self.seqs[s].src_stamp = stamp
+        if self._fast is not None and todo:
+            self._fast.refresh(self._seqs, todo, kp)
         return forced
 
     def _update_live(self, live: Sequence[SeqCells], clean_all: list[bool]) -> list[int]:
@@ -366,27 +427,27 @@ class KPoolLayout:
         last keys are arrays (read whole from the stream's :class:`SeqPairBook` when ``live``
         is one), the layouts' fields are read and written by C-level ``map``, and the pool a
         decode token may complete is checked for all of them at once (:meth:`_close_pools`)."""
-        seqs, n_seq = self.seqs, self.n_seq_max
+        seqs, n_seq, fast = self._seqs, self.n_seq_max, self._arrays()
         if isinstance(live, SeqPairBook):  # one stream: its arrays, read whole
             stamps, counts, lasts = live.stamps[:n_seq], live.n[:n_seq], live.last_keys()[:n_seq]
         else:
             stamps = np.fromiter((sc.stamp for sc in live), dtype=np.int64, count=n_seq)
             counts = np.fromiter(map(len, live), dtype=np.int64, count=n_seq)
             lasts = np.fromiter((sc.last_key for sc in live), dtype=np.int64, count=n_seq)
-        cells = list(map(_CELLS, seqs))
-        n_old = np.fromiter(map(len, cells), dtype=np.int64, count=n_seq)
-        src = np.fromiter(map(_SRC_STAMP, seqs), dtype=np.int64, count=n_seq)
-        strm = np.fromiter(map(_STRM, seqs), dtype=np.int64, count=n_seq)
+        n_old = fast.n_cells
         own_strm = 0 if self.n_stream == 1 else np.arange(n_seq)
-        ok = np.asarray(clean_all, dtype=bool) & (n_old > 0) & (stamps == src)
-        same = ok & (counts == n_old)
-        grew = ok & (counts == n_old + 1) & (strm == own_strm)
+        ok = np.asarray(clean_all, dtype=bool) & (n_old > 0) & (stamps == fast.src)
+        # a sequence that holds nothing and whose layout is empty in its stream: nothing to do
+        idle = (counts == 0) & (n_old == 0) & (fast.n_pools == 0) & (fast.j_next == 0) & (fast.pos_min == 0)
+        same = (ok & (counts == n_old)) | (idle & (fast.strm == own_strm))
+        grew = ok & (counts == n_old + 1) & (fast.strm == own_strm)
         rows = np.flatnonzero(grew)
         if rows.size:
             k = lasts[rows]
             pairs = zip((k >> _CELL_BITS).tolist(), (k & _CELL_MASK).tolist(), strict=True)
-            _consume(map(list.append, _pick(cells, rows), pairs))
-            j_next = np.fromiter(map(_J_NEXT, seqs), dtype=np.int64, count=n_seq)[rows]
+            _consume(map(list.append, map(_CELLS, _pick(seqs, rows)), pairs))
+            n_old[rows] += 1
+            j_next = fast.j_next[rows]
             may = j_next + self.kpool <= counts[rows]  # a pool may be complete
             if may.any():
                 self._close_pools(rows[may], j_next[may], counts[rows[may]], live)
@@ -397,32 +458,40 @@ class KPoolLayout:
         ``j_next + kpool`` past the old count, so with one pair more the only candidate pool
         starts at ``j_next`` and ends at the new last pair; checked for all rows at once from
         the live keys (equal to the layouts' pairs under their stamps), else row by row."""
-        kp, seqs = self.kpool, self.seqs
-        exact = j_next + kp == counts
-        if isinstance(live, SeqPairBook) and exact.all():
+        kp, seqs = self.kpool, self._seqs
+        if isinstance(live, SeqPairBook) and (j_next + kp == counts).all():
+            fast = self._arrays()
+            keys = live.arena[live.start[rows][:, None] + j_next[:, None] + np.arange(kp)]
             if self.by_order:
                 good = np.ones(rows.size, dtype=bool)
             else:
-                at = live.start[rows][:, None] + j_next[:, None] + np.arange(kp)
-                pos = live.arena[at] >> _CELL_BITS
-                pos_min = np.fromiter(map(_POS_MIN, _pick(seqs, rows)), dtype=np.int64, count=rows.size)
-                good = ((pos[:, 0] - pos_min) % kp == 0) & (pos == pos[:, :1] + np.arange(kp)).all(axis=1)
-            layouts = _pick(seqs, rows)
+                pos = keys >> _CELL_BITS
+                aligned = (pos[:, 0] - fast.pos_min[rows]) % kp == 0
+                good = aligned & (pos == pos[:, :1] + np.arange(kp)).all(axis=1)
             if good.any():
-                _consume(map(list.append, map(_POOLS, _pick(seqs, rows[good])), j_next[good].tolist()))
+                g_rows, g_keys = rows[good], keys[good]
+                _consume(map(list.append, map(_POOLS, _pick(seqs, g_rows)), j_next[good].tolist()))
+                fast.n_pools[g_rows] += 1
+                fast.last_first[g_rows] = g_keys[:, 0] >> _CELL_BITS
+                fast.last_last[g_rows] = g_keys[:, -1] >> _CELL_BITS
+                fast.last_rep[g_rows] = g_keys[:, -1] & _CELL_MASK
             # a pool: the scan goes on after it; none: the scan moves one pair on (scan_pools' steps)
-            _consume(
-                map(setattr, layouts, itertools.repeat("j_next"), np.where(good, j_next + kp, j_next + 1).tolist())
-            )
+            fast.j_next[rows] = np.where(good, j_next + kp, j_next + 1)
+            _consume(map(setattr, _pick(seqs, rows), itertools.repeat("j_next"), fast.j_next[rows].tolist()))
             return
         for s in rows.tolist():
             scan_pools(seqs[s], kp, self.by_order)
+        if self._fast is not None:
+            self._fast.refresh(seqs, rows.tolist(), kp)
 
     def mark(self) -> LayoutMark:
         """A mark of every layout, O(sequences): :meth:`update` only appends to a layout
         in place (or replaces it), so the object and its lengths describe it exactly.
         Kept as one list per field (made by C-level ``map``: no tuple per sequence)."""
-        seqs = list(self.seqs)
+        seqs = list(self._seqs)
+        fast = self._fast
+        if fast is not None:  # the decode arrays: copies, no pass over the layouts
+            return LayoutMark(seqs, fast.n_cells.copy(), fast.n_pools.copy(), fast.j_next.copy(), fast.src.copy())
         return LayoutMark(
             seqs,
             list(map(len, map(_CELLS, seqs))),
@@ -433,7 +502,8 @@ class KPoolLayout:
 
     def restore(self, mark: LayoutMark) -> None:
         """Put every layout back as it was at :meth:`mark` (undo)."""
-        for x, n_cells, n_pools, j_next, stamp in zip(*mark, strict=True):
+        fields = [np.asarray(f).tolist() for f in mark[1:]]
+        for x, n_cells, n_pools, j_next, stamp in zip(mark.layouts, *fields, strict=True):
             x.truncate(n_cells, n_pools, j_next, stamp)
         self.seqs = list(mark.layouts)
 
@@ -544,26 +614,16 @@ class KPoolLayout:
         none.  False (nothing marked) when some token is not such a token: the loop then
         takes every token."""
         pos, ts = np.asarray(pos, dtype=np.int64), np.asarray(ts, dtype=np.int64)
-        n_pools = np.asarray(counts, dtype=np.int64)[ts]
-        has = np.flatnonzero(n_pools > 0)
-        if not has.size:
-            return True  # no token's sequence has a pool yet
-        layouts = _pick(self.seqs, ts[has])
-        j_last = np.fromiter(map(_LAST, map(_POOLS, layouts)), dtype=np.int64, count=has.size)
-        cells = list(map(_CELLS, layouts))
-        first = np.fromiter(map(_FIRST, map(operator.getitem, cells, j_last.tolist())), np.int64, has.size)
-        if (pos[has] < first).any():
+        fast = self._arrays()
+        n_pools = fast.n_pools[ts]
+        has = n_pools > 0
+        if (has & (pos < fast.last_first[ts])).any():
             return False  # a token before its last pool (a prefill or an insert): the loop
-        last_pairs = list(map(operator.getitem, cells, (j_last + self.kpool - 1).tolist()))
-        last = np.fromiter(map(_FIRST, last_pairs), dtype=np.int64, count=has.size)
-        closing = np.flatnonzero(pos[has] <= last)  # tokens whose pool is their last (about 1 in kpool)
-        if not closing.size:
+        tok = np.flatnonzero(has & (pos <= fast.last_last[ts]))  # tokens whose pool is their last (about 1 in kpool)
+        if not tok.size:
             return True
         # build_state's mark() of each, at once: the pool's rep row, claimed by its first claimer
-        tok = has[closing]
-        rep_cells = np.fromiter(map(_SECOND, _pick(last_pairs, closing)), dtype=np.int64, count=closing.size)
-        strm = np.fromiter(map(_STRM, _pick(self.seqs, ts[tok])), dtype=np.int64, count=closing.size)
-        reps = strm * self.kv_size + rep_cells
+        reps = fast.strm[ts[tok]] * self.kv_size + fast.last_rep[ts[tok]]
         _, first = np.unique(reps, return_index=True)
         first.sort()  # token order
         fresh = [k for k in first.tolist() if int(reps[k]) not in seen_reps] if seen_reps else first.tolist()

@@ -27,6 +27,7 @@ class TagModel:
 
     def on_apply(self, ctx) -> None:  # type: ignore[no-untyped-def]
         mem = ctx.mem
+        mem.layout.check()  # the decode arrays equal the layouts
         for s in range(mem.n_seq_max):  # the incremental layout (appends only) is the one built from scratch
             strm, pairs = mem.pairs_of(s)
             assert mem.layout.seqs[s] == rebuild(pairs, strm, mem.layout.kpool, mem.layout.by_order), s

@@ -47,6 +47,7 @@ KINDS = ["hybrid", "iswa", "iswa_full", "idx", "idx_order"]
 def reps_unique(mem) -> None:  # type: ignore[no-untyped-def]
     """Hybrid-idx: no rep row is the last member of two pools with different members."""
     lay = mem.layout
+    lay.check()  # the decode arrays equal the layouts
     claimed: dict[int, tuple[int, ...]] = {}
     for s in range(mem.n_seq_max):
         strm, pairs = mem.pairs_of(s)

@@ -224,6 +224,7 @@ def test_kpool_layout_from_live_cells_matches_the_copied_pairs(seed: int, by_ord
             )
             c.rollback(journal)
         forced_live = live.update(lambda q: (0, c.seq_pos[q]), marks, c.seq_pos if rng.random() < 0.5 else None)
+        live.check()  # the decode arrays equal the layouts
         forced_copied = copied.update(lambda q: (0, c.seq_cells(q)), marks)
         assert forced_live == forced_copied
         for q in range(2):
@@ -422,6 +423,7 @@ def test_kpool_inputs_from_the_pool_tables_equal_a_from_scratch_build(
         if live_list is not None and not split and rng.random() < 0.5:
             live_list = books[0].seq_pos  # the stream's whole book: the layout reads its arrays
         forced = lay.update(live_pairs if live else copied_pairs, marks, live_list)
+        lay.check()
         ref = KPoolLayout(kp, by_order, n_seq, size, n_stream)
         ref.seqs = [rebuild(book(q).seq_cells(q), strm_of(q), kp, by_order) for q in range(n_seq)]
         holders = [(q, p, cell) for q in range(n_seq) for p, cell in book(q).seq_cells(q)]
@@ -433,6 +435,7 @@ def test_kpool_inputs_from_the_pool_tables_equal_a_from_scratch_build(
                 tokens = [Token(p, (q,), cell) for q, (p, cell) in newest.items()]
             stale = marks.copy() if rng.random() < 0.5 else None
             got_state = lay.build_state(tokens, stale, len({t.seqs[0] for t in tokens}), forced=forced)
+            lay.check()
             ref_state = ref.build_state(tokens, stale, len({t.seqs[0] for t in tokens}), forced=forced)
             assert (got_state.n_pool_real, got_state.n_new, got_state.n_new_g, got_state.n_kpool) == (
                 ref_state.n_pool_real,
@@ -449,6 +452,7 @@ def test_kpool_inputs_from_the_pool_tables_equal_a_from_scratch_build(
                 assert getattr(got, name).dtype == arr.dtype, name
         if placed.size and rng.random() < 0.4:  # undo: the layout mark back, the placed cells gone
             lay.restore(before)
+            lay.check()
             c.seq_rm_many(placed, s)
         elif rng.random() < 0.5:
             marks.clear()
