@@ -368,12 +368,13 @@ class KPoolLayout:
         """
         forced: dict[int, int] = {}
         todo: Sequence[int] = range(self.n_seq_max)
-        clean_all = (marks.marks == POS_CLEAN).tolist()
+        clean_arr = marks.marks == POS_CLEAN
         kp = self.kpool
         if live is not None:
-            todo = self._update_live(live, clean_all)
+            todo = self._update_live(live, clean_arr)
         else:
             self._fast = None
+        clean_all = clean_arr.tolist() if todo else []
         for s in todo:
             strm, sp = pairs_of(s)
             layout = self.seqs[s]
@@ -417,7 +418,7 @@ class KPoolLayout:
             self._fast.refresh(self._seqs, todo, kp)
         return forced
 
-    def _update_live(self, live: Sequence[SeqCells], clean_all: list[bool]) -> list[int]:
+    def _update_live(self, live: Sequence[SeqCells], clean_all: np.ndarray) -> list[int]:
         """:meth:`update` of the sequences whose pairs did not change (skipped) or, under the
         stamp the layout was made from, gained one pair at the end (a decode token: appended
         from the last key); returns the others, for the general path.  ``live[s]`` is in
@@ -436,7 +437,7 @@ class KPoolLayout:
             lasts = np.fromiter((sc.last_key for sc in live), dtype=np.int64, count=n_seq)
         n_old = fast.n_cells
         own_strm = 0 if self.n_stream == 1 else np.arange(n_seq)
-        ok = np.asarray(clean_all, dtype=bool) & (n_old > 0) & (stamps == fast.src)
+        ok = clean_all & (n_old > 0) & (stamps == fast.src)
         # a sequence that holds nothing and whose layout is empty in its stream: nothing to do
         idle = (counts == 0) & (n_old == 0) & (fast.n_pools == 0) & (fast.j_next == 0) & (fast.pos_min == 0)
         same = (ok & (counts == n_old)) | (idle & (fast.strm == own_strm))

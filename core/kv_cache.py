@@ -359,11 +359,13 @@ class KVCache(Memory):
         the ubatch's own sequences first, then the others.  O(sequences + cells
         taken + cells skipped because shared), with no Python call per sequence that gives
         nothing."""
-        own = list(dict.fromkeys(ub.primary[tok].tolist()))
+        prim = np.asarray(ub.primary[tok], dtype=np.int64)
+        _, first = np.unique(prim, return_index=True)
+        own = prim[np.sort(first)]  # the ubatch's sequences in order of first appearance
         rest = np.ones(self.n_seq_max, dtype=bool)
         rest[own] = False
-        order = [*own, *np.flatnonzero(rest).tolist()]
-        p_next = cells.seq_pos.last_positions(np.asarray(order, dtype=np.int64)) + 1 - self.rollback_depth
+        order = np.concatenate([own, np.flatnonzero(rest)])
+        p_next = cells.seq_pos.last_positions(order) + 1 - self.rollback_depth
         return cells.oldest_alone_many(order, swa_visible_from_many(self.n_swa, self.swa_type, p_next), need)
 
     def _apply_ubatch(self, book: _Book, sinfo: SlotInfo, ub: UBatch) -> None:
@@ -383,10 +385,13 @@ class KVCache(Memory):
             if occ.size:  # (vectorised: a prefill chunk may reuse a whole window's cells)
                 owners = cells.owner_pairs(occ)
                 rows, seqs = owners
-                top = np.full(self.n_seq_max, -1, dtype=np.int64)
-                np.maximum.at(top, seqs, cells.pos[occ][rows])
-                held = np.flatnonzero(top >= 0)
-                pmax = top[held]
+                # per losing sequence (ascending) its highest lost position: the last of each
+                # sequence's group sorted by (sequence, position); np.maximum.at costs more
+                p_lost = cells.pos[occ][rows]
+                order = np.lexsort((p_lost, seqs))
+                s_sorted = seqs[order]
+                group_end = np.r_[s_sorted[1:] != s_sorted[:-1], True]
+                held, pmax = s_sorted[group_end], p_lost[order][group_end]
                 cells.rm_many(occ, owners)
             if single:
                 cells.place_seqs(idx, pos[tok], ext[tok], ub.seq_id.ids[tok])  # type: ignore[attr-defined]

@@ -703,7 +703,7 @@ class KVCells:
             out.extend(cand[:need].tolist())
             i = (int(blocks[-1]) + 1) << BLOCK_SHIFT
 
-    def oldest_alone_many(self, seqs: Sequence[int], p_end: np.ndarray, need: int) -> list[int]:
+    def oldest_alone_many(self, seqs: Sequence[int] | np.ndarray, p_end: np.ndarray, need: int) -> list[int]:
         """:meth:`oldest_alone` of ``seqs`` in order (``p_end[k]`` for ``seqs[k]``), until ``need``
         cells are found: the same cells as a loop of calls, but read with NumPy for many
         sequences at once (a decode step of a full window cache asks each of its 256 sequences
