@@ -3,7 +3,8 @@
 Per cell: a position (``-1`` = empty), a 2-D position extension ``(x, y)``
 for M-RoPE ties, an accumulated pending shift (for the runtime's RoPE
 re-rotation), and the set of sequences holding the cell.  Per sequence: the
-ordered ``(pos, cell)`` pairs it holds (:class:`SeqCells`, NumPy-backed), so
+ordered ``(pos, cell)`` pairs it holds (:class:`SeqCells`, a view of its run in
+the stream's :class:`SeqPairBook`, one arena for every sequence), so
 that ``seq_pos_min`` and ``seq_pos_max`` are O(1), the cells a token attends
 are one slice, and the k-pool layout (docs/memory-semantics.md#kpool-layout)
 can read a sequence's cells in order without scanning the stream.
