@@ -333,7 +333,7 @@ class KPoolLayout:
     def pool_counts(self) -> list[int]:
         """Pools per sequence."""
         if self._fast is not None:
-            return self._fast.n_pools.tolist()  # type: ignore[no-any-return]
+            return self._fast.n_pools.tolist()
         return list(map(len, map(_POOLS, self.seqs)))
 
     def pool_start(self) -> list[int]:
@@ -576,7 +576,7 @@ class KPoolLayout:
                     pos_a = np.fromiter(map(_TOK_POS, tokens), dtype=np.int64, count=len(tokens))
                     one_seq = (pos_a, np.fromiter(map(_FIRST, tok_seqs), dtype=np.int64, count=len(tokens)))
             if one_seq is not None:
-                decoded = self._mark_decode_tokens(*one_seq, counts, starts, is_new, seen_reps)
+                decoded = self._mark_decode_tokens(one_seq[0], one_seq[1], counts, starts, is_new, seen_reps)
         for tok in () if decoded else tokens:
             for s in tok.seqs:
                 if self.by_order:

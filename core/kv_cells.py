@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -87,7 +87,7 @@ def _pos_key(p: int) -> int:
     return min(max(p, 0), _POS_END) << _CELL_BITS
 
 
-class SeqPairBook:
+class SeqPairBook(Sequence["SeqCells"]):
     """The ``(pos, cell)`` pairs of every sequence of one stream, each sequence's sorted by
     position then cell, as int64 keys (``pos << 32 | cell``) in one shared arena.
 
@@ -125,7 +125,13 @@ class SeqPairBook:
     def __iter__(self) -> Iterator[SeqCells]:
         return iter(self._rows)
 
-    def __getitem__(self, s: Any) -> Any:
+    @overload
+    def __getitem__(self, s: int) -> SeqCells: ...
+
+    @overload
+    def __getitem__(self, s: slice) -> list[SeqCells]: ...
+
+    def __getitem__(self, s: int | slice) -> SeqCells | list[SeqCells]:
         return self._rows[s]
 
     def copy(self) -> SeqPairBook:
