@@ -374,7 +374,7 @@ class KVCache(Memory):
         # upstream's apply_ubatch; a 1-D ubatch stores (pos, pos)
         ext = ub.pos_ext
         if ext is None:
-            ext = np.stack([pos, pos], axis=1)
+            ext = pos[:, None].repeat(2, axis=1)
         single = isinstance(ub.seq_id, SeqIds)  # one sequence per token: placed in bulk
         for strm, tok in self._stream_groups(ub):
             cells = book.cells[strm]
@@ -390,7 +390,8 @@ class KVCache(Memory):
                 p_lost = cells.pos[occ][rows]
                 order = np.lexsort((p_lost, seqs))
                 s_sorted = seqs[order]
-                group_end = np.r_[s_sorted[1:] != s_sorted[:-1], True]
+                group_end = np.ones(s_sorted.size, dtype=bool)
+                np.not_equal(s_sorted[1:], s_sorted[:-1], out=group_end[:-1])
                 held, pmax = s_sorted[group_end], p_lost[order][group_end]
                 cells.rm_many(occ, owners)
             if single:

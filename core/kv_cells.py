@@ -720,7 +720,7 @@ class KVCells:
         if need <= 0 or not len(seqs):
             return []
         rows = np.asarray(seqs, dtype=np.int64)
-        end_key = np.clip(np.asarray(p_end, dtype=np.int64), 0, _POS_END) << _CELL_BITS
+        end_key = np.minimum(np.maximum(np.asarray(p_end, dtype=np.int64), 0), _POS_END) << _CELL_BITS
         first = self.seq_pos.first_keys(rows)
         giving = np.flatnonzero((first >= 0) & (first < end_key))
         out: list[int] = []
@@ -1059,7 +1059,9 @@ class KVCells:
         order = np.lexsort((keys, seqs))
         seqs, keys = seqs[order], keys[order]
         # each sequence's run of keys (a window cache's reuse: its oldest pairs), all at once
-        bounds = np.flatnonzero(np.r_[True, seqs[1:] != seqs[:-1], True])
+        change = np.ones(seqs.size + 1, dtype=bool)  # (np.r_ costs more than the rest of this)
+        np.not_equal(seqs[1:], seqs[:-1], out=change[1:-1])
+        bounds = np.flatnonzero(change)
         self.seq_pos.remove_runs(seqs[bounds[:-1]], bounds, keys)
         self.removals += int(seqs.size)
         self.seq[idx] = False
