@@ -525,6 +525,13 @@ def test_seq_pair_book_holds_each_rows_sorted_keys_through_every_edit(seed: int,
         used.add(k)
         return k
 
+    def held_keys(r: int) -> list[int]:
+        """Some of row ``r``'s keys, sorted: its oldest, its newest, or any."""
+        m = int(rng.integers(1, len(model[r]) + 1))
+        pick = int(rng.choice(3))
+        chosen = model[r][:m] if pick == 0 else model[r][-m:] if pick == 1 else rng.choice(model[r], m, False)
+        return sorted(int(k) for k in chosen)
+
     for _ in range(n_ops):
         op = int(rng.integers(0, 8))
         stamps = book.stamps.copy()
@@ -560,15 +567,7 @@ def test_seq_pair_book_holds_each_rows_sorted_keys_through_every_edit(seed: int,
         elif op == 4:  # one row, some held keys (a head, a tail or any)
             r = int(rng.integers(0, n_rows))
             if model[r]:
-                m = int(rng.integers(1, len(model[r]) + 1))
-                pick = rng.choice(3)
-                ks = (
-                    model[r][:m]
-                    if pick == 0
-                    else model[r][-m:]
-                    if pick == 1
-                    else sorted(rng.choice(model[r], m, False))
-                )
+                ks = held_keys(r)
                 book.remove_many(r, np.asarray(ks, dtype=np.int64))
                 model[r] = [k for k in model[r] if k not in set(ks)]
                 appended_only[r] = False
@@ -577,16 +576,8 @@ def test_seq_pair_book_holds_each_rows_sorted_keys_through_every_edit(seed: int,
             rows.sort()
             bounds, keys = [0], []
             for r in rows:
-                m = int(rng.integers(1, len(model[r]) + 1))
-                pick = rng.choice(3)
-                ks = (
-                    model[r][:m]
-                    if pick == 0
-                    else model[r][-m:]
-                    if pick == 1
-                    else sorted(rng.choice(model[r], m, False))
-                )
-                keys += [int(k) for k in ks]
+                ks = held_keys(r)
+                keys += ks
                 bounds.append(len(keys))
                 model[r] = [k for k in model[r] if k not in set(ks)]
                 appended_only[r] = False
