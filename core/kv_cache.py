@@ -359,9 +359,10 @@ class KVCache(Memory):
         the ubatch's own sequences first, then the others.  O(sequences + cells
         taken + cells skipped because shared), with no Python call per sequence that gives
         nothing."""
-        prim = np.asarray(ub.primary[tok], dtype=np.int64)
-        _, first = np.unique(prim, return_index=True)
-        own = prim[np.sort(first)]  # the ubatch's sequences in order of first appearance
+        own = np.asarray(ub.primary[tok], dtype=np.int64)
+        if own.size > 1 and not (own[1:] > own[:-1]).all():  # (a decode ubatch: distinct and ascending)
+            _, first = np.unique(own, return_index=True)
+            own = own[np.sort(first)]  # the ubatch's sequences in order of first appearance
         rest = np.ones(self.n_seq_max, dtype=bool)
         rest[own] = False
         order = np.concatenate([own, np.flatnonzero(rest)])
