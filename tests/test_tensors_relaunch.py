@@ -373,3 +373,24 @@ def test_a_type_found_lying_is_not_relaunched_any_more(relaunches, monkeypatch) 
     with torch.no_grad():
         _call(dev, "ssm_scan", {**last, "y": y})
     assert relaunches[0] == done
+
+
+def test_another_shape_or_device_in_a_remembered_geometry_is_refused(relaunches) -> None:  # type: ignore[no-untyped-def]
+    """Strides, dtype and address alike, but x holds one sequence of the two
+    the rows name, or lives on another device (torch's meta device, with no
+    memory): refused by name, nothing written, never relaunched."""
+    dev = get_device("cpu")
+    pool, _, last, hosts = _steps(dev, "ssm_scan", 4)
+    done = relaunches[0]
+    before = dev.download(pool)
+    x = last["x"]
+    short = x[:1]
+    assert short.stride() == x.stride() and short.dtype == x.dtype and short.data_ptr() == x.data_ptr()
+    with torch.no_grad(), pytest.raises(ArgumentError, match="shape"):  # (names the first argument x disagrees with)
+        _call(dev, "ssm_scan", {**last, "x": short, "y": torch.zeros(hosts["y"].shape)})
+    meta = torch.empty(x.shape, device="meta")
+    assert meta.stride() == x.stride() and meta.dtype == x.dtype
+    with torch.no_grad(), pytest.raises(ArgumentError, match="^x: "):
+        _call(dev, "ssm_scan", {**last, "x": meta, "y": torch.zeros(hosts["y"].shape)})
+    np.testing.assert_array_equal(dev.download(pool), before)
+    assert relaunches[0] == done
