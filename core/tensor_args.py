@@ -58,21 +58,28 @@ tensors), remembering wraps by fingerprint does not help: every call would
 wrap its tensors again (a Buffer, and its token view, per tensor), match the
 validated call by geometry, and rebuild the backend's launch.
 :class:`Relaunches` skips all of that.  Once a call has been matched by
-geometry, it is remembered per primitive and scalars under its *geometry
-key* (each tensor's fingerprint without its address; each Buffer's
-identity), with a backend launch that takes the tensors' addresses
+geometry, it is remembered per primitive, scalars and state pool (the
+*anchor*): its *geometry* (per argument: None, the Buffer validated there,
+or the tensor's type, shape, strides, dtype and device), with a backend
+launch that takes the tensors' addresses
 (:meth:`Device._prepare_relaunch <statecache.backend.Device._prepare_relaunch>`).
-A later call with that key reads each tensor's address and geometry
-directly (no DLPack export, no Buffer) and launches, after the checks the
+A later call at that anchor compares its arguments with the anchor's
+geometries, field by field (no key is built or hashed: reading a torch
+tensor's five facts is most of what a relaunch costs), reads each tensor's
+address (no DLPack export, no Buffer) and launches, after the checks the
 geometry path makes:
 
-* the Buffers are the very objects validated (weak references) and every
-  index Buffer still holds the host copy that was checked;
+* every position holds what it held when validated: the very Buffer (weak
+  references), None, or a tensor of the same type and geometry; and every
+  index Buffer still holds the host copy that was checked (a geometry
+  validated again replaces the remembered one, with its new copies);
 * the device's capabilities are the same object;
 * every tensor address is aligned to its elements;
 * no written argument overlaps another (tensor address ranges against each
   other and against the Buffers' ranges), as for any call matched by
-  geometry.
+  geometry;
+* no type read directly has been found to disagree with its own DLPack
+  export since (:data:`statecache.dlpack.DEMOTIONS`).
 
 Index tensors and host tensors that are copied in never take this path
 (their values or copies are refreshed per call); nor does a call that
