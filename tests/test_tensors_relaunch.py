@@ -360,7 +360,7 @@ def test_a_type_found_lying_is_not_relaunched_any_more(relaunches, monkeypatch) 
     from statecache import dlpack
 
     dev = get_device("cpu")
-    pool, _, last, hosts = _steps(dev, "ssm_scan", 4)
+    _, _, last, hosts = _steps(dev, "ssm_scan", 4)
     done = relaunches[0]
     assert done >= 2
     y = torch.zeros(hosts["y"].shape)
@@ -390,7 +390,7 @@ def test_another_shape_or_device_in_a_remembered_geometry_is_refused(relaunches)
         _call(dev, "ssm_scan", {**last, "x": short, "y": torch.zeros(hosts["y"].shape)})
     meta = torch.empty(x.shape, device="meta")
     assert meta.stride() == x.stride() and meta.dtype == x.dtype
-    with torch.no_grad(), pytest.raises(ArgumentError, match="^x: "):
+    with torch.no_grad(), pytest.raises(ArgumentError, match=r"^x: "):
         _call(dev, "ssm_scan", {**last, "x": meta, "y": torch.zeros(hosts["y"].shape)})
     np.testing.assert_array_equal(dev.download(pool), before)
     assert relaunches[0] == done
