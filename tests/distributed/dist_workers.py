@@ -194,9 +194,8 @@ def transfer(rank: int, world: int) -> Any:
         # state it holds) while waiting for them, then times out with nothing written
         import torch
 
-        data, meta_bytes, fill = T._rows_payload(mem, 2, 0)
-        fill()
-        header = T._header(len(data), mem.seq_pos_min(2), mem.seq_pos_max(2), 0, None, meta_bytes, T.CHUNK_BYTES)
+        data, meta_bytes, sizes = T._rows_payload(mem, 2, 0)
+        header = T._header(len(data), mem.seq_pos_min(2), mem.seq_pos_max(2), 0, None, meta_bytes, sizes)
         out["lost_rows"] = _forge(header, 1, tag=13, group=rows_side)
         dist.send(torch.from_numpy(data[:meta_bytes].copy()), 1, group=rows_side, tag=13)
         # a sender that stalls past the receiver's timeout, in a group of its own (a gloo
