@@ -154,6 +154,20 @@ def _check_header(words: list[int]) -> str | None:
     return None
 
 
+#: Over gloo, metadata of at most this many bytes travels in the header's message (one
+#: message and the wait for the receiver's answer fewer before it can validate); the
+#: rows are sent once the receiver answered the header.
+INLINE_BYTES = 1 << 20
+
+
+def _header_message(ch: _Channel, words: list[int], meta: bytes = b"") -> Any:
+    """The header's message: its words (int64) on a device; over gloo, their bytes
+    followed by the metadata when it travels inline."""
+    if not on_host(ch.device):
+        return ch.ints(words)
+    return as_tensor(np.asarray(words, dtype="<i8").tobytes() + bytes(meta), ch.device)
+
+
 class _Channel:
     """The sends and receives of one transfer with one peer (one group, one tag)."""
 
@@ -220,7 +234,7 @@ def send_sequence(
         blob = memory.state_write(seq_id, flags) if out is None else out.meta
     except Exception:
         try:  # tell the receiver not to wait for a payload
-            abort = ch.ints(_header(-1, -1, -1, int(flags), None))
+            abort = _header_message(ch, _header(-1, -1, -1, int(flags), None))
             wait(ch.send(abort, "sending the abort"), min(timeout, 5.0), dst, "sending the abort")
         except TransferError:
             pass
@@ -300,11 +314,16 @@ def _offer(
             crc = zlib.crc32(parts[k].data, crc)  # type: ignore[union-attr]
     nbytes = len(blob) + (out.nbytes if out is not None else 0)
     header = _header(nbytes, pos_min, pos_max, flags, crc, None if out is None else len(blob), out and out.sizes)
-    sent = ch.send(ch.ints(header), "sending the header")
+    inline = out is not None and on_host(ch.device) and len(blob) <= INLINE_BYTES
+    sent = ch.send(_header_message(ch, header, blob if inline else b""), "sending the header")
     code = ch.hear("waiting for the answer to the header")
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
-    works = [ch.send(as_tensor(blob, ch.device), "sending the metadata" if out else "sending the payload")]
+    works = (
+        []
+        if inline
+        else [ch.send(as_tensor(blob, ch.device), "sending the metadata" if out else "sending the payload")]
+    )
     for k in range(len(parts)):  # the metadata first, on its own: the receiver validates it while the rows travel
         assert out is not None
         part = parts[k] if parts[k] is not None else out.part(k)
@@ -422,7 +441,7 @@ def _read(memory: Any, meta: Any, rows: np.ndarray | RowSource | None, seq_id: i
 #: start within this many bytes are received into the staging buffer at once (and
 #: copied into the memory at the commit); the later ones, posted once the memory
 #: named their destinations, land straight in its free rows.
-EARLY_BYTES = 4 << 20
+EARLY_BYTES = 16 << 20
 
 
 @dataclasses.dataclass
@@ -560,7 +579,12 @@ def _take(ch: _Channel, limit: int) -> _Arrival:
     """The receiver's side up to a payload whose metadata it holds (the rows are posted
     later: :class:`_Arrival`); the final answer is the caller's."""
     src = ch.peer
-    words = [int(x) for x in ch.recv(ch.ints([0] * _HEADER_WORDS), "receiving the header").tolist()]
+    host = on_host(ch.device)
+    if host:  # one message of at most the header and INLINE_BYTES of metadata (gloo takes a shorter one)
+        first = ch.recv(_buffer("header", ch.torch, 8 * _HEADER_WORDS + INLINE_BYTES), "receiving the header")
+        words = np.frombuffer(host_view(first), dtype="<i8", count=_HEADER_WORDS).tolist()
+    else:  # NCCL: every message has the size its receive expects
+        words = [int(x) for x in ch.recv(ch.ints([0] * _HEADER_WORDS), "receiving the header").tolist()]
     bad = _check_header(words)
     if bad is not None:
         ch.answer(BAD_HEADER)
@@ -573,7 +597,6 @@ def _take(ch: _Channel, limit: int) -> _Arrival:
         raise TransferError(src, f"rank {src} announced {nbytes} bytes, more than max_bytes={limit}; refused")
     ch.answer(OK)
     payload = _receive_buffer(ch, nbytes)
-    host = on_host(ch.device)
     flags = flags_word & 0xFFFF
     crc = crc if flags_word & _CRC_PRESENT else None
     if not flags_word & _ROWS_APART:  # a whole blob in one message
@@ -583,8 +606,11 @@ def _take(ch: _Channel, limit: int) -> _Arrival:
             ch.answer(BAD_CHECKSUM)
             raise TransferError(src, f"the payload from rank {src} does not match its CRC-32; nothing was written")
         return _Arrival(ch, nbytes, pos_min, pos_max, flags, data, None, waited=True)
-    ch.recv(payload[:meta_bytes], "receiving the metadata")
-    meta = host_view(payload[:meta_bytes])
+    if host and meta_bytes <= INLINE_BYTES:  # it came with the header
+        meta = host_view(first)[8 * _HEADER_WORDS : 8 * _HEADER_WORDS + meta_bytes]
+    else:
+        ch.recv(payload[:meta_bytes], "receiving the metadata")
+        meta = host_view(payload[:meta_bytes])
     # over NCCL the rows land on the device: they are read from a host copy made once they are all there
     rows_host = np.frombuffer(host_view(payload), dtype=np.uint8) if host else np.empty(nbytes, dtype=np.uint8)
     rows = rows_host[meta_bytes:]

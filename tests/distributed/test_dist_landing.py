@@ -106,9 +106,8 @@ def _stop_after(src, seq, n_rows_sent):
         header = transfer._header(
             len(out.meta) + out.nbytes, src.seq_pos_min(seq), src.seq_pos_max(seq), 0, None, len(out.meta), out.sizes
         )
-        ch.send(ch.ints(header), "header")
+        ch.send(transfer._header_message(ch, header, out.meta), "header and metadata")
         assert ch.hear("go") == transfer.OK
-        ch.send(torch.frombuffer(bytearray(out.meta), dtype=torch.uint8), "metadata")
         for k in range(n_rows_sent):
             ch.send(torch.from_numpy(out.part(k).copy()), "rows")
 
