@@ -6,55 +6,61 @@ the sequence owns: its recurrent rows in every layer with the snapshot
 planes still valid, its K/V cells with their positions, its indexer rows,
 and its book entries.
 
-The payload is the sequence's rows themselves, as one contiguous ``uint8``
-tensor (a host tensor over gloo, a CUDA tensor over NCCL): the metadata of
-``memory.state_write(seq)`` (positions, owners, layers, dtype codes, row
-sizes: everything but the row data, see
-:func:`statecache.state_io.rows_apart`), followed by every row block of the
-sequence, each gathered from the device's pool by its rows alone (only the
-sequence's cells and planes cross to the host, with one copy).  The
-receiver reads that metadata with the memory's own ``state_read`` while the
-rows come from the tensor, so sizes, dtypes, layers, positions and room are
-checked exactly as for a blob, before anything is written.  Memories of
-different sizes, stream layouts and backends exchange sequences this way;
-``rows=False`` sends the whole state-format blob instead (the fallback: any
-memory whose ``state_write`` writes its rows inline still works with
-``rows=True``, its blob simply carries them).
+The payload is the metadata of ``memory.state_write(seq)`` (positions,
+owners, layers, dtype codes, row sizes: everything but the row data, see
+:func:`statecache.state_io.rows_apart`), then every row block of the
+sequence, each its own message (host tensors over gloo, CUDA tensors over
+NCCL): a block whose rows are one run of a host-visible pool is sent from
+the pool itself, any other is gathered by its rows alone (only the
+sequence's cells and planes cross to the host).  The receiver reads the
+metadata with the memory's own ``state_read``, so sizes, dtypes, layers,
+positions and room are checked exactly as for a blob, before anything is
+written.  Memories of different sizes, stream layouts and backends exchange
+sequences this way; ``rows=False`` sends the whole state-format blob instead
+(the fallback: any memory whose ``state_write`` writes its rows inline still
+works with ``rows=True``, its blob simply carries them).
 
-The protocol keeps the receiver safe:
+The protocol (version 4) keeps the receiver safe:
 
 1. the sender sends a header: magic, protocol version, payload bytes, the
    sequence's first and last position, the state flags, an optional CRC-32
-   of the payload, where the metadata ends, the message size of the rows,
-   and a hash of the header itself;
+   of the payload, where the metadata ends, the number of row messages and a
+   hash of their sizes, and a hash of the header itself; over gloo the
+   metadata (up to :data:`INLINE_BYTES`) travels in the same message;
 2. the receiver checks the header (a corrupt one, or a payload larger than
    its memory could ever hold, is refused before it allocates anything) and
-   answers *go* or *refused*;
-3. the sender sends the metadata in one message, then the rows in
-   :data:`CHUNK_BYTES` messages, each as soon as it is gathered (gathering
-   overlaps the wire); the receiver posts every receive at once and, while
-   the rows travel, checks that every part's last position is the header's
-   and that the metadata uses every row byte, saves what the destination
-   sequence held, and runs the memory's ``state_read``, which validates
-   everything from the metadata and then, before writing anything, waits
-   for the rows (:func:`statecache.state_io.rows_ready`: within ``timeout``
-   seconds, the CRC checked when one was sent; a sender that dies or stalls
-   raises :class:`~statecache.distributed.errors.TransferError` there, with
-   nothing written), and writes them;
+   answers *go* or *refused*; on *go* the sender posts the row messages
+   (after the metadata's own message over NCCL);
+3. the receiver checks that every part of the metadata ends at the header's
+   last position and that its row blocks are the announced messages, saves
+   what the destination sequence held, and runs the memory's ``state_read``:
+   it validates everything from the metadata, then names the row writes its
+   commit will make into rows that nothing references
+   (:func:`statecache.state_io.rows_landing`: free KV cells, a free recurrent
+   cell; never a shared row, the zero row or the destination's own rows).
+   Those messages are received straight there (gloo, host-visible pools),
+   the others into a staging buffer; then it waits for every row
+   (:func:`statecache.state_io.rows_ready`: within ``timeout`` seconds, the
+   CRC checked when one was sent) and commits: the book, plus a copy of the
+   staged rows only;
 4. the receiver answers *accepted* or why not; the sender raises if not.
 
-The receiving memory changes only in step 3's writes, after the whole state
-is validated and the whole payload staged; if writing
-fails after validation, the sequence's previous state (saved before the
-read, with its planes) is put back.  So a transfer that fails anywhere
-leaves the receiver as it was, and raises an error that says where it failed.
+Before the commit the memory's book and every sequence's rows are as they
+were: a failure there (a sender that dies or stalls, a bad CRC) raises
+:class:`~statecache.distributed.errors.TransferError` with only free rows
+written, and the memory is told (``state_landing_failed``: plans and undos
+made before it are stale, since an undo could bring back a cell whose free
+rows were overwritten).  If the commit itself fails, the sequence's previous
+state (saved before the read, with its planes) is put back.  So a transfer
+that fails anywhere leaves every observable of the receiver as it was, and
+raises an error that says where it failed.
 
-Limits: the rows are staged through host memory on each side, also for NCCL
-(a device that is not host-visible gathers them with ``get_rows`` and
-downloads only those); the receiver keeps as many planes as its own
-``n_rs_seq`` allows.  After a transfer fails mid-payload the pair's message
-stream is out of step (a send may still be pending): use a fresh ``tag``
-(gloo) or a fresh group for the next one.
+Limits: over NCCL the rows are staged through host memory on each side (a
+device that is not host-visible gathers them with ``get_rows`` and downloads
+only those); the receiver keeps as many planes as its own ``n_rs_seq``
+allows.  After a transfer fails mid-payload the pair's message stream is out
+of step: use a fresh ``tag`` (gloo) or a fresh group for the next one (a
+gloo timeout closes the connection, so no row arrives after the failure).
 """
 
 from __future__ import annotations
@@ -437,11 +443,13 @@ def _read(memory: Any, meta: Any, rows: np.ndarray | RowSource | None, seq_id: i
         memory.state_read(meta, seq_id, flags)
 
 
-#: The rows that arrive while the receiver validates the metadata: the messages that
-#: start within this many bytes are received into the staging buffer at once (and
-#: copied into the memory at the commit); the later ones, posted once the memory
-#: named their destinations, land straight in its free rows.
-EARLY_BYTES = 16 << 20
+#: Row messages that start within this many bytes are received into the staging buffer
+#: at once, while the memory validates the metadata (and copied into it at the commit);
+#: the others, posted once the memory named their destinations, land straight in its
+#: free rows.  0: every row lands.  Measured on a loaded 2-core host, staging the first
+#: 4 MiB made the transfer slower: its copy costs CPU the wire needs, and the posts of
+#: the landing receives waited for the staged messages.
+EARLY_BYTES = 0
 
 
 @dataclasses.dataclass
@@ -499,7 +507,7 @@ class _Arrival:
         if self.messages is None:
             return
         for k, (lo, _) in enumerate(self.messages):
-            if self.host and k and lo >= EARLY_BYTES:
+            if self.host and lo >= EARLY_BYTES:
                 break
             self._post(k)
 

@@ -44,8 +44,7 @@ def fake(monkeypatch):
 
 @pytest.fixture
 def landings(monkeypatch):
-    """Every write a transfer landed (all messages but the first land: these rows are
-    far fewer than the transfer's EARLY_BYTES)."""
+    """Every write a transfer landed (none is staged early, whatever EARLY_BYTES says)."""
     monkeypatch.setattr(transfer, "EARLY_BYTES", 0)
     seen = []
     land = transfer._Arrival.land
