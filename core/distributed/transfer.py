@@ -319,7 +319,8 @@ def _offer(
             parts[k] = out.part(k)
             crc = zlib.crc32(parts[k].data, crc)  # type: ignore[union-attr]
     nbytes = len(blob) + (out.nbytes if out is not None else 0)
-    header = _header(nbytes, pos_min, pos_max, flags, crc, None if out is None else len(blob), out and out.sizes)
+    meta_bytes, sizes = (None, None) if out is None else (len(blob), out.sizes)
+    header = _header(nbytes, pos_min, pos_max, flags, crc, meta_bytes, sizes)
     inline = out is not None and on_host(ch.device) and len(blob) <= INLINE_BYTES
     sent = ch.send(_header_message(ch, header, blob if inline else b""), "sending the header")
     code = ch.hear("waiting for the answer to the header")
@@ -330,11 +331,12 @@ def _offer(
         if inline
         else [ch.send(as_tensor(blob, ch.device), "sending the metadata" if out else "sending the payload")]
     )
-    for k in range(len(parts)):  # the metadata first, on its own: the receiver validates it while the rows travel
+    for k in range(len(parts)):  # posted now, received once the receiver's memory named their destinations
         assert out is not None
-        part = parts[k] if parts[k] is not None else out.part(k)
+        part = parts[k]
+        if part is None:
+            part = parts[k] = out.part(k)  # kept alive until sent
         works.append(ch.send(as_tensor(part, ch.device), "sending the rows"))  # (NCCL: uploaded, then sent)
-        parts[k] = part  # kept alive until sent
     code = ch.hear("waiting for the answer to the payload")
     wait(sent, ch.timeout, ch.peer, "sending the header")
     for work in works:
