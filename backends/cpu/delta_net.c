@@ -259,6 +259,10 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
 #define SC_GDN_CHUNK_MIN 16
 #endif
 #define SC_KDA_BLOCK 16
+/* Value columns per strip of a chunk's products (see gdn_chunk); a multiple of 8. */
+#ifndef SC_GDN_STRIP
+#define SC_GDN_STRIP 16
+#endif
 #define SC_KDA_SPAN 60.0f
 
 /* Scratch of one thread for the chunked form (C = SC_GDN_CHUNK). */
@@ -425,20 +429,36 @@ static void gdn_chunk_pairs_kda(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, 
     }
 }
 
+/* C = (mode) + A B over M x N x K (dense) in row blocks of at most six rows,
+ * as even as they come (32 rows: 5, 5, 6, 5, 5, 6), where sc_gemm's blocks
+ * of six leave a tail of two rows whose four accumulator chains cannot keep
+ * the FMA units busy.  Each element is still one chain of FMAs over k in
+ * order, so the blocking does not change a bit.  With `next_len`, one token
+ * row of the next chunk is fetched after each block (see gdn_chunk). */
+static void gdn_gemm_blocks(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                            float *Cm, int64_t ldc, int mode, float c_scale, const float *c_rows, const gdn_unit *u,
+                            gdn_chunk_ws *w, int64_t next_len) {
+    const int64_t nb = (M + 5) / 6;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t i0 = M * b / nb, i1 = M * (b + 1) / nb;
+        sc_gemm(i1 - i0, N, K, A + i0 * lda, lda, B, ldb, Cm + i0 * ldc, ldc, mode, c_scale,
+                c_rows ? c_rows + i0 : NULL, SC_GEMM_DENSE, 0);
+        if (next_len) gdn_fetch_next(u, w, next_len, 1);
+    }
+}
+
 /* One chunk [c0, c0 + L) of a unit, its k, q, v packed in w->kc, qc, vc: M
  * advances over it and o is written; `next_len` rows of the next chunk are
  * fetched meanwhile. */
 static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L, int64_t next_len) {
     const int64_t S = u->S, C = SC_GDN_CHUNK, Lp = round8(L);
     const int kda = u->per > 1;
-    const int64_t fetch = next_len ? (3 * next_len + L - 1) / L : 0; /* rows per step of the T loop */
     if (kda)
         gdn_chunk_pairs_kda(u, w, c0, L);
     else
         gdn_chunk_pairs_scalar(u, w, c0, L);
     /* T = (I + Akk)^-1 by forward substitution: T_t = e_t - sum_{v<t} Akk[t][v] T_v. */
     for (int64_t t = 0; t < L; t++) {
-        gdn_fetch_next(u, w, next_len, fetch);
         float *Tt = w->T + t * C;
         for (int64_t v = 0; v < Lp; v++) Tt[v] = v == t ? 1.0f : 0.0f;
         const float *ak = w->Akk + t * C;
@@ -481,31 +501,10 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
         sc_gemm(L, S, L, w->T, C, w->Kb, S, w->X, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
     else
         sc_gemm(L, S, L, w->T2, C, w->kc, S, w->X, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
-    /* [W; gam q] M0 in one product. */
-    sc_gemm(2 * L, S, S, w->X, S, w->M, S, w->Y, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
-    for (int64_t t = 0; t < L; t++) {
-        float *d = w->U + t * S;
-        const float *wm = w->Y + t * S;
-        for (int64_t j = 0; j < S; j += 8)
-            _mm256_storeu_ps(d + j, _mm256_sub_ps(_mm256_loadu_ps(d + j), _mm256_loadu_ps(wm + j)));
-    }
-    /* o = scale (gam q M0 + Aqk delta). */
-    float *oq = w->Y + L * S;
-    sc_gemm(L, S, L, w->Aqk, C, w->U, S, oq, S, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 0);
-    const __m256 sc = _mm256_set1_ps(u->scale);
-    for (int64_t t = 0; t < L; t++) {
-        float *ot = u->o + (c0 + t) * u->ots;
-        const float *r = oq + t * S;
-        /* Outputs of a large call go out with non-temporal stores: o rows are
-         * out of cache, and a normal store would first read each line. */
-        if (u->stream && ((uintptr_t)ot & 31) == 0)
-            for (int64_t j = 0; j < S; j += 8) _mm256_stream_ps(ot + j, _mm256_mul_ps(sc, _mm256_loadu_ps(r + j)));
-        else
-            for (int64_t j = 0; j < S; j += 8) _mm256_storeu_ps(ot + j, _mm256_mul_ps(sc, _mm256_loadu_ps(r + j)));
-    }
-    /* M = gam_L M0 + (Gam[L][u] k_u)^T delta. */
+    /* The keys of the state update, into KT: Gam[L][u] k_u (per key for KDA). */
+    float *El = NULL;
     if (kda) {
-        const float *El = w->E + (L - 1) * S;
+        El = w->E + (L - 1) * S;
         if (w->keys_factored) {
             /* KT holds k_u exp(-G_u): times exp(G_last), row by row. */
             for (int64_t i = 0; i < S; i++) {
@@ -517,7 +516,6 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
             kda_decayed_key_rows(u, w, w->Gc + (L - 1) * S, L);
             kda_keys_to_columns(w, S, L, L);
         }
-        sc_gemm(S, S, L, w->KT, C, w->U, S, w->M, S, SC_GEMM_ROWS, 0.0f, El, SC_GEMM_DENSE, 0);
     } else {
         const float *Gl = w->Gam + (L - 1) * C;
         for (int64_t v = 0; v < L; v++) {
@@ -527,9 +525,47 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
             for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(d + i, _mm256_mul_ps(_mm256_loadu_ps(kv + i), gv));
         }
         sc_transpose(w->Vb, S, w->KT, C, L, S);
-        sc_gemm(S, S, L, w->KT, C, w->U, S, w->M, S, SC_GEMM_SCALE, w->gam[L - 1], NULL, SC_GEMM_DENSE, 0);
     }
-    gdn_fetch_next(u, w, next_len, 3 * next_len); /* whatever the T loop left */
+    /* The rest is separate per value column j of M, so it runs a strip of
+     * SC_GDN_STRIP columns at a time: the strip of M (8 KiB at S = 128) is
+     * read by the [W; gam q] M0 product and then updated while it is in L1,
+     * where the whole M (64 KiB) would pass through L2 twice per chunk.  The
+     * next chunk's token rows are fetched one per row block of the first
+     * product, so that a few lines at a time are in flight (a burst of them
+     * fills the line fill buffers and stalls the loads of the products). */
+    float *oq = w->Y + L * S;
+    for (int64_t j = 0; j < S; j += SC_GDN_STRIP) {
+        const int64_t n = S - j < SC_GDN_STRIP ? S - j : SC_GDN_STRIP;
+        /* [W; gam q] M0. */
+        gdn_gemm_blocks(2 * L, n, S, w->X, S, w->M + j, S, w->Y + j, S, SC_GEMM_SET, 0.0f, NULL, u, w, next_len);
+        /* delta = U - W M0. */
+        for (int64_t t = 0; t < L; t++) {
+            float *d = w->U + t * S + j;
+            const float *wm = w->Y + t * S + j;
+            for (int64_t x = 0; x < n; x += 8)
+                _mm256_storeu_ps(d + x, _mm256_sub_ps(_mm256_loadu_ps(d + x), _mm256_loadu_ps(wm + x)));
+        }
+        /* o = scale (gam q M0 + Aqk delta) (scaled as it is stored). */
+        sc_gemm(L, n, L, w->Aqk, C, w->U + j, S, oq + j, S, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 0);
+        /* M = gam_L M0 + (Gam[L][u] k_u)^T delta. */
+        if (kda)
+            gdn_gemm_blocks(S, n, L, w->KT, C, w->U + j, S, w->M + j, S, SC_GEMM_ROWS, 0.0f, El, u, w, 0);
+        else
+            gdn_gemm_blocks(S, n, L, w->KT, C, w->U + j, S, w->M + j, S, SC_GEMM_SCALE, w->gam[L - 1], NULL, u, w,
+                            0);
+    }
+    const __m256 sc = _mm256_set1_ps(u->scale);
+    for (int64_t t = 0; t < L; t++) {
+        float *ot = u->o + (c0 + t) * u->ots;
+        const float *r = oq + t * S;
+        /* Outputs of a large call go out with non-temporal stores: o rows are
+         * out of cache, and a normal store would first read each line. */
+        if (u->stream && ((uintptr_t)ot & 31) == 0)
+            for (int64_t j = 0; j < S; j += 8) _mm256_stream_ps(ot + j, _mm256_mul_ps(sc, _mm256_loadu_ps(r + j)));
+        else
+            for (int64_t j = 0; j < S; j += 8) _mm256_storeu_ps(ot + j, _mm256_mul_ps(sc, _mm256_loadu_ps(r + j)));
+    }
+    gdn_fetch_next(u, w, next_len, 3 * next_len); /* whatever the strips left */
 }
 
 /* Packs tokens [c0, c0 + L) of k, q (normalised when asked) and v into
