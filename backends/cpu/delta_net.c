@@ -430,7 +430,7 @@ static void gdn_chunk_pairs_kda(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, 
 }
 
 /* C = (mode) + A B over M x N x K (dense) in row blocks of at most six rows,
- * as even as they come (32 rows: 5, 5, 6, 5, 5, 6), where sc_gemm's blocks
+ * as even as they come (32 rows: 6, 6, 5, 5, 5, 5), where sc_gemm's blocks
  * of six leave a tail of two rows whose four accumulator chains cannot keep
  * the FMA units busy.  Each element is still one chain of FMAs over k in
  * order, so the blocking does not change a bit.  With `next_len`, one token
@@ -438,11 +438,12 @@ static void gdn_chunk_pairs_kda(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, 
 static void gdn_gemm_blocks(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
                             float *Cm, int64_t ldc, int mode, float c_scale, const float *c_rows, const gdn_unit *u,
                             gdn_chunk_ws *w, int64_t next_len) {
-    const int64_t nb = (M + 5) / 6;
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t i0 = M * b / nb, i1 = M * (b + 1) / nb;
-        sc_gemm(i1 - i0, N, K, A + i0 * lda, lda, B, ldb, Cm + i0 * ldc, ldc, mode, c_scale,
-                c_rows ? c_rows + i0 : NULL, SC_GEMM_DENSE, 0);
+    const int64_t nb = (M + 5) / 6, base = M / nb, extra = M % nb; /* the first `extra` blocks take one more */
+    for (int64_t b = 0, i0 = 0; b < nb; b++) {
+        const int64_t rows = base + (b < extra);
+        sc_gemm(rows, N, K, A + i0 * lda, lda, B, ldb, Cm + i0 * ldc, ldc, mode, c_scale, c_rows ? c_rows + i0 : NULL,
+                SC_GEMM_DENSE, 0);
+        i0 += rows;
         if (next_len) gdn_fetch_next(u, w, next_len, 1);
     }
 }
@@ -568,18 +569,39 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
     gdn_fetch_next(u, w, next_len, 3 * next_len); /* whatever the strips left */
 }
 
+/* Rows t0 .. t0 + L of head `head` of v into dst [L][S] (normalised when
+ * eps >= 0); 1 when they are all finite.  Unnormalised rows with unit stride
+ * (S % 8 == 0) are copied and checked in one pass. */
+static int gdn_pack_rows(const sc_view *v, int64_t t0, int64_t head, int64_t L, int64_t S, float eps, float *dst) {
+    if (eps >= 0.0f || v->strides[2] != 1) {
+        int64_t ts;
+        pack_tokens(v, t0, head, L, S, eps, 1, dst, &ts);
+        return sc_all_finite(dst, 1, 0, L * S, 1);
+    }
+    const float *base = v->data + t0 * v->strides[0] + head * v->strides[1];
+    __m256 bad = _mm256_setzero_ps();
+    for (int64_t t = 0; t < L; t++) {
+        const float *src = base + t * v->strides[0];
+        float *row = dst + t * S;
+        for (int64_t i = 0; i < S; i += 8) {
+            const __m256 x = _mm256_loadu_ps(src + i);
+            _mm256_storeu_ps(row + i, x);
+            /* x - x is 0 exactly when x is finite (as in sc_all_finite). */
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+        }
+    }
+    return !_mm256_movemask_ps(bad);
+}
+
 /* Packs tokens [c0, c0 + L) of k, q (normalised when asked) and v into
  * w->kc, qc, vc; 1 when they and the tokens' log decays and betas are all
  * finite. */
 static int gdn_pack_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L) {
     const int64_t S = u->S;
-    int64_t ts;
-    pack_tokens(u->kv, u->t0 + c0, u->hk, L, S, u->eps, 1, w->kc, &ts);
-    pack_tokens(u->qv, u->t0 + c0, u->hk, L, S, u->eps, 1, w->qc, &ts);
-    pack_tokens(u->vv, u->t0 + c0, u->h, L, S, -1.0f, 1, w->vc, &ts);
-    return sc_all_finite(w->kc, 1, 0, L * S, 1) && sc_all_finite(w->qc, 1, 0, L * S, 1) &&
-           sc_all_finite(w->vc, 1, 0, L * S, 1) && sc_all_finite(u->g + c0 * u->per, 1, 0, L * u->per, 1) &&
-           sc_all_finite(u->beta + c0, 1, 0, L, 1);
+    return gdn_pack_rows(u->kv, u->t0 + c0, u->hk, L, S, u->eps, w->kc) &&
+           gdn_pack_rows(u->qv, u->t0 + c0, u->hk, L, S, u->eps, w->qc) &&
+           gdn_pack_rows(u->vv, u->t0 + c0, u->h, L, S, -1.0f, w->vc) &&
+           sc_all_finite(u->g + c0 * u->per, 1, 0, L * u->per, 1) && sc_all_finite(u->beta + c0, 1, 0, L, 1);
 }
 
 /* State M (key-major) into pool row r at head_off, in storage layout. */
