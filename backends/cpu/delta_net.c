@@ -463,6 +463,20 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
         float *Tt = w->T + t * C;
         for (int64_t v = 0; v < Lp; v++) Tt[v] = v == t ? 1.0f : 0.0f;
         const float *ak = w->Akk + t * C;
+        if (Lp <= 16) {
+            /* The row in two registers: through memory, every step would
+             * wait on the store of the one before. */
+            __m256 r0 = _mm256_loadu_ps(Tt), r1 = Lp > 8 ? _mm256_loadu_ps(Tt + 8) : _mm256_setzero_ps();
+            for (int64_t v = 0; v < t; v++) {
+                const __m256 a = _mm256_set1_ps(-ak[v]);
+                const float *Tv = w->T + v * C;
+                r0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(Tv), r0);
+                if (v >= 8) r1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(Tv + 8), r1);
+            }
+            _mm256_storeu_ps(Tt, r0);
+            if (Lp > 8) _mm256_storeu_ps(Tt + 8, r1);
+            continue;
+        }
         for (int64_t v = 0; v < t; v++) {
             const __m256 a = _mm256_set1_ps(-ak[v]);
             const float *Tv = w->T + v * C;
