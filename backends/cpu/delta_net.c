@@ -124,7 +124,8 @@ typedef struct {
     int64_t kts, qts;
     const float *v; /* token rows at stride vts, elements at stride ves */
     int64_t vts, ves;
-    float *g;          /* [n_t][per] log decays (exp'd in place by the token loop) */
+    float *g;          /* [n_t][per] log decays at row stride gts (exp'd in place by the token loop) */
+    int64_t gts;       /* per, or (gates_in_view) the view's token stride */
     const float *beta; /* [n_t] */
     float *o;          /* token rows at stride ots */
     int64_t ots;
@@ -136,6 +137,11 @@ typedef struct {
     const sc_view *kv, *qv, *vv;
     int64_t t0, hk, h;
     float eps;
+    /* KDA's chunked form reads the gates in place (no raw-gate map, unit
+     * stride) from the view gv, fetching each chunk's rows with its k, q, v:
+     * a copy of the whole head's gates up front waited on every row. */
+    int gates_in_view;
+    const sc_view *gv;
 } gdn_unit;
 
 /* The token loop over one unit (see the top of the file); g holds the
@@ -286,15 +292,15 @@ typedef struct {
 
 static inline int64_t round8(int64_t n) { return (n + 7) & ~(int64_t)7; }
 
-/* Fetches the next `rows` of the 3 * n_next token rows (k, q, v) of the
- * next chunk: called a few rows at a time from the current chunk's loops,
+/* Fetches the next `rows` of the 3 * n_next token rows (k, q, v; and the
+ * gates when read in place) of the next chunk: called a few rows at a time from the current chunk's loops,
  * so the misses overlap its arithmetic instead of stalling in a burst. */
 static void gdn_fetch_next(const gdn_unit *u, gdn_chunk_ws *w, int64_t len, int64_t rows) {
-    const int64_t total = 3 * len;
+    const int64_t total = (u->gates_in_view ? 4 : 3) * len;
     for (int64_t r = 0; r < rows && w->n_next < total; r++, w->n_next++) {
         const int64_t which = w->n_next / len, t = u->t0 + w->next + w->n_next % len;
-        const sc_view *v = which == 0 ? u->kv : which == 1 ? u->qv : u->vv;
-        const int64_t head = which == 2 ? u->h : u->hk;
+        const sc_view *v = which == 0 ? u->kv : which == 1 ? u->qv : which == 2 ? u->vv : u->gv;
+        const int64_t head = which >= 2 ? u->h : u->hk;
         sc_prefetch_run(v->data + t * v->strides[0] + head * v->strides[1], u->S, v->strides[2]);
     }
 }
@@ -350,7 +356,7 @@ static void gdn_chunk_pairs_kda(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, 
     const int64_t S = u->S, C = SC_GDN_CHUNK, B = SC_KDA_BLOCK;
     const float *beta = u->beta + c0;
     for (int64_t t = 0; t < L; t++) {
-        const float *gt = u->g + (c0 + t) * S, *prev = w->Gc + (t - 1) * S;
+        const float *gt = u->g + (c0 + t) * u->gts, *prev = w->Gc + (t - 1) * S;
         float *Gt = w->Gc + t * S;
         for (int64_t i = 0; i < S; i += 8) {
             const __m256 g = _mm256_loadu_ps(gt + i);
@@ -433,18 +439,18 @@ static void gdn_chunk_pairs_kda(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, 
  * as even as they come (32 rows: 6, 6, 5, 5, 5, 5), where sc_gemm's blocks
  * of six leave a tail of two rows whose four accumulator chains cannot keep
  * the FMA units busy.  Each element is still one chain of FMAs over k in
- * order, so the blocking does not change a bit.  With `next_len`, one token
- * row of the next chunk is fetched after each block (see gdn_chunk). */
+ * order, so the blocking does not change a bit.  `fetch` token rows of the
+ * next chunk (`next_len` tokens) are fetched after each block (see gdn_chunk). */
 static void gdn_gemm_blocks(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
                             float *Cm, int64_t ldc, int mode, float c_scale, const float *c_rows, const gdn_unit *u,
-                            gdn_chunk_ws *w, int64_t next_len) {
+                            gdn_chunk_ws *w, int64_t next_len, int64_t fetch) {
     const int64_t nb = (M + 5) / 6, base = M / nb, extra = M % nb; /* the first `extra` blocks take one more */
     for (int64_t b = 0, i0 = 0; b < nb; b++) {
         const int64_t rows = base + (b < extra);
         sc_gemm(rows, N, K, A + i0 * lda, lda, B, ldb, Cm + i0 * ldc, ldc, mode, c_scale, c_rows ? c_rows + i0 : NULL,
                 SC_GEMM_DENSE, 0);
         i0 += rows;
-        if (next_len) gdn_fetch_next(u, w, next_len, 1);
+        if (fetch) gdn_fetch_next(u, w, next_len, fetch);
     }
 }
 
@@ -549,10 +555,12 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
      * product, so that a few lines at a time are in flight (a burst of them
      * fills the line fill buffers and stalls the loads of the products). */
     float *oq = w->Y + L * S;
+    const int64_t n_points = (S + SC_GDN_STRIP - 1) / SC_GDN_STRIP * ((2 * L + 5) / 6 + (S + 5) / 6);
+    const int64_t fetch = ((u->gates_in_view ? 4 : 3) * next_len + n_points - 1) / n_points;
     for (int64_t j = 0; j < S; j += SC_GDN_STRIP) {
         const int64_t n = S - j < SC_GDN_STRIP ? S - j : SC_GDN_STRIP;
         /* [W; gam q] M0. */
-        gdn_gemm_blocks(2 * L, n, S, w->X, S, w->M + j, S, w->Y + j, S, SC_GEMM_SET, 0.0f, NULL, u, w, next_len);
+        gdn_gemm_blocks(2 * L, n, S, w->X, S, w->M + j, S, w->Y + j, S, SC_GEMM_SET, 0.0f, NULL, u, w, next_len, fetch);
         /* delta = U - W M0. */
         for (int64_t t = 0; t < L; t++) {
             float *d = w->U + t * S + j;
@@ -564,10 +572,11 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
         sc_gemm(L, n, L, w->Aqk, C, w->U + j, S, oq + j, S, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 0);
         /* M = gam_L M0 + (Gam[L][u] k_u)^T delta. */
         if (kda)
-            gdn_gemm_blocks(S, n, L, w->KT, C, w->U + j, S, w->M + j, S, SC_GEMM_ROWS, 0.0f, El, u, w, 0);
+            gdn_gemm_blocks(S, n, L, w->KT, C, w->U + j, S, w->M + j, S, SC_GEMM_ROWS, 0.0f, El, u, w, next_len,
+                            fetch);
         else
             gdn_gemm_blocks(S, n, L, w->KT, C, w->U + j, S, w->M + j, S, SC_GEMM_SCALE, w->gam[L - 1], NULL, u, w,
-                            0);
+                            next_len, fetch);
     }
     const __m256 sc = _mm256_set1_ps(u->scale);
     for (int64_t t = 0; t < L; t++) {
@@ -580,7 +589,7 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
         else
             for (int64_t j = 0; j < S; j += 8) _mm256_storeu_ps(ot + j, _mm256_mul_ps(sc, _mm256_loadu_ps(r + j)));
     }
-    gdn_fetch_next(u, w, next_len, 3 * next_len); /* whatever the strips left */
+    gdn_fetch_next(u, w, next_len, 4 * next_len); /* whatever the strips left */
 }
 
 /* Rows t0 .. t0 + L of head `head` of v into dst [L][S] (normalised when
@@ -615,7 +624,7 @@ static int gdn_pack_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_
     return gdn_pack_rows(u->kv, u->t0 + c0, u->hk, L, S, u->eps, w->kc) &&
            gdn_pack_rows(u->qv, u->t0 + c0, u->hk, L, S, u->eps, w->qc) &&
            gdn_pack_rows(u->vv, u->t0 + c0, u->h, L, S, -1.0f, w->vc) &&
-           sc_all_finite(u->g + c0 * u->per, 1, 0, L * u->per, 1) && sc_all_finite(u->beta + c0, 1, 0, L, 1);
+           sc_all_finite(u->g + c0 * u->gts, L, u->gts, u->per, 1) && sc_all_finite(u->beta + c0, 1, 0, L, 1);
 }
 
 /* State M (key-major) into pool row r at head_off, in storage layout. */
@@ -643,7 +652,7 @@ static void gdn_tokens_keymajor(const sc_state *st, int64_t s, int64_t head_off,
         pack_tokens(u->kv, u->t0 + t, u->hk, 1, S, u->eps, 1, w->kc, &ts);
         pack_tokens(u->qv, u->t0 + t, u->hk, 1, S, u->eps, 1, w->qc, &ts);
         pack_tokens(u->vv, u->t0 + t, u->h, 1, S, -1.0f, 1, w->vc, &ts);
-        const float *g = u->g + t * u->per;
+        const float *g = u->g + t * u->gts;
         /* M = decay M; kd = M^T k. */
         for (int64_t j = 0; j < S; j++) kd[j] = 0.0f;
         for (int64_t r = 0; r < S; r++) {
@@ -756,6 +765,18 @@ static void gdn_chunk_ws_free(gdn_chunk_ws *w) {
 }
 #endif
 
+/* A head's gates (rows at token stride ts, elements at stride gi) into
+ * buf [n_t][per]. */
+static void gdn_gather_gates(const float *gs, int64_t ts, int64_t gi, int64_t per, int64_t n_t, float *buf) {
+    for (int64_t t = 0; t < n_t; t++) {
+        if (per > 1 && t + SC_PREFETCH_ROWS < n_t) sc_prefetch_run(gs + (t + SC_PREFETCH_ROWS) * ts, per, gi);
+        if (gi == 1)
+            memcpy(buf + t * per, gs + t * ts, sizeof(float) * (size_t)per);
+        else
+            for (int64_t i = 0; i < per; i++) buf[t * per + i] = gs[t * ts + i * gi];
+    }
+}
+
 static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, const sc_view *v, const sc_view *g,
                       int kda, const sc_view *beta, float *o, const sc_delta_options *opt, int64_t n_head_k,
                       int64_t n_head_v, int64_t head_size, int n_threads) {
@@ -796,8 +817,8 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
             const int64_t hk = opt->grouped ? h / (Hv / n_head_k) : h % n_head_k;
             const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
             gdn_unit u = {S,      n_t,  per, NULL, NULL, 0, 0, v->data + t0 * v->strides[0] + h * v->strides[1],
-                          v->strides[0], v->strides[2], gbuf, bt, o + (t0 * Hv + h) * S, Hv * S, opt->scale,
-                          stream, k, q, v, t0, hk, h, eps};
+                          v->strides[0], v->strides[2], gbuf, per, bt, o + (t0 * Hv + h) * S, Hv * S, opt->scale,
+                          stream, k, q, v, t0, hk, h, eps, 0, g};
             int64_t longest = 0, n_stops = 0;
 #ifdef SC_HAVE_AVX2
             if (may_chunk && n_t >= SC_GDN_CHUNK_MIN) n_stops = sc_state_stops(st, s, n_t, w.stops, &longest);
@@ -805,12 +826,12 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
             const int chunked = longest >= SC_GDN_CHUNK_MIN; /* which packs its own chunks */
             const float *gs = g->data + t0 * g->strides[0] + h * g->strides[1];
             const int64_t gi = kda ? g->strides[2] : 0;
-            for (int64_t t = 0; t < n_t; t++) {
-                if (kda && t + SC_PREFETCH_ROWS < n_t) sc_prefetch_run(gs + (t + SC_PREFETCH_ROWS) * g->strides[0], S, gi);
-                if (gi == 1)
-                    memcpy(gbuf + t * per, gs + t * g->strides[0], sizeof(float) * (size_t)per);
-                else
-                    for (int64_t i = 0; i < per; i++) gbuf[t * per + i] = gs[t * g->strides[0] + i * gi];
+            u.gates_in_view = chunked && kda && gi == 1 && !opt->A_log;
+            if (u.gates_in_view) {
+                u.g = (float *)gs; /* read only: the chunked form does not write its gates */
+                u.gts = g->strides[0];
+            } else {
+                gdn_gather_gates(gs, g->strides[0], gi, per, n_t, gbuf);
             }
             if (opt->A_log) {
                 /* The raw gate: log-decay = -exp(A_log) * softplus(a + dt_bias). */
@@ -830,6 +851,12 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
             const int64_t head_off = h * S * S;
 #ifdef SC_HAVE_AVX2
             if (chunked && gdn_chunked_unit(st, s, head_off, &u, &w, w.stops, n_stops)) continue;
+            if (u.gates_in_view) { /* the chunked form gave up before its first chunk: the token loop's copy */
+                gdn_gather_gates(gs, g->strides[0], gi, per, n_t, gbuf);
+                u.g = gbuf;
+                u.gts = per;
+                u.gates_in_view = 0;
+            }
 #else
             (void)n_stops;
             (void)chunked;
