@@ -241,8 +241,9 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
  * differs from the token loop by the order of the sums only.
  *
  * Each chunk's q, k and v rows are packed (and normalised) as the chunk
- * starts, while the previous chunk's products were fetching them (rows a
- * head count apart defeat the hardware prefetchers and share L1 sets).  A
+ * starts, while the previous chunk's products were fetching them, with
+ * KDA's gate rows, which it reads in place (see gates_in_view): rows a head
+ * count apart defeat the hardware prefetchers and share L1 sets.  A
  * chunk whose inputs are not all finite, and every token after it, runs the
  * token loop on the key-major state instead (see sc_all_finite).
  *
@@ -548,12 +549,14 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
         sc_transpose(w->Vb, S, w->KT, C, L, S);
     }
     /* The rest is separate per value column j of M, so it runs a strip of
-     * SC_GDN_STRIP columns at a time: the strip of M (8 KiB at S = 128) is
-     * read by the [W; gam q] M0 product and then updated while it is in L1,
-     * where the whole M (64 KiB) would pass through L2 twice per chunk.  The
-     * next chunk's token rows are fetched one per row block of the first
-     * product, so that a few lines at a time are in flight (a burst of them
-     * fills the line fill buffers and stalls the loads of the products). */
+     * SC_GDN_STRIP columns at a time ([W; gam q] M0, delta, o, then the
+     * strip's update): the strip of M (8 KiB at S = 128) is updated right
+     * after it was read, where whole-matrix products read all 64 KiB of M
+     * from L2 twice per chunk.  (On the 2-core development host the two
+     * orders ran within noise of each other.)  The next chunk's token rows
+     * are fetched a row at a time after the row blocks of both products, so
+     * that their misses overlap the arithmetic instead of arriving as one
+     * burst of lines. */
     float *oq = w->Y + L * S;
     const int64_t n_points = (S + SC_GDN_STRIP - 1) / SC_GDN_STRIP * ((2 * L + 5) / 6 + (S + 5) / 6);
     const int64_t fetch = ((u->gates_in_view ? 4 : 3) * next_len + n_points - 1) / n_points;
