@@ -274,7 +274,7 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
 
 /* Scratch of one thread for the chunked form (C = SC_GDN_CHUNK). */
 typedef struct {
-    float *M;                  /* [S][S] state, key-major */
+    float *M;                  /* [S][S] state, key-major (in strips: see gdn_state_to_panels) */
     float *tmp;                /* [S][S] a state in storage layout */
     float *kc, *qc, *vc;       /* [C][S] the chunk's packed k, q, v */
     float *KT;                 /* [S][C] keys transposed (then the decayed keys of the state update) */
@@ -287,6 +287,7 @@ typedef struct {
     float *XA, *AB;            /* [2 * SC_KDA_BLOCK][S], [2 * SC_KDA_BLOCK][C] (KDA) */
     float *R;                  /* [S] exp of a sub-block's reference (KDA) */
     int keys_factored;         /* KT holds k_u exp(-G_u) for the whole chunk (KDA) */
+    int panels;                /* M is in strips (gdn_state_to_panels), else key-major rows */
     int64_t next, n_next;      /* the next chunk's tokens (prefetched meanwhile), rows fetched */
     int64_t *stops;            /* [n_cols + 1] */
 } gdn_chunk_ws;
@@ -563,7 +564,7 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
     for (int64_t j = 0; j < S; j += SC_GDN_STRIP) {
         const int64_t n = S - j < SC_GDN_STRIP ? S - j : SC_GDN_STRIP;
         /* [W; gam q] M0. */
-        gdn_gemm_blocks(2 * L, n, S, w->X, S, w->M + j, S, w->Y + j, S, SC_GEMM_SET, 0.0f, NULL, u, w, next_len, fetch);
+        gdn_gemm_blocks(2 * L, n, S, w->X, S, w->M + j * S, n, w->Y + j, S, SC_GEMM_SET, 0.0f, NULL, u, w, next_len, fetch);
         /* delta = U - W M0. */
         for (int64_t t = 0; t < L; t++) {
             float *d = w->U + t * S + j;
@@ -575,10 +576,10 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
         sc_gemm(L, n, L, w->Aqk, C, w->U + j, S, oq + j, S, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 0);
         /* M = gam_L M0 + (Gam[L][u] k_u)^T delta. */
         if (kda)
-            gdn_gemm_blocks(S, n, L, w->KT, C, w->U + j, S, w->M + j, S, SC_GEMM_ROWS, 0.0f, El, u, w, next_len,
+            gdn_gemm_blocks(S, n, L, w->KT, C, w->U + j, S, w->M + j * S, n, SC_GEMM_ROWS, 0.0f, El, u, w, next_len,
                             fetch);
         else
-            gdn_gemm_blocks(S, n, L, w->KT, C, w->U + j, S, w->M + j, S, SC_GEMM_SCALE, w->gam[L - 1], NULL, u, w,
+            gdn_gemm_blocks(S, n, L, w->KT, C, w->U + j, S, w->M + j * S, n, SC_GEMM_SCALE, w->gam[L - 1], NULL, u, w,
                             next_len, fetch);
     }
     const __m256 sc = _mm256_set1_ps(u->scale);
@@ -630,17 +631,37 @@ static int gdn_pack_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_
            sc_all_finite(u->g + c0 * u->gts, L, u->gts, u->per, 1) && sc_all_finite(u->beta + c0, 1, 0, L, 1);
 }
 
-/* State M (key-major) into pool row r at head_off, in storage layout. */
+/* The chunked form keeps M key-major in strips of SC_GDN_STRIP value
+ * columns, each strip a contiguous [S][n] panel at M + j S: the strip
+ * products then read and update 8 KiB of consecutive lines (at S = 128)
+ * instead of S lines a row apart, which fall into a few L1 sets.  These
+ * convert from and to the storage layout [j][i]. */
+static void gdn_state_to_panels(const float *src, float *M, int64_t S) {
+    for (int64_t j = 0; j < S; j += SC_GDN_STRIP) {
+        const int64_t n = S - j < SC_GDN_STRIP ? S - j : SC_GDN_STRIP;
+        sc_transpose(src + j * S, S, M + j * S, n, n, S);
+    }
+}
+
+static void gdn_panels_to_state(const float *M, float *dst, int64_t S) {
+    for (int64_t j = 0; j < S; j += SC_GDN_STRIP) {
+        const int64_t n = S - j < SC_GDN_STRIP ? S - j : SC_GDN_STRIP;
+        sc_transpose(M + j * S, n, dst + j * S, S, S, n);
+    }
+}
+
+/* State M (panels, or key-major after a fall back to the token loop) into
+ * pool row r at head_off, in storage layout. */
 static void gdn_store_state(const sc_state *st, int64_t r, int64_t head_off, const gdn_unit *u, gdn_chunk_ws *w) {
     const int64_t S = u->S;
     const sc_dtype pdt = (sc_dtype)st->pool_dtype;
     char *dst = sc_pool_at(st, r, head_off);
-    if (pdt == SC_F32 && !u->stream) {
-        sc_transpose(w->M, S, (float *)dst, S, S, S);
-    } else {
-        sc_transpose(w->M, S, w->tmp, S, S, S);
-        sc_store_state(w->tmp, dst, pdt, S * S, u->stream);
-    }
+    float *out = pdt == SC_F32 && !u->stream ? (float *)dst : w->tmp;
+    if (w->panels)
+        gdn_panels_to_state(w->M, out, S);
+    else
+        sc_transpose(w->M, S, out, S, S, S);
+    if (out == w->tmp) sc_store_state(w->tmp, dst, pdt, S * S, u->stream);
 }
 
 /* The token loop on the key-major state M over tokens [t, n_t), with the
@@ -650,6 +671,11 @@ static void gdn_tokens_keymajor(const sc_state *st, int64_t s, int64_t head_off,
                                 int64_t t, const int64_t *stops, int64_t i, int64_t n_stops) {
     const int64_t S = u->S, n_t = u->n_t;
     float *kd = w->Y, *o = w->Y + S;
+    if (w->panels) { /* key-major rows for the token loop */
+        gdn_panels_to_state(w->M, w->tmp, S);
+        sc_transpose(w->tmp, S, w->M, S, S, S);
+        w->panels = 0;
+    }
     for (; t < n_t; t++) {
         int64_t ts;
         pack_tokens(u->kv, u->t0 + t, u->hk, 1, S, u->eps, 1, w->kc, &ts);
@@ -704,7 +730,8 @@ static int gdn_chunked_unit(const sc_state *st, int64_t s, int64_t head_off, con
         src = w->tmp;
     }
     if (!sc_all_finite(src, 1, 0, S * S, 1)) return 0;
-    sc_transpose(src, S, w->M, S, S, S);
+    gdn_state_to_panels(src, w->M, S);
+    w->panels = 1;
     sc_copy_input_state(st, s, n_t, head_off, pdt == SC_F32 ? NULL : w->tmp, S * S);
     int64_t pos = 0;
     for (int64_t i = 0; i < n_stops; i++) {
