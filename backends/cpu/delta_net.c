@@ -551,13 +551,12 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
     }
     /* The rest is separate per value column j of M, so it runs a strip of
      * SC_GDN_STRIP columns at a time ([W; gam q] M0, delta, o, then the
-     * strip's update): the strip of M (8 KiB at S = 128) is updated right
-     * after it was read, where whole-matrix products read all 64 KiB of M
-     * from L2 twice per chunk.  (On the 2-core development host the two
-     * orders ran within noise of each other.)  The next chunk's token rows
-     * are fetched a row at a time after the row blocks of both products, so
-     * that their misses overlap the arithmetic instead of arriving as one
-     * burst of lines. */
+     * strip's update): the strip of M, a contiguous 8 KiB panel at S = 128
+     * (see gdn_state_to_panels), stays in L1 from its first row block to
+     * its update, where whole-matrix products read all 64 KiB of M from L2
+     * for every row block.  The next chunk's token rows are fetched a row at
+     * a time after the row blocks of both products, so that their misses
+     * overlap the arithmetic instead of arriving as one burst of lines. */
     float *oq = w->Y + L * S;
     const int64_t n_points = (S + SC_GDN_STRIP - 1) / SC_GDN_STRIP * ((2 * L + 5) / 6 + (S + 5) / 6);
     const int64_t fetch = ((u->gates_in_view ? 4 : 3) * next_len + n_points - 1) / n_points;
