@@ -93,19 +93,14 @@ static inline __attribute__((always_inline)) void gdn_rows4_impl(const float *in
         for (int64_t i = 0; i < S; i += 16) {
             const __m256 k = _mm256_loadu_ps(kt + i), q = _mm256_loadu_ps(qt + i);
             const __m256 k8 = _mm256_loadu_ps(kt + i + 8), q8 = _mm256_loadu_ps(qt + i + 8);
-#define SC_GDN_LINE(r, w, e, acc)                                                \
-    do {                                                                         \
-        const __m256 lo = _mm256_fmadd_ps(k, e, _mm256_loadu_ps(r + i));         \
-        const __m256 hi = _mm256_fmadd_ps(k8, e, _mm256_loadu_ps(r + i + 8));    \
-        _mm256_stream_ps(w + i, lo);                                             \
-        _mm256_stream_ps(w + i + 8, hi);                                         \
-        acc = _mm256_fmadd_ps(hi, q8, _mm256_fmadd_ps(lo, q, acc));              \
-    } while (0)
-            SC_GDN_LINE(r0, w0, e0, o0);
-            SC_GDN_LINE(r1, w1, e1, o1);
-            SC_GDN_LINE(r2, w2, e2, o2);
-            SC_GDN_LINE(r3, w3, e3, o3);
-#undef SC_GDN_LINE
+            o0 = sc_stream_line(w0 + i, _mm256_fmadd_ps(k, e0, _mm256_loadu_ps(r0 + i)),
+                                _mm256_fmadd_ps(k8, e0, _mm256_loadu_ps(r0 + i + 8)), q, q8, o0);
+            o1 = sc_stream_line(w1 + i, _mm256_fmadd_ps(k, e1, _mm256_loadu_ps(r1 + i)),
+                                _mm256_fmadd_ps(k8, e1, _mm256_loadu_ps(r1 + i + 8)), q, q8, o1);
+            o2 = sc_stream_line(w2 + i, _mm256_fmadd_ps(k, e2, _mm256_loadu_ps(r2 + i)),
+                                _mm256_fmadd_ps(k8, e2, _mm256_loadu_ps(r2 + i + 8)), q, q8, o2);
+            o3 = sc_stream_line(w3 + i, _mm256_fmadd_ps(k, e3, _mm256_loadu_ps(r3 + i)),
+                                _mm256_fmadd_ps(k8, e3, _mm256_loadu_ps(r3 + i + 8)), q, q8, o3);
         }
         _mm_storeu_ps(ot, _mm_mul_ps(_mm_set1_ps(scale), sc_hsum4x8(o0, o1, o2, o3)));
         return;

@@ -281,6 +281,15 @@ static inline __m256 sc_silu8(__m256 x) {
     return _mm256_fmadd_ps(xr0, _mm256_fnmadd_ps(d, r0, _mm256_set1_ps(1.0f)), xr0);
 }
 
+/* A whole 64-byte line of a streamed row (`lo`, `hi` to out[0..16), out
+ * 32-byte aligned, both stores back to back so the line is complete at once)
+ * and its part of a dot product: acc + lo . c + hi . c8, in that order. */
+static inline __m256 sc_stream_line(float *out, __m256 lo, __m256 hi, __m256 c, __m256 c8, __m256 acc) {
+    _mm256_stream_ps(out, lo);
+    _mm256_stream_ps(out + 8, hi);
+    return _mm256_fmadd_ps(hi, c8, _mm256_fmadd_ps(lo, c, acc));
+}
+
 /* Horizontal sums of four vectors: lane i of the result is sum(v_i). */
 static inline __m128 sc_hsum4x8(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
     __m256 a = _mm256_hadd_ps(v0, v1); /* v0 pairs, v1 pairs (per 128-bit half) */
