@@ -797,6 +797,11 @@ def _memory_decode(device: Device, p: dict[str, Any], rng: np.random.Generator) 
             kernel(step, i)
         ctx.next()
 
+    # Steps until every plane was written once: the memory's pools are fresh
+    # zero pages, which the first write to each plane faults in (a timed step
+    # would then measure the page faults of a plane it meets for the first time).
+    for _ in range(n_rs_seq + 1):
+        fn()
     # per layer: the state read and written once (either way), plus the token's inputs and outputs
     return Case(fn, n_layers * 4 * n_s * (2 * row + io), 0)
 
