@@ -51,9 +51,10 @@ static const float *pack_tokens(const sc_view *v, int64_t t0, int64_t h, int64_t
  * k-dot, then update and q-dot) handle the four rows together, so k, q and
  * the gate are loaded once for four rows and the four dot products are
  * independent FMA chains.  `et` is the per-key gate (KDA) or NULL for the
- * scalar gate `es`.  With `mid` (4 * S floats of scratch) the rows are updated
- * there and then copied to `out` with non-temporal stores: `out` is then a
- * pool row other than `in` in a large call (see update_rows in ssm_scan.c). */
+ * scalar gate `es`.  With `mid` (4 * S floats of scratch) the first pass
+ * writes there and the second pass leaves for `out` with non-temporal stores:
+ * `out` is then a pool row other than `in` in a large call or decode, whose
+ * source the caller fetches ahead (see update_rows in ssm_scan.c). */
 static inline __attribute__((always_inline)) void gdn_rows4_impl(const float *in, float *out, float *mid, int64_t S,
                                                                  const float *kt, const float *qt, const float *et,
                                                                  float es, const float *vt, int64_t vstride,
@@ -82,6 +83,28 @@ static inline __attribute__((always_inline)) void gdn_rows4_impl(const float *in
     const __m256 e2 = _mm256_set1_ps((vt[2 * vstride] - kd[2]) * beta);
     const __m256 e3 = _mm256_set1_ps((vt[3 * vstride] - kd[3]) * beta);
     __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+    if (stream && S % 16 == 0) {
+        /* The updated rows go straight from `mid` to `out`, a whole 64-byte
+         * line of each row per step (the same operations in the same order
+         * as the loop below): every streamed line is finished as soon as it
+         * is started, and the stores are spread among the loads instead of
+         * leaving in one burst (see update_rows in ssm_scan.c). */
+        float *w0 = out, *w1 = w0 + S, *w2 = w1 + S, *w3 = w2 + S;
+        for (int64_t i = 0; i < S; i += 16) {
+            const __m256 k = _mm256_loadu_ps(kt + i), q = _mm256_loadu_ps(qt + i);
+            const __m256 k8 = _mm256_loadu_ps(kt + i + 8), q8 = _mm256_loadu_ps(qt + i + 8);
+            o0 = sc_stream_line(w0 + i, _mm256_fmadd_ps(k, e0, _mm256_loadu_ps(r0 + i)),
+                                _mm256_fmadd_ps(k8, e0, _mm256_loadu_ps(r0 + i + 8)), q, q8, o0);
+            o1 = sc_stream_line(w1 + i, _mm256_fmadd_ps(k, e1, _mm256_loadu_ps(r1 + i)),
+                                _mm256_fmadd_ps(k8, e1, _mm256_loadu_ps(r1 + i + 8)), q, q8, o1);
+            o2 = sc_stream_line(w2 + i, _mm256_fmadd_ps(k, e2, _mm256_loadu_ps(r2 + i)),
+                                _mm256_fmadd_ps(k8, e2, _mm256_loadu_ps(r2 + i + 8)), q, q8, o2);
+            o3 = sc_stream_line(w3 + i, _mm256_fmadd_ps(k, e3, _mm256_loadu_ps(r3 + i)),
+                                _mm256_fmadd_ps(k8, e3, _mm256_loadu_ps(r3 + i + 8)), q, q8, o3);
+        }
+        _mm_storeu_ps(ot, _mm_mul_ps(_mm_set1_ps(scale), sc_hsum4x8(o0, o1, o2, o3)));
+        return;
+    }
     for (int64_t i = 0; i < S; i += 8) {
         const __m256 k = _mm256_loadu_ps(kt + i), q = _mm256_loadu_ps(qt + i);
         const __m256 m0 = _mm256_fmadd_ps(k, e0, _mm256_loadu_ps(r0 + i));
@@ -98,10 +121,10 @@ static inline __attribute__((always_inline)) void gdn_rows4_impl(const float *in
         o3 = _mm256_fmadd_ps(m3, q, o3);
     }
     _mm_storeu_ps(ot, _mm_mul_ps(_mm_set1_ps(scale), sc_hsum4x8(o0, o1, o2, o3)));
-    /* The four updated rows leave `mid` as one contiguous run of streamed
-     * stores, each line finished before the next begins: streamed 32 bytes
-     * per row in turn, four half-written lines stayed open at once and held
-     * the fill buffers the loads need (see update_rows in ssm_scan.c). */
+    /* S % 16 == 8: the four updated rows leave `mid` as one contiguous run
+     * of streamed stores, each line finished before the next begins:
+     * streamed 32 bytes per row in turn, four half-written lines stayed open
+     * at once and held the fill buffers the loads need. */
     if (stream) sc_store_state(mid, out, SC_F32, 4 * S, 1);
 }
 
@@ -178,9 +201,11 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
             if (S % 8 == 0) {
                 /* a disjoint, aligned pool row of a large call or decode (sc_stream_rows): streamed */
                 float *via = stream && out != tile && out != in && ((uintptr_t)out & 31) == 0 ? mid : NULL;
-                for (; r + 4 <= jr; r += 4)
+                for (; r + 4 <= jr; r += 4) {
+                    if (via) sc_prefetch_ahead(in + r * S, 4 * S * (int64_t)sizeof(float));
                     gdn_rows4(in + r * S, out + r * S, via, S, kt, qt, et, es_t, vt + r * u->ves, u->ves, b, u->scale,
                               ot + r);
+                }
             }
 #endif
             for (; r < jr; r++) {
