@@ -50,11 +50,16 @@ through a ``RecurrentMemory`` (batch, plan, apply, the primitive on every
 layer) with ``n_rs_seq = 3`` against ``n_rs_seq = 0``, per family: the
 memory rotates its planes, so the primitive writes one row per sequence
 either way, in place without rollback and into the next plane with it.
+These rows walk :data:`ROLLBACK_STATE_BYTES` of state per step (4x the
+host's L3, 128 to 512 MiB, see :func:`rollback_state_bytes`), so that both
+forms run from memory as a model's state does; the size and why are printed.
 Next to those ratios, their floor on this host (:func:`host_rotation_floor`):
-a bare ``y = a x + b`` pass over 16 layers of 8 MiB in place against one
+a bare ``y = a x + b`` pass over the same state in place against one
 streamed into another plane; the same bytes move, but the in-place pass
 writes lines already in cache and its state has half the footprint, so on a
 host where that pass is slower rotated, no kernel's rollback ratio can beat it.
+The floor is printed again over a quarter of the L3, where both passes stay
+in cache (the regime of one small layer repeated, not of a model).
 
 Importable: :data:`SHAPES`, :func:`make_case`, :func:`time_call`,
 :func:`memcpy_seconds`, :func:`host_memcpy_seconds`, :func:`host_rotation_floor`, :func:`fma_peak`,
@@ -93,6 +98,66 @@ class Shape:
     op: str
     params: dict[str, Any]
     scalar_baseline: bool = False
+
+
+def host_l3_bytes() -> int | None:
+    """Bytes of the host's last-level (L3) cache as the OS reports it, or None."""
+    try:
+        folder = "/sys/devices/system/cpu/cpu0/cache"
+        for index in sorted(os.listdir(folder)):
+            with open(os.path.join(folder, index, "level"), encoding="utf-8") as f:
+                if f.read().strip() != "3":
+                    continue
+            with open(os.path.join(folder, index, "size"), encoding="utf-8") as f:
+                text = f.read().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            return int(text.rstrip("KMG")) * scale
+    except (OSError, ValueError):
+        pass
+    try:
+        size = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+    except (ValueError, OSError):
+        return None
+    return size if size > 0 else None
+
+
+def rollback_state_bytes() -> tuple[int, str]:
+    """State walked by one decode step of the rollback rows and their floor,
+    and why: 4x the host's L3 (at least 128 MiB, at most 512 MiB), so that
+    both the in-place pass and the rotated one (twice the footprint) run
+    from memory, as a model's state does (Mamba-2 130M: 24 layers of 24
+    heads x 64 x 128 f32, 19 MiB per sequence, 150 MiB for 8 sequences; the
+    2.7B models many times that).  Near the L3's size an in-place pass keeps
+    part of its state in cache where the rotated one (twice the footprint)
+    cannot, which measures cache sizes, not kernels: on a 105 MiB L3 shared
+    with other guests, an in-place pass over 128 MiB ran ~10% faster per byte
+    than over 512 MiB, and a quarter of the L3 runs it 2x faster than the
+    rotated pass (the "in cache" floor line)."""
+    l3 = host_l3_bytes()
+    if l3 is None:
+        return 256 * MiB, "L3 size unknown: 256 MiB"
+    want = 4 * l3
+    size = min(max(want, 128 * MiB), 512 * MiB)
+    how = "4x L3" if size == want else ("capped at 512 MiB" if want > size else "at least 128 MiB")
+    return size, f"L3 {l3 / MiB:.0f} MiB, state {how}"
+
+
+#: Total state of the rollback rows (see :func:`rollback_state_bytes`).
+ROLLBACK_STATE_BYTES, ROLLBACK_STATE_WHY = rollback_state_bytes()
+
+#: The rollback rows per family: its primitive, the primitive's shape, the
+#: memory rows' layer parameters, and one layer's state for 8 sequences.
+_ROLLBACK_FAMILIES: tuple[tuple[str, str, dict[str, Any], dict[str, Any], int], ...] = (
+    ("mamba2", "ssm_scan", {"N": 128, "P": 64, "H": 32, "G": 1}, {"N": 128, "P": 64, "H": 32}, 8 * MiB),
+    ("gdn", "gdn", {"H": 16, "S": 128, "kda": False}, {"H": 16, "S": 128}, 8 * MiB),
+    # a GDN layer's 5376-channel conv window (d_conv 4: 3 columns)
+    ("conv", "ssm_conv", {"ch": 5376, "d_conv": 4}, {"H": 14, "S": 128}, 8 * 5376 * 3 * 4),
+)
+
+
+def rollback_layers(layer_bytes: int) -> int:
+    """Layers of ``layer_bytes`` that make up :data:`ROLLBACK_STATE_BYTES`."""
+    return -(-ROLLBACK_STATE_BYTES // layer_bytes)
 
 
 #: (variant, heads, head size) of the linear-attention shapes.
@@ -141,7 +206,8 @@ SHAPES: tuple[Shape, ...] = (
     # Decode with rollback (K = 1 + n_rs_seq = 4 planes) against decode without,
     # each call on the next of `layers` pools as a model's decode step walks its
     # layers, so that the state is out of cache as it is in a model (one layer's
-    # state repeated stays in cache, and in place beats a write elsewhere there).
+    # state repeated stays in cache, and in place beats a write elsewhere there):
+    # ROLLBACK_STATE_BYTES in all, sized from the host's L3.
     # The 1-D form also copies the input state into plane 1; rotation reads
     # plane p and writes only plane p + 1.
     *(
@@ -154,28 +220,24 @@ SHAPES: tuple[Shape, ...] = (
                 "n_s": 8,
                 "K": 1 if how == "x layers" else 4,
                 "rotate": how == "K=4 rotate",
-                "layers": layers,
+                "layers": rollback_layers(layer_bytes),
             },
         )
-        for family, op, params, layers in (
-            ("mamba2", "ssm_scan", {"N": 128, "P": 64, "H": 32, "G": 1}, 16),
-            ("gdn", "gdn", {"H": 16, "S": 128, "kda": False}, 16),
-            ("conv", "ssm_conv", {"ch": 5376, "d_conv": 4}, 256),
-        )
+        for family, op, params, _, layer_bytes in _ROLLBACK_FAMILIES
         for how in ("x layers", "K=4 planes", "K=4 rotate")
     ),
     # The same decode through a RecurrentMemory (batch, plan, apply, step: what a
     # runtime runs) with n_rs_seq = 3 against n_rs_seq = 0: the memory rotates
     # its planes, so a decode with rollback writes one row per state tensor too.
     # Each family steps one state tensor of its layers (the conv: a GDN layer's
-    # 5376-channel window).
+    # 5376-channel window), ROLLBACK_STATE_BYTES in all.
     *(
-        Shape(f"{family} memory n_s=8 rs={rs}", "memory", {**params, "family": family, "n_s": 8, "n_rs_seq": rs})
-        for family, params in (
-            ("mamba2", {"N": 128, "P": 64, "H": 32, "layers": 16}),
-            ("gdn", {"H": 16, "S": 128, "layers": 16}),
-            ("conv", {"H": 14, "S": 128, "layers": 256}),
+        Shape(
+            f"{family} memory n_s=8 rs={rs}",
+            "memory",
+            {**params, "family": family, "n_s": 8, "n_rs_seq": rs, "layers": rollback_layers(layer_bytes)},
         )
+        for family, _, _, params, layer_bytes in _ROLLBACK_FAMILIES
         for rs in (0, 3)
     ),
     Shape("kda prefill", "gdn", {"H": 16, "S": 128, "n_t": 512, "n_s": 1, "kda": True}),
@@ -513,8 +575,10 @@ def make_case(device: Device, shape: Shape, threads: int | None = None, with_sca
     turn = [0]
 
     def pools(shape: tuple[int, ...]) -> Callable[[], Any]:
-        """The state pool of the next call: one of `layers`, in turn."""
-        made = [up(_u(rng, shape)) for _ in range(layers)]
+        """The state pool of the next call: one of `layers`, in turn (each its
+        own buffer; their values are one draw, copied)."""
+        values = _u(rng, shape)
+        made = [up(values) for _ in range(layers)]
         if layers == 1:
             return lambda: made[0]
 
@@ -733,6 +797,11 @@ def _memory_decode(device: Device, p: dict[str, Any], rng: np.random.Generator) 
             kernel(step, i)
         ctx.next()
 
+    # Steps until every plane was written once: the memory's pools are fresh
+    # zero pages, which the first write to each plane faults in (a timed step
+    # would then measure the page faults of a plane it meets for the first time).
+    for _ in range(n_rs_seq + 1):
+        fn()
     # per layer: the state read and written once (either way), plus the token's inputs and outputs
     return Case(fn, n_layers * 4 * n_s * (2 * row + io), 0)
 
@@ -843,25 +912,35 @@ def run(
     say = out or (lambda _: None)
     full_run = only is None and shapes is None
     shapes = [shape for shape in (SHAPES if shapes is None else shapes) if not only or only in shape.name]
-    cases = {
-        shape.name: make_case(device, shape, threads, with_scalar=scalar and host and shape.scalar_baseline)
-        for shape in shapes
-    }
+
+    def build(shape: Shape) -> Case:
+        return make_case(device, shape, threads, with_scalar=scalar and host and shape.scalar_baseline)
+
+    # Shapes over many layers (the rollback rows: hundreds of MiB, four planes
+    # of it with rollback) exist only while they are timed; the rest are built once.
+    def many_layers(shape: Shape) -> bool:
+        return int(shape.params.get("layers", 1)) > 1
+
+    cases = {shape.name: build(shape) for shape in shapes if not many_layers(shape)}
     inf = float("inf")
     best: dict[str, dict[str, float]] = {shape.name: {"t": inf, "copy": inf, "scalar": inf} for shape in shapes}
     memcpy_best: dict[int, float] = {}
     host_best: dict[tuple[int, int], float] = {}
     peak = exps = 0.0
-    # with rollback rows on a host: the floor of their ratio (the state of 16 layers of 8 MiB)
+    # with rollback rows on a host: the floor of their ratio, over the rows' state
+    # (out of cache) and over a quarter of the L3 (both passes in cache)
     floor_rows = host and any(s.op == "memory" or "rotate" in s.name for s in shapes)
-    floor_best = [inf, inf]
+    floor_sizes = {"out of cache": rollback_layers(8 * MiB), "in cache": max((host_l3_bytes() or 0) // (32 * MiB), 1)}
+    floor_best = {where: [inf, inf] for where in floor_sizes}
     for _ in range(max(rounds, 1)):
         if host or scalar:
             peak = max(peak, fma_peak(threads, tick))
             exps = max(exps, exp_rate(threads, tick))
         for shape in shapes:
-            case, b = cases[shape.name], best[shape.name]
+            case, b = build(shape) if many_layers(shape) else cases[shape.name], best[shape.name]
             b["t"] = min(b["t"], time_call(case.call, device, min_time, clock=tick))
+            if many_layers(shape):  # keep its sizes, free its buffers
+                cases[shape.name] = case = Case(lambda: None, case.traffic, case.fma_ops, None, case.exp_ops)
             nbytes = case.traffic // 2
             # Measured again for every shape and the fastest kept: the bound
             # must not inherit a moment when another job held a core.
@@ -871,7 +950,9 @@ def run(
             if on_measured is not None:
                 on_measured(shape)
         if floor_rows:
-            floor_best = [min(a, b) for a, b in zip(floor_best, host_rotation_floor(16, 8 * MiB, threads, tick))]
+            for where, n_layers in floor_sizes.items():
+                measured = host_rotation_floor(n_layers, 8 * MiB, threads, tick)
+                floor_best[where] = [min(a, b) for a, b in zip(floor_best[where], measured)]
         if host and full_run:
             for nbytes in (8 * MiB, 32 * MiB):
                 for n_threads in (1, 2):
@@ -957,11 +1038,14 @@ def run(
     if memory:
         say("decode through the memory, n_rs_seq=3 vs 0 (n_s=8, every layer): " + "; ".join(memory))
     if floor_rows:
-        t_in, t_rot = floor_best
-        say(
-            f"floor of those ratios on this host (y = a x + b over 16 layers x 8 MiB): in place {t_in * 1e6:.0f} us, "
-            f"streamed into the other plane {t_rot * 1e6:.0f} us: {t_rot / t_in:.2f}x"
-        )
+        say(f"rollback rows' state: {ROLLBACK_STATE_BYTES / MiB:.0f} MiB per decode step ({ROLLBACK_STATE_WHY})")
+        for where, n_layers in floor_sizes.items():
+            t_in, t_rot = floor_best[where]
+            say(
+                f"floor of those ratios on this host, {where} (y = a x + b over {n_layers} layers x 8 MiB): "
+                f"in place {t_in * 1e6:.0f} us, streamed into the other plane {t_rot * 1e6:.0f} us: "
+                f"{t_rot / t_in:.2f}x"
+            )
     if full_run:
         costs = ", ".join(
             f"{op} {call_overhead(device, op, clock=tick) * 1e6:.0f} / "

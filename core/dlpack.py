@@ -375,6 +375,11 @@ def _not_a_tensor(obj: Any) -> None:
     return None
 
 
+#: How many types read directly were found to disagree with their own export
+#: (:func:`confirm_fingerprint`); a change tells whoever remembered direct
+#: readings of a type (:class:`statecache.tensor_args.Relaunches`) to forget them.
+DEMOTIONS = [0]
+
 #: type -> how its fingerprint is read (``_not_a_tensor`` for types without ``__dlpack__``;
 #: ``export_fingerprint`` for producers read by exporting them, which a caller
 #: with a stream to synchronise with calls with that stream).
@@ -457,4 +462,5 @@ def confirm_fingerprint(obj: Any, fp: Fingerprint, memory: TensorMemory) -> bool
     ok = ok and all(a == b for n, a, b in zip(shape, strides, memory.strides) if n != 1)
     if not ok:
         READERS[type(obj)] = export_fingerprint
+        DEMOTIONS[0] += 1
     return ok

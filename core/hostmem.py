@@ -15,7 +15,7 @@ import numpy as np
 from statecache.backend import Buffer
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError
-from statecache.state_io import rows_ready
+from statecache.state_io import rows_landed, rows_ready
 
 ALIGNMENT = 64
 
@@ -83,6 +83,8 @@ def scatter_rows(device: Any, buf: Buffer, idx: np.ndarray, rows: np.ndarray) ->
     if not idx.size:
         return
     rows_ready(writing=True)  # a memory that did not wait for a transfer's rows before writing waits here
+    if rows_landed(buf, idx, rows):  # a transfer received these rows straight into buf[idx]
+        return
     if device.caps.host_visible and isinstance(buf.storage, np.ndarray) and buf.is_contiguous:
         if idx.min() < 0 or idx.max() >= buf.shape[0]:
             raise ArgumentError("idx", f"rows outside [0, {buf.shape[0]})")
@@ -92,6 +94,22 @@ def scatter_rows(device: Any, buf: Buffer, idx: np.ndarray, rows: np.ndarray) ->
         flat[buf.offset : buf.offset + buf.size].reshape(buf.shape)[idx if run is None else run] = rows
         return
     device.set_rows(buf, device.indices(idx), device.upload(rows, buf.dtype))
+
+
+def row_run(device: Any, buf: Buffer, idx: np.ndarray) -> np.ndarray | None:
+    """The rows ``idx`` of ``buf`` as one writable host array (a view of the buffer's
+    memory, rows back to back) when they are one ascending run of a host-visible,
+    contiguous buffer; else None.  A transfer receives rows straight into it."""
+    if not (device.caps.host_visible and isinstance(buf.storage, np.ndarray) and buf.is_contiguous):
+        return None
+    if not idx.size or int(idx[0]) < 0 or int(idx[-1]) >= buf.shape[0]:
+        return None
+    run = _as_run(idx) if idx.size > 1 else slice(int(idx[0]), int(idx[0]) + 1)
+    if run is None:
+        return None
+    flat: np.ndarray = buf.storage
+    out: np.ndarray = flat[buf.offset : buf.offset + buf.size].reshape(buf.shape)[run]
+    return out
 
 
 def _as_run(idx: np.ndarray) -> slice | None:

@@ -82,7 +82,16 @@ from statecache.memory import (
     check_seq_id,
     normalize_range,
 )
-from statecache.state_io import Reader, Writer, find_section, pack_sections, rows_ready, unpack_sections
+from statecache.state_io import (
+    Reader,
+    RowWrite,
+    Writer,
+    find_section,
+    pack_sections,
+    rows_landing,
+    rows_ready,
+    unpack_sections,
+)
 
 if TYPE_CHECKING:
     from statecache.batch import BatchAllocator, UBatch
@@ -691,6 +700,19 @@ class HybridMemory(Memory):
             self.attn.state_commit(plans["attn"])
         self.recr.apply_section(plans["recr"])
 
+    def landing_writes(self, plans: dict[str, Any]) -> list[RowWrite]:
+        """The row writes :meth:`commit_all` makes into rows free now, every part's
+        (see :func:`~statecache.state_io.rows_landing`)."""
+        attn = [] if plans["attn"] is None else self.attn.landing_writes(plans["attn"])
+        return [*attn, *self.recr.landing_writes(plans["recr"])]
+
+    def state_landing_failed(self) -> None:
+        """A read failed after a transfer's rows landed in free rows: plans and undos made
+        before it are stale (every part's and the composite's)."""
+        self._edits += 1
+        self.attn.state_landing_failed()
+        self.recr.state_landing_failed()
+
     def state_drop(self, seq: int) -> None:
         """Drop the destination from every part (docs/memory-semantics.md#state-failures)."""
         self._edits += 1
@@ -728,6 +750,7 @@ class HybridMemory(Memory):
         # the blob's own WITH_PLANES bit says whether its recurrent section carries planes
         flags = (int(flags) & ~StateFlags.WITH_PLANES) | (blob_flags & StateFlags.WITH_PLANES)
         plans = self.parse_all(sections, seq, flags)
+        rows_landing(lambda: self.landing_writes(plans), self.state_landing_failed)
         rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         try:
             self.commit_all(plans)

@@ -66,7 +66,7 @@ from statecache.memory import (
     check_int32,
     normalize_range,
 )
-from statecache.state_io import Reader, Writer, find_section
+from statecache.state_io import Reader, RowWrite, Writer, find_section
 
 if TYPE_CHECKING:
     from statecache.batch import UBatch
@@ -342,6 +342,14 @@ class HybridIdxMemory(HybridMemory):
         if plans["idx"] is not None:
             self.idx.state_commit(plans["idx"])
             self.marks.set(plans["idx"].seq, 0)
+
+    def landing_writes(self, plans: dict[str, Any]) -> list[RowWrite]:
+        idx = [] if plans["idx"] is None else self.idx.landing_writes(plans["idx"])
+        return [*super().landing_writes(plans), *idx]
+
+    def state_landing_failed(self) -> None:
+        super().state_landing_failed()
+        self.idx.state_landing_failed()
 
     def state_drop(self, seq: int) -> None:
         super().state_drop(seq)

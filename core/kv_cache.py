@@ -57,9 +57,11 @@ from statecache.state_io import (
     CODE_DTYPES,
     DTYPE_CODES,
     Reader,
+    RowWrite,
     Writer,
     find_section,
     pack_sections,
+    rows_landing,
     rows_ready,
     unpack_sections,
 )
@@ -870,7 +872,8 @@ class KVCache(Memory):
                 pos, ext, sets = self._parse_cells(r, count, has_ext, seq, strm)
             # M-RoPE: an image's cells share a temporal position, never a whole (pos, x, y)
             whole = np.stack([pos, ext[:, 0], ext[:, 1]], axis=1)
-            if seq >= 0 and count and np.unique(whole, axis=0).shape[0] != count:
+            increasing = count < 2 or bool((pos[1:] > pos[:-1]).all())  # (the usual case: no sort needed)
+            if seq >= 0 and not increasing and np.unique(whole, axis=0).shape[0] != count:
                 raise StateError(f"{self.name}.pos", "duplicate positions in a per-sequence blob")
             if seq < 0:
                 keys = list(zip(pos.tolist(), ext[:, 0].tolist(), ext[:, 1].tolist()))
@@ -983,6 +986,24 @@ class KVCache(Memory):
                     scatter_rows(self.device, bufs[il], rows, per_stream[k_strm])  # already in the cache's dtype
             self.book.heads[strm] = 0
 
+    def landing_writes(self, plan: KVStatePlan) -> list[RowWrite]:
+        """The row writes :meth:`state_commit` makes for ``plan`` into streams whose
+        destination cells are all free now (no sequence holds them), so a transfer may
+        receive those rows there before the commit (:func:`~statecache.state_io.rows_landing`)."""
+        out = []
+        for k_strm, (strm, dest, _, _) in enumerate(plan.placements):
+            if not dest.size or (self.cells[strm].pos[dest] != EMPTY).any():
+                continue
+            rows = dest + strm * self.size
+            for store, bufs in ((plan.k_rows, self.k), (plan.v_rows, self.v)):
+                out += [RowWrite(self.device, bufs[il], rows, per[k_strm]) for il, per in store.items()]
+        return out
+
+    def state_landing_failed(self) -> None:
+        """A read failed after a transfer's rows landed in free cells: an undo or a plan
+        made before it, which may count on what those cells held, is stale now."""
+        self._version += 1
+
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         """Restore from a blob.  The whole blob is parsed and placed before
         anything is written, so a rejected blob (``StateError``) leaves the cache
@@ -993,6 +1014,7 @@ class KVCache(Memory):
         r = Reader(find_section(sections, TAG_KV))
         plan = self.state_parse(r, seq)
         r.at_end()
+        rows_landing(lambda: self.landing_writes(plan), self.state_landing_failed)
         rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         try:
             self.state_commit(plan)
@@ -1414,6 +1436,9 @@ def _plain_composite(p: MemoryContext) -> bool:
 def plan_positions(plan: KVStatePlan) -> dict[int, set[int]]:
     """Per sequence, the positions a validated KV section restores (cross-part checks)."""
     out: dict[int, set[int]] = {}
+    if plan.seq >= 0:  # a sequence's blob: every cell is that sequence's (read at once)
+        held = [pos for _, _, pos, _ in plan.placements if pos.size]
+        return {plan.seq: set(np.concatenate(held).tolist())} if held else {}
     for _, _, pos, sets in plan.placements:
         for p, ids in zip(pos.tolist(), sets):
             for s in ids:
@@ -1696,11 +1721,21 @@ class KVCacheISWA(Memory):
         self.base._state_drop(seq)
         self.swa._state_drop(seq)
 
+    def landing_writes(self, plan: ISWAPlan) -> list[RowWrite]:
+        """:meth:`KVCache.landing_writes` of both caches."""
+        base = [] if plan.base is None else self.base.landing_writes(plan.base)
+        return [*base, *self.swa.landing_writes(plan.swa)]
+
+    def state_landing_failed(self) -> None:
+        self.base.state_landing_failed()
+        self.swa.state_landing_failed()
+
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         """As :meth:`KVCache.state_read`: rejected blobs change nothing."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         _, sections = unpack_sections(data, flags)
         plan = self.parse_sections(sections, seq, flags)
+        rows_landing(lambda: self.landing_writes(plan), self.state_landing_failed)
         rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         try:
             self.state_commit(plan)

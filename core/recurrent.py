@@ -79,10 +79,12 @@ from statecache.state_io import (
     DTYPE_CODES,
     WITH_PLANES,
     Reader,
+    RowWrite,
     Writer,
     find_section,
     pack_sections,
     planes_apart,
+    rows_landing,
     rows_ready,
     unpack_sections,
 )
@@ -1432,6 +1434,47 @@ class RecurrentMemory(Memory):
         if plan.get("planes") is not None:
             self._install_planes(targets, cells, *plan["planes"])
 
+    def landing_writes(self, plan: dict[str, Any]) -> list[RowWrite]:
+        """The row writes :meth:`apply_section` makes for a one-sequence ``plan`` when the
+        cell it will take is free now: no sequence owns it and no cell names one of its rows
+        as its source (so never a shared cell, the destination's own cell or a row another
+        state starts from).  A transfer may receive those rows there before the commit
+        (:func:`~statecache.state_io.rows_landing`); the zero row is chosen per step, later."""
+        seq, cells, data = plan["seq"], plan["cells"], plan["data"]
+        b = self._book
+        if seq < 0 or not cells:
+            return []
+        own = int(b.tail[seq])
+        free = b.n_own == 0
+        if own >= 0 and b.n_own[own] == 1:
+            free[own] = True  # apply_section removes the destination first
+        targets = np.flatnonzero(free)[:1]
+        if not targets.size:
+            return []
+        c = int(targets[0])
+        owned = b.n_own > 0
+        if c == own or b.pos[c] >= 0 or b.n_own[c] or (b.src[owned] % self.size == c).any():
+            return []
+        idx = np.asarray([c], dtype=np.int64)
+        out = [
+            RowWrite(self.device, buf, idx, data[layer][name])
+            for layer, pools in self.pools.items()
+            for name, buf in pools.items()
+        ]
+        if plan.get("planes") is not None:  # as _install_planes: plane j of the cell, j states back
+            counts, planes = plan["planes"]
+            keep = min(counts[0], self.n_snap - 1) if self.has_layers else 0
+            if keep:
+                rows = np.asarray([(-j) % self.n_snap * self.size + c for j in range(1, keep + 1)], dtype=np.int64)
+                for layer, pools in self.pools.items():
+                    out += [RowWrite(self.device, buf, rows, planes[layer][name][:keep]) for name, buf in pools.items()]
+        return out
+
+    def state_landing_failed(self) -> None:
+        """A read failed after a transfer's rows landed in a free cell: an undo or a plan
+        made before it, which may count on what that cell held, is stale now."""
+        self._version += 1
+
     def _install_planes(
         self, targets: Sequence[int], cells: Sequence[tuple[int, Any]], counts: list[int], data: dict[int, Any]
     ) -> None:
@@ -1450,7 +1493,9 @@ class RecurrentMemory(Memory):
             start += n
             b.snap_end[c], b.snap_valid[c] = p, 1 + keep
         if dst:
-            idx, sel = np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
+            idx = np.asarray(dst, dtype=np.int64)
+            # one cell (a sequence's blob): its first planes, a view (which a transfer may have landed)
+            sel: Any = slice(0, len(src)) if src == list(range(len(src))) else np.asarray(src, dtype=np.int64)
             for layer, pools in self.pools.items():
                 for name, buf in pools.items():
                     scatter_rows(self.device, buf, idx, data[layer][name][sel])
@@ -1461,6 +1506,7 @@ class RecurrentMemory(Memory):
         # PARTIAL_ONLY does not change what a recurrent memory writes: only unknown flag bits are refused
         blob_flags, sections = unpack_sections(data)
         plan = self.parse_section(find_section(sections, SECTION_TAG), seq, planes=bool(blob_flags & WITH_PLANES))
+        rows_landing(lambda: self.landing_writes(plan), self.state_landing_failed)
         rows_ready()  # a transfer's rows may still be arriving: validated above, written below
         self.apply_section(plan)
 

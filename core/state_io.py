@@ -85,6 +85,21 @@ class RowSink:
                 progress(off)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowWrite:
+    """One row write a memory's ``state_read`` is about to make: ``buf[idx] = rows``, where
+    ``rows`` is a view a :class:`RowSource` handed out (see :func:`rows_landing`)."""
+
+    device: Any
+    buf: Any
+    idx: np.ndarray
+    rows: np.ndarray
+
+
+def _view_key(rows: np.ndarray) -> tuple[int, int]:
+    return int(rows.__array_interface__["data"][0]), int(rows.nbytes)
+
+
 @dataclasses.dataclass
 class RowSource:
     """Row blocks for :meth:`Reader.rows` while :func:`rows_apart` is active: taken
@@ -93,26 +108,50 @@ class RowSource:
     ``wait``, when given, is called once, by :func:`rows_ready`, before the first row
     is written: the rows may still be arriving while the metadata is validated (the
     views :meth:`take` hands out are only read when written), and ``wait`` returns
-    once all of ``data`` is there, or raises why it never will be."""
+    once all of ``data`` is there, or raises why it never will be.
+
+    ``land``, when given with ``wait``, is handed the writes a memory is about to make
+    (:func:`rows_landing`) and returns those whose rows it will put straight into
+    their destination instead of into ``data``: the memory's write of such a view is
+    then skipped (:func:`rows_landed`)."""
 
     data: np.ndarray
     offset: int = 0
     wait: Callable[[], None] | None = None
     #: The wait happened only once the memory was writing (see :func:`rows_ready`).
     late: bool = False
+    land: Callable[[list[RowWrite]], list[RowWrite]] | None = None
+    #: The size of every block taken, in order.
+    taken: list[int] = dataclasses.field(default_factory=list)
+    #: The writes ``land`` took, by their view's address and size, until the memory makes them.
+    landed: dict[tuple[int, int], RowWrite] = dataclasses.field(default_factory=dict)
+    #: What the memory said to call when rows landed and the read then failed.
+    spoil: Callable[[], None] | None = None
 
     def ready(self, writing: bool = False) -> None:
         """Block until every row is in ``data`` (see ``wait``); then a no-op."""
         wait, self.wait = self.wait, None
         if wait is not None:
             self.late = writing
-            wait()
+            try:
+                wait()
+            except BaseException:
+                self.abandon_landed()
+                raise
+
+    def abandon_landed(self) -> None:
+        """The read fails after rows landed in free rows: tell the memory (its book is as
+        before; the rows it had free hold other bytes now)."""
+        if self.landed and self.spoil is not None:
+            self.spoil()
+        self.landed = {}
 
     def take(self, n: int, field: str) -> np.ndarray:
         if self.offset + n > self.data.size:
             raise StateError(field, f"truncated rows: needs {n} bytes, {self.data.size - self.offset} left")
         out = self.data[self.offset : self.offset + n]
         self.offset += n
+        self.taken.append(n)
         return out
 
     def at_end(self) -> None:
@@ -151,6 +190,38 @@ def rows_ready(writing: bool = False) -> None:
     source = _ROWS.get()
     if isinstance(source, RowSource):
         source.ready(writing)
+
+
+def rows_landing(writes: Callable[[], list[RowWrite]], spoil: Callable[[], None]) -> None:
+    """Memories call this in ``state_read`` after validating everything and before
+    :func:`rows_ready`, with ``writes()``: the row writes their commit will make into
+    rows that nothing references now (free cells, never a shared row or the zero row),
+    each with the view :meth:`Reader.rows` gave.  A sequence transfer receives such rows
+    straight into their destination (no staging copy); the commit then skips those
+    writes (:func:`rows_landed`) and only updates the book.  ``spoil()`` is called if
+    the read fails after rows landed: the book is as before, but the memory must no
+    longer trust what those free rows held (an undo that would bring such a cell back,
+    see the memories' ``state_landing_failed``).  Elsewhere a no-op (``writes`` is not called)."""
+    source = _ROWS.get()
+    if isinstance(source, RowSource) and source.land is not None and source.wait is not None:
+        source.spoil = spoil
+        for w in source.land(writes()):
+            source.landed[_view_key(w.rows)] = w
+
+
+def rows_landed(buf: Any, idx: np.ndarray, rows: np.ndarray) -> bool:
+    """True when ``rows`` (a view from :meth:`Reader.rows`) already landed in ``buf[idx]``
+    (:func:`rows_landing`): the write is done.  Raises ``RuntimeError`` when the view
+    landed elsewhere (the commit does not write what the memory announced)."""
+    source = _ROWS.get()
+    if not isinstance(source, RowSource) or not source.landed or not isinstance(rows, np.ndarray):
+        return False
+    w = source.landed.pop(_view_key(rows), None)
+    if w is None:
+        return False
+    if w.buf is not buf or not np.array_equal(w.idx, idx):
+        raise RuntimeError("a memory wrote a landed row block elsewhere than it announced in rows_landing")
+    return True
 
 
 def planes_apart() -> bool:

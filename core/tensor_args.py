@@ -58,21 +58,28 @@ tensors), remembering wraps by fingerprint does not help: every call would
 wrap its tensors again (a Buffer, and its token view, per tensor), match the
 validated call by geometry, and rebuild the backend's launch.
 :class:`Relaunches` skips all of that.  Once a call has been matched by
-geometry, it is remembered per primitive and scalars under its *geometry
-key* (each tensor's fingerprint without its address; each Buffer's
-identity), with a backend launch that takes the tensors' addresses
+geometry, it is remembered per primitive, scalars and state pool (the
+*anchor*): its *geometry* (per argument: None, the Buffer validated there,
+or the tensor's type, shape, strides, dtype and device), with a backend
+launch that takes the tensors' addresses
 (:meth:`Device._prepare_relaunch <statecache.backend.Device._prepare_relaunch>`).
-A later call with that key reads each tensor's address and geometry
-directly (no DLPack export, no Buffer) and launches, after the checks the
+A later call at that anchor compares its arguments with the anchor's
+geometries, field by field (no key is built or hashed: reading a torch
+tensor's five facts is most of what a relaunch costs), reads each tensor's
+address (no DLPack export, no Buffer) and launches, after the checks the
 geometry path makes:
 
-* the Buffers are the very objects validated (weak references) and every
-  index Buffer still holds the host copy that was checked;
+* every position holds what it held when validated: the very Buffer (weak
+  references), None, or a tensor of the same type and geometry; and every
+  index Buffer still holds the host copy that was checked (a geometry
+  validated again replaces the remembered one, with its new copies);
 * the device's capabilities are the same object;
 * every tensor address is aligned to its elements;
 * no written argument overlaps another (tensor address ranges against each
   other and against the Buffers' ranges), as for any call matched by
-  geometry.
+  geometry;
+* no type read directly has been found to disagree with its own DLPack
+  export since (:data:`statecache.dlpack.DEMOTIONS`).
 
 Index tensors and host tensors that are copied in never take this path
 (their values or copies are refreshed per call); nor does a call that
@@ -89,13 +96,13 @@ from __future__ import annotations
 
 import functools
 import weakref
-from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from statecache.dlpack import (
+    DEMOTIONS,
     KDL_INT,
     READERS,
     TensorMemory,
@@ -107,7 +114,7 @@ from statecache.dlpack import (
     geometry_reader,
     host_array,
     reader_for,
-    torch_like,
+    torch_geometry,
 )
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError
@@ -318,153 +325,157 @@ def _refresh_index(dev: Device, wrap: _Wrap, name: str) -> None:
 
 #: Relaunches kept per device (a model has a few call geometries per layer kind).
 RELAUNCH_LIMIT = 1024
+#: Geometries kept per primitive, scalars and state pool (decode, a few prefill
+#: lengths, a few row sets): a call compares its arguments with each, newest first.
+GEOMETRIES_PER_POOL = 8
+
+
+def _absent() -> None:
+    """The expected object at a position that was None (see ``_Relaunch.fixed``)."""
+    return None
 
 
 class _Relaunch:
     """One call geometry remembered for relaunching: what to check, and the launch."""
 
-    __slots__ = ("align", "caps", "longest", "native_pairs", "natives", "ranges", "run", "shadows", "tensor_pairs",
-                 "written")  # fmt: skip
+    __slots__ = ("align", "caps", "direct", "fixed", "native_pairs", "run", "shadows", "signature", "tensor_pairs",
+                 "tensors")  # fmt: skip
 
     def __init__(
         self,
         caps: object,
-        natives: tuple[tuple[int, weakref.ref[Any]], ...],
+        signature: tuple[Any, ...],
+        fixed: tuple[tuple[int, Callable[[], Any]], ...],
+        tensors: tuple[tuple[Any, ...], ...],
+        direct: bool,
         shadows: tuple[tuple[int, Any], ...],
         align: int,
         tensor_pairs: tuple[tuple[int, int, int, int], ...],
-        native_pairs: tuple[tuple[int, int, int, int], ...],
-        written: tuple[tuple[int, int], ...],
+        native_pairs: tuple[tuple[int, int, int], ...],
         run: Callable[[list[int]], bool],
     ) -> None:
         self.caps = caps
-        self.natives = natives  # (position, weak reference to the Buffer validated there)
+        self.signature = signature  # per position: None, id(Buffer) or the tensor's geometry (for learn())
+        # Every position that is not a tensor: (position, callable returning the object expected
+        # there): a weak reference to the Buffer validated there, or _absent for None.
+        self.fixed = fixed
+        # The tensors, in argument order: direct (torch-like, read inline by relaunched()):
+        # (position, type, shape, strides, dtype, device); else (position, type, split reader,
+        # geometry) as statecache.dlpack.geometry_reader reads them.
+        self.tensors = tensors
+        self.direct = direct
         self.shadows = shadows  # (position, host copy that index Buffer held when validated)
         # The largest element size less one: an address with any of these bits set may be
         # misaligned (checked on all addresses at once: a false alarm only costs the ordinary path).
         self.align = align
-        # Overlap checks, as Device._remembered_by_geometry makes them: (tensor k, its extent in
-        # bytes, tensor m, its extent) and (tensor k, its extent, lo, hi of a Buffer's bytes).
+        # Overlap checks, as Device._remembered_by_geometry makes them, in the form relaunched()
+        # checks fastest: tensors k and m (extents n_k, n_m bytes) overlap iff
+        # -n_k < address_k - address_m < n_m: (k, m, -n_k, n_m); tensor k and a Buffer's bytes
+        # [lo, hi) iff lo - n_k < address_k < hi: (k, lo - n_k, hi).
         self.tensor_pairs = tensor_pairs
         self.native_pairs = native_pairs
-        # For the check of all pairs at once (relaunched()): the Buffer ranges a tensor is
-        # checked against, each written tensor with its extent, and the longest extent.
-        self.ranges = tuple(sorted({(lo, hi) for _, _, lo, hi in native_pairs}))
-        self.written = written
-        extents = (
-            [n for _, n, _, _ in native_pairs] + [n for _, n, _, _ in tensor_pairs] + [n for _, _, _, n in tensor_pairs]
-        )
-        self.longest = max(extents, default=0)
         self.run = run  # the backend's launch, given the tensors' addresses in argument order (False: busy)
 
-    def apart(self, addresses: list[int]) -> bool:
-        """Whether no pair that must not overlap does, pair by pair (as
-        Device._remembered_by_geometry checks a call matched by geometry)."""
-        for k, k_len, m, m_len in self.tensor_pairs:
-            a, b = addresses[k], addresses[m]
-            if a < b + m_len and b < a + k_len:
-                return False
-        for k, k_len, lo, hi in self.native_pairs:
-            a = addresses[k]
-            if a < hi and lo < a + k_len:
-                return False
-        return True
+
+def _read_by_readers(tensors: tuple[tuple[Any, ...], ...], given: tuple[Any, ...], addresses: list[int]) -> bool:
+    """Whether every tensor of ``given`` at the positions of ``tensors`` (not
+    direct: see ``_Relaunch.tensors``) has the geometry remembered; their
+    addresses are appended to ``addresses``."""
+    for pos, cls, reader, geometry in tensors:
+        obj = given[pos]
+        if type(obj) is not cls:
+            return False
+        now, address = reader(obj)
+        if now != geometry:
+            return False
+        addresses.append(address)
+    return True
 
 
 class Relaunches:
     """One device's calls remembered by geometry, relaunched with new tensor
-    addresses (see "Relaunching by geometry" above)."""
+    addresses (see "Relaunching by geometry" above).
 
-    __slots__ = ("_entries",)
+    Remembered per *anchor*: the primitive and its scalars (``site``) and the
+    identity of the first argument, the state pool (a call whose pool is not
+    a Buffer is never relaunched).  A call compares each of its arguments
+    with the anchor's geometries directly, without building a key: reading a
+    torch tensor's shape, strides, dtype, device and address is most of what
+    a relaunch costs, and hashing what was read would cost as much again."""
+
+    __slots__ = ("_chains", "_count", "_demotions")
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[Any, ...], _Relaunch] = {}
+        self._chains: dict[tuple[Any, int], list[_Relaunch]] = {}
+        self._count = 0
+        self._demotions = DEMOTIONS[0]
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._count
 
     def clear(self) -> None:
-        self._entries.clear()
-
-    @staticmethod
-    def key(
-        site: tuple[Any, ...], given: tuple[Any, ...], buffer_type: type
-    ) -> tuple[tuple[Any, ...], list[int]] | None:
-        """The geometry key of a call and its tensors' addresses, or None when
-        an argument is neither None, a Buffer nor a tensor read directly."""
-        parts: list[Any] = [site]
-        addresses: list[int] = []
-        for obj in given:
-            if obj is None:
-                parts.append(None)
-            elif isinstance(obj, buffer_type):
-                parts.append(id(obj))
-            else:
-                reader = geometry_reader(type(obj))
-                if reader is None:
-                    return None
-                geometry, address = reader(obj)
-                parts.append(geometry)
-                addresses.append(address)
-        return tuple(parts), addresses
+        self._chains.clear()
+        self._count = 0
 
     def relaunched(self, dev: Device, site: tuple[Any, ...], given: tuple[Any, ...], buffer_type: type) -> bool:
         """Launch the call if its geometry was remembered and every check
         passes (True); False: nothing was done, take the ordinary path."""
-        # The key, inlined (this runs for every call with tensors, and reads every tensor).
-        parts: list[Any] = [site]
-        addresses: list[int] = []
-        bits = 0
-        readers = READERS
-        try:
-            for obj in given:
-                cls = type(obj)
-                if readers.get(cls) is torch_like:  # dlpack.torch_geometry, inlined
-                    parts.append((cls, obj.shape, obj.stride(), obj.dtype, obj.device))
-                    address = obj.data_ptr()
-                elif obj is None:
-                    parts.append(None)
-                    continue
-                elif isinstance(obj, buffer_type):
-                    parts.append(id(obj))
-                    continue
-                else:
-                    reader = geometry_reader(cls)
-                    if reader is None:
-                        return False
-                    geometry, address = reader(obj)
-                    parts.append(geometry)
-                addresses.append(address)
-                bits |= address
-            entry = self._entries.get(tuple(parts))
-        except Exception:  # a producer that cannot say where it is, an unhashable scalar: the ordinary path says
+        if self._demotions != DEMOTIONS[0]:  # a type read directly was found lying: read nothing directly
+            self.clear()
+            self._demotions = DEMOTIONS[0]
             return False
-        if entry is None or entry.caps is not dev.caps or bits & entry.align:
+        try:
+            chain = self._chains.get((site, id(given[0])))
+        except TypeError:  # an unhashable scalar: the ordinary path says what is wrong with it
+            return False
+        if chain is None:
+            return False
+        addresses: list[int] = []
+        for entry in chain:
+            for pos, expected in entry.fixed:  # the very Buffers validated, None where None was
+                if expected() is not given[pos]:
+                    break
+            else:
+                addresses = []
+                try:
+                    if entry.direct:
+                        # dlpack.torch_geometry, inlined and compared field by field: this runs
+                        # for every tensor of every call
+                        for pos, cls, shape, strides, dtype, device in entry.tensors:
+                            obj = given[pos]
+                            if (
+                                type(obj) is not cls
+                                or obj.shape != shape
+                                or obj.stride() != strides
+                                or obj.dtype is not dtype
+                                or obj.device != device
+                            ):
+                                break
+                            addresses.append(obj.data_ptr())
+                        else:
+                            break  # this entry
+                    elif _read_by_readers(entry.tensors, given, addresses):
+                        break
+                except Exception:  # a producer that cannot say where it is: the ordinary path says
+                    return False
+        else:
+            return False
+        if entry.caps is not dev.caps:
+            return False
+        bits = 0
+        for address in addresses:
+            bits |= address
+        if bits & entry.align:
             return False  # (misaligned: the ordinary path refuses it by name)
-        for pos, ref in entry.natives:
-            if ref() is not given[pos]:
-                return False
         for pos, shadow in entry.shadows:
             if given[pos].host_indices is not shadow:
                 return False
-        if entry.ranges or entry.written:
-            # Overlaps, first all at once: a tensor starting at b reaches [lo, hi) only if
-            # lo - longest < b < hi, so two bisections of the sorted addresses find whether any
-            # may (a written tensor finds itself: one is none).  Only then pair by pair.
-            starts = sorted(addresses)
-            longest = entry.longest
-            suspect = False
-            for lo, hi in entry.ranges:
-                if bisect_left(starts, hi) > bisect_right(starts, lo - longest):
-                    suspect = True
-                    break
-            else:
-                for k, k_len in entry.written:
-                    a = addresses[k]
-                    if bisect_left(starts, a + max(k_len, 1)) - bisect_right(starts, a - longest) > 1:
-                        suspect = True
-                        break
-            if suspect and not entry.apart(addresses):
+        # Overlaps, pair by pair (each pair is one subtraction and one chained comparison)
+        for k, m, lo, hi in entry.tensor_pairs:
+            if lo < addresses[k] - addresses[m] < hi:
+                return False  # the ordinary path refuses it by name
+        for k, lo, hi in entry.native_pairs:
+            if lo < addresses[k] < hi:
                 return False
         return entry.run(addresses)
 
@@ -483,23 +494,39 @@ class Relaunches:
     ) -> None:
         """Remember a call just matched by geometry (``coerced``: its arguments
         as Buffers, in the order of ``given``; ``shadows``: the index copies
-        it was validated with), if the backend can relaunch it."""
-        found = self.key(site, given, buffer_type)
-        if found is None or found[0] in self._entries:
+        it was validated with), if the backend can relaunch it.  A geometry
+        already remembered is replaced (its index shadows may be stale)."""
+        if not given or not isinstance(given[0], buffer_type):
+            return  # no state pool Buffer to anchor on
+        anchor = (site, id(given[0]))
+        try:
+            hash(anchor)
+        except TypeError:
             return
-        key = found[0]
-        natives: list[tuple[int, weakref.ref[Any]]] = []
+        signature: list[Any] = []
+        fixed: list[tuple[int, Callable[[], Any]]] = []
+        slots: list[tuple[Any, ...]] = []
+        direct = True
         tensors: list[int] = []  # positions of the tensors, in argument order
         for pos, (obj, buf) in enumerate(zip(given, coerced)):
             if obj is None:
+                fixed.append((pos, _absent))
+                signature.append(None)
                 continue
             if isinstance(obj, buffer_type):
-                if all(given[p] is not obj for p, _ in natives):  # (one check per object)
-                    natives.append((pos, weakref.ref(obj)))
-            elif buf is None or buf._geometry is None:
+                fixed.append((pos, weakref.ref(obj)))
+                signature.append(id(obj))
+                continue
+            if buf is None or buf._geometry is None:
                 return  # an index tensor or a copied one: refreshed per call, never relaunched
-            else:
-                tensors.append(pos)
+            reader = geometry_reader(type(obj))
+            if reader is None:
+                return  # exported on every call: no direct reading to compare
+            geometry, _ = reader(obj)
+            signature.append(geometry)
+            slots.append((pos, type(obj), reader, geometry))
+            direct = direct and reader is torch_geometry
+            tensors.append(pos)
         if not tensors:
             return  # nothing a relaunch would refresh (and no itemsize to take the max of)
         if len({id(coerced[p]) for p in tensors}) != len(tensors):
@@ -517,8 +544,7 @@ class Relaunches:
         order = {pos: k for k, pos in enumerate(tensors)}
         extent = {pos: ranges[pos][1] - ranges[pos][0] for pos in tensors}
         tensor_pairs: set[tuple[int, int, int, int]] = set()
-        native_pairs: list[tuple[int, int, int, int]] = []
-        written_tensors = [w for w, (_, written) in enumerate(argument_names(names)) if written and w in order]
+        native_pairs: set[tuple[int, int, int]] = set()
         for w, (_, written) in enumerate(argument_names(names)):
             if not written or coerced[w] is None:
                 continue
@@ -526,25 +552,38 @@ class Relaunches:
                 if j == w or (w not in order and j not in order):
                     continue
                 if w in order and j in order:
-                    a, b = sorted((order[w], order[j]))
-                    tensor_pairs.add((a, extent[tensors[a]], b, extent[tensors[b]]))
+                    k, m = sorted((order[w], order[j]))
+                    tensor_pairs.add((k, m, -extent[tensors[k]], extent[tensors[m]]))
                 else:
                     t, native = (w, j) if w in order else (j, w)
                     lo, hi = ranges[native]
-                    native_pairs.append((order[t], extent[t], lo, hi))
+                    native_pairs.add((order[t], lo - extent[t], hi))
         templates = {id(coerced[pos].storage): k for k, pos in enumerate(tensors)}
         run = dev._prepare_relaunch(op, call_args, templates)
         if run is None:
             return
-        if len(self._entries) >= RELAUNCH_LIMIT:
-            self._entries.clear()
-        self._entries[key] = _Relaunch(
+        if direct:  # torch_geometry's (type, shape, strides, dtype, device), by position
+            slots = [(pos, *geometry) for pos, _, _, geometry in slots]
+        entry = _Relaunch(
             dev.caps,
-            tuple(natives),
+            tuple(signature),
+            tuple(fixed),
+            tuple(slots),
+            direct,
             tuple(shadow_at),
             max(coerced[pos].dtype.itemsize for pos in tensors) - 1,
             tuple(sorted(tensor_pairs)),
-            tuple(native_pairs),
-            tuple((order[w], extent[w]) for w in written_tensors),
+            tuple(sorted(native_pairs)),
             run,
         )
+        chain = self._chains.get(anchor)
+        if chain is None:
+            if self._count >= RELAUNCH_LIMIT:
+                self.clear()
+            chain = self._chains[anchor] = []
+        else:
+            kept = [old for old in chain if old.signature != entry.signature][: GEOMETRIES_PER_POOL - 1]
+            self._count -= len(chain) - len(kept)
+            chain[:] = kept
+        chain.insert(0, entry)
+        self._count += 1

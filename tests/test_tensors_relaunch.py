@@ -299,3 +299,98 @@ def test_a_new_pool_at_a_dead_pools_id_is_validated(relaunches) -> None:  # type
     with pytest.raises(ArgumentError, match="start_rows"):
         _call(dev, "ssm_scan", {**last, "pool": small, "y": torch.zeros(hosts["y"].shape)})
     assert relaunches[0] == done
+
+
+def test_relaunching_resumes_once_rewritten_rows_are_validated(relaunches) -> None:  # type: ignore[no-untyped-def]
+    """Rows rewritten in range: the next call is validated (the remembered
+    index shadow is stale), and from the call after on the new rows are
+    relaunched, each step still equal to the Buffer call."""
+    dev = get_device("cpu")
+    pool, want_pool, last, hosts = _steps(dev, "ssm_scan", 4)
+    rows = last["start_rows"]
+    dev.write(rows, np.array([2, 3], np.int32))
+    want_rows = dev.indices([2, 3])
+    counts = []
+    for step in range(4):
+        step_hosts, _, _ = _stateful_hosts("ssm_scan", np.random.default_rng([9, step]), 2)
+        step_hosts = {n: hosts[n] if n in WEIGHTS else h for n, h in step_hosts.items()}
+        args = {**_as_tensors(dev, step_hosts, pool, rows), **{n: last[n] for n in WEIGHTS & set(last)}}
+        want = _as_buffers(dev, step_hosts, want_pool, want_rows)
+        with torch.no_grad():
+            _call(dev, "ssm_scan", args)
+        _call(dev, "ssm_scan", want)
+        np.testing.assert_array_equal(args["y"].numpy(), dev.download(want["y"]))
+        np.testing.assert_array_equal(dev.download(pool), dev.download(want_pool))
+        counts.append(relaunches[0])
+    assert counts[-1] - counts[1] == 2  # validated, matched by geometry (learned again), then relaunched
+
+
+def test_calls_with_and_without_an_option_at_one_pool_are_told_apart(relaunches) -> None:  # type: ignore[no-untyped-def]
+    """One pool, one geometry, the gate z passed or not (None) step by step:
+    both forms are remembered and relaunched, and each gives its own Buffer
+    result (a relaunch never takes None for a tensor, or a tensor for None)."""
+    dev = get_device("cpu")
+    hosts, _, _ = _stateful_hosts("ssm_scan", np.random.default_rng(5), 2)
+    rows_host = hosts["start_rows"].astype(np.int32)
+    pool, want_pool = dev.upload(hosts["pool"]), dev.upload(hosts["pool"])
+    rows, want_rows = dev.indices(rows_host), dev.indices(rows_host)
+    weights = {n: torch.nn.Parameter(torch.from_numpy(hosts[n].copy())) for n in WEIGHTS & set(hosts)}
+    keep = []
+    with torch.no_grad():
+        for step in range(10):
+            step_hosts, _, _ = _stateful_hosts("ssm_scan", np.random.default_rng([5, step]), 2)
+            gated = step % 2 == 0
+            if not gated:
+                del step_hosts["z"]
+            args = {**_as_tensors(dev, step_hosts, pool, rows), **{n: weights[n] for n in weights}}
+            want = _as_buffers(dev, {n: hosts[n] if n in WEIGHTS else h for n, h in step_hosts.items()}, want_pool,
+                               want_rows)  # fmt: skip
+            _call(dev, "ssm_scan", args)
+            _call(dev, "ssm_scan", want)
+            np.testing.assert_array_equal(args["y"].numpy(), dev.download(want["y"]), err_msg=f"step {step}")
+            np.testing.assert_array_equal(dev.download(pool), dev.download(want_pool), err_msg=f"step {step}")
+            keep.append(args)  # new addresses every step
+    assert relaunches[0] >= 6  # each form: validated, matched by geometry, then relaunched
+
+
+def test_a_type_found_lying_is_not_relaunched_any_more(relaunches, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Once any type read directly is found to disagree with its own export
+    (statecache.dlpack.confirm_fingerprint), geometries remembered from direct
+    readings are not trusted: the call takes the ordinary path."""
+    from statecache import dlpack
+
+    dev = get_device("cpu")
+    _, _, last, hosts = _steps(dev, "ssm_scan", 4)
+    done = relaunches[0]
+    assert done >= 2
+    y = torch.zeros(hosts["y"].shape)
+    monkeypatch.setitem(dlpack.READERS, torch.Tensor, dlpack.READERS[torch.Tensor])  # restored after the test
+    probe = torch.zeros(3)
+    fp = dlpack.fingerprint(probe)
+    assert fp is not None
+    lying = (fp[0], fp[1] + 4, *fp[2:])  # a direct reading 4 bytes off the export
+    assert not dlpack.confirm_fingerprint(probe, lying, dlpack.describe(probe))
+    with torch.no_grad():
+        _call(dev, "ssm_scan", {**last, "y": y})
+    assert relaunches[0] == done
+
+
+def test_another_shape_or_device_in_a_remembered_geometry_is_refused(relaunches) -> None:  # type: ignore[no-untyped-def]
+    """Strides, dtype and address alike, but x holds one sequence of the two
+    the rows name, or lives on another device (torch's meta device, with no
+    memory): refused by name, nothing written, never relaunched."""
+    dev = get_device("cpu")
+    pool, _, last, hosts = _steps(dev, "ssm_scan", 4)
+    done = relaunches[0]
+    before = dev.download(pool)
+    x = last["x"]
+    short = x[:1]
+    assert short.stride() == x.stride() and short.dtype == x.dtype and short.data_ptr() == x.data_ptr()
+    with torch.no_grad(), pytest.raises(ArgumentError, match="shape"):  # (names the first argument x disagrees with)
+        _call(dev, "ssm_scan", {**last, "x": short, "y": torch.zeros(hosts["y"].shape)})
+    meta = torch.empty(x.shape, device="meta")
+    assert meta.stride() == x.stride() and meta.dtype == x.dtype
+    with torch.no_grad(), pytest.raises(ArgumentError, match=r"^x: "):
+        _call(dev, "ssm_scan", {**last, "x": meta, "y": torch.zeros(hosts["y"].shape)})
+    np.testing.assert_array_equal(dev.download(pool), before)
+    assert relaunches[0] == done

@@ -12,10 +12,18 @@ model.  The library records the level (``sc_cpu_isa``) and checks the running
 CPU at load (``sc_cpu_isa_supported``), so a binary copied to an older CPU is
 refused with a clear reason instead of dying on an illegal instruction.
 Threads come from OpenMP (``-fopenmp``).
+
+Staleness: the library also records a digest of the kernel sources it was
+compiled from (``sc_cpu_source_digest``).  An editable install compiles once,
+at install, so after a ``git pull`` or an edit of a ``.c`` file the old
+binary would otherwise keep running while the sources say something else;
+the device compares the digest with the sources beside it at load and
+refuses a stale build by name (``load_kernels``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import re
@@ -26,6 +34,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HEADER = "statecache_cpu.h"
 SOURCES = ("rows.c", "ssm_conv.c", "ssm_scan.c", "delta_net.c", "linear_attn.c")
 MODULE = "statecache.backends.cpu._kernels"
+#: Every file whose bytes the compiled library depends on.
+KERNEL_FILES = (HEADER, "sc_internal.h", "sc_gemm.h", *SOURCES)
 
 _V3_FLAGS = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}
 _V2_FLAGS = {"sse4_1", "sse4_2", "ssse3", "popcnt"}
@@ -69,6 +79,21 @@ def compile_args(isa: str | None) -> list[str]:
     return args
 
 
+def source_digest(folder: str = HERE) -> str | None:
+    """A short sha256 over :data:`KERNEL_FILES` in ``folder`` (names and
+    bytes), or None when one of them is absent (an installation that ships
+    no sources cannot be stale against them)."""
+    h = hashlib.sha256()
+    for name in KERNEL_FILES:
+        try:
+            with open(os.path.join(folder, name), "rb") as f:
+                data = f.read()
+        except OSError:
+            return None
+        h.update(name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()[:16]
+
+
 def _rel(name: str) -> str:
     # distutils wants source paths relative to the current directory.
     return os.path.relpath(os.path.join(HERE, name))
@@ -78,9 +103,12 @@ ISA = host_isa()
 
 ffibuilder = FFI()
 ffibuilder.cdef(cdef_source())
+# Not in the public header: the digest is a fact of this build, not of the ABI.
+ffibuilder.cdef("const char *sc_cpu_source_digest(void);")
 ffibuilder.set_source(
     MODULE,
-    f'#include "{HEADER}"',
+    f'#include "{HEADER}"\n'
+    f'static const char *sc_cpu_source_digest(void) {{ return "{source_digest() or "unknown"}"; }}\n',
     sources=[_rel(name) for name in SOURCES],
     include_dirs=[_rel(".")],
     depends=[_rel(HEADER), _rel("sc_internal.h"), _rel("sc_gemm.h")],

@@ -51,9 +51,10 @@ static const float *pack_tokens(const sc_view *v, int64_t t0, int64_t h, int64_t
  * k-dot, then update and q-dot) handle the four rows together, so k, q and
  * the gate are loaded once for four rows and the four dot products are
  * independent FMA chains.  `et` is the per-key gate (KDA) or NULL for the
- * scalar gate `es`.  With `mid` (4 * S floats of scratch) the rows are updated
- * there and then copied to `out` with non-temporal stores: `out` is then a
- * pool row other than `in` in a large call (see update_rows in ssm_scan.c). */
+ * scalar gate `es`.  With `mid` (4 * S floats of scratch) the first pass
+ * writes there and the second pass leaves for `out` with non-temporal stores:
+ * `out` is then a pool row other than `in` in a large call or decode, whose
+ * source the caller fetches ahead (see update_rows in ssm_scan.c). */
 static inline __attribute__((always_inline)) void gdn_rows4_impl(const float *in, float *out, float *mid, int64_t S,
                                                                  const float *kt, const float *qt, const float *et,
                                                                  float es, const float *vt, int64_t vstride,
@@ -82,6 +83,28 @@ static inline __attribute__((always_inline)) void gdn_rows4_impl(const float *in
     const __m256 e2 = _mm256_set1_ps((vt[2 * vstride] - kd[2]) * beta);
     const __m256 e3 = _mm256_set1_ps((vt[3 * vstride] - kd[3]) * beta);
     __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+    if (stream && S % 16 == 0) {
+        /* The updated rows go straight from `mid` to `out`, a whole 64-byte
+         * line of each row per step (the same operations in the same order
+         * as the loop below): every streamed line is finished as soon as it
+         * is started, and the stores are spread among the loads instead of
+         * leaving in one burst (see update_rows in ssm_scan.c). */
+        float *w0 = out, *w1 = w0 + S, *w2 = w1 + S, *w3 = w2 + S;
+        for (int64_t i = 0; i < S; i += 16) {
+            const __m256 k = _mm256_loadu_ps(kt + i), q = _mm256_loadu_ps(qt + i);
+            const __m256 k8 = _mm256_loadu_ps(kt + i + 8), q8 = _mm256_loadu_ps(qt + i + 8);
+            o0 = sc_stream_line(w0 + i, _mm256_fmadd_ps(k, e0, _mm256_loadu_ps(r0 + i)),
+                                _mm256_fmadd_ps(k8, e0, _mm256_loadu_ps(r0 + i + 8)), q, q8, o0);
+            o1 = sc_stream_line(w1 + i, _mm256_fmadd_ps(k, e1, _mm256_loadu_ps(r1 + i)),
+                                _mm256_fmadd_ps(k8, e1, _mm256_loadu_ps(r1 + i + 8)), q, q8, o1);
+            o2 = sc_stream_line(w2 + i, _mm256_fmadd_ps(k, e2, _mm256_loadu_ps(r2 + i)),
+                                _mm256_fmadd_ps(k8, e2, _mm256_loadu_ps(r2 + i + 8)), q, q8, o2);
+            o3 = sc_stream_line(w3 + i, _mm256_fmadd_ps(k, e3, _mm256_loadu_ps(r3 + i)),
+                                _mm256_fmadd_ps(k8, e3, _mm256_loadu_ps(r3 + i + 8)), q, q8, o3);
+        }
+        _mm_storeu_ps(ot, _mm_mul_ps(_mm_set1_ps(scale), sc_hsum4x8(o0, o1, o2, o3)));
+        return;
+    }
     for (int64_t i = 0; i < S; i += 8) {
         const __m256 k = _mm256_loadu_ps(kt + i), q = _mm256_loadu_ps(qt + i);
         const __m256 m0 = _mm256_fmadd_ps(k, e0, _mm256_loadu_ps(r0 + i));
@@ -98,10 +121,10 @@ static inline __attribute__((always_inline)) void gdn_rows4_impl(const float *in
         o3 = _mm256_fmadd_ps(m3, q, o3);
     }
     _mm_storeu_ps(ot, _mm_mul_ps(_mm_set1_ps(scale), sc_hsum4x8(o0, o1, o2, o3)));
-    /* The four updated rows leave `mid` as one contiguous run of streamed
-     * stores, each line finished before the next begins: streamed 32 bytes
-     * per row in turn, four half-written lines stayed open at once and held
-     * the fill buffers the loads need (see update_rows in ssm_scan.c). */
+    /* S % 16 == 8: the four updated rows leave `mid` as one contiguous run
+     * of streamed stores, each line finished before the next begins:
+     * streamed 32 bytes per row in turn, four half-written lines stayed open
+     * at once and held the fill buffers the loads need. */
     if (stream) sc_store_state(mid, out, SC_F32, 4 * S, 1);
 }
 
@@ -124,7 +147,8 @@ typedef struct {
     int64_t kts, qts;
     const float *v; /* token rows at stride vts, elements at stride ves */
     int64_t vts, ves;
-    float *g;          /* [n_t][per] log decays (exp'd in place by the token loop) */
+    float *g;          /* [n_t][per] log decays at row stride gts (exp'd in place by the token loop) */
+    int64_t gts;       /* per, or (gates_in_view) the view's token stride */
     const float *beta; /* [n_t] */
     float *o;          /* token rows at stride ots */
     int64_t ots;
@@ -136,6 +160,11 @@ typedef struct {
     const sc_view *kv, *qv, *vv;
     int64_t t0, hk, h;
     float eps;
+    /* KDA's chunked form reads the gates in place (no raw-gate map, unit
+     * stride) from the view gv, fetching each chunk's rows with its k, q, v:
+     * a copy of the whole head's gates up front waited on every row. */
+    int gates_in_view;
+    const sc_view *gv;
 } gdn_unit;
 
 /* The token loop over one unit (see the top of the file); g holds the
@@ -172,9 +201,11 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
             if (S % 8 == 0) {
                 /* a disjoint, aligned pool row of a large call or decode (sc_stream_rows): streamed */
                 float *via = stream && out != tile && out != in && ((uintptr_t)out & 31) == 0 ? mid : NULL;
-                for (; r + 4 <= jr; r += 4)
+                for (; r + 4 <= jr; r += 4) {
+                    if (via) sc_prefetch_ahead(in + r * S, 4 * S * (int64_t)sizeof(float));
                     gdn_rows4(in + r * S, out + r * S, via, S, kt, qt, et, es_t, vt + r * u->ves, u->ves, b, u->scale,
                               ot + r);
+                }
             }
 #endif
             for (; r < jr; r++) {
@@ -235,8 +266,9 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
  * differs from the token loop by the order of the sums only.
  *
  * Each chunk's q, k and v rows are packed (and normalised) as the chunk
- * starts, while the previous chunk's products were fetching them (rows a
- * head count apart defeat the hardware prefetchers and share L1 sets).  A
+ * starts, while the previous chunk's products were fetching them, with
+ * KDA's gate rows, which it reads in place (see gates_in_view): rows a head
+ * count apart defeat the hardware prefetchers and share L1 sets.  A
  * chunk whose inputs are not all finite, and every token after it, runs the
  * token loop on the key-major state instead (see sc_all_finite).
  *
@@ -259,11 +291,15 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
 #define SC_GDN_CHUNK_MIN 16
 #endif
 #define SC_KDA_BLOCK 16
+/* Value columns per strip of a chunk's products (see gdn_chunk); a multiple of 8. */
+#ifndef SC_GDN_STRIP
+#define SC_GDN_STRIP 16
+#endif
 #define SC_KDA_SPAN 60.0f
 
 /* Scratch of one thread for the chunked form (C = SC_GDN_CHUNK). */
 typedef struct {
-    float *M;                  /* [S][S] state, key-major */
+    float *M;                  /* [S][S] state, key-major (in strips: see gdn_state_to_panels) */
     float *tmp;                /* [S][S] a state in storage layout */
     float *kc, *qc, *vc;       /* [C][S] the chunk's packed k, q, v */
     float *KT;                 /* [S][C] keys transposed (then the decayed keys of the state update) */
@@ -276,21 +312,22 @@ typedef struct {
     float *XA, *AB;            /* [2 * SC_KDA_BLOCK][S], [2 * SC_KDA_BLOCK][C] (KDA) */
     float *R;                  /* [S] exp of a sub-block's reference (KDA) */
     int keys_factored;         /* KT holds k_u exp(-G_u) for the whole chunk (KDA) */
+    int panels;                /* M is in strips (gdn_state_to_panels), else key-major rows */
     int64_t next, n_next;      /* the next chunk's tokens (prefetched meanwhile), rows fetched */
     int64_t *stops;            /* [n_cols + 1] */
 } gdn_chunk_ws;
 
 static inline int64_t round8(int64_t n) { return (n + 7) & ~(int64_t)7; }
 
-/* Fetches the next `rows` of the 3 * n_next token rows (k, q, v) of the
- * next chunk: called a few rows at a time from the current chunk's loops,
+/* Fetches the next `rows` of the 3 * n_next token rows (k, q, v; and the
+ * gates when read in place) of the next chunk: called a few rows at a time from the current chunk's loops,
  * so the misses overlap its arithmetic instead of stalling in a burst. */
 static void gdn_fetch_next(const gdn_unit *u, gdn_chunk_ws *w, int64_t len, int64_t rows) {
-    const int64_t total = 3 * len;
+    const int64_t total = (u->gates_in_view ? 4 : 3) * len;
     for (int64_t r = 0; r < rows && w->n_next < total; r++, w->n_next++) {
         const int64_t which = w->n_next / len, t = u->t0 + w->next + w->n_next % len;
-        const sc_view *v = which == 0 ? u->kv : which == 1 ? u->qv : u->vv;
-        const int64_t head = which == 2 ? u->h : u->hk;
+        const sc_view *v = which == 0 ? u->kv : which == 1 ? u->qv : which == 2 ? u->vv : u->gv;
+        const int64_t head = which >= 2 ? u->h : u->hk;
         sc_prefetch_run(v->data + t * v->strides[0] + head * v->strides[1], u->S, v->strides[2]);
     }
 }
@@ -346,7 +383,7 @@ static void gdn_chunk_pairs_kda(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, 
     const int64_t S = u->S, C = SC_GDN_CHUNK, B = SC_KDA_BLOCK;
     const float *beta = u->beta + c0;
     for (int64_t t = 0; t < L; t++) {
-        const float *gt = u->g + (c0 + t) * S, *prev = w->Gc + (t - 1) * S;
+        const float *gt = u->g + (c0 + t) * u->gts, *prev = w->Gc + (t - 1) * S;
         float *Gt = w->Gc + t * S;
         for (int64_t i = 0; i < S; i += 8) {
             const __m256 g = _mm256_loadu_ps(gt + i);
@@ -425,23 +462,54 @@ static void gdn_chunk_pairs_kda(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, 
     }
 }
 
+/* C = (mode) + A B over M x N x K (dense) in row blocks of at most six rows,
+ * as even as they come (32 rows: 6, 6, 5, 5, 5, 5), where sc_gemm's blocks
+ * of six leave a tail of two rows whose four accumulator chains cannot keep
+ * the FMA units busy.  Each element is still one chain of FMAs over k in
+ * order, so the blocking does not change a bit.  `fetch` token rows of the
+ * next chunk (`next_len` tokens) are fetched after each block (see gdn_chunk). */
+static void gdn_gemm_blocks(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const float *B, int64_t ldb,
+                            float *Cm, int64_t ldc, int mode, float c_scale, const float *c_rows, const gdn_unit *u,
+                            gdn_chunk_ws *w, int64_t next_len, int64_t fetch) {
+    const int64_t nb = (M + 5) / 6, base = M / nb, extra = M % nb; /* the first `extra` blocks take one more */
+    for (int64_t b = 0, i0 = 0; b < nb; b++) {
+        const int64_t rows = base + (b < extra);
+        sc_gemm(rows, N, K, A + i0 * lda, lda, B, ldb, Cm + i0 * ldc, ldc, mode, c_scale, c_rows ? c_rows + i0 : NULL,
+                SC_GEMM_DENSE, 0);
+        i0 += rows;
+        if (fetch) gdn_fetch_next(u, w, next_len, fetch);
+    }
+}
+
 /* One chunk [c0, c0 + L) of a unit, its k, q, v packed in w->kc, qc, vc: M
  * advances over it and o is written; `next_len` rows of the next chunk are
  * fetched meanwhile. */
 static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L, int64_t next_len) {
     const int64_t S = u->S, C = SC_GDN_CHUNK, Lp = round8(L);
     const int kda = u->per > 1;
-    const int64_t fetch = next_len ? (3 * next_len + L - 1) / L : 0; /* rows per step of the T loop */
     if (kda)
         gdn_chunk_pairs_kda(u, w, c0, L);
     else
         gdn_chunk_pairs_scalar(u, w, c0, L);
     /* T = (I + Akk)^-1 by forward substitution: T_t = e_t - sum_{v<t} Akk[t][v] T_v. */
     for (int64_t t = 0; t < L; t++) {
-        gdn_fetch_next(u, w, next_len, fetch);
         float *Tt = w->T + t * C;
         for (int64_t v = 0; v < Lp; v++) Tt[v] = v == t ? 1.0f : 0.0f;
         const float *ak = w->Akk + t * C;
+        if (Lp <= 16) {
+            /* The row in two registers: through memory, every step would
+             * wait on the store of the one before. */
+            __m256 r0 = _mm256_loadu_ps(Tt), r1 = Lp > 8 ? _mm256_loadu_ps(Tt + 8) : _mm256_setzero_ps();
+            for (int64_t v = 0; v < t; v++) {
+                const __m256 a = _mm256_set1_ps(-ak[v]);
+                const float *Tv = w->T + v * C;
+                r0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(Tv), r0);
+                if (v >= 8) r1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(Tv + 8), r1);
+            }
+            _mm256_storeu_ps(Tt, r0);
+            if (Lp > 8) _mm256_storeu_ps(Tt + 8, r1);
+            continue;
+        }
         for (int64_t v = 0; v < t; v++) {
             const __m256 a = _mm256_set1_ps(-ak[v]);
             const float *Tv = w->T + v * C;
@@ -481,31 +549,10 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
         sc_gemm(L, S, L, w->T, C, w->Kb, S, w->X, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
     else
         sc_gemm(L, S, L, w->T2, C, w->kc, S, w->X, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_A_LOWER, 0);
-    /* [W; gam q] M0 in one product. */
-    sc_gemm(2 * L, S, S, w->X, S, w->M, S, w->Y, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
-    for (int64_t t = 0; t < L; t++) {
-        float *d = w->U + t * S;
-        const float *wm = w->Y + t * S;
-        for (int64_t j = 0; j < S; j += 8)
-            _mm256_storeu_ps(d + j, _mm256_sub_ps(_mm256_loadu_ps(d + j), _mm256_loadu_ps(wm + j)));
-    }
-    /* o = scale (gam q M0 + Aqk delta). */
-    float *oq = w->Y + L * S;
-    sc_gemm(L, S, L, w->Aqk, C, w->U, S, oq, S, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 0);
-    const __m256 sc = _mm256_set1_ps(u->scale);
-    for (int64_t t = 0; t < L; t++) {
-        float *ot = u->o + (c0 + t) * u->ots;
-        const float *r = oq + t * S;
-        /* Outputs of a large call go out with non-temporal stores: o rows are
-         * out of cache, and a normal store would first read each line. */
-        if (u->stream && ((uintptr_t)ot & 31) == 0)
-            for (int64_t j = 0; j < S; j += 8) _mm256_stream_ps(ot + j, _mm256_mul_ps(sc, _mm256_loadu_ps(r + j)));
-        else
-            for (int64_t j = 0; j < S; j += 8) _mm256_storeu_ps(ot + j, _mm256_mul_ps(sc, _mm256_loadu_ps(r + j)));
-    }
-    /* M = gam_L M0 + (Gam[L][u] k_u)^T delta. */
+    /* The keys of the state update, into KT: Gam[L][u] k_u (per key for KDA). */
+    float *El = NULL;
     if (kda) {
-        const float *El = w->E + (L - 1) * S;
+        El = w->E + (L - 1) * S;
         if (w->keys_factored) {
             /* KT holds k_u exp(-G_u): times exp(G_last), row by row. */
             for (int64_t i = 0; i < S; i++) {
@@ -517,7 +564,6 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
             kda_decayed_key_rows(u, w, w->Gc + (L - 1) * S, L);
             kda_keys_to_columns(w, S, L, L);
         }
-        sc_gemm(S, S, L, w->KT, C, w->U, S, w->M, S, SC_GEMM_ROWS, 0.0f, El, SC_GEMM_DENSE, 0);
     } else {
         const float *Gl = w->Gam + (L - 1) * C;
         for (int64_t v = 0; v < L; v++) {
@@ -527,9 +573,75 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
             for (int64_t i = 0; i < S; i += 8) _mm256_storeu_ps(d + i, _mm256_mul_ps(_mm256_loadu_ps(kv + i), gv));
         }
         sc_transpose(w->Vb, S, w->KT, C, L, S);
-        sc_gemm(S, S, L, w->KT, C, w->U, S, w->M, S, SC_GEMM_SCALE, w->gam[L - 1], NULL, SC_GEMM_DENSE, 0);
     }
-    gdn_fetch_next(u, w, next_len, 3 * next_len); /* whatever the T loop left */
+    /* The rest is separate per value column j of M, so it runs a strip of
+     * SC_GDN_STRIP columns at a time ([W; gam q] M0, delta, o, then the
+     * strip's update): the strip of M, a contiguous 8 KiB panel at S = 128
+     * (see gdn_state_to_panels), stays in L1 from its first row block to
+     * its update, where whole-matrix products read all 64 KiB of M from L2
+     * for every row block.  The next chunk's token rows are fetched a row at
+     * a time after the row blocks of both products, so that their misses
+     * overlap the arithmetic instead of arriving as one burst of lines. */
+    float *oq = w->Y + L * S;
+    const int64_t n_points = (S + SC_GDN_STRIP - 1) / SC_GDN_STRIP * ((2 * L + 5) / 6 + (S + 5) / 6);
+    const int64_t fetch = ((u->gates_in_view ? 4 : 3) * next_len + n_points - 1) / n_points;
+    for (int64_t j = 0; j < S; j += SC_GDN_STRIP) {
+        const int64_t n = S - j < SC_GDN_STRIP ? S - j : SC_GDN_STRIP;
+        /* [W; gam q] M0. */
+        gdn_gemm_blocks(2 * L, n, S, w->X, S, w->M + j * S, n, w->Y + j, S, SC_GEMM_SET, 0.0f, NULL, u, w, next_len, fetch);
+        /* delta = U - W M0. */
+        for (int64_t t = 0; t < L; t++) {
+            float *d = w->U + t * S + j;
+            const float *wm = w->Y + t * S + j;
+            for (int64_t x = 0; x < n; x += 8)
+                _mm256_storeu_ps(d + x, _mm256_sub_ps(_mm256_loadu_ps(d + x), _mm256_loadu_ps(wm + x)));
+        }
+        /* o = scale (gam q M0 + Aqk delta) (scaled as it is stored). */
+        sc_gemm(L, n, L, w->Aqk, C, w->U + j, S, oq + j, S, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 0);
+        /* M = gam_L M0 + (Gam[L][u] k_u)^T delta. */
+        if (kda)
+            gdn_gemm_blocks(S, n, L, w->KT, C, w->U + j, S, w->M + j * S, n, SC_GEMM_ROWS, 0.0f, El, u, w, next_len,
+                            fetch);
+        else
+            gdn_gemm_blocks(S, n, L, w->KT, C, w->U + j, S, w->M + j * S, n, SC_GEMM_SCALE, w->gam[L - 1], NULL, u, w,
+                            next_len, fetch);
+    }
+    const __m256 sc = _mm256_set1_ps(u->scale);
+    for (int64_t t = 0; t < L; t++) {
+        float *ot = u->o + (c0 + t) * u->ots;
+        const float *r = oq + t * S;
+        /* Outputs of a large call go out with non-temporal stores: o rows are
+         * out of cache, and a normal store would first read each line. */
+        if (u->stream && ((uintptr_t)ot & 31) == 0)
+            for (int64_t j = 0; j < S; j += 8) _mm256_stream_ps(ot + j, _mm256_mul_ps(sc, _mm256_loadu_ps(r + j)));
+        else
+            for (int64_t j = 0; j < S; j += 8) _mm256_storeu_ps(ot + j, _mm256_mul_ps(sc, _mm256_loadu_ps(r + j)));
+    }
+    gdn_fetch_next(u, w, next_len, 4 * next_len); /* whatever the strips left */
+}
+
+/* Rows t0 .. t0 + L of head `head` of v into dst [L][S] (normalised when
+ * eps >= 0); 1 when they are all finite.  Unnormalised rows with unit stride
+ * (S % 8 == 0) are copied and checked in one pass. */
+static int gdn_pack_rows(const sc_view *v, int64_t t0, int64_t head, int64_t L, int64_t S, float eps, float *dst) {
+    if (eps >= 0.0f || v->strides[2] != 1) {
+        int64_t ts;
+        pack_tokens(v, t0, head, L, S, eps, 1, dst, &ts);
+        return sc_all_finite(dst, 1, 0, L * S, 1);
+    }
+    const float *base = v->data + t0 * v->strides[0] + head * v->strides[1];
+    __m256 bad = _mm256_setzero_ps();
+    for (int64_t t = 0; t < L; t++) {
+        const float *src = base + t * v->strides[0];
+        float *row = dst + t * S;
+        for (int64_t i = 0; i < S; i += 8) {
+            const __m256 x = _mm256_loadu_ps(src + i);
+            _mm256_storeu_ps(row + i, x);
+            /* x - x is 0 exactly when x is finite (as in sc_all_finite). */
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+        }
+    }
+    return !_mm256_movemask_ps(bad);
 }
 
 /* Packs tokens [c0, c0 + L) of k, q (normalised when asked) and v into
@@ -537,26 +649,43 @@ static void gdn_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L,
  * finite. */
 static int gdn_pack_chunk(const gdn_unit *u, gdn_chunk_ws *w, int64_t c0, int64_t L) {
     const int64_t S = u->S;
-    int64_t ts;
-    pack_tokens(u->kv, u->t0 + c0, u->hk, L, S, u->eps, 1, w->kc, &ts);
-    pack_tokens(u->qv, u->t0 + c0, u->hk, L, S, u->eps, 1, w->qc, &ts);
-    pack_tokens(u->vv, u->t0 + c0, u->h, L, S, -1.0f, 1, w->vc, &ts);
-    return sc_all_finite(w->kc, 1, 0, L * S, 1) && sc_all_finite(w->qc, 1, 0, L * S, 1) &&
-           sc_all_finite(w->vc, 1, 0, L * S, 1) && sc_all_finite(u->g + c0 * u->per, 1, 0, L * u->per, 1) &&
-           sc_all_finite(u->beta + c0, 1, 0, L, 1);
+    return gdn_pack_rows(u->kv, u->t0 + c0, u->hk, L, S, u->eps, w->kc) &&
+           gdn_pack_rows(u->qv, u->t0 + c0, u->hk, L, S, u->eps, w->qc) &&
+           gdn_pack_rows(u->vv, u->t0 + c0, u->h, L, S, -1.0f, w->vc) &&
+           sc_all_finite(u->g + c0 * u->gts, L, u->gts, u->per, 1) && sc_all_finite(u->beta + c0, 1, 0, L, 1);
 }
 
-/* State M (key-major) into pool row r at head_off, in storage layout. */
+/* The chunked form keeps M key-major in strips of SC_GDN_STRIP value
+ * columns, each strip a contiguous [S][n] panel at M + j S: the strip
+ * products then read and update 8 KiB of consecutive lines (at S = 128)
+ * instead of S lines a row apart, which fall into a few L1 sets.  These
+ * convert from and to the storage layout [j][i]. */
+static void gdn_state_to_panels(const float *src, float *M, int64_t S) {
+    for (int64_t j = 0; j < S; j += SC_GDN_STRIP) {
+        const int64_t n = S - j < SC_GDN_STRIP ? S - j : SC_GDN_STRIP;
+        sc_transpose(src + j * S, S, M + j * S, n, n, S);
+    }
+}
+
+static void gdn_panels_to_state(const float *M, float *dst, int64_t S) {
+    for (int64_t j = 0; j < S; j += SC_GDN_STRIP) {
+        const int64_t n = S - j < SC_GDN_STRIP ? S - j : SC_GDN_STRIP;
+        sc_transpose(M + j * S, n, dst + j * S, S, S, n);
+    }
+}
+
+/* State M (panels, or key-major after a fall back to the token loop) into
+ * pool row r at head_off, in storage layout. */
 static void gdn_store_state(const sc_state *st, int64_t r, int64_t head_off, const gdn_unit *u, gdn_chunk_ws *w) {
     const int64_t S = u->S;
     const sc_dtype pdt = (sc_dtype)st->pool_dtype;
     char *dst = sc_pool_at(st, r, head_off);
-    if (pdt == SC_F32 && !u->stream) {
-        sc_transpose(w->M, S, (float *)dst, S, S, S);
-    } else {
-        sc_transpose(w->M, S, w->tmp, S, S, S);
-        sc_store_state(w->tmp, dst, pdt, S * S, u->stream);
-    }
+    float *out = pdt == SC_F32 && !u->stream ? (float *)dst : w->tmp;
+    if (w->panels)
+        gdn_panels_to_state(w->M, out, S);
+    else
+        sc_transpose(w->M, S, out, S, S, S);
+    if (out == w->tmp) sc_store_state(w->tmp, dst, pdt, S * S, u->stream);
 }
 
 /* The token loop on the key-major state M over tokens [t, n_t), with the
@@ -566,12 +695,17 @@ static void gdn_tokens_keymajor(const sc_state *st, int64_t s, int64_t head_off,
                                 int64_t t, const int64_t *stops, int64_t i, int64_t n_stops) {
     const int64_t S = u->S, n_t = u->n_t;
     float *kd = w->Y, *o = w->Y + S;
+    if (w->panels) { /* key-major rows for the token loop */
+        gdn_panels_to_state(w->M, w->tmp, S);
+        sc_transpose(w->tmp, S, w->M, S, S, S);
+        w->panels = 0;
+    }
     for (; t < n_t; t++) {
         int64_t ts;
         pack_tokens(u->kv, u->t0 + t, u->hk, 1, S, u->eps, 1, w->kc, &ts);
         pack_tokens(u->qv, u->t0 + t, u->hk, 1, S, u->eps, 1, w->qc, &ts);
         pack_tokens(u->vv, u->t0 + t, u->h, 1, S, -1.0f, 1, w->vc, &ts);
-        const float *g = u->g + t * u->per;
+        const float *g = u->g + t * u->gts;
         /* M = decay M; kd = M^T k. */
         for (int64_t j = 0; j < S; j++) kd[j] = 0.0f;
         for (int64_t r = 0; r < S; r++) {
@@ -620,7 +754,8 @@ static int gdn_chunked_unit(const sc_state *st, int64_t s, int64_t head_off, con
         src = w->tmp;
     }
     if (!sc_all_finite(src, 1, 0, S * S, 1)) return 0;
-    sc_transpose(src, S, w->M, S, S, S);
+    gdn_state_to_panels(src, w->M, S);
+    w->panels = 1;
     sc_copy_input_state(st, s, n_t, head_off, pdt == SC_F32 ? NULL : w->tmp, S * S);
     int64_t pos = 0;
     for (int64_t i = 0; i < n_stops; i++) {
@@ -684,6 +819,18 @@ static void gdn_chunk_ws_free(gdn_chunk_ws *w) {
 }
 #endif
 
+/* A head's gates (rows at token stride ts, elements at stride gi) into
+ * buf [n_t][per]. */
+static void gdn_gather_gates(const float *gs, int64_t ts, int64_t gi, int64_t per, int64_t n_t, float *buf) {
+    for (int64_t t = 0; t < n_t; t++) {
+        if (per > 1 && t + SC_PREFETCH_ROWS < n_t) sc_prefetch_run(gs + (t + SC_PREFETCH_ROWS) * ts, per, gi);
+        if (gi == 1)
+            memcpy(buf + t * per, gs + t * ts, sizeof(float) * (size_t)per);
+        else
+            for (int64_t i = 0; i < per; i++) buf[t * per + i] = gs[t * ts + i * gi];
+    }
+}
+
 static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, const sc_view *v, const sc_view *g,
                       int kda, const sc_view *beta, float *o, const sc_delta_options *opt, int64_t n_head_k,
                       int64_t n_head_v, int64_t head_size, int n_threads) {
@@ -724,8 +871,8 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
             const int64_t hk = opt->grouped ? h / (Hv / n_head_k) : h % n_head_k;
             const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
             gdn_unit u = {S,      n_t,  per, NULL, NULL, 0, 0, v->data + t0 * v->strides[0] + h * v->strides[1],
-                          v->strides[0], v->strides[2], gbuf, bt, o + (t0 * Hv + h) * S, Hv * S, opt->scale,
-                          stream, k, q, v, t0, hk, h, eps};
+                          v->strides[0], v->strides[2], gbuf, per, bt, o + (t0 * Hv + h) * S, Hv * S, opt->scale,
+                          stream, k, q, v, t0, hk, h, eps, 0, g};
             int64_t longest = 0, n_stops = 0;
 #ifdef SC_HAVE_AVX2
             if (may_chunk && n_t >= SC_GDN_CHUNK_MIN) n_stops = sc_state_stops(st, s, n_t, w.stops, &longest);
@@ -733,12 +880,12 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
             const int chunked = longest >= SC_GDN_CHUNK_MIN; /* which packs its own chunks */
             const float *gs = g->data + t0 * g->strides[0] + h * g->strides[1];
             const int64_t gi = kda ? g->strides[2] : 0;
-            for (int64_t t = 0; t < n_t; t++) {
-                if (kda && t + SC_PREFETCH_ROWS < n_t) sc_prefetch_run(gs + (t + SC_PREFETCH_ROWS) * g->strides[0], S, gi);
-                if (gi == 1)
-                    memcpy(gbuf + t * per, gs + t * g->strides[0], sizeof(float) * (size_t)per);
-                else
-                    for (int64_t i = 0; i < per; i++) gbuf[t * per + i] = gs[t * g->strides[0] + i * gi];
+            u.gates_in_view = chunked && kda && gi == 1 && !opt->A_log;
+            if (u.gates_in_view) {
+                u.g = (float *)gs; /* read only: the chunked form does not write its gates */
+                u.gts = g->strides[0];
+            } else {
+                gdn_gather_gates(gs, g->strides[0], gi, per, n_t, gbuf);
             }
             if (opt->A_log) {
                 /* The raw gate: log-decay = -exp(A_log) * softplus(a + dt_bias). */
@@ -758,6 +905,12 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
             const int64_t head_off = h * S * S;
 #ifdef SC_HAVE_AVX2
             if (chunked && gdn_chunked_unit(st, s, head_off, &u, &w, w.stops, n_stops)) continue;
+            if (u.gates_in_view) { /* the chunked form gave up before its first chunk: the token loop's copy */
+                gdn_gather_gates(gs, g->strides[0], gi, per, n_t, gbuf);
+                u.g = gbuf;
+                u.gts = per;
+                u.gates_in_view = 0;
+            }
 #else
             (void)n_stops;
             (void)chunked;

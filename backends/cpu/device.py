@@ -49,10 +49,31 @@ def load_kernels() -> tuple[Any, Any, str]:
     found = int(lib.sc_cpu_abi_version())
     if found != ABI_VERSION or int(lib.SC_CPU_ABI_VERSION) != ABI_VERSION:
         return None, None, f"C kernel ABI version {found} does not match the Python side's {ABI_VERSION}; rebuild"
+    stale = _stale_build_reason(_kernels.ffi, lib)
+    if stale:
+        return None, None, stale
     if not lib.sc_cpu_isa_supported():
         isa = _kernels.ffi.string(lib.sc_cpu_isa()).decode()
         return None, None, f"the C kernels were compiled for {isa}, which this CPU does not support; rebuild here"
     return _kernels.ffi, lib, ""
+
+
+def _stale_build_reason(ffi: Any, lib: Any) -> str:
+    """Why the loaded library no longer matches the kernel sources installed
+    beside it, or "".  A library built without a digest (a hand-made build,
+    e.g. tools/kernel_coverage.py) and an installation without sources pass."""
+    from statecache.backends.cpu import build
+
+    recorder = getattr(lib, "sc_cpu_source_digest", None)
+    if recorder is None:
+        return ""
+    built, now = ffi.string(recorder()).decode(), build.source_digest()
+    if now is None or built == now:
+        return ""
+    return (
+        f"the C kernels were built from other sources (digest {built}) than the ones in {build.HERE} ({now}); "
+        "rebuild them: pip install -e . (or python setup.py build_ext --inplace)"
+    )
 
 
 # -- DLPack -------------------------------------------------------------------

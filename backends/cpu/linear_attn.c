@@ -332,6 +332,16 @@ typedef struct {
     int64_t H, S;
 } la_call;
 
+/* RWKV-6's bonus of one token, sum_i (r[i] * mul) u[i] k[i]: one compiled
+ * copy (never inlined), so packed rows (mul 1, the scale applied) and rows
+ * read in place (mul = the scale) give the same bits. */
+static __attribute__((noinline)) float la_bonus(const float *r, const float *u, const float *k, float mul, int64_t S) {
+    float b = 0.0f;
+#pragma omp simd reduction(+ : b)
+    for (int64_t i = 0; i < S; i++) b += r[i] * mul * u[i] * k[i];
+    return b;
+}
+
 /* Pack tokens [c0, c0 + nc) of sequence s for heads [ha, ha + G): input m of
  * head hh, token t at buf + ((m * G + hh) * SC_LA_CHUNK + t) * S; with u (RWKV-6)
  * the bonus sum_i r[i] u[i] k[i] of (hh, t) at bonus[hh * SC_LA_CHUNK + t]. */
@@ -353,10 +363,7 @@ static void pack_chunk(const la_call *c, int64_t s, int64_t c0, int64_t nc, int6
         const float *uh = c->u + (ha + hh) * S;
         for (int64_t t = 0; t < nc; t++) {
             const float *rt = buf + ((0 * G + hh) * SC_LA_CHUNK + t) * S, *kt = buf + ((1 * G + hh) * SC_LA_CHUNK + t) * S;
-            float b = 0.0f;
-#pragma omp simd reduction(+ : b)
-            for (int64_t i = 0; i < S; i++) b += rt[i] * uh[i] * kt[i];
-            bonus[hh * SC_LA_CHUNK + t] = b;
+            bonus[hh * SC_LA_CHUNK + t] = la_bonus(rt, uh, kt, 1.0f, S);
         }
     }
 }
@@ -491,8 +498,27 @@ static void prefill_group(const la_call *c, int64_t s, int64_t ha, int64_t G, fl
  * so the bits do not depend on the thread count or on the other sequences. */
 #define SC_LA_SPAN 60.0f
 #define SC_LA_CHUNK_MIN 8
-#define SC_LA_BLOCK 16 /* tokens per chunk of the chunked form, <= SC_LA_CHUNK */
+#define SC_LA_BLOCK 16 /* tokens per chunk of the chunked form, <= SC_LA_CHUNK (24 and 32 measured slower) */
 #define SC_LA_CHUNK_PAD ((SC_LA_CHUNK + 7) & ~7)
+
+/* The next head's token rows (the inputs read in place): fetched a few rows
+ * at a time while this head computes, so the misses overlap its products
+ * instead of stalling in a burst (rows a token apart are in other pages,
+ * where no hardware prefetcher goes). */
+typedef struct {
+    const float *next[6];
+    int64_t next_ls[6], n_in, next_rows, fetched;
+} la_fetch;
+
+/* Fetches the next `rows` of the next head's n_in * next_rows token rows of S floats. */
+static void la_fetch_next(la_fetch *f, int64_t S, int64_t rows) {
+    for (int64_t r = 0; r < rows && f->fetched < f->n_in * f->next_rows; r++, f->fetched++) {
+        const int64_t m = f->fetched / f->next_rows, t = f->fetched % f->next_rows;
+        /* into L2: L1 holds this head's state and products */
+        const char *row = (const char *)(f->next[m] + t * f->next_ls[m]);
+        for (int64_t b = 0; b < S * (int64_t)sizeof(float); b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+    }
+}
 
 typedef struct {
     float *EG, *Qd, *Kf; /* [SC_LA_CHUNK][S]: exp G_t, decayed queries, keys times exp(-G_u) */
@@ -501,6 +527,7 @@ typedef struct {
     float *Eend;         /* [S] exp G_end */
     int64_t *stops;      /* [n_cols + 1] */
     int *token_loop;     /* [group]: the head went to the token loop for good */
+    la_fetch fetch;
 } la_chunk_ws;
 
 /* G[t] = g[0] + ... + g[t] per key for the L token rows of log decays g
@@ -527,23 +554,29 @@ static int la_log_decay_sums(const float *g, int64_t lg, int64_t L, int64_t S, f
 
 /* One chunk of L tokens (SC_LA_CHUNK_MIN <= L <= SC_LA_CHUNK) of one head in
  * the chunked form, or 0 (nothing written) when its decays span too much.
- * Q, K, V, g: [L][S] (q or r scaled, g the log decays); bonus: RWKV-6's
- * diagonal or NULL (GLA); M: the key-major state [S][S]; outputs at o, rows
- * ldo apart. */
-static int la_chunk(const float *Q, const float *K, const float *V, const float *g, const float *bonus, int64_t L,
-                    int64_t S, float *M, float *o, int64_t ldo, la_chunk_ws *w) {
-    const int64_t Lp = (L + 7) & ~(int64_t)7;
+ * in[0..3]: the token rows of q or r, k, v and the log decays g, rows ls[m]
+ * apart (packed, or read in place); q / r is multiplied by `qscale` here;
+ * bonus: RWKV-6's diagonal or NULL (GLA); M: the key-major state [S][S];
+ * outputs at o, rows ldo apart. */
+static int la_chunk(const float *const *in, const int64_t *ls, float qscale, const float *bonus, int64_t L, int64_t S,
+                    float *M, float *o, int64_t ldo, la_chunk_ws *w) {
+    const int64_t Lp = (L + 7) & ~(int64_t)7, ldv = ls[2];
+    const float *V = in[2];
     const int gla = bonus == NULL;
-    if (!la_log_decay_sums(g, S, L, S, w->EG, w->Eend)) return 0;
-    for (int64_t t = 0; t < L; t++)
+    const __m256 qs = _mm256_set1_ps(qscale);
+    if (!la_log_decay_sums(in[3], ls[3], L, S, w->EG, w->Eend)) return 0;
+    for (int64_t t = 0; t < L; t++) {
+        const float *Q = in[0] + t * ls[0], *K = in[1] + t * ls[1];
+        la_fetch_next(&w->fetch, S, 2);
         for (int64_t i = 0; i < S; i += 8) {
             const __m256 e = sc_exp8(_mm256_loadu_ps(w->EG + t * S + i));
             _mm256_storeu_ps(w->EG + t * S + i, e);
-            _mm256_storeu_ps(w->Kf + t * S + i, _mm256_div_ps(_mm256_loadu_ps(K + t * S + i), e));
+            _mm256_storeu_ps(w->Kf + t * S + i, _mm256_div_ps(_mm256_loadu_ps(K + i), e));
             /* RWKV-6's query decays lag a token: exp G_{t-1}, 1 for the first */
             const __m256 eq = gla ? e : t ? _mm256_loadu_ps(w->EG + (t - 1) * S + i) : _mm256_set1_ps(1.0f);
-            _mm256_storeu_ps(w->Qd + t * S + i, _mm256_mul_ps(_mm256_loadu_ps(Q + t * S + i), eq));
+            _mm256_storeu_ps(w->Qd + t * S + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(Q + i), qs), eq));
         }
+    }
     /* inter-chunk: O = Qd M0 */
     sc_gemm(L, S, S, w->Qd, S, M, S, o, ldo, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
     /* intra-chunk: A = Qd Kf^T, masked causally (RWKV-6: the bonus on the diagonal), O += A V */
@@ -555,13 +588,15 @@ static int la_chunk(const float *Q, const float *K, const float *V, const float 
         for (int64_t u = gla ? t + 1 : t; u < Lp; u++) w->A[t * Lp + u] = 0.0f;
         if (!gla) w->A[t * Lp + t] = bonus[t];
     }
-    sc_gemm(L, S, L, w->A, Lp, V, S, o, ldo, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 1);
+    sc_gemm(L, S, L, w->A, Lp, V, ldv, o, ldo, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 1);
+    la_fetch_next(&w->fetch, S, L);
     /* state: M = diag(exp G_end) M0 + Kd^T V */
     for (int64_t i = 0; i < S; i++) {
         const float e = w->Eend[i];
         for (int64_t u = 0; u < L; u++) w->KT[i * Lp + u] *= e;
     }
-    sc_gemm(S, S, L, w->KT, Lp, V, S, M, S, SC_GEMM_ROWS, 0.0f, w->Eend, SC_GEMM_DENSE, 0);
+    sc_gemm(S, S, L, w->KT, Lp, V, ldv, M, S, SC_GEMM_ROWS, 0.0f, w->Eend, SC_GEMM_DENSE, 0);
+    la_fetch_next(&w->fetch, S, 4 * L); /* whatever is left */
     return 1;
 }
 
@@ -622,22 +657,8 @@ typedef struct {
     float *Y;    /* [2 SC_WKV7_BLOCK][S]: [at; rt] M0 */
     float *Eend; /* [S] exp G_end */
     float *tmp;  /* [S][S] a state in storage (value-major) layout */
-    /* The next head's token rows (the inputs read in place): fetched a few
-     * rows at a time while this head computes, so the misses overlap its
-     * products instead of stalling in a burst. */
-    const float *next[6];
-    int64_t next_ls[6], next_rows, fetched;
+    la_fetch fetch;
 } wkv7_chunk_ws;
-
-/* Fetches the next `rows` of the next head's 6 * next_rows token rows of S floats. */
-static void wkv7_fetch_next(wkv7_chunk_ws *w, int64_t S, int64_t rows) {
-    for (int64_t r = 0; r < rows && w->fetched < 6 * w->next_rows; r++, w->fetched++) {
-        const int64_t m = w->fetched / w->next_rows, t = w->fetched % w->next_rows;
-        /* into L2: L1 holds this head's state and products */
-        const char *row = (const char *)(w->next[m] + t * w->next_ls[m]);
-        for (int64_t b = 0; b < S * (int64_t)sizeof(float); b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
-    }
-}
 
 /* One chunk of L <= SC_WKV7_BLOCK tokens of one head in the chunked form, or 0
  * (nothing written) when its decays span too much.  in[0..5]: the token rows
@@ -650,7 +671,7 @@ static int wkv7_chunk(const float *const *in, const int64_t *ls, float scale, in
     if (!la_log_decay_sums(in[1], ls[1], L, S, w->G, w->Eend)) return 0;
     for (int64_t t = 0; t < L; t++) {
         const float *R = in[0] + t * ls[0], *K = in[2] + t * ls[2], *Av = in[4] + t * ls[4], *B = in[5] + t * ls[5];
-        wkv7_fetch_next(w, S, 3);
+        la_fetch_next(&w->fetch, S, 3);
         for (int64_t i = 0; i < S; i += 8) {
             /* 1 / e by a refined reciprocal (e lies in [e^-60, e^60]): a
              * divide would hold its port for several cycles per vector */
@@ -680,13 +701,13 @@ static int wkv7_chunk(const float *const *in, const int64_t *ls, float scale, in
         for (int64_t u = t; u < Lp; u++) ra[u] = ra[Lp + u] = 0.0f;
         for (int64_t u = t + 1; u < Lp; u++) rr[u] = rr[Lp + u] = 0.0f;
     }
-    wkv7_fetch_next(w, S, 12);
+    la_fetch_next(&w->fetch, S, 12);
     /* [at; rt] M0 in one product (2L rows fill the kernel's row blocks of 6
      * better than two of L), then at M0 into the SA rows, rt M0 into the outputs. */
     sc_gemm(2 * L, S, S, w->P, S, M, S, w->Y, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
     memcpy(w->VS, w->Y, sizeof(float) * (size_t)(L * S));
     for (int64_t t = 0; t < L; t++) memcpy(o + t * ldo, w->Y + (L + t) * S, sizeof(float) * (size_t)S);
-    wkv7_fetch_next(w, S, 12);
+    la_fetch_next(&w->fetch, S, 12);
     /* SA = at M0 + Aak V, then (I - Aab) SA = that, row by row. */
     sc_gemm(L, S, L, w->A + Lp, ld, w->VS + Lp * S, S, w->VS, S, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 0);
     for (int64_t t = 1; t < L; t++) {
@@ -709,10 +730,10 @@ static int wkv7_chunk(const float *const *in, const int64_t *ls, float scale, in
             _mm256_storeu_ps(sat + j, x0);
         }
     }
-    wkv7_fetch_next(w, S, 12);
+    la_fetch_next(&w->fetch, S, 12);
     /* o += [Arb Ark] [SA; V]. */
     sc_gemm(L, S, 2 * Lp, w->A + L * ld, ld, w->VS, S, o, ldo, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_DENSE, 0);
-    wkv7_fetch_next(w, S, 12);
+    la_fetch_next(&w->fetch, S, 12);
     /* M = diag(exp G_end) M0 + ([bh kh] exp G_end) [SA; V]. */
     for (int64_t i = 0; i < S; i++) {
         float *row = w->QT + i * ld;
@@ -720,7 +741,7 @@ static int wkv7_chunk(const float *const *in, const int64_t *ls, float scale, in
         for (int64_t u = 0; u < 2 * Lp; u += 8) _mm256_storeu_ps(row + u, _mm256_mul_ps(e, _mm256_loadu_ps(row + u)));
     }
     sc_gemm(S, S, 2 * Lp, w->QT, ld, w->VS, S, M, S, SC_GEMM_ROWS, 0.0f, w->Eend, SC_GEMM_DENSE, 0);
-    wkv7_fetch_next(w, S, 6 * L); /* whatever is left */
+    la_fetch_next(&w->fetch, S, 6 * L); /* whatever is left */
     return 1;
 }
 
@@ -800,9 +821,12 @@ static void prefill_group_chunked(const la_call *c, int64_t s, int64_t ha, int64
         w->token_loop[hh] = !sc_all_finite(tiles + hh * S * S, 1, 0, S * S, 1);
     }
     const int gla = c->kind == LA_GLA, wkv7 = c->kind == LA_RWKV7;
-    /* RWKV-7 reads its token rows in place when their elements are adjacent
-     * (its chunk scales every input on the way into the products anyway). */
-    int direct = wkv7;
+    la_fetch *fetch = wkv7 ? &w7->fetch : &w->fetch;
+    /* The token rows are read in place when their elements are adjacent (the
+     * chunks scale r / q on the way into their products anyway): packing
+     * them was a quarter of RWKV-6's prefill.  Only a chunk that runs the
+     * token loop packs its head's rows. */
+    int direct = 1;
     for (int m = 0; m < c->n_in; m++) direct &= c->in[m].strides[2] == 1;
     int64_t longest;
     const int64_t n_stops = sc_state_stops(st, s, n_t, w->stops, &longest);
@@ -821,15 +845,17 @@ static void prefill_group_chunked(const la_call *c, int64_t s, int64_t ha, int64
                     p[m] = direct ? v->data + (t0 + pos) * v->strides[0] + h * v->strides[1]
                                   : buf + (m * G + hh) * SC_LA_CHUNK * S;
                     ls[m] = direct ? v->strides[0] : S;
-                    /* the next head's rows, fetched while this one computes:
-                     * rows a token apart are in other pages, where no
-                     * hardware prefetcher goes */
-                    w7->next[m] = p[m] + v->strides[1];
-                    w7->next_ls[m] = ls[m];
+                    /* the next head's rows, fetched while this one computes */
+                    fetch->next[m] = p[m] + v->strides[1];
+                    fetch->next_ls[m] = ls[m];
                 }
-                w7->next_rows = direct && hh + 1 < G ? L : 0;
-                w7->fetched = 0;
-                const float *b = gla || wkv7 ? NULL : bonus + hh * SC_LA_CHUNK;
+                fetch->n_in = c->n_in;
+                fetch->next_rows = direct && hh + 1 < G ? L : 0;
+                fetch->fetched = 0;
+                float *b = gla || wkv7 ? NULL : bonus + hh * SC_LA_CHUNK;
+                if (b && direct)
+                    for (int64_t t = 0; t < L; t++)
+                        b[t] = la_bonus(p[0] + t * ls[0], c->u + h * S, p[1] + t * ls[1], c->scale, S);
                 float *tile = tiles + hh * S * S, *o = c->o + ((t0 + pos) * H + h) * S;
                 if (!w->token_loop[hh]) {
                     int ok = 1;
@@ -842,8 +868,13 @@ static void prefill_group_chunked(const la_call *c, int64_t s, int64_t ha, int64
                     if (w->token_loop[hh] || !wkv7_chunk(p, ls, sc, L, S, tile, o, H * S, w7))
                         wkv7_chunk_tokens(p, ls, sc, L, S, tile, o, H * S, w7);
                 } else if (w->token_loop[hh] || L < SC_LA_CHUNK_MIN ||
-                           !la_chunk(p[0], p[1], p[2], p[3], b, L, S, tile, o, H * S, w)) {
-                    la_chunk_tokens(p[0], p[1], p[2], p[3], b, L, S, tile, o, H * S, w->Qd);
+                           !la_chunk(p, ls, direct ? c->scale : 1.0f, b, L, S, tile, o, H * S, w)) {
+                    const float *q = p[0], *k = p[1], *v = p[2], *g = p[3];
+                    if (direct) { /* the token loop takes packed rows, r / q scaled */
+                        pack_chunk(&logc, s, pos, L, h, 1, buf, b ? b : bonus);
+                        q = buf, k = buf + SC_LA_CHUNK * S, v = buf + 2 * SC_LA_CHUNK * S, g = buf + 3 * SC_LA_CHUNK * S;
+                    }
+                    la_chunk_tokens(q, k, v, g, b, L, S, tile, o, H * S, w->Qd);
                 }
             }
             pos += L;

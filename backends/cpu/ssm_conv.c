@@ -410,6 +410,15 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
                          * planes), as every store of that row is a whole aligned vector */
                         const int nt = rows_stream && r0 >= 0 && fresh != (const float *)src && ((uintptr_t)fresh & 31) == 0 &&
                                        ((uintptr_t)(old ? old : fresh) & 31) == 0;
+                        if (nt && block_major && u + 1 < hi) {
+                            /* Streamed: fetch the next unit's window slice (another
+                             * sequence's row, where no hardware prefetcher looks) while
+                             * this one runs; the streamed lines hold fill buffers that
+                             * its loads would otherwise wait for (see sc_prefetch_ahead). */
+                            const int64_t s1 = (u + 1) % n_s, c1 = (u + 1) / n_s * width;
+                            const int64_t cb1 = channels - c1 < width ? channels - c1 : width;
+                            sc_prefetch_run((const float *)sc_pool_at(st, st->start_rows[s1], c1 * W), cb1 * W, 1);
+                        }
                         conv4_decode_block((const float *)src, fresh, old, xr, xc, weight, taps, bias, yr, c0, cb,
                                            apply_silu, nt);
                         continue;

@@ -6,55 +6,61 @@ the sequence owns: its recurrent rows in every layer with the snapshot
 planes still valid, its K/V cells with their positions, its indexer rows,
 and its book entries.
 
-The payload is the sequence's rows themselves, as one contiguous ``uint8``
-tensor (a host tensor over gloo, a CUDA tensor over NCCL): the metadata of
-``memory.state_write(seq)`` (positions, owners, layers, dtype codes, row
-sizes: everything but the row data, see
-:func:`statecache.state_io.rows_apart`), followed by every row block of the
-sequence, each gathered from the device's pool by its rows alone (only the
-sequence's cells and planes cross to the host, with one copy).  The
-receiver reads that metadata with the memory's own ``state_read`` while the
-rows come from the tensor, so sizes, dtypes, layers, positions and room are
-checked exactly as for a blob, before anything is written.  Memories of
-different sizes, stream layouts and backends exchange sequences this way;
-``rows=False`` sends the whole state-format blob instead (the fallback: any
-memory whose ``state_write`` writes its rows inline still works with
-``rows=True``, its blob simply carries them).
+The payload is the metadata of ``memory.state_write(seq)`` (positions,
+owners, layers, dtype codes, row sizes: everything but the row data, see
+:func:`statecache.state_io.rows_apart`), then every row block of the
+sequence, each its own message (host tensors over gloo, CUDA tensors over
+NCCL): a block whose rows are one run of a host-visible pool is sent from
+the pool itself, any other is gathered by its rows alone (only the
+sequence's cells and planes cross to the host).  The receiver reads the
+metadata with the memory's own ``state_read``, so sizes, dtypes, layers,
+positions and room are checked exactly as for a blob, before anything is
+written.  Memories of different sizes, stream layouts and backends exchange
+sequences this way; ``rows=False`` sends the whole state-format blob instead
+(the fallback: any memory whose ``state_write`` writes its rows inline still
+works with ``rows=True``, its blob simply carries them).
 
-The protocol keeps the receiver safe:
+The protocol (version 4) keeps the receiver safe:
 
 1. the sender sends a header: magic, protocol version, payload bytes, the
    sequence's first and last position, the state flags, an optional CRC-32
-   of the payload, where the metadata ends, the message size of the rows,
-   and a hash of the header itself;
+   of the payload, where the metadata ends, the number of row messages and a
+   hash of their sizes, and a hash of the header itself; over gloo the
+   metadata (up to :data:`INLINE_BYTES`) travels in the same message;
 2. the receiver checks the header (a corrupt one, or a payload larger than
    its memory could ever hold, is refused before it allocates anything) and
-   answers *go* or *refused*;
-3. the sender sends the metadata in one message, then the rows in
-   :data:`CHUNK_BYTES` messages, each as soon as it is gathered (gathering
-   overlaps the wire); the receiver posts every receive at once and, while
-   the rows travel, checks that every part's last position is the header's
-   and that the metadata uses every row byte, saves what the destination
-   sequence held, and runs the memory's ``state_read``, which validates
-   everything from the metadata and then, before writing anything, waits
-   for the rows (:func:`statecache.state_io.rows_ready`: within ``timeout``
-   seconds, the CRC checked when one was sent; a sender that dies or stalls
-   raises :class:`~statecache.distributed.errors.TransferError` there, with
-   nothing written), and writes them;
+   answers *go* or *refused*; on *go* the sender posts the row messages
+   (after the metadata's own message over NCCL);
+3. the receiver checks that every part of the metadata ends at the header's
+   last position and that its row blocks are the announced messages, saves
+   what the destination sequence held, and runs the memory's ``state_read``:
+   it validates everything from the metadata, then names the row writes its
+   commit will make into rows that nothing references
+   (:func:`statecache.state_io.rows_landing`: free KV cells, a free recurrent
+   cell; never a shared row, the zero row or the destination's own rows).
+   Those messages are received straight there (gloo, host-visible pools),
+   the others into a staging buffer; then it waits for every row
+   (:func:`statecache.state_io.rows_ready`: within ``timeout`` seconds, the
+   CRC checked when one was sent) and commits: the book, plus a copy of the
+   staged rows only;
 4. the receiver answers *accepted* or why not; the sender raises if not.
 
-The receiving memory changes only in step 3's writes, after the whole state
-is validated and the whole payload staged; if writing
-fails after validation, the sequence's previous state (saved before the
-read, with its planes) is put back.  So a transfer that fails anywhere
-leaves the receiver as it was, and raises an error that says where it failed.
+Before the commit the memory's book and every sequence's rows are as they
+were: a failure there (a sender that dies or stalls, a bad CRC) raises
+:class:`~statecache.distributed.errors.TransferError` with only free rows
+written, and the memory is told (``state_landing_failed``: plans and undos
+made before it are stale, since an undo could bring back a cell whose free
+rows were overwritten).  If the commit itself fails, the sequence's previous
+state (saved before the read, with its planes) is put back.  So a transfer
+that fails anywhere leaves every observable of the receiver as it was, and
+raises an error that says where it failed.
 
-Limits: the rows are staged through host memory on each side, also for NCCL
-(a device that is not host-visible gathers them with ``get_rows`` and
-downloads only those); the receiver keeps as many planes as its own
-``n_rs_seq`` allows.  After a transfer fails mid-payload the pair's message
-stream is out of step (a send may still be pending): use a fresh ``tag``
-(gloo) or a fresh group for the next one.
+Limits: over NCCL the rows are staged through host memory on each side (a
+device that is not host-visible gathers them with ``get_rows`` and downloads
+only those); the receiver keeps as many planes as its own ``n_rs_seq``
+allows.  After a transfer fails mid-payload the pair's message stream is out
+of step: use a fresh ``tag`` (gloo) or a fresh group for the next one (a
+gloo timeout closes the connection, so no row arrives after the failure).
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import threading
 import time
 import zlib
@@ -73,19 +80,17 @@ import numpy as np
 from statecache.distributed.errors import TransferError
 from statecache.distributed.wire import as_tensor, group_device, host_view, on_host, post, torch_dist, wait
 from statecache.errors import StateError
+from statecache.hostmem import gather_rows, row_run
 from statecache.memory import StateFlags
-from statecache.state_io import RowSink, RowSource, rows_apart, unpack_sections
+from statecache.state_io import RowSink, RowSource, RowWrite, rows_apart, unpack_sections
 
 MAGIC = 0x5343_5351  # "SCSQ"
-PROTOCOL = 3  # 3: the metadata travels in its own message, ahead of the rows
+PROTOCOL = 4  # 3: the metadata travels in its own message, ahead of the rows; 4: one message per row block
 ANSWER = 0x5343_4F4B  # "SCOK": the magic of every answer
-_HEADER_WORDS = 10
+_HEADER_WORDS = 11
 _CRC_PRESENT = 1 << 16  # in the header's flags word, above the state flags
 _ROWS_APART = 1 << 17  # the payload is metadata, then the rows (see statecache.state_io.rows_apart)
-#: Rows travel in messages of this size, each sent as soon as it is gathered, so that
-#: gathering the next overlaps the wire (the receiver posts every receive at once).
-CHUNK_BYTES = 8 << 20
-_MAX_CHUNKS = 1 << 16
+_MAX_MESSAGES = 1 << 20
 
 OK = 0
 BAD_HEADER = 1
@@ -128,12 +133,13 @@ def _header(
     flags: int,
     crc: int | None,
     meta_bytes: int | None = None,
-    chunk: int = 0,
+    sizes: list[int] | None = None,
 ) -> list[int]:
-    """The header words; ``meta_bytes``: the payload is that much metadata, then rows;
-    ``chunk``: the payload comes in messages of that many bytes (0: one message)."""
+    """The header words; ``meta_bytes``: the payload is that much metadata, then rows in
+    messages of ``sizes`` bytes (their number and a hash of the sizes travel)."""
     word = flags | (_CRC_PRESENT if crc is not None else 0) | (_ROWS_APART if meta_bytes is not None else 0)
-    words = [MAGIC, PROTOCOL, nbytes, pos_min, pos_max, word, crc or 0, meta_bytes or 0, chunk]
+    cut = list(sizes or [])
+    words = [MAGIC, PROTOCOL, nbytes, pos_min, pos_max, word, crc or 0, meta_bytes or 0, len(cut), _cut_digest(cut)]
     return [*words, _header_hash(words)]
 
 
@@ -149,9 +155,23 @@ def _check_header(words: list[int]) -> str | None:
         return f"payload size {words[2]}"
     if words[5] & _ROWS_APART and not 0 < words[7] <= words[2]:
         return f"metadata of {words[7]} bytes in a payload of {words[2]}"
-    if words[8] < 0 or (words[8] and words[2] > words[8] * _MAX_CHUNKS):
-        return f"messages of {words[8]} bytes for a payload of {words[2]}"
+    if not 0 <= words[8] <= min(_MAX_MESSAGES, max(words[2] - words[7], 0)):
+        return f"{words[8]} row messages for a payload of {words[2]} bytes"
     return None
+
+
+#: Over gloo, metadata of at most this many bytes travels in the header's message (one
+#: message and the wait for the receiver's answer fewer before it can validate); the
+#: rows are sent once the receiver answered the header.
+INLINE_BYTES = 1 << 20
+
+
+def _header_message(ch: _Channel, words: list[int], meta: bytes = b"") -> Any:
+    """The header's message: its words (int64) on a device; over gloo, their bytes
+    followed by the metadata when it travels inline."""
+    if not on_host(ch.device):
+        return ch.ints(words)
+    return as_tensor(np.asarray(words, dtype="<i8").tobytes() + bytes(meta), ch.device)
 
 
 class _Channel:
@@ -202,12 +222,13 @@ def send_sequence(
     rows: bool = True,
 ) -> Transfer:
     """Send sequence ``seq_id`` of ``memory`` to global rank ``dst`` (which calls
-    :func:`recv_sequence`).  The sender's memory is only read.  Raises
-    :class:`TransferError` when the receiver refuses (the reason in words), dies or
-    does not answer within ``timeout`` seconds.  ``checksum``: add a CRC-32 of the
+    :func:`recv_sequence`).  The sender's memory is only read (and must not change
+    until this returns: rows in one run of a host pool are sent from the pool itself).
+    Raises :class:`TransferError` when the receiver refuses (the reason in words), dies
+    or does not answer within ``timeout`` seconds.  ``checksum``: add a CRC-32 of the
     payload (one more pass over it on each side; gloo and NCCL deliver intact bytes,
-    so it guards against bugs, not the wire; the rows are then gathered before they
-    are sent).  ``rows``: send the sequence's rows and snapshot planes as a tensor
+    so it guards against bugs, not the wire; the rows are then read before they
+    are sent).  ``rows``: send the sequence's rows and snapshot planes as tensors
     behind their metadata (default); False sends the state-format blob of
     ``state_write`` (no planes: the receiver can roll back only after its next
     multi-token write)."""
@@ -215,105 +236,113 @@ def send_sequence(
     ch = _Channel(dst, group, tag, timeout)
     try:
         pos_min, pos_max = int(memory.seq_pos_min(seq_id)), int(memory.seq_pos_max(seq_id))
-        fill = None
-        if rows:
-            payload, meta_bytes, fill = _rows_payload(memory, seq_id, int(flags))
-        else:
-            payload, meta_bytes = memory.state_write(seq_id, flags), None
+        out = _Outgoing.of(memory, seq_id, int(flags)) if rows else None
+        blob = memory.state_write(seq_id, flags) if out is None else out.meta
     except Exception:
         try:  # tell the receiver not to wait for a payload
-            abort = ch.ints(_header(-1, -1, -1, int(flags), None))
+            abort = _header_message(ch, _header(-1, -1, -1, int(flags), None))
             wait(ch.send(abort, "sending the abort"), min(timeout, 5.0), dst, "sending the abort")
         except TransferError:
             pass
         raise
-    _offer(ch, payload, pos_min, pos_max, int(flags), checksum, f"sequence {seq_id}", meta_bytes, fill)
-    return Transfer(len(payload), pos_min, pos_max, time.perf_counter() - t0)
+    _offer(ch, blob, pos_min, pos_max, int(flags), checksum, f"sequence {seq_id}", out)
+    nbytes = len(blob) + (out.nbytes if out is not None else 0)
+    return Transfer(nbytes, pos_min, pos_max, time.perf_counter() - t0)
 
 
-def _rows_payload(memory: Any, seq_id: int, flags: int) -> tuple[np.ndarray, int, Callable[..., None]]:
-    """The sequence as one contiguous host buffer: the metadata of its state (the state
-    format's, with the valid snapshot planes), then every row block (only the sequence's
-    rows); the metadata's length; and ``fill(progress=None)``, which gathers the rows
-    from the device into the buffer block by block, calling ``progress(n)`` when the
-    first ``n`` bytes of the buffer are ready."""
-    sink = RowSink()
-    with rows_apart(sink):
-        meta = memory.state_write(seq_id, flags)
-    out = _buffer("send", np, len(meta) + sink.nbytes)
-    out[: len(meta)] = np.frombuffer(meta, dtype=np.uint8)
+@dataclasses.dataclass
+class _Outgoing:
+    """A sequence as the sender puts it on the wire: the metadata of its state (the
+    state format's, with the valid snapshot planes; see
+    :func:`statecache.state_io.rows_apart`), then one message per row block (only the
+    sequence's rows), in the order the metadata names them."""
 
-    def fill(progress: Callable[[int], None] | None = None) -> None:
-        sink.gather(out[len(meta) :], None if progress is None else lambda n: progress(len(meta) + n))
-        if progress is not None:
-            progress(len(out))
+    meta: bytes
+    blocks: list[tuple[Any, Any, np.ndarray]]  # (device, buffer, rows): the non-empty blocks
+    sizes: list[int]
+    synced: bool = False
 
-    return out, len(meta), fill
+    @classmethod
+    def of(cls, memory: Any, seq_id: int, flags: int) -> _Outgoing:
+        sink = RowSink()
+        with rows_apart(sink):
+            meta = memory.state_write(seq_id, flags)
+        blocks = [(d, b, i) for d, b, i in sink.blocks if i.size]
+        return cls(meta, blocks, [int(i.size) * int(b.shape[1]) * b.dtype.itemsize for _, b, i in blocks])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+    def part(self, k: int) -> np.ndarray:
+        """Block ``k`` as ``uint8`` host bytes: the pool's own memory when its rows are one
+        run of a host-visible buffer (no copy), else gathered (one copy, or ``get_rows``
+        and one download) into a buffer of its own."""
+        device, buf, idx = self.blocks[k]
+        view = row_run(device, buf, idx)
+        if view is None:
+            return gather_rows(device, buf, idx)
+        if not self.synced:  # kernels that may still write the pool finish first (as gather_rows does)
+            device.synchronize()
+            self.synced = True
+        return view.view(np.uint8).reshape(-1)
+
+
+def _rows_payload(memory: Any, seq_id: int, flags: int) -> tuple[np.ndarray, int, list[int]]:
+    """The sequence as one contiguous host buffer (metadata, then every row block), the
+    metadata's length and the row messages' sizes: what :func:`send_sequence` sends,
+    gathered in one place (tests, benchmarks)."""
+    out = _Outgoing.of(memory, seq_id, flags)
+    parts = [np.frombuffer(out.meta, dtype=np.uint8), *(out.part(k) for k in range(len(out.sizes)))]
+    return np.concatenate(parts), len(out.meta), list(out.sizes)
 
 
 def _offer(
     ch: _Channel,
-    blob: bytes | np.ndarray,
+    blob: bytes,
     pos_min: int,
     pos_max: int,
     flags: int,
     checksum: bool,
     what: str,
-    meta_bytes: int | None = None,
-    fill: Callable[..., None] | None = None,
+    out: _Outgoing | None = None,
 ) -> None:
-    """The sender's side of the protocol for one payload (see the module docstring).
-    ``fill``: the payload's rows are not gathered yet; ``fill(progress)`` gathers them
-    and the payload goes in :data:`CHUNK_BYTES` messages as they become ready."""
-    if fill is not None and checksum:  # the CRC goes in the header: everything first
-        fill()
-        fill = None
-    crc = zlib.crc32(blob if isinstance(blob, bytes) else blob.data) if checksum else None
-    chunk = CHUNK_BYTES if meta_bytes is not None else 0
-    header = _header(len(blob), pos_min, pos_max, flags, crc, meta_bytes, chunk)
-    sent = ch.send(ch.ints(header), "sending the header")
+    """The sender's side of the protocol for one payload (see the module docstring):
+    ``blob`` alone in one message, or, with ``out``, ``blob`` (its metadata) and then
+    one message per row block, each sent as soon as it is read."""
+    parts: list[np.ndarray | None] = [None] * (len(out.sizes) if out is not None else 0)
+    crc = None
+    if checksum:  # the CRC goes in the header: every part is read first
+        crc = zlib.crc32(blob)
+        for k in range(len(parts)):
+            assert out is not None
+            parts[k] = out.part(k)
+            crc = zlib.crc32(parts[k].data, crc)  # type: ignore[union-attr]
+    nbytes = len(blob) + (out.nbytes if out is not None else 0)
+    meta_bytes, sizes = (None, None) if out is None else (len(blob), out.sizes)
+    header = _header(nbytes, pos_min, pos_max, flags, crc, meta_bytes, sizes)
+    inline = out is not None and on_host(ch.device) and len(blob) <= INLINE_BYTES
+    sent = ch.send(_header_message(ch, header, blob if inline else b""), "sending the header")
     code = ch.hear("waiting for the answer to the header")
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
-    works: list[Any] = []
-    if meta_bytes is None:
-        works.append(ch.send(as_tensor(blob, ch.device), "sending the payload"))
-    else:  # the metadata first, on its own, so the receiver validates it while the rows travel
-        host = np.frombuffer(blob, dtype=np.uint8) if not isinstance(blob, np.ndarray) else blob
-        if on_host(ch.device):
-            tensor = as_tensor(host, ch.device)  # the buffer itself: rows gathered into it are sent from it
-        else:  # NCCL: each message is uploaded once its bytes are gathered, then sent from the device
-            tensor = ch.torch.empty(len(blob), dtype=ch.torch.uint8, device=ch.device)
-
-        def send(lo: int, hi: int, what: str) -> None:
-            if not on_host(ch.device):
-                tensor[lo:hi].copy_(ch.torch.from_numpy(host[lo:hi]))
-            works.append(ch.send(tensor[lo:hi], what))
-
-        send(0, meta_bytes, "sending the metadata")
-        cuts = _row_messages(len(blob), meta_bytes, chunk)
-        if fill is None:
-            for lo, hi in cuts:
-                send(lo, hi, "sending the rows")
-        else:
-
-            def progress(ready: int) -> None:  # send every message whose rows are all gathered
-                while len(works) <= len(cuts) and cuts[len(works) - 1][1] <= ready:
-                    send(*cuts[len(works) - 1], "sending the rows")
-
-            fill(progress)
+    works = (
+        []
+        if inline
+        else [ch.send(as_tensor(blob, ch.device), "sending the metadata" if out else "sending the payload")]
+    )
+    for k in range(len(parts)):  # posted now, received once the receiver's memory named their destinations
+        assert out is not None
+        part = parts[k]
+        if part is None:
+            part = parts[k] = out.part(k)  # kept alive until sent
+        works.append(ch.send(as_tensor(part, ch.device), "sending the rows"))  # (NCCL: uploaded, then sent)
     code = ch.hear("waiting for the answer to the payload")
     wait(sent, ch.timeout, ch.peer, "sending the header")
     for work in works:
         wait(work, ch.timeout, ch.peer, "sending the payload")
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
-
-
-def _row_messages(nbytes: int, meta_bytes: int, chunk: int) -> list[tuple[int, int]]:
-    """The ``[lo, hi)`` byte ranges of the payload's row messages: after the metadata
-    (its own message), ``chunk`` bytes at a time (none when there are no rows)."""
-    return [(lo, min(lo + chunk, nbytes)) for lo in range(meta_bytes, nbytes, chunk)]
 
 
 def default_max_bytes(memory: Any) -> int:
@@ -342,25 +371,33 @@ def recv_sequence(
     :class:`TransferError` (no or a corrupt header, a payload over ``max_bytes``, a
     sender that dies or stalls past ``timeout`` seconds, a bad checksum or
     positions) or :class:`~statecache.errors.StateError` (the memory refused the
-    state: layout, dtype or sizes differ); in every case ``memory`` is as it was.
+    state: layout, dtype or sizes differ); in every case ``memory``'s book and every
+    sequence's state are as they were (rows that landed in free rows before a failure
+    make plans and undos made before it stale, see docs/distributed.md).
     """
     t0 = time.perf_counter()
     ch = _Channel(src, group, tag, timeout)
     limit = default_max_bytes(memory) if max_bytes is None else int(max_bytes)
     got = _take(ch, limit)
     try:
-        _check_positions(got.meta, got.pos_max, got.rows)
+        sizes = _check_positions(got.meta, got.pos_max, got.rows)
+        if got.rows is not None:
+            got.cut(sizes)
     except StateError:
         got.abandon()
         ch.answer(REFUSED)
         raise
+    got.post_early()  # the first rows travel into the staging buffer while the memory validates the metadata
     # what a failure after validation must put back (an empty destination: nothing to save)
     held = max(memory.seq_pos_min(seq_id), memory.seq_pos_max(seq_id)) >= 0  # either part of a hybrid
     backup = _save(memory, seq_id, got.flags) if held else None
-    # the rows travel while the above and state_read's validation run; it waits for them before writing
-    source = None if got.rows is None else RowSource(got.rows, wait=got.arrive)
+    # state_read validates, hands the writes into free rows to got.land (received straight there),
+    # waits for the rows (got.arrive), then writes the others and the book
+    source = None if got.rows is None else RowSource(got.rows, wait=got.arrive, land=got.land if got.host else None)
     try:
         _read(memory, got.meta, source, seq_id, got.flags)
+        if source is not None and source.landed:
+            raise RuntimeError(f"rows of {len(source.landed)} blocks landed but the memory did not commit them")
     except TransferError:
         if source is not None and source.late:  # a memory that waited only once writing
             _put_back(memory, backup, seq_id, got.flags)
@@ -408,11 +445,23 @@ def _read(memory: Any, meta: Any, rows: np.ndarray | RowSource | None, seq_id: i
         memory.state_read(meta, seq_id, flags)
 
 
+#: Row messages that start within this many bytes are received into the staging buffer
+#: at once, while the memory validates the metadata (and copied into it at the commit);
+#: the others, posted once the memory named their destinations, land straight in its
+#: free rows.  0: every row lands.  Measured on a loaded 2-core host, staging the first
+#: 4 MiB made the transfer slower: its copy costs CPU the wire needs, and the posts of
+#: the landing receives waited for the staged messages.
+EARLY_BYTES = 0
+
+
 @dataclasses.dataclass
 class _Arrival:
     """A payload whose header the receiver accepted: its metadata is here (a whole blob,
-    for ``rows=False``), its rows (``rows``, a host array) may still be arriving;
-    :meth:`arrive` waits for them (and checks the CRC), raising TransferError."""
+    for ``rows=False``), its rows (``rows``, the staging array) may still be arriving.
+    Once :meth:`cut` knows the row messages, :meth:`post_early` receives the first ones
+    into ``rows``, :meth:`land` the others straight into the memory's free rows (or into
+    ``rows``); :meth:`arrive` waits for them all (and checks the CRC), raising
+    TransferError."""
 
     ch: _Channel
     nbytes: int
@@ -421,38 +470,136 @@ class _Arrival:
     flags: int
     meta: Any
     rows: np.ndarray | None
-    pending: list[Any]
-    finish: Callable[[], None]
+    host: bool = True
+    payload: Any = None  # the receive buffer: metadata, then the staged rows
+    n_messages: int = 0
+    digest: int = 0
+    crc: int | None = None
+    messages: list[tuple[int, int]] | None = None  # [lo, hi) of each row message, in rows
+    pending: list[Any] = dataclasses.field(default_factory=list)
+    into: list[Any] = dataclasses.field(default_factory=list)  # where each posted message goes, in order
+    finish: Callable[[], None] = lambda: None
     waited: bool = False
 
-    def arrive(self) -> None:
+    def cut(self, sizes: list[int]) -> None:
+        """The row messages the metadata implies; refused unless the sender announced them."""
+        sizes = [n for n in sizes if n]
+        if len(sizes) != self.n_messages or _cut_digest(sizes) != self.digest:
+            raise StateError(
+                "rows", f"the metadata names {len(sizes)} row blocks; the sender announced {self.n_messages} others"
+            )
+        ends = list(itertools.accumulate(sizes))
+        self.messages = [(hi - n, hi) for n, hi in zip(sizes, ends, strict=True)]
+
+    def _post(self, k: int, into: Any = None) -> None:
+        """Post the receive of row message ``k`` (in order), into the staging buffer or ``into``."""
+        assert self.messages is not None and self.rows is not None
+        lo, hi = self.messages[k]
+        base = self.nbytes - self.rows.size  # the metadata's length
+        if into is None:
+            tensor, into = self.payload[base + lo : base + hi], self.rows[lo:hi]
+        else:
+            tensor = self.ch.torch.from_numpy(into)
+        self.pending.append(self.ch.post_recv(tensor, "receiving the rows"))
+        self.into.append(into)
+
+    def post_early(self) -> None:
+        """Receive the messages that start within :data:`EARLY_BYTES` into the staging
+        buffer now (every message, on a device: it lands nowhere else)."""
+        if self.messages is None:
+            return
+        for k, (lo, _) in enumerate(self.messages):
+            if self.host and lo >= EARLY_BYTES:
+                break
+            self._post(k)
+
+    def land(self, writes: list[RowWrite]) -> list[RowWrite]:
+        """Post the receives still to post: a message that is exactly one of ``writes``
+        (a block the memory is about to write into rows free now) whose destination is
+        one run of a host buffer goes straight there; any other into the staging buffer.
+        Returns the writes that land."""
+        assert self.messages is not None and self.rows is not None
+        base = int(self.rows.__array_interface__["data"][0])
+        by_offset = {int(w.rows.__array_interface__["data"][0]) - base: w for w in writes}
+        landed = []
+        synced: set[int] = set()
+        for k in range(len(self.into), len(self.messages)):
+            lo, hi = self.messages[k]
+            w = by_offset.get(lo)
+            dest = None if w is None or w.rows.nbytes != hi - lo else row_run(w.device, w.buf, w.idx)
+            if dest is None or dest.nbytes != hi - lo:
+                self._post(k)
+                continue
+            assert w is not None
+            if id(w.device) not in synced:  # kernels that may still touch the pool finish first
+                w.device.synchronize()
+                synced.add(id(w.device))
+            self._post(k, dest.view(np.uint8).reshape(-1))
+            landed.append(w)
+        return landed
+
+    def arrive(self, check: bool = True) -> None:
+        """Wait for every row message (posting those not posted yet into the staging
+        buffer); ``check``: then check the CRC, when one was sent."""
         if self.waited:
             return
         self.waited = True
+        if self.messages is not None:
+            for k in range(len(self.into), len(self.messages)):  # not landed: into the staging buffer
+                self._post(k)
         what = "receiving the rows"
         for work in self.pending:
             wait(work, self.ch.timeout, self.ch.peer, what)
         self.pending = []
         self.finish()
+        if check and self.crc is not None:
+            crc = zlib.crc32(self.meta)
+            for part in self.into:
+                crc = zlib.crc32(part.data if isinstance(part, np.ndarray) else _host_bytes(part), crc)
+            if crc != self.crc:
+                self.ch.answer(BAD_CHECKSUM)
+                raise TransferError(
+                    self.ch.peer, f"the payload from rank {self.ch.peer} does not match its CRC-32; nothing was written"
+                )
 
     def abandon(self) -> None:
         """Refused before the rows arrived: let them arrive (best effort) so the pair's
         messages stay in step, within the timeout."""
-        if not self.waited:
-            with contextlib.suppress(TransferError):
-                self.arrive()
+        if self.waited or self.rows is None:
+            return
+        if self.messages is None:  # the metadata was not understood: n messages of at most all the rows
+            self.messages = [(0, self.rows.size)] * self.n_messages
+        with contextlib.suppress(TransferError):
+            self.arrive(check=False)  # refused anyway: no second answer
+
+
+def _host_bytes(t: Any) -> Any:
+    return np.ascontiguousarray(t.cpu().numpy()).data
+
+
+def _cut_digest(sizes: list[int] | None) -> int:
+    """A 62-bit hash of the row messages' sizes (0: no row messages)."""
+    if not sizes:
+        return 0
+    data = np.asarray(sizes, dtype="<i8").tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
 
 
 def _take(ch: _Channel, limit: int) -> _Arrival:
-    """The receiver's side up to a payload whose metadata it holds (the rows may still
-    be on the wire: :meth:`_Arrival.arrive`); the final answer is the caller's."""
+    """The receiver's side up to a payload whose metadata it holds (the rows are posted
+    later: :class:`_Arrival`); the final answer is the caller's."""
     src = ch.peer
-    words = [int(x) for x in ch.recv(ch.ints([0] * _HEADER_WORDS), "receiving the header").tolist()]
+    host = on_host(ch.device)
+    if host:  # one message of at most the header and INLINE_BYTES of metadata (gloo takes a shorter one)
+        first = ch.recv(_buffer("header", ch.torch, 8 * _HEADER_WORDS + INLINE_BYTES), "receiving the header")
+        words = np.frombuffer(host_view(first), dtype="<i8", count=_HEADER_WORDS).tolist()
+    else:  # NCCL: every message has the size its receive expects
+        words = [int(x) for x in ch.recv(ch.ints([0] * _HEADER_WORDS), "receiving the header").tolist()]
     bad = _check_header(words)
     if bad is not None:
         ch.answer(BAD_HEADER)
         raise TransferError(src, f"corrupt header from rank {src}: {bad}; nothing was received")
-    nbytes, pos_min, pos_max, flags_word, crc, meta_bytes, chunk = words[2:9]
+    nbytes, pos_min, pos_max, flags_word, crc, meta_bytes, n_messages, digest = words[2:10]
     if nbytes == -1:
         raise TransferError(src, f"rank {src} could not write the sequence it was to send; nothing was received")
     if nbytes > limit:
@@ -460,43 +607,32 @@ def _take(ch: _Channel, limit: int) -> _Arrival:
         raise TransferError(src, f"rank {src} announced {nbytes} bytes, more than max_bytes={limit}; refused")
     ch.answer(OK)
     payload = _receive_buffer(ch, nbytes)
-    host = on_host(ch.device)
     flags = flags_word & 0xFFFF
-    checked = flags_word & _CRC_PRESENT
-
-    def check_crc(data: Any) -> None:
-        if checked and zlib.crc32(data) != crc:
-            raise TransferError(src, f"the payload from rank {src} does not match its CRC-32; nothing was written")
-
+    crc = crc if flags_word & _CRC_PRESENT else None
     if not flags_word & _ROWS_APART:  # a whole blob in one message
         ch.recv(payload, "receiving the payload")
         data = host_view(payload)
-        try:
-            check_crc(data)
-        except TransferError:
+        if crc is not None and zlib.crc32(data) != crc:
             ch.answer(BAD_CHECKSUM)
-            raise
-        return _Arrival(ch, nbytes, pos_min, pos_max, flags, data, None, [], lambda: None, waited=True)
-    # every message posted at once, into its place: the metadata, then the rows
-    first = ch.post_recv(payload[:meta_bytes], "receiving the metadata")  # posted first: messages match in order
-    works = [ch.post_recv(payload[lo:hi], "receiving the rows") for lo, hi in _row_messages(nbytes, meta_bytes, chunk)]
-    wait(first, ch.timeout, src, "receiving the metadata")
-    meta = host_view(payload[:meta_bytes])
+            raise TransferError(src, f"the payload from rank {src} does not match its CRC-32; nothing was written")
+        return _Arrival(ch, nbytes, pos_min, pos_max, flags, data, None, waited=True)
+    if host and meta_bytes <= INLINE_BYTES:  # it came with the header
+        meta = host_view(first)[8 * _HEADER_WORDS : 8 * _HEADER_WORDS + meta_bytes]
+    else:
+        ch.recv(payload[:meta_bytes], "receiving the metadata")
+        meta = host_view(payload[:meta_bytes])
     # over NCCL the rows land on the device: they are read from a host copy made once they are all there
     rows_host = np.frombuffer(host_view(payload), dtype=np.uint8) if host else np.empty(nbytes, dtype=np.uint8)
     rows = rows_host[meta_bytes:]
+    if not host:
+        meta = memoryview(bytes(meta))
 
     def finish() -> None:
         if not host:
             ch.torch.from_numpy(rows).copy_(payload[meta_bytes:])
-            rows_host[:meta_bytes] = np.frombuffer(meta, dtype=np.uint8)
-        try:
-            check_crc(rows_host.data if host else rows_host)
-        except TransferError:
-            ch.answer(BAD_CHECKSUM)
-            raise
 
-    return _Arrival(ch, nbytes, pos_min, pos_max, flags, meta, rows, works, finish)
+    return _Arrival(ch, nbytes, pos_min, pos_max, flags, meta, rows, host, payload, n_messages, digest, crc,
+                    finish=finish)  # fmt: skip
 
 
 _BUFFERS = threading.local()
@@ -510,17 +646,13 @@ def _receive_buffer(ch: _Channel, nbytes: int) -> Any:
 
 
 def _buffer(key: str, lib: Any, nbytes: int, device: Any = None) -> Any:
-    """A kept ``uint8`` buffer of at least ``nbytes`` (a torch tensor on ``device``, or a
-    NumPy array when ``lib`` is NumPy: the sender's host buffer), its first ``nbytes``."""
+    """A kept ``uint8`` torch buffer of at least ``nbytes`` on ``device``, its first ``nbytes``."""
     cache = getattr(_BUFFERS, "by_device", None)
     if cache is None:
         cache = _BUFFERS.by_device = {}
     buf = cache.get(key)
     if buf is None or buf.shape[0] < nbytes:
-        if lib is np:
-            buf = np.empty(nbytes, dtype=np.uint8)
-        else:
-            buf = lib.empty(nbytes, dtype=lib.uint8, device=device)
+        buf = lib.empty(nbytes, dtype=lib.uint8, device=device)
         cache[key] = buf
     return buf[:nbytes]
 
@@ -530,9 +662,10 @@ def release_buffers() -> None:
     _BUFFERS.by_device = {}
 
 
-def _check_positions(data: Any, pos_max: int, rows: np.ndarray | None = None) -> None:
+def _check_positions(data: Any, pos_max: int, rows: np.ndarray | None = None) -> list[int]:
     """Every part of the blob ends at the header's last position (an empty sequence: no
-    cells); with ``rows`` apart, the metadata's row blocks also use every row byte."""
+    cells); with ``rows`` apart, the metadata's row blocks also use every row byte.
+    Returns the sizes of the row blocks, in order (none for a blob)."""
     from statecache.distributed.sections import parse_section
 
     source = RowSource(rows) if rows is not None else None
@@ -545,5 +678,7 @@ def _check_positions(data: Any, pos_max: int, rows: np.ndarray | None = None) ->
                 raise StateError(
                     f"{sec.name}.pos", f"the sequence ends at position {last} there, the header says {pos_max}"
                 )
-    if source is not None:
-        source.at_end()
+    if source is None:
+        return []
+    source.at_end()
+    return source.taken

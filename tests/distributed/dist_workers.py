@@ -97,13 +97,21 @@ def _same(a: tuple[dict[str, np.ndarray], bytes], b: tuple[dict[str, np.ndarray]
 
 
 def _forge(
-    header: list[int], dst: int, tag: int, payload: bytes | None = None, answers: int = 1, group: Any = None
+    header: list[int],
+    dst: int,
+    tag: int,
+    payload: bytes | None = None,
+    answers: int = 1,
+    group: Any = None,
+    inline: bytes = b"",
 ) -> list[int]:
-    """Send a hand-made header (and payload); return the receiver's answer codes."""
+    """Send a hand-made header (with ``inline`` metadata behind it in its message, and a
+    payload after the answer); return the receiver's answer codes."""
     import torch
     import torch.distributed as dist
 
-    dist.send(torch.tensor(header, dtype=torch.int64), dst, group=group, tag=tag)
+    first = np.asarray(header, dtype="<i8").tobytes() + inline
+    dist.send(torch.frombuffer(bytearray(first), dtype=torch.uint8), dst, group=group, tag=tag)
     codes = []
     for k in range(answers):
         ans = torch.zeros(2, dtype=torch.int64)
@@ -192,13 +200,9 @@ def transfer(rank: int, world: int) -> Any:
             out["abort"] = type(exc).__name__
         # valid metadata whose rows never come: the receiver validates it (and saves the
         # state it holds) while waiting for them, then times out with nothing written
-        import torch
-
-        data, meta_bytes, fill = T._rows_payload(mem, 2, 0)
-        fill()
-        header = T._header(len(data), mem.seq_pos_min(2), mem.seq_pos_max(2), 0, None, meta_bytes, T.CHUNK_BYTES)
-        out["lost_rows"] = _forge(header, 1, tag=13, group=rows_side)
-        dist.send(torch.from_numpy(data[:meta_bytes].copy()), 1, group=rows_side, tag=13)
+        data, meta_bytes, sizes = T._rows_payload(mem, 2, 0)
+        header = T._header(len(data), mem.seq_pos_min(2), mem.seq_pos_max(2), 0, None, meta_bytes, sizes)
+        out["lost_rows"] = _forge(header, 1, tag=13, group=rows_side, inline=data[:meta_bytes].tobytes())
         # a sender that stalls past the receiver's timeout, in a group of its own (a gloo
         # timeout closes the connection it happened on)
         _forge(T._header(len(out["blob"]), 0, 7, 0, None), 1, tag=11, group=side)

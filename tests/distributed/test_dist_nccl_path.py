@@ -19,11 +19,8 @@ What this cannot show: NCCL itself, CUDA streams, device memory.
 
 from __future__ import annotations
 
-import datetime
-import queue
-import threading
-
 import pytest
+from dist_fake import FakeDist, run_sender
 from dist_memories import SPECS, build, garbage_memory, place
 
 torch = pytest.importorskip("torch")
@@ -31,54 +28,6 @@ pytest.importorskip("torch.distributed")
 
 import statecache  # noqa: E402
 from statecache.distributed import TransferError, recv_sequence, send_sequence, transfer, wire  # noqa: E402
-
-
-class _Work:
-    def __init__(self, done=None):
-        self.done = done
-
-    def wait(self, timeout=None):
-        if self.done is not None:
-            self.done(timeout)
-        return True
-
-
-class FakeDist:
-    """Point-to-point messages between threads: rank = the thread's ``rank``."""
-
-    def __init__(self, backend="nccl"):
-        self.backend = backend
-        self.local = threading.local()
-        self.lines = {}
-        self.lock = threading.Lock()
-        self.devices = []  # the device of every tensor sent or received
-
-    def line(self, src, dst, tag):
-        with self.lock:
-            return self.lines.setdefault((src, dst, tag), queue.Queue())
-
-    def get_backend(self, group=None):
-        return self.backend
-
-    def isend(self, t, dst, group=None, tag=0):
-        self.devices.append(t.device)
-        self.line(self.local.rank, dst, tag).put(t.clone())
-        return _Work()
-
-    def irecv(self, t, src, group=None, tag=0):
-        self.devices.append(t.device)
-        line = self.line(src, self.local.rank, tag)
-
-        def done(timeout):
-            seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-            try:
-                got = line.get(timeout=seconds)
-            except queue.Empty:
-                raise RuntimeError("timed out") from None
-            assert got.numel() <= t.numel()
-            t[: got.numel()].copy_(got)
-
-        return _Work(done)
 
 
 def test_an_nccl_group_puts_its_tensors_on_the_current_cuda_device(monkeypatch):
@@ -99,23 +48,6 @@ def _pair(monkeypatch, fake):
     monkeypatch.setattr(transfer, "group_device", lambda group=None: torch.device("cpu"))
     monkeypatch.setattr(transfer, "on_host", lambda device: False)
     monkeypatch.setattr(wire, "on_host", lambda device: False)
-    monkeypatch.setattr(transfer, "CHUNK_BYTES", 64)  # several row messages even for a tiny sequence
-
-
-def _run_sender(fake, fn):
-    errors = []
-
-    def run():
-        fake.local.rank = 0
-        try:
-            fn()
-        except Exception as exc:  # reported by the test
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    fake.local.rank = 1
-    return thread, errors
 
 
 @pytest.mark.parametrize("checksum", [False, True])
@@ -127,7 +59,7 @@ def test_the_device_branch_moves_the_sequence_intact(monkeypatch, kind, checksum
     src = garbage_memory(kind, dev, seed=41)
     dst = build(SPECS[kind], dev, n_seq_max=4)
     place(dst, {2: [3, 3]})
-    thread, errors = _run_sender(fake, lambda: send_sequence(src, 1, 1, timeout=10, checksum=checksum))
+    thread, errors = run_sender(fake, lambda: send_sequence(src, 1, 1, timeout=10, checksum=checksum))
     got = recv_sequence(dst, 0, 0, timeout=10)
     thread.join(10)
     assert not errors and not thread.is_alive()
@@ -148,14 +80,13 @@ def test_the_device_branch_with_rows_that_never_come_changes_nothing(monkeypatch
 
     def sender():  # the header and the metadata, then nothing
         ch = transfer._Channel(1, None, 0, 10)
-        data, meta_bytes, fill = transfer._rows_payload(src, 1, 0)
-        fill()
-        header = transfer._header(len(data), 0, src.seq_pos_max(1), 0, None, meta_bytes, 64)
+        data, meta_bytes, sizes = transfer._rows_payload(src, 1, 0)
+        header = transfer._header(len(data), 0, src.seq_pos_max(1), 0, None, meta_bytes, sizes)
         ch.send(ch.ints(header), "header")
         assert ch.hear("go") == transfer.OK
         ch.send(torch.from_numpy(data[:meta_bytes].copy()), "metadata")
 
-    thread, errors = _run_sender(fake, sender)
+    thread, errors = run_sender(fake, sender)
     with pytest.raises(TransferError, match="receiving the rows"):
         recv_sequence(dst, 0, 0, timeout=0.5)
     thread.join(10)

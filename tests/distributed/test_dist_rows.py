@@ -25,8 +25,7 @@ from statecache.spec import AttentionLayerSpec, ModelSpec
 
 def payload(mem, seq):
     """What the sender puts on the wire: (metadata, rows) as separate copies."""
-    data, meta_bytes, fill = T._rows_payload(mem, seq, 0)
-    fill()
+    data, meta_bytes, _ = T._rows_payload(mem, seq, 0)
     return bytes(data[:meta_bytes]), data[meta_bytes:].copy()
 
 

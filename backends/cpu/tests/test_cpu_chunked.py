@@ -172,9 +172,12 @@ def test_mamba2_places_non_finite_inputs_as_the_definition(name: str, value: flo
     assert np.isfinite(y[:57]).all() and not np.isfinite(y[57:]).all()
 
 
-def test_non_finite_start_state_takes_the_token_loop() -> None:
+@pytest.mark.parametrize("kda", [False, True])
+def test_non_finite_start_state_takes_the_token_loop(kda: bool) -> None:
+    """The chunked form gives up before its first chunk; the token loop then
+    needs its own copy of the gates (KDA's chunked form reads them in place)."""
     S, H = 16, 2
-    inputs = _delta_inputs(np.random.default_rng(9), False, S, H)
+    inputs = _delta_inputs(np.random.default_rng(9), kda, S, H)
     results = []
     for dev in (cpu_device(), get_device("reference")):
         pool0 = np.random.default_rng(2).uniform(-0.5, 0.5, (2, H * S * S)).astype(np.float32)

@@ -4,6 +4,7 @@ nothing, zero-copy with NumPy and torch, ABI and availability checks."""
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -230,6 +231,40 @@ def test_mismatched_abi_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         monkeypatch.undo()
         cpu_mod.load_kernels.cache_clear()
+
+
+def test_the_loaded_kernels_were_built_from_the_sources_beside_them() -> None:
+    # Fails on a stale editable build (sources edited or pulled since the
+    # install), which would otherwise test an old binary against new sources.
+    from statecache.backends.cpu import build
+
+    ffi, lib, reason = cpu_mod.load_kernels()
+    assert reason == ""
+    assert ffi.string(lib.sc_cpu_source_digest()).decode() == build.source_digest()
+
+
+def test_kernels_built_from_other_sources_are_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    from statecache.backends.cpu import build
+
+    # The same files with one byte of one source changed, as after an edit or a pull.
+    for name in build.KERNEL_FILES:
+        (tmp_path / name).write_bytes(pathlib.Path(build.HERE, name).read_bytes())
+    (tmp_path / "rows.c").write_bytes((tmp_path / "rows.c").read_bytes() + b"\n")
+    changed = build.source_digest(str(tmp_path))
+    assert changed is not None and changed != build.source_digest()
+    monkeypatch.setattr(build, "source_digest", lambda folder=build.HERE: changed)
+    cpu_mod.load_kernels.cache_clear()
+    try:
+        ok, reason = cpu_mod.CpuBackend().availability()
+        assert not ok and "built from other sources" in reason and changed in reason and "rebuild" in reason
+    finally:
+        monkeypatch.undo()
+        cpu_mod.load_kernels.cache_clear()
+    # A folder lacking a kernel file (an install without sources) gives no digest, so nothing to compare.
+    (tmp_path / "rows.c").unlink()
+    assert build.source_digest(str(tmp_path)) is None
 
 
 def test_missing_compiled_module_makes_the_backend_unavailable_not_broken() -> None:

@@ -7,9 +7,11 @@ reference."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
-from cpu_cases import assert_packed_call_thread_invariant, cpu_device
+from cpu_cases import assert_bitwise, assert_packed_call_thread_invariant, cpu_device
 
 from statecache.conformance import linear_attn_cases as L
 from statecache.conformance import varlen_cases as V
@@ -39,3 +41,33 @@ def test_model_head_sizes_against_the_reference(op: V.Op, dtype: DType, mode: st
     call = V.varlen_call(params, rows)
     with np.errstate(all="ignore"):
         compare_with_reference(dev, tensors, 3, call, {"pool": NMSE[dtype], "out": NMSE[DType.F32]})
+
+
+@pytest.mark.parametrize("op", [L.rwkv6_op(64, 2), L.gla_op(64, 2), L.rwkv7_op(64, 2)], ids=lambda op: op.label)
+def test_prefill_reads_element_strided_inputs_as_it_reads_contiguous_ones(op: V.Op) -> None:
+    """The chunked prefill reads head rows whose elements are adjacent in place
+    and packs the others (here every input has element stride 2): both give
+    the same bits, through full chunks, the short chunks between snapshot
+    stops and a poisoned chunk's token loop (a NaN log decay in sequence 1)."""
+    from statecache.conformance.cases import Tensor, run_on
+    from statecache.primitives import LINEAR_ATTN_INPUTS
+
+    dev = cpu_device()
+    params = V.VarlenParams(op, (40, 23, 1), 4, "planes")
+    tensors, rows, _ = V.varlen_tensors(params, seed=5)
+    decay = "g" if op.op == "gated_linear_attn" else "w"
+    poisoned = np.array(tensors[decay].data)
+    poisoned[40 + 9, 1, 0] = np.nan
+    tensors[decay] = dataclasses.replace(tensors[decay], data=poisoned)
+    call = V.varlen_call(params, rows)
+    strided = dict(tensors)
+    for name in LINEAR_ATTN_INPUTS[op.op]:
+        values = np.asarray(tensors[name].data)
+        base = np.full((*values.shape, 2), 3.0e3, np.float32)  # the odd elements: garbage the kernel must skip
+        base[..., 0] = values
+        T, H, S = values.shape
+        strided[f"{name}_base"] = Tensor(base)
+        strided[name] = Tensor(None, view=(f"{name}_base", (T, H, S), (2 * H * S, 2 * S, 2), 0))
+    want, got = run_on(dev, tensors, 5, call), run_on(dev, strided, 5, call)
+    for name in ("pool", "out"):
+        assert_bitwise(name, got[name][1], want[name][1])
