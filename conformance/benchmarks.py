@@ -797,10 +797,12 @@ def _memory_decode(device: Device, p: dict[str, Any], rng: np.random.Generator) 
             kernel(step, i)
         ctx.next()
 
-    # Steps until every plane was written once: the memory's pools are fresh
-    # zero pages, which the first write to each plane faults in (a timed step
-    # would then measure the page faults of a plane it meets for the first time).
-    for _ in range(n_rs_seq + 1):
+    # Steps until the rotation has come round twice: the first write to each
+    # plane faults in fresh zero pages, and each layer's call meets each
+    # plane's rows for the first time (its launch memo learns them once).  A
+    # serving runtime is long past both; n_rs_seq + 1 steps were not enough
+    # (the conv with n_rs_seq=3 ran 2-3x slower for its first 8 steps).
+    for _ in range(4 * (n_rs_seq + 1)):
         fn()
     # per layer: the state read and written once (either way), plus the token's inputs and outputs
     return Case(fn, n_layers * 4 * n_s * (2 * row + io), 0)
