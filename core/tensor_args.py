@@ -104,6 +104,8 @@ import numpy as np
 from statecache.dlpack import (
     DEMOTIONS,
     KDL_INT,
+    ExchangeReader,
+    Plan,
     READERS,
     TensorMemory,
     confirm_fingerprint,
@@ -338,8 +340,8 @@ def _absent() -> None:
 class _Relaunch:
     """One call geometry remembered for relaunching: what to check, and the launch."""
 
-    __slots__ = ("align", "caps", "direct", "fixed", "native_pairs", "run", "shadows", "signature", "tensor_pairs",
-                 "tensors")  # fmt: skip
+    __slots__ = ("align", "caps", "direct", "fixed", "native_pairs", "plan", "run", "shadows", "signature",
+                 "tensor_pairs", "tensors")  # fmt: skip
 
     def __init__(
         self,
@@ -375,6 +377,9 @@ class _Relaunch:
         self.tensor_pairs = tensor_pairs
         self.native_pairs = native_pairs
         self.run = run  # the backend's launch, given the tensors' addresses in argument order (False: busy)
+        # The tensors read in C instead (statecache.dlpack.Plan), where the device has a reader
+        # and every tensor's type publishes the DLPack C exchange API; None: read as above.
+        self.plan: Plan | None = None
 
 
 def _read_by_readers(tensors: tuple[tuple[Any, ...], ...], given: tuple[Any, ...], addresses: list[int]) -> bool:
@@ -436,6 +441,22 @@ class Relaunches:
                 if expected() is not given[pos]:
                     break
             else:
+                plan = entry.plan
+                if plan is not None:
+                    # Every tensor read and compared, and the alignment and overlap checks
+                    # below made, in one C call (DLPack C exchange API)
+                    addresses = [0] * plan.n
+                    found = plan.match(given, addresses, plan.address)
+                    if found == 1:
+                        if entry.caps is not dev.caps:
+                            return False
+                        for pos, shadow in entry.shadows:
+                            if given[pos].host_indices is not shadow:
+                                return False
+                        return entry.run(addresses)
+                    if found:
+                        return False  # (misaligned or overlapping: the ordinary path refuses it by name)
+                    continue
                 addresses = []
                 try:
                     if entry.direct:
@@ -576,6 +597,11 @@ class Relaunches:
             tuple(sorted(native_pairs)),
             run,
         )
+        reader: ExchangeReader | None = getattr(dev, "_exchange_reader", None)
+        if reader is not None and direct:
+            entry.plan = reader.plan(
+                given, tensors, [coerced[pos] for pos in tensors], entry.align, entry.tensor_pairs, entry.native_pairs
+            )
         chain = self._chains.get(anchor)
         if chain is None:
             if self._count >= RELAUNCH_LIMIT:

@@ -32,10 +32,10 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEADER = "statecache_cpu.h"
-SOURCES = ("rows.c", "ssm_conv.c", "ssm_scan.c", "delta_net.c", "linear_attn.c")
+SOURCES = ("rows.c", "ssm_conv.c", "ssm_scan.c", "delta_net.c", "linear_attn.c", "sc_dlpack.c")
 MODULE = "statecache.backends.cpu._kernels"
 #: Every file whose bytes the compiled library depends on.
-KERNEL_FILES = (HEADER, "sc_internal.h", "sc_gemm.h", *SOURCES)
+KERNEL_FILES = (HEADER, "sc_internal.h", "sc_gemm.h", "sc_dlpack.h", *SOURCES)
 
 _V3_FLAGS = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}
 _V2_FLAGS = {"sse4_1", "sse4_2", "ssse3", "popcnt"}
@@ -105,13 +105,19 @@ ffibuilder = FFI()
 ffibuilder.cdef(cdef_source())
 # Not in the public header: the digest is a fact of this build, not of the ABI.
 ffibuilder.cdef("const char *sc_cpu_source_digest(void);")
+# Nor the DLPack geometry readers (sc_dlpack.h): they touch Python objects, so Python calls
+# them through ctypes with the GIL held; cffi only gives their addresses (ffi.addressof).
+ffibuilder.cdef(
+    "int64_t sc_dlpack_read(void *, void *, int64_t *, int64_t);\n"
+    "int32_t sc_dlpack_match(void *, void *, const int64_t *);"
+)
 ffibuilder.set_source(
     MODULE,
-    f'#include "{HEADER}"\n'
+    f'#include "{HEADER}"\n#include "sc_dlpack.h"\n'
     f'static const char *sc_cpu_source_digest(void) {{ return "{source_digest() or "unknown"}"; }}\n',
     sources=[_rel(name) for name in SOURCES],
     include_dirs=[_rel(".")],
-    depends=[_rel(HEADER), _rel("sc_internal.h"), _rel("sc_gemm.h")],
+    depends=[_rel(HEADER), _rel("sc_internal.h"), _rel("sc_gemm.h"), _rel("sc_dlpack.h")],
     extra_compile_args=compile_args(ISA),
     extra_link_args=["-fopenmp"],
     libraries=["m"],

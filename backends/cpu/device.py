@@ -23,7 +23,16 @@ import numpy as np
 
 from statecache import __version__, settings
 from statecache.backend import PRIMITIVES, PROTOCOL_VERSION, Backend, Buffer, Caps, Device, DeviceKind
-from statecache.dlpack import KDL_BFLOAT, KDL_CPU, KDL_UINT, DLDataType, TensorMemory, capsule_tensor, host_flat
+from statecache.dlpack import (
+    KDL_BFLOAT,
+    KDL_CPU,
+    KDL_UINT,
+    DLDataType,
+    ExchangeReader,
+    TensorMemory,
+    capsule_tensor,
+    host_flat,
+)
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError
 from statecache.hostmem import aligned_empty, physical_memory_bytes
@@ -208,6 +217,12 @@ class CpuDevice(Device):
         self.backend_name = "cpu"
         self.kind = DeviceKind.CPU
         self.isa = ffi.string(lib.sc_cpu_isa()).decode()
+        # Relaunches read torch tensors through the DLPack C exchange API in one C call
+        # (statecache.dlpack.ExchangeReader; sc_dlpack.c).
+        self._exchange_reader = ExchangeReader(
+            int(ffi.cast("uintptr_t", ffi.addressof(lib, "sc_dlpack_read"))),
+            int(ffi.cast("uintptr_t", ffi.addressof(lib, "sc_dlpack_match"))),
+        )
         self.name = f"{_cpu_name()} (C kernels, {self.isa})"
         self.memory_bytes = physical_memory_bytes()
         self.caps = Caps(
