@@ -104,9 +104,9 @@ import numpy as np
 from statecache.dlpack import (
     DEMOTIONS,
     KDL_INT,
+    READERS,
     ExchangeReader,
     Plan,
-    READERS,
     TensorMemory,
     confirm_fingerprint,
     describe,
@@ -597,9 +597,9 @@ class Relaunches:
             tuple(sorted(native_pairs)),
             run,
         )
-        reader: ExchangeReader | None = getattr(dev, "_exchange_reader", None)
-        if reader is not None and direct:
-            entry.plan = reader.plan(
+        in_c: ExchangeReader | None = getattr(dev, "_exchange_reader", None)
+        if in_c is not None and direct:
+            entry.plan = in_c.plan(
                 given, tensors, [coerced[pos] for pos in tensors], entry.align, entry.tensor_pairs, entry.native_pairs
             )
         chain = self._chains.get(anchor)

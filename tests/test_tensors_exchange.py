@@ -156,7 +156,7 @@ def test_a_decode_loop_is_relaunched_through_c(monkeypatch) -> None:  # type: ig
     the third step on every call is relaunched, its tensors matched in C
     (the Python readers of torch tensors are never called)."""
     dev = _cpu()
-    hosts, _, outputs = _stateful_hosts("ssm_scan", np.random.default_rng(3), 2)
+    hosts, _, _ = _stateful_hosts("ssm_scan", np.random.default_rng(3), 2)
     rows = dev.indices(hosts["start_rows"].astype(np.int32))
     pool = dev.upload(hosts["pool"])
     dev._relaunches = Relaunches()
