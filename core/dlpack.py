@@ -516,30 +516,22 @@ _DTYPE_WORD = {
 
 
 class ExchangeReader:
-    """Compiled readers of tensors through the DLPack C exchange API (a
-    backend's: ``read`` and ``match`` are the addresses of its
-    ``sc_dlpack_read`` and ``sc_dlpack_match``, see backends/cpu/sc_dlpack.c
-    for the layouts).  Called through ctypes' PYFUNCTYPE: the GIL is held,
-    which the producer's functions need."""
+    """Compiled readers of tensors through the DLPack C exchange API: a
+    backend's ``read(obj, function)`` and ``match(given, plan)`` builtins
+    (see backends/cpu/sc_dlpack.c for what they take and return)."""
 
     __slots__ = ("_match", "_read")
 
-    def __init__(self, read: int, match: int) -> None:
-        self._read = ctypes.PYFUNCTYPE(
-            ctypes.c_int64, ctypes.py_object, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64
-        )(read)
-        self._match = ctypes.PYFUNCTYPE(ctypes.c_int32, ctypes.py_object, ctypes.py_object, ctypes.c_void_p)(match)
+    def __init__(self, read: Callable[[Any, int], tuple[int, ...] | None], match: Callable[..., Any]) -> None:
+        self._read = read
+        self._match = match
 
     def reading(self, obj: Any) -> tuple[int, ...] | None:
         """``obj``'s reading (address, ndim, dtype word, device word, shape...,
         strides...), or None when its type publishes no usable exchange API or
         the producer refuses it."""
         function = exchange_function(type(obj))
-        if not function:
-            return None
-        out = (ctypes.c_int64 * 36)()
-        n = self._read(obj, function, ctypes.addressof(out), len(out))
-        return tuple(out[:n]) if n > 0 else None
+        return self._read(obj, function) if function else None
 
     def plan(
         self,
@@ -576,19 +568,17 @@ class ExchangeReader:
             words += [pos, id(type(obj)), exchange_function(type(obj)), ndim, dtype, device, *shape, *strides]
         words += [align, len(tensor_pairs), *(w for pair in tensor_pairs for w in pair)]
         words += [len(fixed_pairs), *(w for pair in fixed_pairs for w in pair)]
-        return Plan(self._match, (ctypes.c_int64 * len(words))(*words), [type(given[p]) for p in positions])
+        return Plan(self._match, np.array(words, np.int64).tobytes(), [type(given[p]) for p in positions])
 
 
 class Plan:
     """One call's tensors to match in C (:meth:`ExchangeReader.plan`)."""
 
-    __slots__ = ("_keep", "address", "match", "n", "words")
+    __slots__ = ("_keep", "match", "words")
 
-    def __init__(self, match: Any, words: Any, types: list[type]) -> None:
-        # (given, addresses: a list of n items, address of words) -> 1: matched (addresses filled),
-        # 0: another geometry, 2: the geometry, but misaligned or overlapping (sc_dlpack_match)
+    def __init__(self, match: Callable[[tuple[Any, ...], bytes], Any], words: bytes, types: list[type]) -> None:
+        # match(given, words): the tensors' addresses (a list), None (another geometry), or
+        # False (the geometry, but misaligned or overlapping)
         self.match = match
         self.words = words
-        self.address = ctypes.addressof(words)
-        self.n = int(words[0])
         self._keep = types  # the plan holds their addresses: they must outlive it

@@ -445,18 +445,17 @@ class Relaunches:
                 if plan is not None:
                     # Every tensor read and compared, and the alignment and overlap checks
                     # below made, in one C call (DLPack C exchange API)
-                    addresses = [0] * plan.n
-                    found = plan.match(given, addresses, plan.address)
-                    if found == 1:
-                        if entry.caps is not dev.caps:
-                            return False
-                        for pos, shadow in entry.shadows:
-                            if given[pos].host_indices is not shadow:
-                                return False
-                        return entry.run(addresses)
-                    if found:
+                    found = plan.match(given, plan.words)
+                    if found is None:
+                        continue  # another geometry
+                    if found is False:
                         return False  # (misaligned or overlapping: the ordinary path refuses it by name)
-                    continue
+                    if entry.caps is not dev.caps:
+                        return False
+                    for pos, shadow in entry.shadows:
+                        if given[pos].host_indices is not shadow:
+                            return False
+                    return entry.run(found)
                 addresses = []
                 try:
                     if entry.direct:

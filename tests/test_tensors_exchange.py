@@ -184,3 +184,20 @@ def test_a_decode_loop_is_relaunched_through_c(monkeypatch) -> None:  # type: ig
 
 def _forbidden(*_: object) -> None:
     raise AssertionError("a relaunch matched in C read a stride in Python")
+
+
+def test_every_device_gets_the_same_live_builtins() -> None:
+    """The library's readers are made once and handed out as new references
+    (a device made again, as tests do, must not free what another holds)."""
+    import gc
+
+    from statecache.backends.cpu.device import _exchange_reader
+
+    dev = _cpu()
+    readers = [_exchange_reader(dev._ffi, dev._lib) for _ in range(50)]
+    del readers
+    gc.collect()
+    again = _exchange_reader(dev._ffi, dev._lib)
+    assert again is not None and again._match is dev._exchange_reader._match
+    t = torch.arange(6.0)
+    assert again.reading(t)[:2] == (t.data_ptr(), 1)

@@ -105,12 +105,9 @@ ffibuilder = FFI()
 ffibuilder.cdef(cdef_source())
 # Not in the public header: the digest is a fact of this build, not of the ABI.
 ffibuilder.cdef("const char *sc_cpu_source_digest(void);")
-# Nor the DLPack geometry readers (sc_dlpack.h): they touch Python objects, so Python calls
-# them through ctypes with the GIL held; cffi only gives their addresses (ffi.addressof).
-ffibuilder.cdef(
-    "int64_t sc_dlpack_read(void *, void *, int64_t *, int64_t);\n"
-    "int32_t sc_dlpack_match(void *, void *, const int64_t *);"
-)
+# Nor the DLPack geometry readers (sc_dlpack.h): Python builtins, which cffi only finds
+# (ffi.addressof) for ctypes to call once, the GIL held.
+ffibuilder.cdef("void *sc_dlpack_functions(void);")
 ffibuilder.set_source(
     MODULE,
     f'#include "{HEADER}"\n#include "sc_dlpack.h"\n'

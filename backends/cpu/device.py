@@ -13,6 +13,7 @@ could have changed since), so a kernel cannot index out of bounds.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import threading
@@ -219,10 +220,7 @@ class CpuDevice(Device):
         self.isa = ffi.string(lib.sc_cpu_isa()).decode()
         # Relaunches read torch tensors through the DLPack C exchange API in one C call
         # (statecache.dlpack.ExchangeReader; sc_dlpack.c).
-        self._exchange_reader = ExchangeReader(
-            int(ffi.cast("uintptr_t", ffi.addressof(lib, "sc_dlpack_read"))),
-            int(ffi.cast("uintptr_t", ffi.addressof(lib, "sc_dlpack_match"))),
-        )
+        self._exchange_reader = _exchange_reader(ffi, lib)
         self.name = f"{_cpu_name()} (C kernels, {self.isa})"
         self.memory_bytes = physical_memory_bytes()
         self.caps = Caps(
@@ -674,6 +672,17 @@ _RELAUNCH_SLOTS: dict[str, dict[int, tuple[Any, ...]]] = {
         12: ("opt", 9, "dt_bias"),
     },
 }
+
+
+def _exchange_reader(ffi: Any, lib: Any) -> ExchangeReader | None:
+    """The library's DLPack readers (sc_dlpack.c): Python builtins, fetched once
+    through ctypes (with the GIL held, unlike a cffi call); None if that fails."""
+    getter = ctypes.PYFUNCTYPE(ctypes.py_object)(int(ffi.cast("uintptr_t", ffi.addressof(lib, "sc_dlpack_functions"))))
+    try:
+        read, match = getter()
+    except (ValueError, TypeError):  # NULL (no memory) or not the pair
+        return None
+    return ExchangeReader(read, match)
 
 
 def _address(buf: Buffer) -> int:

@@ -1,11 +1,11 @@
 /* See sc_dlpack.h.  Layouts shared with statecache.backends.cpu.device
  * (DlpackReader), all int64:
  *
- * a reading (sc_dlpack_read's out): address (data + byte_offset), ndim,
+ * a reading (read's result): address (data + byte_offset), ndim,
  *   dtype word (code | bits << 8 | lanes << 16), device word
  *   (device_type | device_id << 32), shape[ndim], strides[ndim] (in elements;
  *   C order when the producer gives none);
- * a plan (sc_dlpack_match's): n, then per tensor: position in the argument
+ * a plan (match's, as bytes): n, then per tensor: position in the argument
  *   tuple, address of its exact type object, address of the producer's
  *   dltensor_from_py_object_no_sync, then the reading without its address
  *   (ndim, dtype word, device word, shape, strides); after the tensors, the
@@ -77,75 +77,126 @@ static int fill(void *obj, void *from_py, sc_dl_tensor *t) {
     return 0;
 }
 
-/* The reading of obj (layout above) into out[cap]: the number of words
- * written, or -1 (the producer refused, or out is too small). */
-int64_t sc_dlpack_read(void *obj, void *from_py, int64_t *out, int64_t cap) {
-    sc_dl_tensor t;
-    if (fill(obj, from_py, &t) != 0) return -1;
-    int64_t n = 4 + 2 * (int64_t)t.ndim;
-    if (n > cap) return -1;
-    out[0] = (int64_t)((uintptr_t)t.data + t.byte_offset);
-    out[1] = t.ndim;
-    out[2] = dtype_word(&t);
-    out[3] = device_word(&t);
-    for (int32_t i = 0; i < t.ndim; i++) {
-        out[4 + i] = t.shape[i];
-        out[4 + t.ndim + i] = stride_at(&t, i);
+/* read(obj, from_py): obj's reading (layout above) as a tuple of ints, or
+ * None when the producer refuses it. */
+static PyObject *py_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "read(obj, from_py) takes 2 arguments");
+        return NULL;
     }
-    return n;
+    void *from_py = PyLong_AsVoidPtr(args[1]);
+    if (from_py == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "read: no producer function");
+        return NULL;
+    }
+    sc_dl_tensor t;
+    if (fill(args[0], from_py, &t) != 0) Py_RETURN_NONE;
+    PyObject *out = PyTuple_New(4 + 2 * (Py_ssize_t)t.ndim);
+    if (out == NULL) return NULL;
+    int64_t words[4 + 2 * SC_DL_MAX_NDIM];
+    words[0] = (int64_t)((uintptr_t)t.data + t.byte_offset);
+    words[1] = t.ndim;
+    words[2] = dtype_word(&t);
+    words[3] = device_word(&t);
+    for (int32_t i = 0; i < t.ndim; i++) {
+        words[4 + i] = t.shape[i];
+        words[4 + t.ndim + i] = stride_at(&t, i);
+    }
+    for (Py_ssize_t i = 0; i < 4 + 2 * (Py_ssize_t)t.ndim; i++) {
+        PyObject *v = PyLong_FromLongLong(words[i]);
+        if (v == NULL || PyTuple_SetItem(out, i, v) != 0) { /* SetItem steals v */
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
 }
 
-/* Whether every tensor of the plan has its geometry in the tuple `given`
- * and the checks pass (1; their addresses are then stored into the list
- * `addresses`, which has one item per tensor); 0: a position holds another
- * type or another geometry, or a producer refused; 2: the geometry matched
- * and a check failed (misaligned, or written memory overlapping other
- * arguments).  No Python error is left set. */
-int32_t sc_dlpack_match(void *given, void *addresses, const int64_t *plan) {
-    PyObject *args = (PyObject *)given;
-    PyObject *out = (PyObject *)addresses;
-    int64_t n = plan[0];
-    const int64_t *p = plan + 1;
+/* match(given, plan): whether every tensor of the plan (bytes, layout above)
+ * has its geometry in the tuple `given` and the checks pass: a new list of
+ * the tensors' addresses; None: a position holds another type or another
+ * geometry, or a producer refused; False: the geometry matched and a check
+ * failed (misaligned, or written memory overlapping other arguments). */
+static PyObject *py_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyTuple_Check(args[0]) || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "match(given: tuple, plan: bytes)");
+        return NULL;
+    }
+    PyObject *given = args[0];
+    const int64_t *p = (const int64_t *)PyBytes_AsString(args[1]);
+    if (p == NULL) return NULL;
+    int64_t n = *p++;
     int64_t found[64];
-    if (n > 64 || !PyTuple_Check(args) || !PyList_Check(out) || PyList_Size(out) != n) return 0;
+    if (n < 0 || n > 64) Py_RETURN_NONE;
     for (int64_t k = 0; k < n; k++) {
-        PyObject *obj = PyTuple_GetItem(args, (Py_ssize_t)p[0]);
+        PyObject *obj = PyTuple_GetItem(given, (Py_ssize_t)p[0]);
         if (obj == NULL) {
             PyErr_Clear();
-            return 0;
+            Py_RETURN_NONE;
         }
-        if ((int64_t)(uintptr_t)Py_TYPE(obj) != p[1]) return 0;
+        if ((int64_t)(uintptr_t)Py_TYPE(obj) != p[1]) Py_RETURN_NONE;
         sc_dl_tensor t;
-        if (fill(obj, (void *)(uintptr_t)p[2], &t) != 0) return 0;
+        if (fill(obj, (void *)(uintptr_t)p[2], &t) != 0) Py_RETURN_NONE;
         int32_t ndim = t.ndim;
-        if (ndim != p[3] || dtype_word(&t) != p[4] || device_word(&t) != p[5]) return 0;
+        if (ndim != p[3] || dtype_word(&t) != p[4] || device_word(&t) != p[5]) Py_RETURN_NONE;
         const int64_t *shape = p + 6, *strides = p + 6 + ndim;
         for (int32_t i = 0; i < ndim; i++) {
-            if (t.shape[i] != shape[i] || stride_at(&t, i) != strides[i]) return 0;
+            if (t.shape[i] != shape[i] || stride_at(&t, i) != strides[i]) Py_RETURN_NONE;
         }
         found[k] = (int64_t)((uintptr_t)t.data + t.byte_offset);
         p += 6 + 2 * (int64_t)ndim;
     }
     int64_t bits = 0;
     for (int64_t k = 0; k < n; k++) bits |= found[k];
-    if (bits & p[0]) return 2;
+    if (bits & p[0]) Py_RETURN_FALSE;
     int64_t n_pairs = p[1];
     p += 2;
     for (int64_t i = 0; i < n_pairs; i++, p += 4) {
         int64_t d = found[p[0]] - found[p[1]];
-        if (p[2] < d && d < p[3]) return 2;
+        if (p[2] < d && d < p[3]) Py_RETURN_FALSE;
     }
     n_pairs = p[0];
     p += 1;
     for (int64_t i = 0; i < n_pairs; i++, p += 3) {
-        if (p[1] < found[p[0]] && found[p[0]] < p[2]) return 2;
+        if (p[1] < found[p[0]] && found[p[0]] < p[2]) Py_RETURN_FALSE;
     }
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    if (out == NULL) return NULL;
     for (int64_t k = 0; k < n; k++) {
-        PyObject *value = PyLong_FromLongLong(found[k]);
-        if (value == NULL || PyList_SetItem(out, (Py_ssize_t)k, value) != 0) { /* SetItem steals value */
-            PyErr_Clear();
-            return 0;
+        PyObject *v = PyLong_FromLongLong(found[k]);
+        if (v == NULL || PyList_SetItem(out, (Py_ssize_t)k, v) != 0) { /* SetItem steals v */
+            Py_DECREF(out);
+            return NULL;
         }
     }
-    return 1;
+    return out;
+}
+
+static PyMethodDef sc_dlpack_defs[] = {
+    {"read", (PyCFunction)(void (*)(void))py_read, METH_FASTCALL, "read(obj, from_py): a tensor's reading"},
+    {"match", (PyCFunction)(void (*)(void))py_match, METH_FASTCALL, "match(given, plan): addresses, None or False"},
+};
+
+/* (read, match) as Python builtins (called like any builtin: the GIL held,
+ * no ctypes conversions per call); made once, kept for the process.  Returns
+ * a new reference (ctypes takes a py_object result as one), NULL on failure. */
+void *sc_dlpack_functions(void) {
+    static PyObject *functions = NULL;
+    if (functions == NULL) {
+        PyObject *read = PyCFunction_NewEx(&sc_dlpack_defs[0], NULL, NULL);
+        PyObject *match = PyCFunction_NewEx(&sc_dlpack_defs[1], NULL, NULL);
+        if (read == NULL || match == NULL) {
+            Py_XDECREF(read);
+            Py_XDECREF(match);
+            return NULL;
+        }
+        functions = PyTuple_Pack(2, read, match);
+        Py_DECREF(read);
+        Py_DECREF(match);
+        if (functions == NULL) return NULL;
+    }
+    Py_INCREF(functions);
+    return functions;
 }
