@@ -191,13 +191,13 @@ def test_every_device_gets_the_same_live_builtins() -> None:
     (a device made again, as tests do, must not free what another holds)."""
     import gc
 
-    from statecache.backends.cpu.device import _exchange_reader
+    from statecache.backends.cpu.device import _helpers
 
     dev = _cpu()
-    readers = [_exchange_reader(dev._ffi, dev._lib) for _ in range(50)]
+    readers = [_helpers(dev._ffi, dev._lib) for _ in range(50)]
     del readers
     gc.collect()
-    again = _exchange_reader(dev._ffi, dev._lib)
-    assert again is not None and again._match is dev._exchange_reader._match
+    again, place = _helpers(dev._ffi, dev._lib)
+    assert again is not None and again._match is dev._exchange_reader._match and place is dev._place
     t = torch.arange(6.0)
     assert again.reading(t)[:2] == (t.data_ptr(), 1)

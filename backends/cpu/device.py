@@ -220,7 +220,7 @@ class CpuDevice(Device):
         self.isa = ffi.string(lib.sc_cpu_isa()).decode()
         # Relaunches read torch tensors through the DLPack C exchange API in one C call
         # (statecache.dlpack.ExchangeReader; sc_dlpack.c).
-        self._exchange_reader = _exchange_reader(ffi, lib)
+        self._exchange_reader, self._place = _helpers(ffi, lib)
         self.name = f"{_cpu_name()} (C kernels, {self.isa})"
         self.memory_bytes = physical_memory_bytes()
         self.caps = Caps(
@@ -567,6 +567,12 @@ class CpuDevice(Device):
         cast = ffi.cast
         num_threads = settings.num_threads
         field_steps = tuple(fields)
+        place = self._place
+        if place is not None:  # the fields set in one C call (sc_dlpack.c): their addresses
+            targets = [len(fields)]
+            for k, delta, alias in fields:
+                targets += [k, delta, int(ffi.cast("uintptr_t", alias))]
+            field_targets = np.array(targets, np.int64).tobytes()
         pointer_steps = tuple(pointers)
         last = [-1] * len(pointer_steps)
         # The structs are patched in place and the kernel runs without the GIL: a second thread
@@ -578,8 +584,11 @@ class CpuDevice(Device):
             if not busy.acquire(blocking=False):
                 return False
             try:
-                for k, delta, alias in field_steps:
-                    alias[0] = addresses[k] + delta
+                if place is not None:
+                    place(addresses, field_targets)
+                else:
+                    for k, delta, alias in field_steps:
+                        alias[0] = addresses[k] + delta
                 for i, (k, delta, ctype, arg) in enumerate(pointer_steps):
                     address = addresses[k] + delta
                     if address != last[i]:
@@ -674,15 +683,16 @@ _RELAUNCH_SLOTS: dict[str, dict[int, tuple[Any, ...]]] = {
 }
 
 
-def _exchange_reader(ffi: Any, lib: Any) -> ExchangeReader | None:
-    """The library's DLPack readers (sc_dlpack.c): Python builtins, fetched once
-    through ctypes (with the GIL held, unlike a cffi call); None if that fails."""
+def _helpers(ffi: Any, lib: Any) -> tuple[ExchangeReader | None, Any]:
+    """The library's Python builtins (sc_dlpack.c): the DLPack readers, and
+    ``place`` (pointer fields set from a list of addresses); fetched once
+    through ctypes (with the GIL held, unlike a cffi call).  Nones if that fails."""
     getter = ctypes.PYFUNCTYPE(ctypes.py_object)(int(ffi.cast("uintptr_t", ffi.addressof(lib, "sc_dlpack_functions"))))
     try:
-        read, match = getter()
-    except (ValueError, TypeError):  # NULL (no memory) or not the pair
-        return None
-    return ExchangeReader(read, match)
+        read, match, place = getter()
+    except (ValueError, TypeError):  # NULL (no memory) or not the three
+        return None, None
+    return ExchangeReader(read, match), place
 
 
 def _address(buf: Buffer) -> int:

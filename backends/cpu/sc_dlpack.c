@@ -174,12 +174,41 @@ static PyObject *py_match(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return out;
 }
 
+/* place(addresses, targets): for each (k, delta, target) of targets (bytes:
+ * n, then n triples of int64), store addresses[k] + delta at the address
+ * target (a pointer field of a prepared call's struct).  Returns None. */
+static PyObject *py_place(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "place(addresses: list, targets: bytes)");
+        return NULL;
+    }
+    const int64_t *p = (const int64_t *)PyBytes_AsString(args[1]);
+    if (p == NULL) return NULL;
+    Py_ssize_t n_addresses = PyList_Size(args[0]);
+    int64_t n = *p++;
+    for (int64_t i = 0; i < n; i++, p += 3) { /* all checked first: nothing written on an error */
+        if (p[0] < 0 || p[0] >= n_addresses) {
+            PyErr_SetString(PyExc_IndexError, "place: no such address");
+            return NULL;
+        }
+    }
+    p -= 3 * n;
+    for (int64_t i = 0; i < n; i++, p += 3) {
+        long long a = PyLong_AsLongLong(PyList_GetItem(args[0], (Py_ssize_t)p[0]));
+        if (a == -1 && PyErr_Occurred()) return NULL;
+        *(uintptr_t *)(uintptr_t)p[2] = (uintptr_t)(a + p[1]);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef sc_dlpack_defs[] = {
     {"read", (PyCFunction)(void (*)(void))py_read, METH_FASTCALL, "read(obj, from_py): a tensor's reading"},
     {"match", (PyCFunction)(void (*)(void))py_match, METH_FASTCALL, "match(given, plan): addresses, None or False"},
+    {"place", (PyCFunction)(void (*)(void))py_place, METH_FASTCALL, "place(addresses, targets): set pointer fields"},
 };
 
-/* (read, match) as Python builtins (called like any builtin: the GIL held,
+/* (read, match, place) as Python builtins (called like any builtin: the GIL held,
  * no ctypes conversions per call); made once, kept for the process.  Returns
  * a new reference (ctypes takes a py_object result as one), NULL on failure. */
 void *sc_dlpack_functions(void) {
@@ -187,14 +216,11 @@ void *sc_dlpack_functions(void) {
     if (functions == NULL) {
         PyObject *read = PyCFunction_NewEx(&sc_dlpack_defs[0], NULL, NULL);
         PyObject *match = PyCFunction_NewEx(&sc_dlpack_defs[1], NULL, NULL);
-        if (read == NULL || match == NULL) {
-            Py_XDECREF(read);
-            Py_XDECREF(match);
-            return NULL;
-        }
-        functions = PyTuple_Pack(2, read, match);
-        Py_DECREF(read);
-        Py_DECREF(match);
+        PyObject *place = PyCFunction_NewEx(&sc_dlpack_defs[2], NULL, NULL);
+        if (read != NULL && match != NULL && place != NULL) functions = PyTuple_Pack(3, read, match, place);
+        Py_XDECREF(read);
+        Py_XDECREF(match);
+        Py_XDECREF(place);
         if (functions == NULL) return NULL;
     }
     Py_INCREF(functions);
