@@ -1,7 +1,7 @@
 """Relaunches that read torch tensors through the DLPack C exchange API.
 
 Where the device has a compiled reader (cpu: sc_dlpack.c) and the tensors'
-type publishes ``__dlpack_c_exchange_api__`` (torch 2.10+), a relaunch reads
+type publishes ``__dlpack_c_exchange_api__`` (torch 2.13 does), a relaunch reads
 and compares every tensor of the call, and makes the alignment and overlap
 checks, in one C call (:class:`statecache.dlpack.ExchangeReader`).  These
 tests check that this path is taken and that it decides exactly as the
@@ -20,6 +20,7 @@ from test_tensors_args import _POSITIONAL, _host, _stateful_hosts, _tensor
 
 from statecache import dlpack
 from statecache.errors import ArgumentError
+from statecache.hostmem import as_array
 from statecache.registry import get_device
 from statecache.tensor_args import Relaunches
 
@@ -65,7 +66,7 @@ def _plans(dev) -> int:  # type: ignore[no-untyped-def]
 
 
 #: How a step passes x, y (and, for the scan, dt): the remembered geometry at new addresses, or a change.
-VARIANTS = ("same", "same", "same", "strided", "f16", "short", "y_over_x", "y_is_x", "clone", "misaligned")
+VARIANTS = ("same", "same", "same", "strided", "f16", "short", "y_over_x", "y_is_x", "clone", "misaligned", "x_in_pool")
 
 
 def _materialize(op: str, hosts: dict, variant: str, pool, rows) -> dict:  # type: ignore[no-untyped-def,type-arg]
@@ -97,6 +98,8 @@ def _materialize(op: str, hosts: dict, variant: str, pool, rows) -> dict:  # typ
         args[y_name] = storage[n // 2 : n // 2 + n].view(args[y_name].shape)
     elif variant == "y_is_x":
         args[y_name] = args[x_name]
+    elif variant == "x_in_pool":  # an input over the state pool's memory (a torch view of the Buffer)
+        args[x_name] = torch.from_numpy(as_array(pool)).view(-1)[: x.numel()].view(x.shape)
     elif variant == "clone":
         args[x_name] = x.clone()
     elif variant == "misaligned":  # one byte off its 4-byte elements (NumPy memory: torch allows it)

@@ -687,9 +687,12 @@ def _helpers(ffi: Any, lib: Any) -> tuple[ExchangeReader | None, Any]:
     """The library's Python builtins (sc_dlpack.c): the DLPack readers, and
     ``place`` (pointer fields set from a list of addresses); fetched once
     through ctypes (with the GIL held, unlike a cffi call).  Nones if that fails."""
-    getter = ctypes.PYFUNCTYPE(ctypes.py_object)(int(ffi.cast("uintptr_t", ffi.addressof(lib, "sc_dlpack_functions"))))
     try:
-        read, match, place = getter()
+        address = int(ffi.cast("uintptr_t", ffi.addressof(lib, "sc_dlpack_functions")))
+    except AttributeError:  # a hand-made build that does not declare them (tools/kernel_coverage.py)
+        return None, None
+    try:
+        read, match, place = ctypes.PYFUNCTYPE(ctypes.py_object)(address)()
     except (ValueError, TypeError):  # NULL (no memory) or not the three
         return None, None
     return ExchangeReader(read, match), place

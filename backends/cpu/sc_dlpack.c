@@ -1,5 +1,5 @@
-/* See sc_dlpack.h.  Layouts shared with statecache.backends.cpu.device
- * (DlpackReader), all int64:
+/* See sc_dlpack.h.  Layouts shared with statecache.dlpack.ExchangeReader,
+ * all int64:
  *
  * a reading (read's result): address (data + byte_offset), ndim,
  *   dtype word (code | bits << 8 | lanes << 16), device word
