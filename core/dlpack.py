@@ -105,11 +105,11 @@ def capsule_tensor(capsule: Any) -> tuple[DLTensor, int]:
     raise BufferError(f"not an unconsumed DLPack capsule: {name!r}")
 
 
-#: (code, bits) -> NumPy dtype of the element types statecache reads.
+#: (code, bits) -> NumPy dtype of the element types statecache reads (bf16's
+#: is DType.BF16.numpy, looked up when met: it imports ml_dtypes).
 _NUMPY_OF_DL: dict[tuple[int, int], np.dtype] = {
     (KDL_FLOAT, 32): np.dtype(np.float32),
     (KDL_FLOAT, 16): np.dtype(np.float16),
-    (KDL_BFLOAT, 16): DType.BF16.numpy,
     (KDL_INT, 32): np.dtype(np.int32),
     (KDL_INT, 64): np.dtype(np.int64),
 }
@@ -150,6 +150,8 @@ class TensorMemory(NamedTuple):
     @property
     def numpy_dtype(self) -> np.dtype | None:
         """The NumPy dtype of the elements, or None for a type statecache never reads."""
+        if self.code == KDL_BFLOAT and self.bits == 16:
+            return DType.BF16.numpy
         return _NUMPY_OF_DL.get((self.code, self.bits))
 
     @property
@@ -265,7 +267,7 @@ def describe(obj: Any, *, stream: int | None = None) -> TensorMemory:
 
 def _numpy_memory(arr: np.ndarray) -> TensorMemory:
     dtype = arr.dtype
-    if dtype == DType.BF16.numpy:
+    if dtype.name == "bfloat16" and dtype == DType.BF16.numpy:  # the name first: no ml_dtypes import
         code = KDL_BFLOAT
     else:
         code = {"f": KDL_FLOAT, "i": KDL_INT, "u": KDL_UINT, "b": KDL_BOOL}.get(dtype.kind, -1)
