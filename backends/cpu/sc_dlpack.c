@@ -18,6 +18,11 @@
  *
  * Only the geometry is compared, never the address: the address is what a
  * relaunch takes from each call. */
+/* The stable ABI of CPython 3.11 (setup.py's LIMITED_API): the module is
+ * named and tagged abi3, so nothing here may depend on one CPython's layout. */
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x030B0000
+#endif
 #include <Python.h>
 #include <string.h>
 
