@@ -365,13 +365,22 @@ class KVCache(Memory):
         if own.size > 1 and not (own[1:] > own[:-1]).all():  # (a decode ubatch: distinct and ascending)
             _, first = np.unique(own, return_index=True)
             own = own[np.sort(first)]  # the ubatch's sequences in order of first appearance
-        rest = np.ones(self.n_seq_max, dtype=bool)
-        rest[own] = False
-        order = np.concatenate([own, np.flatnonzero(rest)])
+        if own.size == self.n_seq_max:  # (a decode step of every sequence: no others)
+            order = own
+        else:
+            rest = np.ones(self.n_seq_max, dtype=bool)
+            rest[own] = False
+            order = np.concatenate([own, np.flatnonzero(rest)])
         p_next = cells.seq_pos.last_positions(order) + 1 - self.rollback_depth
         return cells.oldest_alone_many(order, swa_visible_from_many(self.n_swa, self.swa_type, p_next), need)
 
-    def _apply_ubatch(self, book: _Book, sinfo: SlotInfo, ub: UBatch) -> None:
+    def _apply_ubatch(
+        self, book: _Book, sinfo: SlotInfo, ub: UBatch, reused: list[tuple[int, np.ndarray, np.ndarray]] | None = None
+    ) -> None:
+        """Place the ubatch's tokens into the cells ``sinfo`` names.  ``reused``: where a
+        sliding-window reuse is recorded, before the stream changes, as ``(stream, cells,
+        their sequence rows)`` (the undo record's; the rows are the journal's before-image
+        too, read once)."""
         pos = np.asarray(ub.pos, dtype=np.int64)
         # the cell's 2-D extension: the token's M-RoPE (x, y) = sections (2, 1) as
         # upstream's apply_ubatch; a 1-D ubatch stores (pos, pos)
@@ -386,17 +395,14 @@ class KVCache(Memory):
             held = pmax = np.zeros(0, dtype=np.int64)
             occ = idx[cells.pos[idx] != EMPTY]
             if occ.size:  # (vectorised: a prefill chunk may reuse a whole window's cells)
-                owners = cells.owner_pairs(occ)
-                rows, seqs = owners
-                # per losing sequence (ascending) its highest lost position: the last of each
-                # sequence's group sorted by (sequence, position); np.maximum.at costs more
-                p_lost = cells.pos[occ][rows]
-                order = np.lexsort((p_lost, seqs))
-                s_sorted = seqs[order]
-                group_end = np.ones(s_sorted.size, dtype=bool)
-                np.not_equal(s_sorted[1:], s_sorted[:-1], out=group_end[:-1])
-                held, pmax = s_sorted[group_end], p_lost[order][group_end]
-                cells.rm_many(occ, owners)
+                seq_rows = cells.seq[occ]  # read once: the owners, the journal's and the undo record's
+                if reused is not None:
+                    reused.append((strm, occ, seq_rows))
+                # the lost pairs sorted by (sequence, key), one sort for the drop and for the
+                # highest lost position of each losing sequence (np.maximum.at costs more)
+                runs = cells.owner_runs(occ, seq_rows)
+                held, pmax = runs.highest()
+                cells.rm_many(occ, runs, seq_rows)
             if single:
                 cells.place_seqs(idx, pos[tok], ext[tok], ub.seq_id.ids[tok])  # type: ignore[attr-defined]
             else:
@@ -1030,6 +1036,9 @@ class KVCache(Memory):
             self.clear(data=True)
 
 
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
 @dataclasses.dataclass(eq=False)
 class _KVApplyRecord:
     """What :meth:`KVCacheContext.undo_rows` needs for one applied ubatch:
@@ -1074,25 +1083,31 @@ class KVCacheContext(UBatchContext):
 
     def _apply_ubatch(self, i: int) -> bool:
         cache, sinfo = self.cache, self.sinfos[i]
-        owners = None
-        if cache.evicts:  # only a window cache places tokens into cells it still uses
-            occupied = np.zeros(sinfo.cells.size, dtype=bool)
-            streams = [0] if cache.unified else np.unique(sinfo.streams).tolist()
-            for strm in streams:
-                tok = sinfo.streams == strm
-                occupied[tok] = cache.cells[strm].pos[sinfo.cells[tok]] != EMPTY
-            rows = sinfo.rows[occupied]
-            if rows.size:
-                occ_cells, occ_streams = sinfo.cells[occupied], sinfo.streams[occupied]
-                owners = np.zeros((rows.size, cache.n_seq_max), dtype=bool)
-                for strm in streams:
-                    at = occ_streams == strm
-                    owners[at] = cache.cells[strm].seq[occ_cells[at]]
-        else:
-            rows = np.zeros(0, dtype=np.int64)
-        saved = None
+        rec = _KVApplyRecord(i, _NO_ROWS, None)
+        self._records.append(rec)
+        streams = [0] if cache.unified else np.unique(sinfo.streams).tolist()
+        journal = BookJournal(cache.book, streams)
+        self._journals.append(journal)  # before any change: a failure half-way is taken back too
+        # only a window cache places tokens into cells it still uses: the book's apply reports
+        # them (and their owners) as it reads them anyway, before it changes them
+        reused: list[tuple[int, np.ndarray, np.ndarray]] = []
+        try:
+            cache._apply_ubatch(cache.book, sinfo, self.ubatches[i], reused if cache.evicts else None)
+        finally:
+            journal.close(cache.book)
+            cache._version += 1
+            journal.version_after = cache._version
+            if reused:
+                if len(reused) == 1:
+                    strm, occ, owners = reused[0]
+                    rec.overwrites, rec.owners = occ + strm * cache.size, owners
+                else:
+                    rec.overwrites = np.concatenate([occ + strm * cache.size for strm, occ, _ in reused])
+                    rec.owners = np.concatenate([owners for _, _, owners in reused])
         if self.keep_undo_rows:
-            saved = []
+            # the rows the ubatch will write although the old book still uses them, copied
+            # before the compute writes them (the book's apply wrote no K/V row)
+            rows, saved = rec.overwrites, []
             if rows.size:
                 dev = cache.device
                 src, local = dev.indices(rows), dev.indices(np.arange(rows.size))
@@ -1100,16 +1115,7 @@ class KVCacheContext(UBatchContext):
                     tmp = dev.alloc((rows.size, buf.shape[1]), buf.dtype)
                     dev.copy_rows(buf, src, tmp, local)
                     saved.append((buf, tmp))
-        self._records.append(_KVApplyRecord(i, rows, saved, owners))
-        streams = [0] if cache.unified else np.unique(sinfo.streams).tolist()
-        journal = BookJournal(cache.book, streams)
-        self._journals.append(journal)  # before any change: a failure half-way is taken back too
-        try:
-            cache._apply_ubatch(cache.book, sinfo, self.ubatches[i])
-        finally:
-            journal.close(cache.book)
-            cache._version += 1
-            journal.version_after = cache._version
+            rec.saved = saved
         return True
 
     @property
