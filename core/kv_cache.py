@@ -365,13 +365,16 @@ class KVCache(Memory):
         if own.size > 1 and not (own[1:] > own[:-1]).all():  # (a decode ubatch: distinct and ascending)
             _, first = np.unique(own, return_index=True)
             own = own[np.sort(first)]  # the ubatch's sequences in order of first appearance
-        if own.size == self.n_seq_max:  # (a decode step of every sequence: no others)
-            order = own
+        order: np.ndarray | None
+        if own.size == self.n_seq_max:  # (distinct and ascending: a decode step of every sequence, in order)
+            order = None
         else:
             rest = np.ones(self.n_seq_max, dtype=bool)
             rest[own] = False
             order = np.concatenate([own, np.flatnonzero(rest)])
-        p_next = cells.seq_pos.last_positions(order) + 1 - self.rollback_depth
+        # each sequence's earliest possible next token, and the first position its window shows
+        # (the rule is plain arithmetic: applied to all sequences at once)
+        p_next = cells.seq_pos.last_positions(order) + (1 - self.rollback_depth)
         return cells.oldest_alone_many(order, swa_visible_from_many(self.n_swa, self.swa_type, p_next), need)
 
     def _apply_ubatch(

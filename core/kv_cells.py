@@ -749,6 +749,7 @@ class KVCells:
         """Up to ``n`` empty cells in cyclic order from ``start`` (upstream's scan from
         the search head), skipping full blocks; O(n + blocks skipped / 256)."""
         out: list[int] = []
+        n = min(n, self.size - self.used)  # (a full window cache has none: no block is read)
         if n <= 0:
             return out
         start = min(max(start, 0), self.size)
@@ -787,21 +788,28 @@ class KVCells:
             out.extend(cand[:need].tolist())
             i = (int(blocks[-1]) + 1) << BLOCK_SHIFT
 
-    def oldest_alone_many(self, seqs: Sequence[int] | np.ndarray, p_end: np.ndarray, need: int) -> list[int]:
-        """:meth:`oldest_alone` of ``seqs`` in order (``p_end[k]`` for ``seqs[k]``), until ``need``
-        cells are found: the same cells as a loop of calls, but read with NumPy for many
-        sequences at once (a decode step of a full window cache asks each of its 256 sequences
-        for about one cell): the first :data:`_HEAD` pairs of the sequences, in runs that double
-        until ``need`` is met; a sequence whose first pairs are all below its end may hold more
-        there, and is asked alone.  When there are many more sequences than ``need``, only
-        those whose oldest pair is below their end are read."""
-        if need <= 0 or not len(seqs):
+    def oldest_alone_many(
+        self, seqs: Sequence[int] | np.ndarray | None, p_end: np.ndarray | int, need: int
+    ) -> list[int]:
+        """:meth:`oldest_alone` of ``seqs`` in order (``p_end[k]`` for ``seqs[k]``; None: every
+        sequence, ascending), until ``need`` cells are found: the same cells as a loop of calls,
+        but read with NumPy for many sequences at once (a decode step of a full window cache
+        asks each of its 256 sequences for about one cell): the first :data:`_HEAD` pairs of the
+        sequences, in runs that double until ``need`` is met; a sequence whose first pairs are
+        all below its end may hold more there, and is asked alone.  When there are many more
+        sequences than ``need``, only those whose oldest pair is below their end are read."""
+        n_rows = self.n_seq_max if seqs is None else len(seqs)
+        if need <= 0 or not n_rows:
             return []
-        rows = np.asarray(seqs, dtype=np.int64)
+        rows = None if seqs is None else np.asarray(seqs, dtype=np.int64)
         end_key = np.clip(np.asarray(p_end, dtype=np.int64), 0, _POS_END) << _CELL_BITS
+        if end_key.ndim == 0:
+            end_key = np.full(n_rows, end_key, dtype=np.int64)
         run = max(16, need)
-        if 8 < rows.size <= 2 * run:  # a decode step: every sequence's head in one gather, no pre-filter
+        if 8 < n_rows <= 2 * run:  # a decode step: every sequence's head in one gather, no pre-filter
             return self._oldest_alone_heads(rows, end_key, need)
+        if rows is None:
+            rows = np.arange(n_rows, dtype=np.int64)
         first = self.seq_pos.first_keys(rows)
         giving = np.flatnonzero((first >= 0) & (first < end_key))
         out: list[int] = []
@@ -818,29 +826,34 @@ class KVCells:
             lo, run = lo + run, 2 * run
         return out
 
-    def _oldest_alone_heads(self, seqs: np.ndarray, end_key: np.ndarray, need: int) -> list[int]:
-        """:meth:`oldest_alone_many` of some sequences (``end_key``: their ends as keys): the first
-        :data:`_HEAD` pairs of every one of them in one gather ``[sequences, _HEAD]`` (the arena's
-        slack makes it safe without a clip); only a sequence whose head pairs are all below its
-        end is read further (:meth:`_oldest_alone_from`)."""
+    def _oldest_alone_heads(self, seqs: np.ndarray | None, end_key: np.ndarray, need: int) -> list[int]:
+        """:meth:`oldest_alone_many` of some sequences (None: all, ascending; ``end_key``: their
+        ends as keys): the first :data:`_HEAD` pairs of every one of them in one gather
+        ``[sequences, _HEAD]`` (the arena's slack makes it safe without a clip); only a sequence
+        whose head pairs are all below its end is read further (:meth:`_oldest_alone_from`)."""
         book = self.seq_pos
-        flat = book.arena[book.start[seqs][:, None] + _HEAD_J]
+        start, n = (book.start, book.n) if seqs is None else (book.start[seqs], book.n[seqs])
+        flat = book.arena[start[:, None] + _HEAD_J]
         # keys are sorted, so ``below`` is a prefix of each row: its last column says "all"
-        below = (flat < end_key[:, None]) & (_HEAD_J < book.n[seqs][:, None])
-        cells = np.where(below, flat & _CELL_MASK, 0)
-        take = below & (self.n_owner[cells] == 1)
-        if not below[:, -1].any():  # (row-major: each sequence's cells oldest first, sequences in order)
-            return cells[take][:need].tolist()
+        below = (flat < end_key[:, None]) & (_HEAD_J < n[:, None])
+        cells = flat[below] & _CELL_MASK  # row-major: each sequence's cells oldest first, in order
+        alone = self.n_owner[cells] == 1
+        if not below[:, -1].any():
+            return cells[alone][:need].tolist()
+        # a sequence may hold more below its end than its head: read it alone, in its turn
+        ends = np.cumsum(below.sum(axis=1))
         out: list[int] = []
-        lo, n_rows = 0, int(seqs.size)
-        for r in [*np.flatnonzero(below[:, -1]).tolist(), n_rows]:
-            out += cells[lo:r][take[lo:r]][: need - len(out)].tolist()
-            if len(out) >= need or r == n_rows:
-                break
-            out += self._oldest_alone_from(int(seqs[r]), 0, int(end_key[r]), need - len(out))
+        lo = 0
+        for r in np.flatnonzero(below[:, -1]).tolist():
+            hi = int(ends[r])
+            out += cells[lo:hi][alone[lo:hi]][: need - len(out)].tolist()
+            if len(out) < need:
+                s = r if seqs is None else int(seqs[r])
+                out += self._oldest_alone_from(s, _HEAD, int(end_key[r]), need - len(out))
             if len(out) >= need:
-                break
-            lo = r + 1
+                return out
+            lo = hi
+        out += cells[lo:][alone[lo:]][: need - len(out)].tolist()
         return out
 
     def oldest_alone(self, s: int, p_end: int, need: int) -> list[int]:
