@@ -802,7 +802,7 @@ class KVCells:
         if need <= 0 or not n_rows:
             return []
         rows = None if seqs is None else np.asarray(seqs, dtype=np.int64)
-        end_key = np.clip(np.asarray(p_end, dtype=np.int64), 0, _POS_END) << _CELL_BITS
+        end_key = np.minimum(np.maximum(p_end, 0), _POS_END).astype(np.int64) << _CELL_BITS  # (np.clip costs 10x)
         if end_key.ndim == 0:
             end_key = np.full(n_rows, end_key, dtype=np.int64)
         run = max(16, need)
