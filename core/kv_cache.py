@@ -32,7 +32,7 @@ from statecache.dtypes import DType
 from statecache.errors import ArgumentError, StateError
 from statecache.hostmem import gather_rows, scatter_rows
 from statecache.kv_cells import EMPTY, CellJournal, KVCells, last_positions
-from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from_many
+from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from, swa_visible_from_many
 from statecache.memory import (
     POS_MAX,
     ContextError,
@@ -101,6 +101,12 @@ class KVLayer:
     def __post_init__(self) -> None:
         if self.n_embd_k <= 0 or self.n_embd_v < 0:
             raise ArgumentError("layers", f"layer {self.il}: K width must be > 0 and V width >= 0")
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+#: Up to this many sequences (a window cache's eviction plan) or reused cells (its apply) are
+#: handled one by one with Python ints: below it, the NumPy calls' fixed cost is what counts.
+_FEW = 4
 
 
 @dataclasses.dataclass
@@ -362,11 +368,14 @@ class KVCache(Memory):
         taken + cells skipped because shared), with no Python call per sequence that gives
         nothing."""
         own = np.asarray(ub.primary[tok], dtype=np.int64)
-        if own.size > 1 and not (own[1:] > own[:-1]).all():  # (a decode ubatch: distinct and ascending)
+        if self.n_seq_max <= _FEW:
+            return self._evictable_few(cells, need, own)
+        ascending = own.size <= 1 or bool((own[1:] > own[:-1]).all())  # (a decode ubatch: distinct, ascending)
+        if not ascending:
             _, first = np.unique(own, return_index=True)
             own = own[np.sort(first)]  # the ubatch's sequences in order of first appearance
         order: np.ndarray | None
-        if own.size == self.n_seq_max:  # (distinct and ascending: a decode step of every sequence, in order)
+        if ascending and own.size == self.n_seq_max:  # a decode step of every sequence: all, in order
             order = None
         else:
             rest = np.ones(self.n_seq_max, dtype=bool)
@@ -376,6 +385,22 @@ class KVCache(Memory):
         # (the rule is plain arithmetic: applied to all sequences at once)
         p_next = cells.seq_pos.last_positions(order) + (1 - self.rollback_depth)
         return cells.oldest_alone_many(order, swa_visible_from_many(self.n_swa, self.swa_type, p_next), need)
+
+    def _evictable_few(self, cells: KVCells, need: int, own: np.ndarray) -> list[int]:
+        """:meth:`_evictable` of a cache of a few sequences: one by one, with Python ints (the
+        arrays' fixed cost would be most of the step)."""
+        order = list(dict.fromkeys(own.tolist()))
+        order += [s for s in range(self.n_seq_max) if s not in order]
+        out: list[int] = []
+        for s in order:
+            p_last = cells.seq_pos[s].last_pos()
+            if p_last < 0:
+                continue
+            p_end = swa_visible_from(self.n_swa, self.swa_type, p_last + 1 - self.rollback_depth)
+            out += cells.oldest_alone(s, p_end, need - len(out))
+            if len(out) >= need:
+                break
+        return out
 
     def _apply_ubatch(
         self, book: _Book, sinfo: SlotInfo, ub: UBatch, reused: list[tuple[int, np.ndarray, np.ndarray]] | None = None
@@ -395,9 +420,10 @@ class KVCache(Memory):
             cells = book.cells[strm]
             idx = sinfo.cells[tok]
             # sliding-window reuse: remember the overwritten position per sequence
-            held = pmax = np.zeros(0, dtype=np.int64)
+            held = pmax = _NO_ROWS
+            lost: dict[int, int] = {}  # (the same, for a few reused cells)
             occ = idx[cells.pos[idx] != EMPTY]
-            if occ.size:  # (vectorised: a prefill chunk may reuse a whole window's cells)
+            if occ.size > _FEW:  # (vectorised: a prefill chunk may reuse a whole window's cells)
                 seq_rows = cells.seq[occ]  # read once: the owners, the journal's and the undo record's
                 if reused is not None:
                     reused.append((strm, occ, seq_rows))
@@ -406,6 +432,14 @@ class KVCache(Memory):
                 runs = cells.owner_runs(occ, seq_rows)
                 held, pmax = runs.highest()
                 cells.rm_many(occ, runs, seq_rows)
+            elif occ.size:  # a few cells (a small batch): one by one, the arrays' fixed cost saved
+                if reused is not None:
+                    reused.append((strm, occ, cells.seq[occ]))
+                for c in occ.tolist():
+                    p = cells.pos_get(c)
+                    for s in cells.seqs_of(c):
+                        lost[s] = max(p, lost.get(s, -1))
+                    cells.rm(c)
             if single:
                 cells.place_seqs(idx, pos[tok], ext[tok], ub.seq_id.ids[tok])  # type: ignore[attr-defined]
             else:
@@ -420,6 +454,10 @@ class KVCache(Memory):
                 lo = cells.seq_pos.first_positions(held)
                 for k in np.flatnonzero((lo != -1) & (lo <= pmax)).tolist():
                     self._seq_rm_cells(book, strm, int(held[k]), int(lo[k]), int(pmax[k]) + 1)
+            for s, p_lost in lost.items():
+                p_first = cells.seq_pos_min(s)
+                if p_first != -1 and p_first <= p_lost:
+                    self._seq_rm_cells(book, strm, s, p_first, p_lost + 1)
             head = int(idx.max()) + 1
             book.heads[strm] = 0 if head >= self.size else head
 
@@ -1037,9 +1075,6 @@ class KVCache(Memory):
             self.seq_rm(seq)
         else:
             self.clear(data=True)
-
-
-_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 @dataclasses.dataclass(eq=False)
