@@ -422,7 +422,9 @@ class KVCache(Memory):
             # sliding-window reuse: remember the overwritten position per sequence
             held = pmax = _NO_ROWS
             lost: dict[int, int] = {}  # (the same, for a few reused cells)
-            occ = idx[cells.pos[idx] != EMPTY]
+            occupied = cells.pos[idx] != EMPTY
+            occ = idx[occupied]
+            reuse = None
             if occ.size > _FEW:  # (vectorised: a prefill chunk may reuse a whole window's cells)
                 seq_rows = cells.seq[occ]  # read once: the owners, the journal's and the undo record's
                 if reused is not None:
@@ -431,7 +433,10 @@ class KVCache(Memory):
                 # highest lost position of each losing sequence (np.maximum.at costs more)
                 runs = cells.owner_runs(occ, seq_rows)
                 held, pmax = runs.highest()
-                cells.rm_many(occ, runs, seq_rows)
+                if single:  # dropped by the placement, which refills the cells at once
+                    reuse = (occupied, occ, runs, seq_rows)
+                else:
+                    cells.rm_many(occ, runs, seq_rows)
             elif occ.size:  # a few cells (a small batch): one by one, the arrays' fixed cost saved
                 if reused is not None:
                     reused.append((strm, occ, cells.seq[occ]))
@@ -441,7 +446,7 @@ class KVCache(Memory):
                         lost[s] = max(p, lost.get(s, -1))
                     cells.rm(c)
             if single:
-                cells.place_seqs(idx, pos[tok], ext[tok], ub.seq_id.ids[tok])  # type: ignore[attr-defined]
+                cells.place_seqs(idx, pos[tok], ext[tok], ub.seq_id.ids[tok], reuse)  # type: ignore[attr-defined]
             else:
                 for k, c in enumerate(idx.tolist()):
                     i = int(tok[k])

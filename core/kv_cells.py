@@ -1031,23 +1031,42 @@ class KVCells:
         if i == self._hi - 1:
             self._hi_dirty = True
 
-    def place_seqs(self, idx: np.ndarray, pos: np.ndarray, ext: np.ndarray, seqs: np.ndarray) -> None:
+    def place_seqs(
+        self,
+        idx: np.ndarray,
+        pos: np.ndarray,
+        ext: np.ndarray,
+        seqs: np.ndarray,
+        reuse: tuple[np.ndarray, np.ndarray, OwnerRuns, np.ndarray] | None = None,
+    ) -> None:
         """Occupy the empty cells ``idx`` (distinct) at positions ``pos`` with 2-D
         extensions ``ext`` [n, 2], cell ``idx[k]`` held by sequence ``seqs[k]`` alone:
         the bulk form of ``pos_set`` + ``seq_add`` (a ubatch with one sequence per
-        token), vectorised but for one append per sequence."""
+        token), vectorised but for one append per sequence.
+
+        ``reuse``: ``(occupied, occ, runs, seq_rows)`` when some of the cells still hold a
+        position (a window cache's reuse): ``occupied`` marks them in ``idx``, ``occ`` are
+        they, ``runs`` / ``seq_rows`` as for :meth:`rm_many`.  Their owners are dropped
+        first, as :meth:`rm_many` then a placement would, but the cells are not emptied
+        and filled again (no free counts, extent or fields written twice)."""
         n = int(idx.size)
         if not n:
             return
+        fresh = idx
+        if reuse is not None:
+            occupied, occ, runs, seq_rows = reuse
+            self._drop_owners(occ, runs, seq_rows)
+            fresh = idx[~occupied] if occ.size < n else _NO_KEYS
         if self._journal is not None:
-            self._journal.touch_empty(idx)
+            self._journal.touch_empty(idx)  # (a reused cell keeps its bulk before-image: rollback empties first)
         self.pos[idx] = pos
         self.ext[idx] = ext
         self.shift[idx] = 0
         self.seq[idx, seqs] = True
         self.n_owner[idx] = 1
-        self.used += n
-        self._count_free(idx, -1)
+        self.used += int(fresh.size)
+        if fresh.size:
+            self._count_free(fresh, -1)
         top = int(idx.max()) + 1
         if top > self._hi:
             self._hi = top
@@ -1149,16 +1168,21 @@ class KVCells:
             idx = idx[self.pos[idx] != EMPTY]
         if not idx.size:
             return
-        if self._journal is not None:
-            self._journal.touch_many(self, idx, seq_rows)
         if runs is None:
             runs = self.owner_runs(idx)
+        self._drop_owners(idx, runs, seq_rows)
+        self.n_owner[idx] = 0
+        self._empty_many(idx)
+
+    def _drop_owners(self, idx: np.ndarray, runs: OwnerRuns, seq_rows: np.ndarray | None) -> None:
+        """Drop every sequence from the cells ``idx`` (each holding a position; ``runs``: their
+        :meth:`owner_runs`), leaving the cells' position and counts to the caller."""
+        if self._journal is not None:
+            self._journal.touch_many(self, idx, seq_rows)
         # each sequence's run of keys (a window cache's reuse: its oldest pairs), all at once
         self.seq_pos.remove_runs(runs.seqs[runs.bounds[:-1]], runs.bounds, runs.keys)
         self.removals += int(runs.seqs.size)
         self.seq[idx] = False
-        self.n_owner[idx] = 0
-        self._empty_many(idx)
 
     def _repos(self, i: int, new: int) -> None:
         old = int(self.pos[i])

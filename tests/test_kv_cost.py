@@ -76,9 +76,22 @@ def mutate(c: KVCells, rng: np.random.Generator) -> None:
         lost_seqs, lost_pos = runs.highest()
         for s, p in zip(lost_seqs.tolist(), lost_pos.tolist(), strict=True):  # each loser's highest lost pair
             assert p == max(pos for pos, cell in c.seq_cells(s) if cell in set(idx.tolist()))
-        c.rm_many(idx, runs, seq_rows)
-        pos = rng.integers(0, 3 * BLOCK, size=idx.size)
-        c.place_seqs(idx, pos.astype(np.int64), np.zeros((idx.size, 2), np.int64), rng.integers(0, N_SEQ, idx.size))
+        # some free cells too; placed either after an rm_many or by the placement's own reuse
+        extra = rng.choice(free, size=int(rng.integers(0, min(free.size, 3) + 1)), replace=False) if free.size else free
+        cells = np.concatenate([idx, extra.astype(np.int64)])
+        pos = rng.integers(0, 3 * BLOCK, size=cells.size).astype(np.int64)
+        seqs = rng.integers(0, N_SEQ, cells.size)
+        ext = np.zeros((cells.size, 2), np.int64)
+        other = c.clone()
+        occupied = other.pos[cells] != EMPTY
+        other.rm_many(idx, other.owner_runs(idx), other.seq[idx])
+        other.place_seqs(cells, pos, ext, seqs)
+        if rng.random() < 0.5:
+            c.rm_many(idx, runs, seq_rows)
+            c.place_seqs(cells, pos, ext, seqs)
+        else:
+            c.place_seqs(cells, pos, ext, seqs, (occupied, idx, runs, seq_rows))
+        assert c.same_as(other) and c.removals == other.removals
 
 
 @given(seed=st.integers(0, 2**32 - 1), n_ops=st.integers(1, 30), fill=st.floats(0.0, 1.0))
