@@ -116,6 +116,10 @@ class SlotInfo:
     streams: np.ndarray
     cells: np.ndarray
     size: int
+    #: per token, the one sequence that held the cell it reuses when it was planned (a window
+    #: cache's eviction), -1 for a free cell; None when no cell is reused.  The apply checks it
+    #: against the book before it relies on it (so it reads no row of the sequence matrix).
+    reuse_owner: np.ndarray | None = None
 
     @property
     def rows(self) -> np.ndarray:
@@ -342,6 +346,7 @@ class KVCache(Memory):
         groups = self._stream_groups(ub)
         streams = np.zeros(ub.n_tokens, dtype=np.int64)
         cells_out = np.full(ub.n_tokens, -1, dtype=np.int64)
+        reuse_owner = None
         for strm, tok in groups:
             cells = book.cells[strm]
             n = int(tok.size)
@@ -352,24 +357,31 @@ class KVCache(Memory):
                 head = 0
             found = cells.free_from(head, n)
             if len(found) < n and self.evicts:
-                found += self._evictable(cells, n - len(found), ub, tok)
+                n_free, owners = len(found), []
+                found += self._evictable(cells, n - n_free, ub, tok, owners)
+                if owners and len(found) == n:
+                    if reuse_owner is None:
+                        reuse_owner = np.full(ub.n_tokens, -1, dtype=np.int64)
+                    reuse_owner[tok[n_free:]] = owners
             if len(found) < n:
                 return None
             streams[tok] = strm
             cells_out[tok] = found
-        return SlotInfo(streams, cells_out, self.size)
+        return SlotInfo(streams, cells_out, self.size, reuse_owner)
 
-    def _evictable(self, cells: KVCells, need: int, ub: UBatch, tok: np.ndarray) -> list[int]:
+    def _evictable(
+        self, cells: KVCells, need: int, ub: UBatch, tok: np.ndarray, owners: list[int] | None = None
+    ) -> list[int]:
         """Up to ``need`` cells a sliding window has left: a cell held by one sequence
         alone whose position the window of that sequence's earliest possible next
         token (``rollback_depth`` positions before its end) hides.  Those are the
         oldest cells of each sequence, so each sequence's are taken oldest first:
         the ubatch's own sequences first, then the others.  O(sequences + cells
         taken + cells skipped because shared), with no Python call per sequence that gives
-        nothing."""
+        nothing.  ``owners``: where each cell's sequence is appended."""
         own = np.asarray(ub.primary[tok], dtype=np.int64)
         if self.n_seq_max <= _FEW:
-            return self._evictable_few(cells, need, own)
+            return self._evictable_few(cells, need, own, owners)
         ascending = own.size <= 1 or bool((own[1:] > own[:-1]).all())  # (a decode ubatch: distinct, ascending)
         if not ascending:
             _, first = np.unique(own, return_index=True)
@@ -384,9 +396,9 @@ class KVCache(Memory):
         # each sequence's earliest possible next token, and the first position its window shows
         # (the rule is plain arithmetic: applied to all sequences at once)
         p_next = cells.seq_pos.last_positions(order) + (1 - self.rollback_depth)
-        return cells.oldest_alone_many(order, swa_visible_from_many(self.n_swa, self.swa_type, p_next), need)
+        return cells.oldest_alone_many(order, swa_visible_from_many(self.n_swa, self.swa_type, p_next), need, owners)
 
-    def _evictable_few(self, cells: KVCells, need: int, own: np.ndarray) -> list[int]:
+    def _evictable_few(self, cells: KVCells, need: int, own: np.ndarray, owners: list[int] | None) -> list[int]:
         """:meth:`_evictable` of a cache of a few sequences: one by one, with Python ints (the
         arrays' fixed cost would be most of the step)."""
         order = list(dict.fromkeys(own.tolist()))
@@ -397,7 +409,10 @@ class KVCache(Memory):
             if p_last < 0:
                 continue
             p_end = swa_visible_from(self.n_swa, self.swa_type, p_last + 1 - self.rollback_depth)
-            out += cells.oldest_alone(s, p_end, need - len(out))
+            got = cells.oldest_alone(s, p_end, need - len(out))
+            out += got
+            if owners is not None:
+                owners += [s] * len(got)
             if len(out) >= need:
                 break
         return out
@@ -426,12 +441,21 @@ class KVCache(Memory):
             occ = idx[occupied]
             reuse = None
             if occ.size > _FEW:  # (vectorised: a prefill chunk may reuse a whole window's cells)
-                seq_rows = cells.seq[occ]  # read once: the owners, the journal's and the undo record's
+                # the cells' owners: the plan's, where the book says each cell is still held by
+                # that one sequence (one element of the sequence matrix per cell, a row each
+                # was several times the rest); else the cells' rows, read once.  Either is the
+                # journal's before-image and the undo record's too.
+                own = None if sinfo.reuse_owner is None else sinfo.reuse_owner[tok][occupied]
+                if own is not None and not (
+                    (own >= 0).all() and (cells.n_owner[occ] == 1).all() and cells.seq[occ, own].all()
+                ):
+                    own = None
+                seq_rows = cells.seq[occ] if own is None else own
                 if reused is not None:
                     reused.append((strm, occ, seq_rows))
                 # the lost pairs sorted by (sequence, key), one sort for the drop and for the
                 # highest lost position of each losing sequence (np.maximum.at costs more)
-                runs = cells.owner_runs(occ, seq_rows)
+                runs = cells.owner_runs(occ, seq_rows, own)
                 held, pmax = runs.highest()
                 if single:  # dropped by the placement, which refills the cells at once
                     reuse = (occupied, occ, runs, seq_rows)
@@ -1082,6 +1106,15 @@ class KVCache(Memory):
             self.clear(data=True)
 
 
+def _owner_rows(owners: np.ndarray, n_seq_max: int) -> np.ndarray:
+    """Sequence rows ``[cells, n_seq_max]`` from rows (as they are) or each cell's one sequence."""
+    if owners.ndim == 2:
+        return owners
+    rows = np.zeros((owners.size, n_seq_max), dtype=bool)
+    rows[np.arange(owners.size), owners] = True
+    return rows
+
+
 @dataclasses.dataclass(eq=False)
 class _KVApplyRecord:
     """What :meth:`KVCacheContext.undo_rows` needs for one applied ubatch:
@@ -1094,7 +1127,8 @@ class _KVApplyRecord:
     saved: list[tuple[Buffer, Buffer]] | None
     #: per overwritten row, the sequences that held its cell before (what an undo drops):
     #: ``owners[k, s]`` for row ``overwrites[k]`` (a copy of the cells' sequence rows, no
-    #: Python work per row at apply; read only by :meth:`KVCacheContext.undo_rows_damage`)
+    #: Python work per row at apply; read only by :meth:`KVCacheContext.undo_rows_damage`),
+    #: or, 1-D, ``owners[k]`` the one sequence of each (a decode step's reuse)
     owners: np.ndarray | None = None
 
 
@@ -1146,7 +1180,7 @@ class KVCacheContext(UBatchContext):
                     rec.overwrites, rec.owners = occ + strm * cache.size, owners
                 else:
                     rec.overwrites = np.concatenate([occ + strm * cache.size for strm, occ, _ in reused])
-                    rec.owners = np.concatenate([owners for _, _, owners in reused])
+                    rec.owners = np.concatenate([_owner_rows(o, cache.n_seq_max) for _, _, o in reused])
         if self.keep_undo_rows:
             # the rows the ubatch will write although the old book still uses them, copied
             # before the compute writes them (the book's apply wrote no K/V row)
@@ -1208,7 +1242,8 @@ class KVCacheContext(UBatchContext):
         for rec in recs:
             for k, r in enumerate(rec.overwrites.tolist()):
                 if r not in placed and rec.owners is not None:
-                    first.setdefault(r, tuple(np.flatnonzero(rec.owners[k]).tolist()))
+                    owners = rec.owners[k]  # (a row, or the one sequence)
+                    first.setdefault(r, tuple(np.flatnonzero(owners).tolist()) if owners.ndim else (int(owners),))
             placed.update(self.sinfos[rec.index].rows.tolist())
         return {s for r in damaged for s in first.get(r, ())}
 

@@ -539,8 +539,9 @@ class CellJournal:
         #: cells that were empty at their first touch: a set and arrays not yet joined to it
         self._empty: set[int] = set()
         self._empty_new: list[np.ndarray] = []
-        #: (cells, pos, ext, shift, sequence rows) of cells saved together, each holding a position
-        #: at its first touch; their cells (disjoint from ``saved``): a set and arrays not yet joined
+        #: (cells, pos, ext, shift, sequence rows or, 1-D, each cell's one sequence) of cells saved
+        #: together, each holding a position at its first touch; their cells (disjoint from
+        #: ``saved``): a set and arrays not yet joined
         self.bulk: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self._bulk_cells: set[int] = set()
         self._bulk_new: list[np.ndarray] = []
@@ -599,8 +600,8 @@ class CellJournal:
 
     def touch_many(self, cells: KVCells, idx: np.ndarray, seq_rows: np.ndarray | None = None) -> None:
         """:meth:`touch` for the cells ``idx`` (distinct, each holding a position), read in bulk.
-        ``seq_rows``: ``cells.seq[idx]`` when the caller has read it already (it is kept, not copied:
-        the caller must not write it)."""
+        ``seq_rows``: ``cells.seq[idx]`` when the caller has read it already, or (1-D) each cell's
+        one sequence (it is kept, not copied: the caller must not write it)."""
         if self._any():
             empty, bulk = self.empty_before, self.bulk_cells
             fresh = [k for k, i in enumerate(idx.tolist()) if i not in self.saved and i not in empty and i not in bulk]
@@ -789,7 +790,11 @@ class KVCells:
             i = (int(blocks[-1]) + 1) << BLOCK_SHIFT
 
     def oldest_alone_many(
-        self, seqs: Sequence[int] | np.ndarray | None, p_end: np.ndarray | int, need: int
+        self,
+        seqs: Sequence[int] | np.ndarray | None,
+        p_end: np.ndarray | int,
+        need: int,
+        owners: list[int] | None = None,
     ) -> list[int]:
         """:meth:`oldest_alone` of ``seqs`` in order (``p_end[k]`` for ``seqs[k]``; None: every
         sequence, ascending), until ``need`` cells are found: the same cells as a loop of calls,
@@ -797,7 +802,8 @@ class KVCells:
         asks each of its 256 sequences for about one cell): the first :data:`_HEAD` pairs of the
         sequences, in runs that double until ``need`` is met; a sequence whose first pairs are
         all below its end may hold more there, and is asked alone.  When there are many more
-        sequences than ``need``, only those whose oldest pair is below their end are read."""
+        sequences than ``need``, only those whose oldest pair is below their end are read.
+        ``owners``: where the sequence of each cell returned is appended (its only owner)."""
         n_rows = self.n_seq_max if seqs is None else len(seqs)
         if need <= 0 or not n_rows:
             return []
@@ -807,7 +813,7 @@ class KVCells:
             end_key = np.full(n_rows, end_key, dtype=np.int64)
         run = max(16, need)
         if 8 < n_rows <= 2 * run:  # a decode step: every sequence's head in one gather, no pre-filter
-            return self._oldest_alone_heads(rows, end_key, need)
+            return self._oldest_alone_heads(rows, end_key, need, owners)
         if rows is None:
             rows = np.arange(n_rows, dtype=np.int64)
         first = self.seq_pos.first_keys(rows)
@@ -815,18 +821,23 @@ class KVCells:
         out: list[int] = []
         if giving.size <= 2:  # one or two sequences give (a small batch): asked one by one, no gather
             for g in giving.tolist():
-                out += self._oldest_alone_from(int(rows[g]), 0, int(end_key[g]), need - len(out))
+                got = self._oldest_alone_from(int(rows[g]), 0, int(end_key[g]), need - len(out))
+                out += got
+                if owners is not None:
+                    owners += [int(rows[g])] * len(got)
                 if len(out) >= need:
                     break
             return out
         lo = 0
         while lo < giving.size and len(out) < need:
             sel = giving[lo : lo + run]
-            out += self._oldest_alone_heads(rows[sel], end_key[sel], need - len(out))
+            out += self._oldest_alone_heads(rows[sel], end_key[sel], need - len(out), owners)
             lo, run = lo + run, 2 * run
         return out
 
-    def _oldest_alone_heads(self, seqs: np.ndarray | None, end_key: np.ndarray, need: int) -> list[int]:
+    def _oldest_alone_heads(
+        self, seqs: np.ndarray | None, end_key: np.ndarray, need: int, owners: list[int] | None = None
+    ) -> list[int]:
         """:meth:`oldest_alone_many` of some sequences (None: all, ascending; ``end_key``: their
         ends as keys): the first :data:`_HEAD` pairs of every one of them in one gather
         ``[sequences, _HEAD]`` (the arena's slack makes it safe without a clip); only a sequence
@@ -838,22 +849,36 @@ class KVCells:
         below = (flat < end_key[:, None]) & (_HEAD_J < n[:, None])
         cells = flat[below] & _CELL_MASK  # row-major: each sequence's cells oldest first, in order
         alone = self.n_owner[cells] == 1
+        counts = below.sum(axis=1)
+        # each cell's sequence, when the caller keeps them
+        ids = None if owners is None else np.repeat(np.arange(counts.size) if seqs is None else seqs, counts)
         if not below[:, -1].any():
+            if ids is not None and owners is not None:
+                owners += ids[alone][:need].tolist()
             return cells[alone][:need].tolist()
         # a sequence may hold more below its end than its head: read it alone, in its turn
-        ends = np.cumsum(below.sum(axis=1))
+        ends = np.cumsum(counts)
         out: list[int] = []
         lo = 0
         for r in np.flatnonzero(below[:, -1]).tolist():
             hi = int(ends[r])
-            out += cells[lo:hi][alone[lo:hi]][: need - len(out)].tolist()
+            k = need - len(out)
+            out += cells[lo:hi][alone[lo:hi]][:k].tolist()
+            if ids is not None and owners is not None:
+                owners += ids[lo:hi][alone[lo:hi]][:k].tolist()
             if len(out) < need:
                 s = r if seqs is None else int(seqs[r])
-                out += self._oldest_alone_from(s, _HEAD, int(end_key[r]), need - len(out))
+                got = self._oldest_alone_from(s, _HEAD, int(end_key[r]), need - len(out))
+                out += got
+                if owners is not None:
+                    owners += [s] * len(got)
             if len(out) >= need:
                 return out
             lo = hi
-        out += cells[lo:][alone[lo:]][: need - len(out)].tolist()
+        k = need - len(out)
+        out += cells[lo:][alone[lo:]][:k].tolist()
+        if ids is not None and owners is not None:
+            owners += ids[lo:][alone[lo:]][:k].tolist()
         return out
 
     def oldest_alone(self, s: int, p_end: int, need: int) -> list[int]:
@@ -1091,11 +1116,15 @@ class KVCells:
 
     def _put_back(self, idx: np.ndarray, pos: np.ndarray, ext: np.ndarray, shift: np.ndarray, seq: np.ndarray) -> None:
         """Occupy the empty cells ``idx`` (distinct) with saved contents: positions, 2-D
-        extensions, shifts and sequence rows ``[n, n_seq_max]`` (a bulk before-image of
-        :class:`CellJournal`); the journal must be detached."""
+        extensions, shifts and sequence rows ``[n, n_seq_max]`` or (1-D) each cell's one
+        sequence (a bulk before-image of :class:`CellJournal`); the journal must be detached."""
         n = int(idx.size)
         if not n:
             return
+        if seq.ndim == 1:
+            rows = np.zeros((n, self.n_seq_max), dtype=bool)
+            rows[np.arange(n), seq] = True
+            seq = rows
         self.pos[idx] = pos
         self.ext[idx] = ext
         self.shift[idx] = shift
@@ -1139,20 +1168,27 @@ class KVCells:
         if int(idx.max()) >= self._hi - 1:
             self._hi_dirty = True
 
-    def owner_runs(self, idx: np.ndarray, seq_rows: np.ndarray | None = None) -> OwnerRuns:
+    def owner_runs(
+        self, idx: np.ndarray, seq_rows: np.ndarray | None = None, owners: np.ndarray | None = None
+    ) -> OwnerRuns:
         """Every ``(sequence, key)`` pair the cells ``idx`` (distinct, each holding a position)
         hold, sorted by sequence then key, with the bounds of each sequence's run: what
         :meth:`rm_many` drops from the pair book, and (the last key of each run) the highest
         position each sequence loses.  ``seq_rows``: ``self.seq[idx]`` when the caller read it;
-        one ``argmax`` when every cell has one owner (a window cache's reuse)."""
-        if seq_rows is None:
-            seq_rows = self.seq[idx]
+        one ``argmax`` when every cell has one owner (a window cache's reuse).  ``owners``: the
+        one sequence of each cell when the caller knows it (checked by the caller: no row of
+        the sequence matrix is read)."""
         keys = (self.pos[idx] << _CELL_BITS) | idx
-        if (self.n_owner[idx] == 1).all():
-            seqs = seq_rows.argmax(axis=1)
+        if owners is not None:
+            seqs = owners
         else:
-            rows, seqs = np.nonzero(seq_rows)
-            keys = keys[rows]
+            if seq_rows is None:
+                seq_rows = self.seq[idx]
+            if (self.n_owner[idx] == 1).all():
+                seqs = seq_rows.argmax(axis=1)
+            else:
+                rows, seqs = np.nonzero(seq_rows)
+                keys = keys[rows]
         order = np.lexsort((keys, seqs))
         seqs, keys = seqs[order], keys[order]
         change = np.ones(seqs.size + 1, dtype=bool)  # (np.r_ costs more than the rest of this)
@@ -1161,9 +1197,10 @@ class KVCells:
 
     def rm_many(self, idx: np.ndarray, runs: OwnerRuns | None = None, seq_rows: np.ndarray | None = None) -> None:
         """Empty the cells ``idx`` (distinct), whatever sequences hold them; vectorised.
-        ``runs``: :meth:`owner_runs` of ``idx`` and ``seq_rows``: ``self.seq[idx]``, when the
-        caller has them (every cell then holds a position; ``seq_rows`` is kept by the journal
-        as the cells' before-image, so the caller must not write it)."""
+        ``runs``: :meth:`owner_runs` of ``idx`` and ``seq_rows``: ``self.seq[idx]`` or (1-D,
+        every cell held by one sequence) those sequences, when the caller has them (every cell
+        then holds a position; ``seq_rows`` is kept by the journal as the cells' before-image,
+        so the caller must not write it)."""
         if runs is None:
             idx = idx[self.pos[idx] != EMPTY]
         if not idx.size:
@@ -1176,13 +1213,17 @@ class KVCells:
 
     def _drop_owners(self, idx: np.ndarray, runs: OwnerRuns, seq_rows: np.ndarray | None) -> None:
         """Drop every sequence from the cells ``idx`` (each holding a position; ``runs``: their
-        :meth:`owner_runs`), leaving the cells' position and counts to the caller."""
+        :meth:`owner_runs`), leaving the cells' position and counts to the caller.  ``seq_rows``:
+        ``self.seq[idx]``, or (1-D) the one sequence of each cell."""
         if self._journal is not None:
             self._journal.touch_many(self, idx, seq_rows)
         # each sequence's run of keys (a window cache's reuse: its oldest pairs), all at once
         self.seq_pos.remove_runs(runs.seqs[runs.bounds[:-1]], runs.bounds, runs.keys)
         self.removals += int(runs.seqs.size)
-        self.seq[idx] = False
+        if seq_rows is not None and seq_rows.ndim == 1:
+            self.seq[idx, seq_rows] = False  # (one element per cell: no row of the matrix read)
+        else:
+            self.seq[idx] = False
 
     def _repos(self, i: int, new: int) -> None:
         old = int(self.pos[i])

@@ -300,7 +300,9 @@ def test_oldest_alone_many_is_the_loop_of_oldest_alone(
         loop += c.oldest_alone(s, p, need - len(loop))
         if len(loop) >= need:
             break
-    assert c.oldest_alone_many(None if every else order, p_end, need) == loop
+    owners: list[int] = []
+    assert c.oldest_alone_many(None if every else order, p_end, need, owners) == loop
+    assert owners == [c.seqs_of(cell)[0] for cell in loop]  # each cell's one sequence
 
 
 def reference_kpool_inputs(lay: KPoolLayout, state: KPoolState, tokens: list[Token], n_kv: int, **kw: Any) -> Any:
@@ -717,6 +719,10 @@ def test_window_eviction_one_by_one_and_vectorised_agree_with_asking_each_sequen
                         if reused:  # the reused cells: the naive pick after the free ones
                             own = [int(s) for s in ub.primary[tok]]
                             assert reused == _naive_evictable(cache, cells, len(reused), own), f"threshold {f}"
+                            # and the plan's owner of each: the one sequence that holds it
+                            assert sinfo.reuse_owner is not None
+                            planned = [int(sinfo.reuse_owner[t]) for t, c in zip(tok, found) if cells.pos[c] != EMPTY]
+                            assert planned == [cells.seqs_of(c)[0] for c in reused]
                     cells_seen.append(sinfo.cells.tolist())
                     assert ctx.apply()
                     if not ctx.next():
@@ -728,6 +734,9 @@ def test_window_eviction_one_by_one_and_vectorised_agree_with_asking_each_sequen
             assert placed[0] == placed[1]
             for a, b in zip(caches[0].cells, caches[1].cells, strict=True):
                 assert a.same_as(b)
+            if placed[0] is not None:  # what an undo without kept rows would drop: the same on both
+                n_done = books[0].n_undoable
+                assert books[0].undo_rows_damage(n_done) == books[1].undo_rows_damage(n_done)
             if placed[0] is not None and rng.random() < 0.2:  # undo the batch: each book as it was
                 before = [[c.clone() for c in cache.cells] for cache in caches]
                 for cache, ctx in zip(caches, books, strict=True):
