@@ -356,32 +356,34 @@ class KVCache(Memory):
             if head > cells.used + 2 * n:
                 head = 0
             found = cells.free_from(head, n)
-            if len(found) < n and self.evicts:
-                n_free, owners = len(found), []
-                found += self._evictable(cells, n - n_free, ub, tok, owners)
-                if owners and len(found) == n:
-                    if reuse_owner is None:
-                        reuse_owner = np.full(ub.n_tokens, -1, dtype=np.int64)
-                    reuse_owner[tok[n_free:]] = owners
-            if len(found) < n:
-                return None
             streams[tok] = strm
-            cells_out[tok] = found
+            if len(found) < n and self.evicts:  # the free cells, then cells the window left
+                n_free = len(found)
+                taken, owners = self._evictable(cells, n - n_free, ub, tok)
+                if n_free + taken.size < n:
+                    return None
+                if reuse_owner is None:
+                    reuse_owner = np.full(ub.n_tokens, -1, dtype=np.int64)
+                reuse_owner[tok[n_free:]] = owners
+                cells_out[tok[n_free:]] = taken
+                cells_out[tok[:n_free]] = found
+            elif len(found) < n:
+                return None
+            else:
+                cells_out[tok] = found
         return SlotInfo(streams, cells_out, self.size, reuse_owner)
 
-    def _evictable(
-        self, cells: KVCells, need: int, ub: UBatch, tok: np.ndarray, owners: list[int] | None = None
-    ) -> list[int]:
+    def _evictable(self, cells: KVCells, need: int, ub: UBatch, tok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Up to ``need`` cells a sliding window has left: a cell held by one sequence
         alone whose position the window of that sequence's earliest possible next
         token (``rollback_depth`` positions before its end) hides.  Those are the
         oldest cells of each sequence, so each sequence's are taken oldest first:
         the ubatch's own sequences first, then the others.  O(sequences + cells
         taken + cells skipped because shared), with no Python call per sequence that gives
-        nothing.  ``owners``: where each cell's sequence is appended."""
+        nothing.  Returned with each cell's sequence (its one owner)."""
         own = np.asarray(ub.primary[tok], dtype=np.int64)
         if self.n_seq_max <= _FEW:
-            return self._evictable_few(cells, need, own, owners)
+            return self._evictable_few(cells, need, own)
         ascending = own.size <= 1 or bool((own[1:] > own[:-1]).all())  # (a decode ubatch: distinct, ascending)
         if not ascending:
             _, first = np.unique(own, return_index=True)
@@ -396,14 +398,15 @@ class KVCache(Memory):
         # each sequence's earliest possible next token, and the first position its window shows
         # (the rule is plain arithmetic: applied to all sequences at once)
         p_next = cells.seq_pos.last_positions(order) + (1 - self.rollback_depth)
-        return cells.oldest_alone_many(order, swa_visible_from_many(self.n_swa, self.swa_type, p_next), need, owners)
+        return cells.oldest_alone_arrays(order, swa_visible_from_many(self.n_swa, self.swa_type, p_next), need)
 
-    def _evictable_few(self, cells: KVCells, need: int, own: np.ndarray, owners: list[int] | None) -> list[int]:
+    def _evictable_few(self, cells: KVCells, need: int, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`_evictable` of a cache of a few sequences: one by one, with Python ints (the
         arrays' fixed cost would be most of the step)."""
         order = list(dict.fromkeys(own.tolist()))
         order += [s for s in range(self.n_seq_max) if s not in order]
         out: list[int] = []
+        owners: list[int] = []
         for s in order:
             p_last = cells.seq_pos[s].last_pos()
             if p_last < 0:
@@ -411,11 +414,10 @@ class KVCache(Memory):
             p_end = swa_visible_from(self.n_swa, self.swa_type, p_last + 1 - self.rollback_depth)
             got = cells.oldest_alone(s, p_end, need - len(out))
             out += got
-            if owners is not None:
-                owners += [s] * len(got)
+            owners += [s] * len(got)
             if len(out) >= need:
                 break
-        return out
+        return np.asarray(out, dtype=np.int64), np.asarray(owners, dtype=np.int64)
 
     def _apply_ubatch(
         self, book: _Book, sinfo: SlotInfo, ub: UBatch, reused: list[tuple[int, np.ndarray, np.ndarray]] | None = None

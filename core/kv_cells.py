@@ -797,49 +797,67 @@ class KVCells:
         owners: list[int] | None = None,
     ) -> list[int]:
         """:meth:`oldest_alone` of ``seqs`` in order (``p_end[k]`` for ``seqs[k]``; None: every
-        sequence, ascending), until ``need`` cells are found: the same cells as a loop of calls,
-        but read with NumPy for many sequences at once (a decode step of a full window cache
-        asks each of its 256 sequences for about one cell): the first :data:`_HEAD` pairs of the
+        sequence, ascending), until ``need`` cells are found: the same cells as a loop of calls
+        (:meth:`oldest_alone_arrays`, as a list).  ``owners``: where the sequence of each cell
+        returned is appended (its only owner)."""
+        cells, who = self.oldest_alone_arrays(seqs, p_end, need)
+        if owners is not None:
+            owners += who.tolist()
+        out: list[int] = cells.tolist()
+        return out
+
+    def oldest_alone_arrays(
+        self, seqs: Sequence[int] | np.ndarray | None, p_end: np.ndarray | int, need: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`oldest_alone_many` as arrays: the cells and each one's sequence.  They are
+        read with NumPy for many sequences at once (a decode step of a full window cache asks
+        each of its 256 sequences for about one cell): the first :data:`_HEAD` pairs of the
         sequences, in runs that double until ``need`` is met; a sequence whose first pairs are
         all below its end may hold more there, and is asked alone.  When there are many more
-        sequences than ``need``, only those whose oldest pair is below their end are read.
-        ``owners``: where the sequence of each cell returned is appended (its only owner)."""
+        sequences than ``need``, only those whose oldest pair is below their end are read."""
         n_rows = self.n_seq_max if seqs is None else len(seqs)
         if need <= 0 or not n_rows:
-            return []
+            return _NO_KEYS, _NO_KEYS
         rows = None if seqs is None else np.asarray(seqs, dtype=np.int64)
         end_key = np.minimum(np.maximum(p_end, 0), _POS_END).astype(np.int64) << _CELL_BITS  # (np.clip costs 10x)
         if end_key.ndim == 0:
             end_key = np.full(n_rows, end_key, dtype=np.int64)
         run = max(16, need)
         if 8 < n_rows <= 2 * run:  # a decode step: every sequence's head in one gather, no pre-filter
-            return self._oldest_alone_heads(rows, end_key, need, owners)
+            return self._oldest_alone_heads(rows, end_key, need)
         if rows is None:
             rows = np.arange(n_rows, dtype=np.int64)
         first = self.seq_pos.first_keys(rows)
         giving = np.flatnonzero((first >= 0) & (first < end_key))
-        out: list[int] = []
+        cells: list[np.ndarray] = []
+        who: list[np.ndarray] = []
+        got_n = 0
         if giving.size <= 2:  # one or two sequences give (a small batch): asked one by one, no gather
             for g in giving.tolist():
-                got = self._oldest_alone_from(int(rows[g]), 0, int(end_key[g]), need - len(out))
-                out += got
-                if owners is not None:
-                    owners += [int(rows[g])] * len(got)
-                if len(out) >= need:
+                got = self._oldest_alone_from(int(rows[g]), 0, int(end_key[g]), need - got_n)
+                cells.append(got)
+                who.append(np.full(got.size, rows[g], dtype=np.int64))
+                got_n += int(got.size)
+                if got_n >= need:
                     break
-            return out
-        lo = 0
-        while lo < giving.size and len(out) < need:
-            sel = giving[lo : lo + run]
-            out += self._oldest_alone_heads(rows[sel], end_key[sel], need - len(out), owners)
-            lo, run = lo + run, 2 * run
-        return out
+        else:
+            lo = 0
+            while lo < giving.size and got_n < need:
+                sel = giving[lo : lo + run]
+                c, w = self._oldest_alone_heads(rows[sel], end_key[sel], need - got_n)
+                cells.append(c)
+                who.append(w)
+                got_n += int(c.size)
+                lo, run = lo + run, 2 * run
+        if not cells:
+            return _NO_KEYS, _NO_KEYS
+        return np.concatenate(cells), np.concatenate(who)
 
     def _oldest_alone_heads(
-        self, seqs: np.ndarray | None, end_key: np.ndarray, need: int, owners: list[int] | None = None
-    ) -> list[int]:
-        """:meth:`oldest_alone_many` of some sequences (None: all, ascending; ``end_key``: their
-        ends as keys): the first :data:`_HEAD` pairs of every one of them in one gather
+        self, seqs: np.ndarray | None, end_key: np.ndarray, need: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`oldest_alone_arrays` of some sequences (None: all, ascending; ``end_key``:
+        their ends as keys): the first :data:`_HEAD` pairs of every one of them in one gather
         ``[sequences, _HEAD]`` (the arena's slack makes it safe without a clip); only a sequence
         whose head pairs are all below its end is read further (:meth:`_oldest_alone_from`)."""
         book = self.seq_pos
@@ -850,36 +868,33 @@ class KVCells:
         cells = flat[below] & _CELL_MASK  # row-major: each sequence's cells oldest first, in order
         alone = self.n_owner[cells] == 1
         counts = below.sum(axis=1)
-        # each cell's sequence, when the caller keeps them
-        ids = None if owners is None else np.repeat(np.arange(counts.size) if seqs is None else seqs, counts)
+        ids = np.repeat(np.arange(counts.size) if seqs is None else seqs, counts)  # each cell's sequence
         if not below[:, -1].any():
-            if ids is not None and owners is not None:
-                owners += ids[alone][:need].tolist()
-            return cells[alone][:need].tolist()
+            return cells[alone][:need], ids[alone][:need]
         # a sequence may hold more below its end than its head: read it alone, in its turn
         ends = np.cumsum(counts)
-        out: list[int] = []
-        lo = 0
+        out: list[np.ndarray] = []
+        who: list[np.ndarray] = []
+        got_n = lo = 0
         for r in np.flatnonzero(below[:, -1]).tolist():
             hi = int(ends[r])
-            k = need - len(out)
-            out += cells[lo:hi][alone[lo:hi]][:k].tolist()
-            if ids is not None and owners is not None:
-                owners += ids[lo:hi][alone[lo:hi]][:k].tolist()
-            if len(out) < need:
+            k = need - got_n
+            out.append(cells[lo:hi][alone[lo:hi]][:k])
+            who.append(ids[lo:hi][alone[lo:hi]][:k])
+            got_n += int(out[-1].size)
+            if got_n < need:
                 s = r if seqs is None else int(seqs[r])
-                got = self._oldest_alone_from(s, _HEAD, int(end_key[r]), need - len(out))
-                out += got
-                if owners is not None:
-                    owners += [s] * len(got)
-            if len(out) >= need:
-                return out
+                got = self._oldest_alone_from(s, _HEAD, int(end_key[r]), need - got_n)
+                out.append(got)
+                who.append(np.full(got.size, s, dtype=np.int64))
+                got_n += int(got.size)
+            if got_n >= need:
+                return np.concatenate(out), np.concatenate(who)
             lo = hi
-        k = need - len(out)
-        out += cells[lo:][alone[lo:]][:k].tolist()
-        if ids is not None and owners is not None:
-            owners += ids[lo:][alone[lo:]][:k].tolist()
-        return out
+        k = need - got_n
+        out.append(cells[lo:][alone[lo:]][:k])
+        who.append(ids[lo:][alone[lo:]][:k])
+        return np.concatenate(out), np.concatenate(who)
 
     def oldest_alone(self, s: int, p_end: int, need: int) -> list[int]:
         """Up to ``need`` cells of ``s`` at positions below ``p_end`` that ``s`` holds alone,
@@ -887,27 +902,31 @@ class KVCells:
         O(cells taken + shared cells skipped), never the whole sequence."""
         if need <= 0 or p_end <= 0:
             return []
-        return self._oldest_alone_from(s, 0, _pos_key(p_end), need)
+        out: list[int] = self._oldest_alone_from(s, 0, _pos_key(p_end), need).tolist()
+        return out
 
-    def _oldest_alone_from(self, s: int, j: int, end_key: int, need: int) -> list[int]:
+    def _oldest_alone_from(self, s: int, j: int, end_key: int, need: int) -> np.ndarray:
         """:meth:`oldest_alone` from the ``j``-th pair of ``s`` on, below the key ``end_key``,
-        a slice at a time (the first one twice ``need`` pairs or 64: a decode step's)."""
-        out: list[int] = []
+        as an array, a slice at a time (the first one twice ``need`` pairs or 64: a decode
+        step's)."""
         if need <= 0 or end_key <= 0:
-            return out
+            return _NO_KEYS
         book, owners = self.seq_pos, self.n_owner
         st, n = int(book.start[s]), int(book.n[s])
         if j >= n or int(book.arena[st + j]) >= end_key:  # (most sequences of a small batch give nothing)
-            return out
+            return _NO_KEYS
         keys = book.arena[st : st + n]
         hi = int(np.searchsorted(keys, end_key))
-        while j < hi and len(out) < need:
-            stop = min(hi, j + max(64, 2 * (need - len(out))))
+        out: list[np.ndarray] = []
+        got = 0
+        while j < hi and got < need:
+            stop = min(hi, j + max(64, 2 * (need - got)))
             cand = keys[j:stop] & _CELL_MASK
-            cand = cand[owners[cand] == 1]
-            out.extend(cand[: need - len(out)].tolist())
+            cand = cand[owners[cand] == 1][: need - got]
+            out.append(cand)
+            got += int(cand.size)
             j = stop
-        return out
+        return out[0] if len(out) == 1 else np.concatenate(out) if out else _NO_KEYS
 
     def check(self) -> None:
         """Raise :class:`InvariantError` unless the book is consistent (tests call
@@ -1122,9 +1141,9 @@ class KVCells:
         if not n:
             return
         if seq.ndim == 1:
-            rows = np.zeros((n, self.n_seq_max), dtype=bool)
-            rows[np.arange(n), seq] = True
-            seq = rows
+            expanded = np.zeros((n, self.n_seq_max), dtype=bool)
+            expanded[np.arange(n), seq] = True
+            seq = expanded
         self.pos[idx] = pos
         self.ext[idx] = ext
         self.shift[idx] = shift
