@@ -31,7 +31,7 @@ from statecache.batch import SeqIds
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, StateError
 from statecache.hostmem import gather_rows, scatter_rows
-from statecache.kv_cells import EMPTY, CellJournal, KVCells, last_positions
+from statecache.kv_cells import EMPTY, CellJournal, KVCells, last_positions, pos_key
 from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from, swa_visible_from_many
 from statecache.memory import (
     POS_MAX,
@@ -104,9 +104,11 @@ class KVLayer:
 
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
-#: Up to this many sequences (a window cache's eviction plan) or reused cells (its apply) are
-#: handled one by one with Python ints: below it, the NumPy calls' fixed cost is what counts.
+#: Up to this many reused cells (a window cache's apply), or sequences (its eviction plan,
+#: :data:`_FEW_SEQS`), are handled one by one with Python ints: below it, the NumPy calls'
+#: fixed cost is what counts.
 _FEW = 4
+_FEW_SEQS = 16
 
 
 @dataclasses.dataclass
@@ -382,7 +384,7 @@ class KVCache(Memory):
         taken + cells skipped because shared), with no Python call per sequence that gives
         nothing.  Returned with each cell's sequence (its one owner)."""
         own = np.asarray(ub.primary[tok], dtype=np.int64)
-        if self.n_seq_max <= _FEW:
+        if self.n_seq_max <= _FEW_SEQS:
             return self._evictable_few(cells, need, own)
         ascending = own.size <= 1 or bool((own[1:] > own[:-1]).all())  # (a decode ubatch: distinct, ascending)
         if not ascending:
@@ -405,14 +407,25 @@ class KVCache(Memory):
         arrays' fixed cost would be most of the step)."""
         order = list(dict.fromkeys(own.tolist()))
         order += [s for s in range(self.n_seq_max) if s not in order]
+        book, n_owner = cells.seq_pos, cells.n_owner
+        arena = book.arena
         out: list[int] = []
         owners: list[int] = []
         for s in order:
-            p_last = cells.seq_pos[s].last_pos()
-            if p_last < 0:
+            n = int(book.n[s])
+            if not n:
                 continue
-            p_end = swa_visible_from(self.n_swa, self.swa_type, p_last + 1 - self.rollback_depth)
-            got = cells.oldest_alone(s, p_end, need - len(out))
+            st = int(book.start[s])
+            first, last = int(arena[st]), int(arena[st + n - 1])
+            p_end = swa_visible_from(self.n_swa, self.swa_type, (last >> 32) + 1 - self.rollback_depth)
+            end_key = pos_key(p_end)
+            if first >= end_key:
+                continue  # (most sequences: nothing below the window)
+            if n == 1 or int(arena[st + 1]) >= end_key:  # just the oldest (a decode step, once the window is full)
+                c = first & 0xFFFFFFFF
+                got = [c] if n_owner[c] == 1 else []
+            else:
+                got = cells.oldest_alone(s, p_end, need - len(out))
             out += got
             owners += [s] * len(got)
             if len(out) >= need:

@@ -88,6 +88,10 @@ def _pos_key(p: int) -> int:
     return min(max(p, 0), _POS_END) << _CELL_BITS
 
 
+#: The smallest key (``pos << 32 | cell``) at a position, for a caller that reads the pair arena.
+pos_key = _pos_key
+
+
 class SeqPairBook(Sequence["SeqCells"]):
     """The ``(pos, cell)`` pairs of every sequence of one stream, each sequence's sorted by
     position then cell, as int64 keys (``pos << 32 | cell``) in one shared arena.

@@ -685,7 +685,7 @@ def test_window_eviction_one_by_one_and_vectorised_agree_with_asking_each_sequen
     rng = np.random.default_rng(seed)
     caches = [_window_cache(n_seq, swa, rollback_depth, unified) for _ in range(2)]
     few = [10**9, 0]  # the threshold each cache runs under
-    saved = kvc._FEW
+    saved = kvc._FEW, kvc._FEW_SEQS
     try:
         for _ in range(n_steps):
             if unified and rng.random() < 0.15:  # a copied sequence: cells held by two (never reused)
@@ -702,7 +702,7 @@ def test_window_eviction_one_by_one_and_vectorised_agree_with_asking_each_sequen
             n_ubatch = int(rng.integers(1, ids.size + 1))
             placed, books = [], []
             for cache, f in zip(caches, few, strict=True):
-                kvc._FEW = f
+                kvc._FEW = kvc._FEW_SEQS = f
                 balloc = BatchAllocator(n_seq)
                 balloc.init(batch, cache)
                 ctx = cache.init_batch(balloc, n_ubatch if cache.unified else ids.size)
@@ -748,4 +748,4 @@ def test_window_eviction_one_by_one_and_vectorised_agree_with_asking_each_sequen
                 for cache, bk in zip(caches, before, strict=True):  # and something was taken back
                     assert not all(c.same_as(d) for c, d in zip(cache.cells, bk, strict=True))
     finally:
-        kvc._FEW = saved
+        kvc._FEW, kvc._FEW_SEQS = saved
