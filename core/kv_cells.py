@@ -882,13 +882,14 @@ class KVCells:
         got_n = lo = 0
         for r in np.flatnonzero(below[:, -1]).tolist():
             hi = int(ends[r])
-            k = need - got_n
-            out.append(cells[lo:hi][alone[lo:hi]][:k])
-            who.append(ids[lo:hi][alone[lo:hi]][:k])
-            got_n += int(out[-1].size)
-            if got_n < need:
+            if hi - _HEAD > lo:  # the rows before it (none when it follows another such row)
+                k = need - got_n
+                out.append(cells[lo : hi - _HEAD][alone[lo : hi - _HEAD]][:k])
+                who.append(ids[lo : hi - _HEAD][alone[lo : hi - _HEAD]][:k])
+                got_n += int(out[-1].size)
+            if got_n < need:  # the row itself, from its first pair
                 s = r if seqs is None else int(seqs[r])
-                got = self._oldest_alone_from(s, _HEAD, int(end_key[r]), need - got_n)
+                got = self._oldest_alone_from(s, 0, int(end_key[r]), need - got_n)
                 out.append(got)
                 who.append(np.full(got.size, s, dtype=np.int64))
                 got_n += int(got.size)
