@@ -182,7 +182,9 @@ static void conv4_decode_block(const float *win, float *nwin, float *old, const 
      * out-of-order window room for only two or three groups at a time (one
      * 5376-channel decode: 9.8 us, 6.4 us in a second pass over the outputs);
      * a group behind, it needs nothing of the group in flight, and the taps'
-     * shuffles and the SiLU's FMAs share the time instead of taking turns. */
+     * shuffles and the SiLU's FMAs share the time instead of taking turns
+     * (the kernel alone, 5376 channels, 2 threads: 8 sequences 22-24 -> 18-20
+     * us, 32 sequences 80-82 -> 73 us than in a second pass). */
     if (apply_silu) {
         if (wT && stream)
             conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 1, 1);
