@@ -67,7 +67,7 @@ static void conv_decode_block(const float *win, float *nwin, const float *xr, in
     }
 }
 
-/* 8 floats of a window row: streamed (`stream`, dst 32-byte aligned) or stored. */
+/* 8 outputs: streamed (`stream`, dst 32-byte aligned) or stored. */
 static inline void conv_store8(float *dst, __m256 v, int stream) {
     if (stream)
         _mm256_stream_ps(dst, v);
@@ -230,7 +230,7 @@ static void conv4_decode_block(const float *win, float *nwin, float *old, const 
  * any count on builds without AVX2): windows through the time-major `ext`. */
 static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, const sc_view *x, const float *weight,
                       const float *bias, float *y, int64_t channels, int64_t d_conv, int apply_silu, float *ext,
-                      float *win, float *wT, float *rowbuf) {
+                      float *win, float *wT, float *rowbuf, int stream) {
     const int64_t W = d_conv - 1;
     const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
     const sc_dtype pdt = (sc_dtype)st->pool_dtype;
@@ -254,15 +254,13 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
     c_vec = cb - cb % 8;
     float *cur = rowbuf, *prev = rowbuf + SC_CONV_BLOCK; /* rows t and t - 1 before their SiLU */
     float *y_prev = NULL;                                /* output row t - 1, once it is in `prev` */
+    int nt_prev = 0;
     for (int64_t t = 0; t < n_t; t++) {
         float *yr = y + (t0 + t) * channels + c0;
         /* x rows are a whole channel count apart, each in a new page: fetched
-         * ahead.  Outputs are stored, never streamed: they are the next
-         * operation's input, and a prefill's outputs fit a last-level cache
-         * (13 MiB for a 3328-channel, 512-token call; streamed, they went to
-         * memory and the call took 1070 us where stored it takes 715 us, CPU
-         * time, bench/primitives.py --only "conv prefill"). */
+         * ahead.  Outputs of a large call are streamed (see sc_store_state). */
         if (xc == 1 && t + SC_PREFETCH_ROWS < n_t) sc_prefetch_run(xblock + (t + SC_PREFETCH_ROWS) * xt, cb, 1);
+        const int nt_store = stream && ((uintptr_t)yr & 31) == 0;
         const float *taps[SC_CONV_MAX_TAPS];
         const int64_t n_taps = d_conv < SC_CONV_MAX_TAPS ? d_conv : SC_CONV_MAX_TAPS;
         for (int64_t k = 0; k < n_taps; k++) taps[k] = EROW(t + k);
@@ -274,6 +272,7 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
          * loads.  Skewed by a row, each iteration holds independent work of
          * both kinds. */
         float *row = apply_silu ? cur : yr;
+        const int nt_row = !apply_silu && nt_store;
         for (int64_t c = 0; c < c_vec; c += 8) {
             __m256 acc;
             if (d_conv == 4) {
@@ -291,18 +290,22 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
                                           _mm256_load_ps(wT + k * SC_CONV_BLOCK + c), acc);
             }
             if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + c0 + c));
-            _mm256_storeu_ps(row + c, acc);
-            if (y_prev) _mm256_storeu_ps(y_prev + c, sc_silu8(_mm256_load_ps(prev + c)));
+            if (nt_row)
+                _mm256_stream_ps(row + c, acc);
+            else
+                _mm256_storeu_ps(row + c, acc);
+            if (y_prev) conv_store8(y_prev + c, sc_silu8(_mm256_load_ps(prev + c)), nt_prev);
         }
         if (apply_silu) {
             float *swap = prev;
             prev = cur;
             cur = swap;
             y_prev = yr;
+            nt_prev = nt_store;
         }
     }
     if (y_prev)
-        for (int64_t c = 0; c < c_vec; c += 8) _mm256_storeu_ps(y_prev + c, sc_silu8(_mm256_load_ps(prev + c)));
+        for (int64_t c = 0; c < c_vec; c += 8) conv_store8(y_prev + c, sc_silu8(_mm256_load_ps(prev + c)), nt_prev);
 #endif
     for (int64_t t = 0; t < n_t && c_vec < cb; t++) {
         float *yr = y + (t0 + t) * channels + c0;
@@ -365,6 +368,7 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
     }
     n_blocks = (channels + width - 1) / width;
     const int64_t n_units = n_s * n_blocks;
+    const int stream = work_bytes >= sc_stream_min_bytes;
     const int rows_stream = sc_stream_rows(st, work_bytes, channels * W * (int64_t)sizeof(float));
 #ifdef SC_HAVE_AVX2
     const int has_avx2 = 1;
@@ -451,9 +455,9 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
                 continue;
             }
 #endif
-            conv_unit(st, s, c0, cb, x, weight, bias, y, channels, d_conv, apply_silu, ext, win, wT, rowbuf);
+            conv_unit(st, s, c0, cb, x, weight, bias, y, channels, d_conv, apply_silu, ext, win, wT, rowbuf, stream);
         }
-        sc_stream_fence(); /* this thread's streamed windows are visible before it joins */
+        sc_stream_fence(); /* this thread's streamed outputs are visible before it joins */
         free(ext);
         free(win);
         free(wT);
