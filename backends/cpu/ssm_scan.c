@@ -350,69 +350,34 @@ static inline __attribute__((always_inline)) void mamba1_heads(const float *A, c
     }
 }
 
-/* d_state 16, heads hh and hh + 1: the four exp polynomials are independent
- * chains of ~15 dependent FMAs each, and interleaving them keeps the FMA
- * units busy where one head at a time would wait on latency.  Writes both
- * heads' new state and returns in *pA, *pB their 8-lane partial dot products
- * with C (lane i: v_lo[i] * c_lo[i] + v_hi[i] * c_hi[i], as mamba1_heads). */
-static inline __attribute__((always_inline)) void mamba1_pair16(const float *Ah, const float *Si, float *So,
-                                                                __m256 b0, __m256 b1, __m256 c0, __m256 c1,
-                                                                float dA_, float dB_, float xA_, float xB_,
-                                                                __m256 *pA, __m256 *pB) {
-    const __m256 dA = _mm256_set1_ps(dA_), dB = _mm256_set1_ps(dB_);
-    const __m256 xA = _mm256_set1_ps(xA_ * dA_), xB = _mm256_set1_ps(xB_ * dB_);
-    const __m256 e0 = sc_exp8(_mm256_mul_ps(dA, _mm256_loadu_ps(Ah)));
-    const __m256 e1 = sc_exp8(_mm256_mul_ps(dA, _mm256_loadu_ps(Ah + 8)));
-    const __m256 e2 = sc_exp8(_mm256_mul_ps(dB, _mm256_loadu_ps(Ah + 16)));
-    const __m256 e3 = sc_exp8(_mm256_mul_ps(dB, _mm256_loadu_ps(Ah + 24)));
-    const __m256 v0 = _mm256_fmadd_ps(_mm256_loadu_ps(Si), e0, _mm256_mul_ps(b0, xA));
-    const __m256 v1 = _mm256_fmadd_ps(_mm256_loadu_ps(Si + 8), e1, _mm256_mul_ps(b1, xA));
-    const __m256 v2 = _mm256_fmadd_ps(_mm256_loadu_ps(Si + 16), e2, _mm256_mul_ps(b0, xB));
-    const __m256 v3 = _mm256_fmadd_ps(_mm256_loadu_ps(Si + 24), e3, _mm256_mul_ps(b1, xB));
-    _mm256_storeu_ps(So, v0);
-    _mm256_storeu_ps(So + 8, v1);
-    _mm256_storeu_ps(So + 16, v2);
-    _mm256_storeu_ps(So + 24, v3);
-    *pA = _mm256_fmadd_ps(v1, c1, _mm256_mul_ps(v0, c0));
-    *pB = _mm256_fmadd_ps(v3, c1, _mm256_mul_ps(v2, c0));
-}
-
-/* The horizontal sums of eight heads' partial dot products p[0..8), lane j
- * of the result head j's, each summed in mamba1_heads' order
- * ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), so the result is
- * bitwise the one-head reduction's.  Transposed through shuffles: 7 vector
- * adds for 8 heads where one head at a time took 3 adds, 3 shuffles and a
- * scalar store per head, work on the ports the exps need. */
-static inline __m256 mamba1_hsum8(const __m256 p[8]) {
-    __m256 s[4];
-    for (int j = 0; j < 4; j++) /* heads j | j + 4: l_i + l_(i+4) */
-        s[j] = _mm256_add_ps(_mm256_permute2f128_ps(p[j], p[j + 4], 0x20),
-                             _mm256_permute2f128_ps(p[j], p[j + 4], 0x31));
-    /* heads 0, 1 | 4, 5 and 2, 3 | 6, 7: (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7) */
-    const __m256 u01 = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], 0x44), _mm256_shuffle_ps(s[0], s[1], 0xee));
-    const __m256 u23 = _mm256_add_ps(_mm256_shuffle_ps(s[2], s[3], 0x44), _mm256_shuffle_ps(s[2], s[3], 0xee));
-    return _mm256_add_ps(_mm256_shuffle_ps(u01, u23, 0x88), _mm256_shuffle_ps(u01, u23, 0xdd));
-}
-
-/* d_state 16: eight heads (four pairs) per iteration, their outputs reduced
- * and stored together (mamba1_hsum8); the last hb % 8 heads go in pairs and
- * one at a time with the one-head reduction, which gives the same bits. */
+/* d_state 16, two heads per iteration: the four exp polynomials are
+ * independent chains of ~15 dependent FMAs each, and interleaving them keeps
+ * the FMA units busy where one head at a time would wait on latency. */
 static inline void mamba1_heads16(const float *A, const float *in, float *out, const float *b, const float *c,
                                   const float *dvec, const float *xr, int64_t xs, float *yt, int64_t hb) {
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
     const __m256 c0 = _mm256_loadu_ps(c), c1 = _mm256_loadu_ps(c + 8);
     int64_t hh = 0;
-    for (; hh + 8 <= hb; hh += 8) {
-        __m256 p[8];
-        for (int j = 0; j < 8; j += 2)
-            mamba1_pair16(A + (hh + j) * 16, in + (hh + j) * 16, out + (hh + j) * 16, b0, b1, c0, c1, dvec[hh + j],
-                          dvec[hh + j + 1], xr[(hh + j) * xs], xr[(hh + j + 1) * xs], &p[j], &p[j + 1]);
-        _mm256_storeu_ps(yt + hh, mamba1_hsum8(p));
-    }
     for (; hh + 2 <= hb; hh += 2) {
-        __m256 pA, pB;
-        mamba1_pair16(A + hh * 16, in + hh * 16, out + hh * 16, b0, b1, c0, c1, dvec[hh], dvec[hh + 1], xr[hh * xs],
-                      xr[(hh + 1) * xs], &pA, &pB);
+        const float *Ah = A + hh * 16, *Si = in + hh * 16;
+        float *So = out + hh * 16;
+        const __m256 dA = _mm256_set1_ps(dvec[hh]), dB = _mm256_set1_ps(dvec[hh + 1]);
+        const __m256 xA = _mm256_set1_ps(xr[hh * xs] * dvec[hh]), xB = _mm256_set1_ps(xr[(hh + 1) * xs] * dvec[hh + 1]);
+        const __m256 e0 = sc_exp8(_mm256_mul_ps(dA, _mm256_loadu_ps(Ah)));
+        const __m256 e1 = sc_exp8(_mm256_mul_ps(dA, _mm256_loadu_ps(Ah + 8)));
+        const __m256 e2 = sc_exp8(_mm256_mul_ps(dB, _mm256_loadu_ps(Ah + 16)));
+        const __m256 e3 = sc_exp8(_mm256_mul_ps(dB, _mm256_loadu_ps(Ah + 24)));
+        const __m256 v0 = _mm256_fmadd_ps(_mm256_loadu_ps(Si), e0, _mm256_mul_ps(b0, xA));
+        const __m256 v1 = _mm256_fmadd_ps(_mm256_loadu_ps(Si + 8), e1, _mm256_mul_ps(b1, xA));
+        const __m256 v2 = _mm256_fmadd_ps(_mm256_loadu_ps(Si + 16), e2, _mm256_mul_ps(b0, xB));
+        const __m256 v3 = _mm256_fmadd_ps(_mm256_loadu_ps(Si + 24), e3, _mm256_mul_ps(b1, xB));
+        _mm256_storeu_ps(So, v0);
+        _mm256_storeu_ps(So + 8, v1);
+        _mm256_storeu_ps(So + 16, v2);
+        _mm256_storeu_ps(So + 24, v3);
+        /* Same order as mamba1_heads: acc = v_lo * c_lo, then + v_hi * c_hi. */
+        const __m256 pA = _mm256_fmadd_ps(v1, c1, _mm256_mul_ps(v0, c0));
+        const __m256 pB = _mm256_fmadd_ps(v3, c1, _mm256_mul_ps(v2, c0));
         __m128 hA = _mm_add_ps(_mm256_castps256_ps128(pA), _mm256_extractf128_ps(pA, 1));
         __m128 hB = _mm_add_ps(_mm256_castps256_ps128(pB), _mm256_extractf128_ps(pB, 1));
         hA = _mm_add_ps(hA, _mm_movehl_ps(hA, hA));
