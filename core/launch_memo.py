@@ -50,8 +50,19 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from statecache.dtypes import DType
+
 if TYPE_CHECKING:
     from statecache.backend import Buffer
+
+#: id(storage) -> how many times the contents of that int32 storage were set
+#: or handed out; a Buffer's host copy is valid only at the count it was
+#: taken at (``Buffer.host_indices``).  Ids of freed storages may be reused: a
+#: new storage's first write just continues the old count, which no live
+#: Buffer holds.  Counts only grow, so an index buffer whose storage still
+#: has the count it had when a call was remembered still has the host copy
+#: that call was validated with (:meth:`LaunchMemo.probe`).
+STORAGE_WRITES: dict[int, int] = {}
 
 #: Entries kept per device.  A model has a few primitives per layer, each
 #: with a handful of batch shapes in use: far fewer than this.
@@ -61,7 +72,7 @@ MEMO_LIMIT = 4096
 class Remembered:
     """One validated call: what to check and what to run."""
 
-    __slots__ = ("caps", "launch", "loose", "prepared", "refs", "shadows", "shape")
+    __slots__ = ("alive", "caps", "launch", "loose", "prepared", "refs", "shadows", "shape", "stamps")
 
     def __init__(
         self,
@@ -79,6 +90,10 @@ class Remembered:
         self.launch = launch  # a backend's prepared launch, or None: call _op(shape, ...)
         self.loose = loose  # positions without a reference are matched by the key alone
         self.prepared = launch is not None  # a launch was prepared, or asked for (Device._launch_again)
+        # For probe(): the references that must still be alive, and per index buffer
+        # (id(storage), write count) while its host copy is the one validated (None: unknown).
+        self.alive = tuple(ref for ref in refs if ref is not None)
+        self.stamps: tuple[tuple[int, int], ...] | None = None
 
 
 class LaunchMemo:
@@ -88,6 +103,39 @@ class LaunchMemo:
 
     def __init__(self) -> None:
         self._entries: dict[tuple[Any, ...], Remembered] = {}
+
+    def probe(self, key: tuple[Any, ...], caps: object) -> Remembered | None:
+        """:meth:`lookup` for a key of argument ids alone, without the
+        arguments: the cheapest check a decode call can make.
+
+        ``key`` must end with the ``id()`` of each argument the entry was
+        stored with (``id(None)`` for an argument not given), in order, and
+        the caller must hold those arguments while it probes.  Then the key
+        proves identity once every remembered buffer is alive: a live object
+        is the only one with its id.  Index buffers are checked by their
+        storage's write count (``STORAGE_WRITES``) instead of their host
+        copy, which is the same test without reading the Buffers; a count
+        moved by a write that left the host copy as it was (never, in
+        practice) only costs a validation.  Entries matched by geometry are
+        never probed.  None also for an unhashable key (a bad scalar:
+        validation says what is wrong)."""
+        try:
+            entry = self._entries.get(key)
+        except TypeError:
+            return None
+        if entry is None or entry.caps is not caps:
+            return None
+        stamps = entry.stamps
+        if stamps is None:
+            return None  # loose, or index buffers of no known storage
+        for ref in entry.alive:
+            if ref() is None:
+                return None
+        writes = STORAGE_WRITES
+        for storage, count in stamps:
+            if writes.get(storage) != count:
+                return None
+        return entry
 
     def lookup(
         self, key: tuple[Any, ...], caps: object, bufs: Sequence[Buffer | None], index_bufs: Sequence[Buffer]
@@ -127,7 +175,8 @@ class LaunchMemo:
             self._prune()
         if loose is None:
             refs = tuple(None if buf is None else weakref.ref(buf) for buf in bufs)
-            self._entries[key] = Remembered(caps, refs, shadows, shape, launch)
+            entry = self._entries[key] = Remembered(caps, refs, shadows, shape, launch)
+            entry.stamps = _stamps(index_bufs)
         else:
             refs = tuple(None if buf is None or free else weakref.ref(buf) for buf, free in zip(bufs, loose))
             self._entries[key] = Remembered(caps, refs, shadows, shape, launch, loose=True)
@@ -143,3 +192,18 @@ class LaunchMemo:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _stamps(index_bufs: Sequence[Buffer]) -> tuple[tuple[int, int], ...] | None:
+    """(id(storage), write count) of each int32 index buffer whose host copy
+    is current (see :data:`STORAGE_WRITES`); None if one is not such a Buffer."""
+    stamps = []
+    for buf in index_bufs:
+        count = getattr(buf, "_shadow_gen", None)
+        if count is None or getattr(buf, "dtype", None) is not DType.I32:
+            return None
+        storage = id(buf.storage)
+        if STORAGE_WRITES.get(storage, 0) != count:
+            return None  # its host copy is stale (store() was given a shadow read earlier)
+        stamps.append((storage, count))
+    return tuple(stamps)
