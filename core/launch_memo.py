@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 #: that call was validated with (:meth:`LaunchMemo.probe`).
 STORAGE_WRITES: dict[int, int] = {}
 
+#: The liveness flag of an entry that is never probed.
+_ALWAYS_DEAD = [False]
+
 #: Entries kept per device.  A model has a few primitives per layer, each
 #: with a handful of batch shapes in use: far fewer than this.
 MEMO_LIMIT = 4096
@@ -72,7 +75,7 @@ MEMO_LIMIT = 4096
 class Remembered:
     """One validated call: what to check and what to run."""
 
-    __slots__ = ("alive", "caps", "launch", "loose", "prepared", "refs", "shadows", "shape", "stamps")
+    __slots__ = ("caps", "launch", "live", "loose", "prepared", "refs", "shadows", "shape", "stamps")
 
     def __init__(
         self,
@@ -90,9 +93,10 @@ class Remembered:
         self.launch = launch  # a backend's prepared launch, or None: call _op(shape, ...)
         self.loose = loose  # positions without a reference are matched by the key alone
         self.prepared = launch is not None  # a launch was prepared, or asked for (Device._launch_again)
-        # For probe(): the references that must still be alive, and per index buffer
-        # (id(storage), write count) while its host copy is the one validated (None: unknown).
-        self.alive = tuple(ref for ref in refs if ref is not None)
+        # For probe(): [False] once a buffer of the call has died (set by the weakrefs'
+        # callback), and per index buffer (id(storage), write count) while its host
+        # copy is the one validated (None: not probed).
+        self.live = _ALWAYS_DEAD
         self.stamps: tuple[tuple[int, int], ...] | None = None
 
 
@@ -111,8 +115,10 @@ class LaunchMemo:
         ``key`` must end with the ``id()`` of each argument the entry was
         stored with (``id(None)`` for an argument not given), in order, and
         the caller must hold those arguments while it probes.  Then the key
-        proves identity once every remembered buffer is alive: a live object
-        is the only one with its id.  Index buffers are checked by their
+        proves identity while every remembered buffer is alive: a live object
+        is the only one with its id.  Liveness is one flag, cleared by the
+        weakrefs' callback, which runs when a buffer is freed and before its
+        memory (its id) can be handed to another object.  Index buffers are checked by their
         storage's write count (``STORAGE_WRITES``) instead of their host
         copy, which is the same test without reading the Buffers; a count
         moved by a write that left the host copy as it was (never, in
@@ -126,11 +132,8 @@ class LaunchMemo:
         if entry is None or entry.caps is not caps:
             return None
         stamps = entry.stamps
-        if stamps is None:
-            return None  # loose, or index buffers of no known storage
-        for ref in entry.alive:
-            if ref() is None:
-                return None
+        if stamps is None or not entry.live[0]:
+            return None  # not probed (loose, index buffers of no known storage), or a buffer died
         writes = STORAGE_WRITES
         for storage, count in stamps:
             if writes.get(storage) != count:
@@ -174,8 +177,14 @@ class LaunchMemo:
         if len(self._entries) >= MEMO_LIMIT:
             self._prune()
         if loose is None:
-            refs = tuple(None if buf is None else weakref.ref(buf) for buf in bufs)
+            live = [True]
+
+            def died(_: object, live: list[bool] = live) -> None:
+                live[0] = False  # no reference to the entry: no cycle to collect
+
+            refs = tuple(None if buf is None else weakref.ref(buf, died) for buf in bufs)
             entry = self._entries[key] = Remembered(caps, refs, shadows, shape, launch)
+            entry.live = live
             entry.stamps = _stamps(index_bufs)
         else:
             refs = tuple(None if buf is None or free else weakref.ref(buf) for buf, free in zip(bufs, loose))

@@ -285,3 +285,19 @@ def test_probe_refuses_a_dead_buffer_with_a_reused_id(rng: np.random.Generator) 
     del bufs["out"]
     gc.collect()
     assert memo.probe(key, dev.caps) is None  # the key's ids alone prove nothing once a buffer is gone
+
+
+def test_probe_refuses_a_buffer_freed_as_cyclic_garbage() -> None:
+    """The liveness flag is cleared by weakref callbacks: also when the garbage
+    collector frees a buffer caught in a reference cycle."""
+    dev = get_device("cpu")
+    arrays, _, _, call = CASES["ssm_conv"]
+    bufs = _upload(dev, arrays)
+    call(dev, bufs)
+    y = bufs["y"]
+    key = ("ssm_conv", 1, 0, True, *(id(bufs[k]) for k in ("pool", "start", "dst", "x", "weight", "bias")), id(y))
+    assert dev._launches.probe(key, dev.caps) is not None
+    y._derived = {"cycle": y}
+    del bufs["y"], y
+    gc.collect()
+    assert dev._launches.probe(key, dev.caps) is None
