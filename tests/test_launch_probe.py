@@ -188,12 +188,15 @@ _step = st.one_of(
 )
 
 
-@pytest.mark.parametrize("device_id", ["cpu", "reference"])
+@pytest.mark.parametrize("device_id", ["cpu", "reference", "opencl"])
 @pytest.mark.parametrize("name", sorted(CASES))
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(_step, min_size=1, max_size=8))
 def test_remembered_calls_equal_fresh_calls(device_id: str, name: str, steps: list[tuple[Any, ...]]) -> None:
-    dev = get_device(device_id)
+    try:
+        dev = get_device(device_id)
+    except Exception as exc:  # the opencl backend or its device is missing here
+        pytest.skip(f"no {device_id} device: {exc}")
     case = CASES[name]
     arrays, written, index_names, call = case
     host = {k: v.copy() for k, v in arrays.items()}
