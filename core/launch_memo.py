@@ -171,24 +171,30 @@ class LaunchMemo:
     ) -> None:
         """Remember a validated call.  ``loose``: per buffer, True where the key
         itself names the argument (by geometry) and its identity is not kept."""
-        shadows = tuple(buf.host_indices for buf in index_bufs)
-        if any(s is None for s in shadows) or not all(buf.is_contiguous for buf in index_bufs):
-            return  # contents only the device knows: validate every call
+        # Loops, not generators: tensors as arguments store an entry per new address.
+        shadows = []
+        for buf in index_bufs:
+            shadow = buf.host_indices
+            if shadow is None or not buf.is_contiguous:
+                return  # contents only the device knows: validate every call
+            shadows.append(shadow)
         if len(self._entries) >= MEMO_LIMIT:
             self._prune()
+        ref = weakref.ref
         if loose is None:
             live = [True]
 
             def died(_: object, live: list[bool] = live) -> None:
                 live[0] = False  # no reference to the entry: no cycle to collect
 
-            refs = tuple(None if buf is None else weakref.ref(buf, died) for buf in bufs)
-            entry = self._entries[key] = Remembered(caps, refs, shadows, shape, launch)
+            refs = tuple([None if buf is None else ref(buf, died) for buf in bufs])
+            entry = Remembered(caps, refs, tuple(shadows), shape, launch)
             entry.live = live
             entry.stamps = _stamps(index_bufs)
         else:
-            refs = tuple(None if buf is None or free else weakref.ref(buf) for buf, free in zip(bufs, loose))
-            self._entries[key] = Remembered(caps, refs, shadows, shape, launch, loose=True)
+            refs = tuple([None if buf is None or free else ref(buf) for buf, free in zip(bufs, loose)])
+            entry = Remembered(caps, refs, tuple(shadows), shape, launch, loose=True)
+        self._entries[key] = entry
 
     def _prune(self) -> None:
         # Drop entries whose buffers are gone; if that frees too little (a
@@ -207,12 +213,13 @@ def _stamps(index_bufs: Sequence[Buffer]) -> tuple[tuple[int, int], ...] | None:
     """(id(storage), write count) of each int32 index buffer whose host copy
     is current (see :data:`STORAGE_WRITES`); None if one is not such a Buffer."""
     stamps = []
+    writes = STORAGE_WRITES
     for buf in index_bufs:
-        count = getattr(buf, "_shadow_gen", None)
-        if count is None or getattr(buf, "dtype", None) is not DType.I32:
+        try:
+            count, storage, dtype = buf._shadow_gen, id(buf.storage), buf.dtype
+        except AttributeError:  # a stand-in (tests): never probed
             return None
-        storage = id(buf.storage)
-        if STORAGE_WRITES.get(storage, 0) != count:
-            return None  # its host copy is stale (store() was given a shadow read earlier)
+        if dtype is not DType.I32 or writes.get(storage, 0) != count:
+            return None  # not an index buffer, or its host copy is stale
         stamps.append((storage, count))
     return tuple(stamps)
