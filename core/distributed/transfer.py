@@ -181,6 +181,7 @@ class _Channel:
         self.torch, self.dist = torch_dist()
         self.peer, self.group, self.tag, self.timeout = peer, group, tag, timeout
         self.device = group_device(group)
+        self.told: list[Any] = []  # answers posted and not yet waited for (see tell)
 
     def ints(self, values: list[int]) -> Any:
         return self.torch.tensor(values, dtype=self.torch.int64, device=self.device)
@@ -195,15 +196,38 @@ class _Channel:
         wait(self.post_recv(t, what), self.timeout, self.peer, what)
         return t
 
+    def tell(self, code: int) -> None:
+        """Post an answer without waiting for it to leave: the receiver goes on checking
+        while the sender hears it (its wait, a hand-over between the two processes that
+        a loaded host can stretch by a time slice, would sit on the transfer's critical
+        path).  :meth:`settle` waits for it; until then the work keeps its tensor alive."""
+        try:
+            self.told.append(self.send(self.ints([ANSWER, code]), "answering"))
+        except TransferError:
+            pass  # a peer that is gone cannot hear it; the next wait says so
+
+    def settle(self) -> None:
+        """Best effort: wait for the answers :meth:`tell` posted (long delivered, when the
+        peer went on; within 5 s when it is gone)."""
+        told, self.told = self.told, []
+        for work in told:
+            with contextlib.suppress(TransferError):
+                wait(work, min(self.timeout, 5.0), self.peer, "answering")
+
     def answer(self, code: int) -> None:
         """Best effort: a peer that is gone cannot hear why (the caller raises anyway)."""
-        try:
-            wait(self.send(self.ints([ANSWER, code]), "answering"), min(self.timeout, 5.0), self.peer, "answering")
-        except TransferError:
-            pass
+        self.tell(code)
+        self.settle()
 
-    def hear(self, what: str) -> int:
-        words = self.recv(self.ints([0, 0]), what).tolist()
+    def listen(self, what: str) -> tuple[Any, Any]:
+        """Post the receive of the peer's next answer (:meth:`hear` waits for it)."""
+        words = self.ints([0, 0])
+        return words, self.post_recv(words, what)
+
+    def hear(self, what: str, posted: tuple[Any, Any] | None = None) -> int:
+        words_t, work = posted if posted is not None else self.listen(what)
+        wait(work, self.timeout, self.peer, what)
+        words = words_t.tolist()
         if words[0] != ANSWER or words[1] not in REASONS:
             raise TransferError(self.peer, f"rank {self.peer} answered {words}, not a transfer answer")
         return int(words[1])
@@ -309,21 +333,33 @@ def _offer(
 ) -> None:
     """The sender's side of the protocol for one payload (see the module docstring):
     ``blob`` alone in one message, or, with ``out``, ``blob`` (its metadata) and then
-    one message per row block, each sent as soon as it is read."""
-    parts: list[np.ndarray | None] = [None] * (len(out.sizes) if out is not None else 0)
+    one message per row block.  The row blocks are read (and, on the host, wrapped as
+    tensors) while the receiver checks the header and validates the metadata, so that
+    its *go* finds every send ready to post."""
+    n_parts = len(out.sizes) if out is not None else 0
+    parts: list[np.ndarray | None] = [None] * n_parts
     crc = None
     if checksum:  # the CRC goes in the header: every part is read first
         crc = zlib.crc32(blob)
-        for k in range(len(parts)):
+        for k in range(n_parts):
             assert out is not None
             parts[k] = out.part(k)
             crc = zlib.crc32(parts[k].data, crc)  # type: ignore[union-attr]
     nbytes = len(blob) + (out.nbytes if out is not None else 0)
     meta_bytes, sizes = (None, None) if out is None else (len(blob), out.sizes)
     header = _header(nbytes, pos_min, pos_max, flags, crc, meta_bytes, sizes)
-    inline = out is not None and on_host(ch.device) and len(blob) <= INLINE_BYTES
+    host = on_host(ch.device)
+    inline = out is not None and host and len(blob) <= INLINE_BYTES
     sent = ch.send(_header_message(ch, header, blob if inline else b""), "sending the header")
-    code = ch.hear("waiting for the answer to the header")
+    heard = ch.listen("waiting for the answer to the header")
+    tensors = []
+    if host:  # while the receiver works: tensors over pool views (no copy) or over gathered rows
+        assert out is not None or not n_parts
+        for k in range(n_parts):
+            if parts[k] is None:
+                parts[k] = out.part(k)  # type: ignore[union-attr]
+            tensors.append(as_tensor(parts[k], ch.device))  # type: ignore[arg-type]  # kept alive until sent
+    code = ch.hear("waiting for the answer to the header", heard)
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
     works = (
@@ -331,12 +367,14 @@ def _offer(
         if inline
         else [ch.send(as_tensor(blob, ch.device), "sending the metadata" if out else "sending the payload")]
     )
-    for k in range(len(parts)):  # posted now, received once the receiver's memory named their destinations
-        assert out is not None
-        part = parts[k]
-        if part is None:
-            part = parts[k] = out.part(k)  # kept alive until sent
-        works.append(ch.send(as_tensor(part, ch.device), "sending the rows"))  # (NCCL: uploaded, then sent)
+    for k in range(n_parts):  # posted now, received once the receiver's memory named their destinations
+        if not host:  # a device: each block gathered, uploaded, then sent (the gathers overlap the sends)
+            assert out is not None
+            part = parts[k]
+            if part is None:
+                part = parts[k] = out.part(k)  # kept alive until sent
+            tensors.append(as_tensor(part, ch.device))
+        works.append(ch.send(tensors[k], "sending the rows"))
     code = ch.hear("waiting for the answer to the payload")
     wait(sent, ch.timeout, ch.peer, "sending the header")
     for work in works:
@@ -378,6 +416,13 @@ def recv_sequence(
     t0 = time.perf_counter()
     ch = _Channel(src, group, tag, timeout)
     limit = default_max_bytes(memory) if max_bytes is None else int(max_bytes)
+    try:
+        return _receive(memory, seq_id, ch, limit, t0)
+    finally:
+        ch.settle()  # the go told in _take (long delivered unless the sender is gone)
+
+
+def _receive(memory: Any, seq_id: int, ch: _Channel, limit: int, t0: float) -> Transfer:
     got = _take(ch, limit)
     try:
         sizes = _check_positions(got.meta, got.pos_max, got.rows)
@@ -605,7 +650,7 @@ def _take(ch: _Channel, limit: int) -> _Arrival:
     if nbytes > limit:
         ch.answer(TOO_LARGE)
         raise TransferError(src, f"rank {src} announced {nbytes} bytes, more than max_bytes={limit}; refused")
-    ch.answer(OK)
+    ch.tell(OK)  # go: the receiver checks the metadata while the sender hears it
     payload = _receive_buffer(ch, nbytes)
     flags = flags_word & 0xFFFF
     crc = crc if flags_word & _CRC_PRESENT else None
