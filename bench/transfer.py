@@ -39,6 +39,7 @@ import argparse
 import datetime
 import multiprocessing as mp
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -82,6 +83,7 @@ def _sequence(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
         send_sequence(mem, 0, 1, checksum=ctx["checksum"], timeout=300)
     else:
         recv_sequence(mem, 0, 0, timeout=300)
+        assert mem.seq_pos_max(0) == ctx["tokens"] - 1
 
 
 @kind("state format")
@@ -92,6 +94,7 @@ def _state_format(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
         send_sequence(mem, 0, 1, checksum=ctx["checksum"], timeout=300, rows=False)
     else:
         recv_sequence(mem, 0, 0, timeout=300)
+        assert mem.seq_pos_max(0) == ctx["tokens"] - 1
 
 
 def spec_and_memory(device: str, tokens: int) -> tuple[Any, Any]:
@@ -195,7 +198,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
         msgs = [int(n) for n in lengths.tolist()]
         n = sum(msgs)
         plain = torch.ones(n, dtype=torch.uint8) if rank == 0 else torch.empty(n, dtype=torch.uint8)
-        ctx = {"plain": plain, "parts": list(torch.split(plain, msgs)), "checksum": args.checksum}
+        ctx = {"plain": plain, "parts": list(torch.split(plain, msgs)), "checksum": args.checksum, "tokens": tokens}
         times: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(args.warmup + args.rounds):
             for k in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
@@ -206,8 +209,6 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
                 KINDS[k](rank, mem, ctx)
                 if r >= args.warmup:
                     times[k].append(time.perf_counter() - t0)
-        if rank == 1:
-            assert mem.seq_pos_max(0) == tokens - 1
         if rank == 0:
             results[tokens] = {"local": breakdown(mem, other, tokens, args.rounds)}
         else:
@@ -236,7 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict(out.get(timeout=1800) for _ in range(2))
+    got: dict[int, Any] = {}
+    while len(got) < 2:  # a worker that dies says so instead of leaving this waiting
+        try:
+            rank, results = out.get(timeout=5)
+            got[rank] = results
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"a worker failed (exit codes {[p.exitcode for p in procs]})") from None
     for p in procs:
         p.join(timeout=60)
     pick = statistics.median if args.stat == "median" else min
