@@ -29,10 +29,13 @@ The protocol (version 4) keeps the receiver safe:
    metadata (up to :data:`INLINE_BYTES`) travels in the same message;
 2. the receiver checks the header (a corrupt one, or a payload larger than
    its memory could ever hold, is refused before it allocates anything) and
-   answers *go* or *refused*; on *go* the sender posts the row messages
-   (after the metadata's own message over NCCL);
+   answers *go* or *refused*, without waiting for the answer to leave (it goes
+   on checking while the sender hears it); on *go* the sender posts the row
+   messages (after the metadata's own message over NCCL), which it read from
+   its pool while the receiver worked;
 3. the receiver checks that every part of the metadata ends at the header's
-   last position and that its row blocks are the announced messages, saves
+   last position and that its row blocks are the announced messages (a scan
+   of the metadata, :func:`statecache.distributed.sections.scan_apart`), saves
    what the destination sequence held, and runs the memory's ``state_read``:
    it validates everything from the metadata, then names the row writes its
    commit will make into rows that nothing references
