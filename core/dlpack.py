@@ -105,11 +105,11 @@ def capsule_tensor(capsule: Any) -> tuple[DLTensor, int]:
     raise BufferError(f"not an unconsumed DLPack capsule: {name!r}")
 
 
-#: (code, bits) -> NumPy dtype of the element types statecache reads.
+#: (code, bits) -> NumPy dtype of the element types statecache reads (bf16's
+#: is DType.BF16.numpy, looked up when met: it imports ml_dtypes).
 _NUMPY_OF_DL: dict[tuple[int, int], np.dtype] = {
     (KDL_FLOAT, 32): np.dtype(np.float32),
     (KDL_FLOAT, 16): np.dtype(np.float16),
-    (KDL_BFLOAT, 16): DType.BF16.numpy,
     (KDL_INT, 32): np.dtype(np.int32),
     (KDL_INT, 64): np.dtype(np.int64),
 }
@@ -150,6 +150,8 @@ class TensorMemory(NamedTuple):
     @property
     def numpy_dtype(self) -> np.dtype | None:
         """The NumPy dtype of the elements, or None for a type statecache never reads."""
+        if self.code == KDL_BFLOAT and self.bits == 16:
+            return DType.BF16.numpy
         return _NUMPY_OF_DL.get((self.code, self.bits))
 
     @property
@@ -265,7 +267,7 @@ def describe(obj: Any, *, stream: int | None = None) -> TensorMemory:
 
 def _numpy_memory(arr: np.ndarray) -> TensorMemory:
     dtype = arr.dtype
-    if dtype == DType.BF16.numpy:
+    if dtype.name == "bfloat16" and dtype == DType.BF16.numpy:  # the name first: no ml_dtypes import
         code = KDL_BFLOAT
     else:
         code = {"f": KDL_FLOAT, "i": KDL_INT, "u": KDL_UINT, "b": KDL_BOOL}.get(dtype.kind, -1)
@@ -464,3 +466,121 @@ def confirm_fingerprint(obj: Any, fp: Fingerprint, memory: TensorMemory) -> bool
         READERS[type(obj)] = export_fingerprint
         DEMOTIONS[0] += 1
     return ok
+
+
+# -- the DLPack C exchange API ------------------------------------------------------
+#
+# A torch tensor's five facts read through Python cost about 0.6 us per tensor
+# (``shape``, ``stride()``, ``dtype``, ``device``, ``data_ptr()``: one call and
+# one object each); a relaunch of a decode step reads nine.  DLPack 1.2+
+# producers publish C functions on the type (``__dlpack_c_exchange_api__``, a
+# capsule), one of which fills a DLTensor from the object without an export.
+# A backend with compiled code can read every tensor of a call through it in
+# one C call (:class:`ExchangeReader`); the geometry compared is the DLTensor's.
+
+#: DLPackExchangeAPI, in pointer-sized words: the header (version: two uint32, prev_api), then
+#: managed_tensor_allocator, managed_tensor_from_py_object_no_sync, managed_tensor_to_py_object_no_sync,
+#: dltensor_from_py_object_no_sync (this word), current_work_stream.
+_DLTENSOR_FROM_PY_SLOT = 5
+_EXCHANGE_API_NAME = b"dlpack_exchange_api"
+
+#: cls -> address of its producer's ``dltensor_from_py_object_no_sync`` (0: none usable).
+_EXCHANGE_FUNCTIONS: dict[type, int] = {}
+
+
+def exchange_function(cls: type) -> int:
+    """The address of ``cls``'s ``dltensor_from_py_object_no_sync`` (DLPack
+    C exchange API, major version 1), or 0 when ``cls`` publishes none."""
+    found = _EXCHANGE_FUNCTIONS.get(cls)
+    if found is not None:
+        return found
+    address = 0
+    capsule = getattr(cls, "__dlpack_c_exchange_api__", None)
+    if capsule is not None:
+        try:
+            if _capsule_name(capsule) == _EXCHANGE_API_NAME:
+                api = _capsule_pointer(capsule, _EXCHANGE_API_NAME)
+                if api and (ctypes.c_uint32 * 2).from_address(api)[0] == 1:
+                    words = (ctypes.c_void_p * (_DLTENSOR_FROM_PY_SLOT + 1)).from_address(api)
+                    address = words[_DLTENSOR_FROM_PY_SLOT] or 0
+        except (TypeError, ValueError, OSError):  # not a capsule (ctypes refuses it): none usable
+            address = 0
+    _EXCHANGE_FUNCTIONS[cls] = address
+    return address
+
+
+#: dlpack.h DLDataType word (code | bits << 8 | lanes << 16) of the dtypes a float Buffer has.
+_DTYPE_WORD = {
+    DType.F32: KDL_FLOAT | 32 << 8 | 1 << 16,
+    DType.F16: KDL_FLOAT | 16 << 8 | 1 << 16,
+    DType.BF16: KDL_BFLOAT | 16 << 8 | 1 << 16,
+}
+
+
+class ExchangeReader:
+    """Compiled readers of tensors through the DLPack C exchange API: a
+    backend's ``read(obj, function)`` and ``match(given, plan)`` builtins
+    (see backends/cpu/sc_dlpack.c for what they take and return)."""
+
+    __slots__ = ("_match", "_read")
+
+    def __init__(self, read: Callable[[Any, int], tuple[int, ...] | None], match: Callable[..., Any]) -> None:
+        self._read = read
+        self._match = match
+
+    def reading(self, obj: Any) -> tuple[int, ...] | None:
+        """``obj``'s reading (address, ndim, dtype word, device word, shape...,
+        strides...), or None when its type publishes no usable exchange API or
+        the producer refuses it."""
+        function = exchange_function(type(obj))
+        return self._read(obj, function) if function else None
+
+    def plan(
+        self,
+        given: tuple[Any, ...],
+        positions: list[int],
+        buffers: list[Any],
+        align: int,
+        tensor_pairs: tuple[tuple[int, int, int, int], ...],
+        fixed_pairs: tuple[tuple[int, int, int], ...],
+    ) -> Plan | None:
+        """A plan matching the tensors at ``positions`` of a call like
+        ``given`` (validated with the Buffers ``buffers`` over them), then
+        checking their addresses against ``align`` (a mask) and the overlap
+        pairs (as ``statecache.tensor_args._Relaunch`` has them); or None when
+        one of them cannot be read in C, or its reading does not describe
+        exactly the memory its Buffer was validated over."""
+        words: list[int] = [len(positions)]
+        for pos, buf in zip(positions, buffers):
+            obj = given[pos]
+            reading = self.reading(obj)
+            if reading is None:
+                return None
+            address, ndim, dtype, device = reading[:4]
+            shape, strides = reading[4 : 4 + ndim], reading[4 + ndim :]
+            rng = buf.byte_range()
+            if (
+                rng is None
+                or (address != rng[0] and buf.size != 0)
+                or shape != tuple(buf.shape)
+                or dtype != _DTYPE_WORD.get(buf.dtype)
+                or any(n != 1 and a != b for n, a, b in zip(shape, strides, buf.strides))
+            ):
+                return None  # (a producer whose C reading and export disagree: the Python path)
+            words += [pos, id(type(obj)), exchange_function(type(obj)), ndim, dtype, device, *shape, *strides]
+        words += [align, len(tensor_pairs), *(w for pair in tensor_pairs for w in pair)]
+        words += [len(fixed_pairs), *(w for pair in fixed_pairs for w in pair)]
+        return Plan(self._match, np.array(words, np.int64).tobytes(), [type(given[p]) for p in positions])
+
+
+class Plan:
+    """One call's tensors to match in C (:meth:`ExchangeReader.plan`)."""
+
+    __slots__ = ("_keep", "match", "words")
+
+    def __init__(self, match: Callable[[tuple[Any, ...], bytes], Any], words: bytes, types: list[type]) -> None:
+        # match(given, words): the tensors' addresses (a list), None (another geometry), or
+        # False (the geometry, but misaligned or overlapping)
+        self.match = match
+        self.words = words
+        self._keep = types  # the plan holds their addresses: they must outlive it

@@ -81,6 +81,18 @@ geometry path makes:
 * no type read directly has been found to disagree with its own DLPack
   export since (:data:`statecache.dlpack.DEMOTIONS`).
 
+Where the device has compiled readers (``Device._exchange_reader``, the
+cpu device's: :class:`statecache.dlpack.ExchangeReader`) and every tensor's
+type publishes the DLPack C exchange API (torch 2.13 does), a remembered geometry
+also gets a *plan* (:class:`statecache.dlpack.Plan`): the tensors' positions,
+exact types and DLTensor geometries, then the alignment mask and overlap
+pairs above.  One C call reads every tensor through the producer's
+``dltensor_from_py_object_no_sync``, compares and checks, and returns the
+addresses, in a tenth of the time torch's accessors take.  A plan
+is made only when each tensor's C reading describes exactly the memory its
+validated Buffer covers (address, shape, strides on axes longer than one,
+dtype); the Buffer checks, index shadows and capabilities stay in Python.
+
 Index tensors and host tensors that are copied in never take this path
 (their values or copies are refreshed per call); nor does a call that
 passes one tensor object in two places.  The launch keeps no reference to a
@@ -105,6 +117,8 @@ from statecache.dlpack import (
     DEMOTIONS,
     KDL_INT,
     READERS,
+    ExchangeReader,
+    Plan,
     TensorMemory,
     confirm_fingerprint,
     describe,
@@ -338,8 +352,8 @@ def _absent() -> None:
 class _Relaunch:
     """One call geometry remembered for relaunching: what to check, and the launch."""
 
-    __slots__ = ("align", "caps", "direct", "fixed", "native_pairs", "run", "shadows", "signature", "tensor_pairs",
-                 "tensors")  # fmt: skip
+    __slots__ = ("align", "caps", "direct", "fixed", "native_pairs", "plan", "run", "shadows", "signature",
+                 "tensor_pairs", "tensors")  # fmt: skip
 
     def __init__(
         self,
@@ -375,6 +389,9 @@ class _Relaunch:
         self.tensor_pairs = tensor_pairs
         self.native_pairs = native_pairs
         self.run = run  # the backend's launch, given the tensors' addresses in argument order (False: busy)
+        # The tensors read in C instead (statecache.dlpack.Plan), where the device has a reader
+        # and every tensor's type publishes the DLPack C exchange API; None: read as above.
+        self.plan: Plan | None = None
 
 
 def _read_by_readers(tensors: tuple[tuple[Any, ...], ...], given: tuple[Any, ...], addresses: list[int]) -> bool:
@@ -436,6 +453,21 @@ class Relaunches:
                 if expected() is not given[pos]:
                     break
             else:
+                plan = entry.plan
+                if plan is not None:
+                    # Every tensor read and compared, and the alignment and overlap checks
+                    # below made, in one C call (DLPack C exchange API)
+                    found = plan.match(given, plan.words)
+                    if found is None:
+                        continue  # another geometry
+                    if found is False:
+                        return False  # (misaligned or overlapping: the ordinary path refuses it by name)
+                    if entry.caps is not dev.caps:
+                        return False
+                    for pos, shadow in entry.shadows:
+                        if given[pos].host_indices is not shadow:
+                            return False
+                    return entry.run(found)
                 addresses = []
                 try:
                     if entry.direct:
@@ -576,6 +608,11 @@ class Relaunches:
             tuple(sorted(native_pairs)),
             run,
         )
+        in_c: ExchangeReader | None = getattr(dev, "_exchange_reader", None)
+        if in_c is not None and direct:
+            entry.plan = in_c.plan(
+                given, tensors, [coerced[pos] for pos in tensors], entry.align, entry.tensor_pairs, entry.native_pairs
+            )
         chain = self._chains.get(anchor)
         if chain is None:
             if self._count >= RELAUNCH_LIMIT:

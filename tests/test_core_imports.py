@@ -80,3 +80,30 @@ def test_make_memory_lives_above_the_memories_and_old_imports_still_work():
     text = (CORE / "spec.py").read_text()
     for module in ("recurrent", "kv_cache", "hybrid", "hybrid_idx", "factory"):
         assert f"from statecache.{module} import" not in text.split("def __getattr__", 1)[0]
+
+
+def test_ml_dtypes_is_imported_only_when_bf16_is_used():
+    """ml_dtypes costs about half a second of CPU to import; a process that
+    never touches bf16 (the CLI, each rank of a distributed test) must not
+    pay it, and the first bf16 use must still find the same dtype."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import statecache
+        from statecache.dtypes import DType
+        dev = statecache.get_device("reference")
+        buf = dev.upload(np.ones(4, np.float32))
+        assert DType.parse("f16") is DType.F16 and DType.F16.itemsize == 2
+        assert "ml_dtypes" not in sys.modules, "imported without bf16"
+        assert DType.BF16.itemsize == 2 and "ml_dtypes" not in sys.modules
+        import ml_dtypes
+        assert DType.BF16.numpy == np.dtype(ml_dtypes.bfloat16)
+        assert DType.parse(np.dtype(ml_dtypes.bfloat16)) is DType.BF16
+        bf = dev.upload(np.arange(4, dtype=np.float32), "bf16")
+        assert bf.dtype is DType.BF16
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -32,10 +32,10 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEADER = "statecache_cpu.h"
-SOURCES = ("rows.c", "ssm_conv.c", "ssm_scan.c", "delta_net.c", "linear_attn.c")
+SOURCES = ("rows.c", "ssm_conv.c", "ssm_scan.c", "delta_net.c", "linear_attn.c", "sc_dlpack.c")
 MODULE = "statecache.backends.cpu._kernels"
 #: Every file whose bytes the compiled library depends on.
-KERNEL_FILES = (HEADER, "sc_internal.h", "sc_gemm.h", *SOURCES)
+KERNEL_FILES = (HEADER, "sc_internal.h", "sc_gemm.h", "sc_dlpack.h", *SOURCES)
 
 _V3_FLAGS = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}
 _V2_FLAGS = {"sse4_1", "sse4_2", "ssse3", "popcnt"}
@@ -105,13 +105,16 @@ ffibuilder = FFI()
 ffibuilder.cdef(cdef_source())
 # Not in the public header: the digest is a fact of this build, not of the ABI.
 ffibuilder.cdef("const char *sc_cpu_source_digest(void);")
+# Nor the DLPack geometry readers (sc_dlpack.h): Python builtins, which cffi only finds
+# (ffi.addressof) for ctypes to call once, the GIL held.
+ffibuilder.cdef("void *sc_dlpack_functions(void);")
 ffibuilder.set_source(
     MODULE,
-    f'#include "{HEADER}"\n'
+    f'#include "{HEADER}"\n#include "sc_dlpack.h"\n'
     f'static const char *sc_cpu_source_digest(void) {{ return "{source_digest() or "unknown"}"; }}\n',
     sources=[_rel(name) for name in SOURCES],
     include_dirs=[_rel(".")],
-    depends=[_rel(HEADER), _rel("sc_internal.h"), _rel("sc_gemm.h")],
+    depends=[_rel(HEADER), _rel("sc_internal.h"), _rel("sc_gemm.h"), _rel("sc_dlpack.h")],
     extra_compile_args=compile_args(ISA),
     extra_link_args=["-fopenmp"],
     libraries=["m"],

@@ -13,6 +13,7 @@ could have changed since), so a kernel cannot index out of bounds.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import threading
@@ -23,7 +24,16 @@ import numpy as np
 
 from statecache import __version__, settings
 from statecache.backend import PRIMITIVES, PROTOCOL_VERSION, Backend, Buffer, Caps, Device, DeviceKind
-from statecache.dlpack import KDL_BFLOAT, KDL_CPU, KDL_UINT, DLDataType, TensorMemory, capsule_tensor, host_flat
+from statecache.dlpack import (
+    KDL_BFLOAT,
+    KDL_CPU,
+    KDL_UINT,
+    DLDataType,
+    ExchangeReader,
+    TensorMemory,
+    capsule_tensor,
+    host_flat,
+)
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError
 from statecache.hostmem import aligned_empty, physical_memory_bytes
@@ -208,6 +218,9 @@ class CpuDevice(Device):
         self.backend_name = "cpu"
         self.kind = DeviceKind.CPU
         self.isa = ffi.string(lib.sc_cpu_isa()).decode()
+        # Relaunches read torch tensors through the DLPack C exchange API in one C call
+        # (statecache.dlpack.ExchangeReader; sc_dlpack.c).
+        self._exchange_reader, self._place = _helpers(ffi, lib)
         self.name = f"{_cpu_name()} (C kernels, {self.isa})"
         self.memory_bytes = physical_memory_bytes()
         self.caps = Caps(
@@ -554,6 +567,12 @@ class CpuDevice(Device):
         cast = ffi.cast
         num_threads = settings.num_threads
         field_steps = tuple(fields)
+        place = self._place
+        if place is not None:  # the fields set in one C call (sc_dlpack.c): their addresses
+            targets = [len(fields)]
+            for k, delta, alias in fields:
+                targets += [k, delta, int(ffi.cast("uintptr_t", alias))]
+            field_targets = np.array(targets, np.int64).tobytes()
         pointer_steps = tuple(pointers)
         last = [-1] * len(pointer_steps)
         # The structs are patched in place and the kernel runs without the GIL: a second thread
@@ -565,8 +584,11 @@ class CpuDevice(Device):
             if not busy.acquire(blocking=False):
                 return False
             try:
-                for k, delta, alias in field_steps:
-                    alias[0] = addresses[k] + delta
+                if place is not None:
+                    place(addresses, field_targets)
+                else:
+                    for k, delta, alias in field_steps:
+                        alias[0] = addresses[k] + delta
                 for i, (k, delta, ctype, arg) in enumerate(pointer_steps):
                     address = addresses[k] + delta
                     if address != last[i]:
@@ -659,6 +681,21 @@ _RELAUNCH_SLOTS: dict[str, dict[int, tuple[Any, ...]]] = {
         12: ("opt", 9, "dt_bias"),
     },
 }
+
+
+def _helpers(ffi: Any, lib: Any) -> tuple[ExchangeReader | None, Any]:
+    """The library's Python builtins (sc_dlpack.c): the DLPack readers, and
+    ``place`` (pointer fields set from a list of addresses); fetched once
+    through ctypes (with the GIL held, unlike a cffi call).  Nones if that fails."""
+    try:
+        address = int(ffi.cast("uintptr_t", ffi.addressof(lib, "sc_dlpack_functions")))
+    except AttributeError:  # a hand-made build that does not declare them (tools/kernel_coverage.py)
+        return None, None
+    try:
+        read, match, place = ctypes.PYFUNCTYPE(ctypes.py_object)(address)()
+    except (ValueError, TypeError):  # NULL (no memory) or not the three
+        return None, None
+    return ExchangeReader(read, match), place
 
 
 def _address(buf: Buffer) -> int:

@@ -1,0 +1,233 @@
+/* See sc_dlpack.h.  Layouts shared with statecache.dlpack.ExchangeReader,
+ * all int64:
+ *
+ * a reading (read's result): address (data + byte_offset), ndim,
+ *   dtype word (code | bits << 8 | lanes << 16), device word
+ *   (device_type | device_id << 32), shape[ndim], strides[ndim] (in elements;
+ *   C order when the producer gives none);
+ * a plan (match's, as bytes): n, then per tensor: position in the argument
+ *   tuple, address of its exact type object, address of the producer's
+ *   dltensor_from_py_object_no_sync, then the reading without its address
+ *   (ndim, dtype word, device word, shape, strides); after the tensors, the
+ *   checks a matched call must pass on the addresses found (k, m: tensor
+ *   numbers in plan order): an alignment mask (no address may have any of its
+ *   bits set), the count of tensor pairs and per pair k, m, lo, hi (refused
+ *   when lo < address_k - address_m < hi: the two overlap), the count of
+ *   pairs with fixed memory and per pair k, lo, hi (refused when
+ *   lo < address_k < hi).
+ *
+ * Only the geometry is compared, never the address: the address is what a
+ * relaunch takes from each call. */
+/* The stable ABI of CPython 3.11 (setup.py's LIMITED_API): the module is
+ * named and tagged abi3, so nothing here may depend on one CPython's layout. */
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x030B0000
+#endif
+#include <Python.h>
+#include <string.h>
+
+#include "sc_dlpack.h"
+
+/* dlpack.h, ABI 1.x: the structures are stable across minor versions. */
+typedef struct {
+    int32_t device_type;
+    int32_t device_id;
+} sc_dl_device;
+
+typedef struct {
+    uint8_t code;
+    uint8_t bits;
+    uint16_t lanes;
+} sc_dl_dtype;
+
+typedef struct {
+    void *data;
+    sc_dl_device device;
+    int32_t ndim;
+    sc_dl_dtype dtype;
+    int64_t *shape;
+    int64_t *strides;
+    uint64_t byte_offset;
+} sc_dl_tensor;
+
+typedef int (*sc_from_py)(void *py_object, sc_dl_tensor *out);
+
+/* Tensors of more dimensions than this are not read here (the caller falls back). */
+#define SC_DL_MAX_NDIM 16
+
+static int64_t dtype_word(const sc_dl_tensor *t) {
+    return (int64_t)t->dtype.code | ((int64_t)t->dtype.bits << 8) | ((int64_t)t->dtype.lanes << 16);
+}
+
+static int64_t device_word(const sc_dl_tensor *t) {
+    return (int64_t)(uint32_t)t->device.device_type | ((int64_t)(uint32_t)t->device.device_id << 32);
+}
+
+/* The stride of dimension i: the producer's, or C order's when it gives none. */
+static int64_t stride_at(const sc_dl_tensor *t, int32_t i) {
+    if (t->strides != NULL) return t->strides[i];
+    int64_t acc = 1;
+    for (int32_t j = t->ndim - 1; j > i; j--) acc *= t->shape[j] > 1 ? t->shape[j] : 1;
+    return acc;
+}
+
+/* Fill a DLTensor of obj; 0, or -1 with no Python error left set. */
+static int fill(void *obj, void *from_py, sc_dl_tensor *t) {
+    memset(t, 0, sizeof *t);
+    if (((sc_from_py)from_py)(obj, t) != 0) {
+        PyErr_Clear(); /* the ordinary path exports the tensor again and says what is wrong */
+        return -1;
+    }
+    if (t->ndim < 0 || t->ndim > SC_DL_MAX_NDIM || (t->ndim > 0 && t->shape == NULL)) return -1;
+    return 0;
+}
+
+/* read(obj, from_py): obj's reading (layout above) as a tuple of ints, or
+ * None when the producer refuses it. */
+static PyObject *py_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "read(obj, from_py) takes 2 arguments");
+        return NULL;
+    }
+    void *from_py = PyLong_AsVoidPtr(args[1]);
+    if (from_py == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "read: no producer function");
+        return NULL;
+    }
+    sc_dl_tensor t;
+    if (fill(args[0], from_py, &t) != 0) Py_RETURN_NONE;
+    PyObject *out = PyTuple_New(4 + 2 * (Py_ssize_t)t.ndim);
+    if (out == NULL) return NULL;
+    int64_t words[4 + 2 * SC_DL_MAX_NDIM];
+    words[0] = (int64_t)((uintptr_t)t.data + t.byte_offset);
+    words[1] = t.ndim;
+    words[2] = dtype_word(&t);
+    words[3] = device_word(&t);
+    for (int32_t i = 0; i < t.ndim; i++) {
+        words[4 + i] = t.shape[i];
+        words[4 + t.ndim + i] = stride_at(&t, i);
+    }
+    for (Py_ssize_t i = 0; i < 4 + 2 * (Py_ssize_t)t.ndim; i++) {
+        PyObject *v = PyLong_FromLongLong(words[i]);
+        if (v == NULL || PyTuple_SetItem(out, i, v) != 0) { /* SetItem steals v */
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* match(given, plan): whether every tensor of the plan (bytes, layout above)
+ * has its geometry in the tuple `given` and the checks pass: a new list of
+ * the tensors' addresses; None: a position holds another type or another
+ * geometry, or a producer refused; False: the geometry matched and a check
+ * failed (misaligned, or written memory overlapping other arguments). */
+static PyObject *py_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyTuple_Check(args[0]) || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "match(given: tuple, plan: bytes)");
+        return NULL;
+    }
+    PyObject *given = args[0];
+    const int64_t *p = (const int64_t *)PyBytes_AsString(args[1]);
+    if (p == NULL) return NULL;
+    int64_t n = *p++;
+    int64_t found[64];
+    if (n < 0 || n > 64) Py_RETURN_NONE;
+    for (int64_t k = 0; k < n; k++) {
+        PyObject *obj = PyTuple_GetItem(given, (Py_ssize_t)p[0]);
+        if (obj == NULL) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        if ((int64_t)(uintptr_t)Py_TYPE(obj) != p[1]) Py_RETURN_NONE;
+        sc_dl_tensor t;
+        if (fill(obj, (void *)(uintptr_t)p[2], &t) != 0) Py_RETURN_NONE;
+        int32_t ndim = t.ndim;
+        if (ndim != p[3] || dtype_word(&t) != p[4] || device_word(&t) != p[5]) Py_RETURN_NONE;
+        const int64_t *shape = p + 6, *strides = p + 6 + ndim;
+        for (int32_t i = 0; i < ndim; i++) {
+            if (t.shape[i] != shape[i] || stride_at(&t, i) != strides[i]) Py_RETURN_NONE;
+        }
+        found[k] = (int64_t)((uintptr_t)t.data + t.byte_offset);
+        p += 6 + 2 * (int64_t)ndim;
+    }
+    int64_t bits = 0;
+    for (int64_t k = 0; k < n; k++) bits |= found[k];
+    if (bits & p[0]) Py_RETURN_FALSE;
+    int64_t n_pairs = p[1];
+    p += 2;
+    for (int64_t i = 0; i < n_pairs; i++, p += 4) {
+        int64_t d = found[p[0]] - found[p[1]];
+        if (p[2] < d && d < p[3]) Py_RETURN_FALSE;
+    }
+    n_pairs = p[0];
+    p += 1;
+    for (int64_t i = 0; i < n_pairs; i++, p += 3) {
+        if (p[1] < found[p[0]] && found[p[0]] < p[2]) Py_RETURN_FALSE;
+    }
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    if (out == NULL) return NULL;
+    for (int64_t k = 0; k < n; k++) {
+        PyObject *v = PyLong_FromLongLong(found[k]);
+        if (v == NULL || PyList_SetItem(out, (Py_ssize_t)k, v) != 0) { /* SetItem steals v */
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
+/* place(addresses, targets): for each (k, delta, target) of targets (bytes:
+ * n, then n triples of int64), store addresses[k] + delta at the address
+ * target (a pointer field of a prepared call's struct).  Returns None. */
+static PyObject *py_place(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "place(addresses: list, targets: bytes)");
+        return NULL;
+    }
+    const int64_t *p = (const int64_t *)PyBytes_AsString(args[1]);
+    if (p == NULL) return NULL;
+    Py_ssize_t n_addresses = PyList_Size(args[0]);
+    int64_t n = *p++;
+    for (int64_t i = 0; i < n; i++, p += 3) { /* all checked first: nothing written on an error */
+        if (p[0] < 0 || p[0] >= n_addresses) {
+            PyErr_SetString(PyExc_IndexError, "place: no such address");
+            return NULL;
+        }
+    }
+    p -= 3 * n;
+    for (int64_t i = 0; i < n; i++, p += 3) {
+        long long a = PyLong_AsLongLong(PyList_GetItem(args[0], (Py_ssize_t)p[0]));
+        if (a == -1 && PyErr_Occurred()) return NULL;
+        *(uintptr_t *)(uintptr_t)p[2] = (uintptr_t)(a + p[1]);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef sc_dlpack_defs[] = {
+    {"read", (PyCFunction)(void (*)(void))py_read, METH_FASTCALL, "read(obj, from_py): a tensor's reading"},
+    {"match", (PyCFunction)(void (*)(void))py_match, METH_FASTCALL, "match(given, plan): addresses, None or False"},
+    {"place", (PyCFunction)(void (*)(void))py_place, METH_FASTCALL, "place(addresses, targets): set pointer fields"},
+};
+
+/* (read, match, place) as Python builtins (called like any builtin: the GIL held,
+ * no ctypes conversions per call); made once, kept for the process.  Returns
+ * a new reference (ctypes takes a py_object result as one), NULL on failure. */
+void *sc_dlpack_functions(void) {
+    static PyObject *functions = NULL;
+    if (functions == NULL) {
+        PyObject *read = PyCFunction_NewEx(&sc_dlpack_defs[0], NULL, NULL);
+        PyObject *match = PyCFunction_NewEx(&sc_dlpack_defs[1], NULL, NULL);
+        PyObject *place = PyCFunction_NewEx(&sc_dlpack_defs[2], NULL, NULL);
+        if (read != NULL && match != NULL && place != NULL) functions = PyTuple_Pack(3, read, match, place);
+        Py_XDECREF(read);
+        Py_XDECREF(match);
+        Py_XDECREF(place);
+        if (functions == NULL) return NULL;
+    }
+    Py_INCREF(functions);
+    return functions;
+}

@@ -1,0 +1,206 @@
+"""Relaunches that read torch tensors through the DLPack C exchange API.
+
+Where the device has a compiled reader (cpu: sc_dlpack.c) and the tensors'
+type publishes ``__dlpack_c_exchange_api__`` (torch 2.13 does), a relaunch reads
+and compares every tensor of the call, and makes the alignment and overlap
+checks, in one C call (:class:`statecache.dlpack.ExchangeReader`).  These
+tests check that this path is taken and that it decides exactly as the
+ordinary path (wrapping every tensor afresh, validating by geometry): the
+same results bitwise, and the same refusals, for any sequence of calls whose
+tensors keep or change their geometry.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_tensors_args import _POSITIONAL, _host, _stateful_hosts, _tensor
+
+from statecache import dlpack
+from statecache.errors import ArgumentError
+from statecache.hostmem import as_array
+from statecache.registry import get_device
+from statecache.tensor_args import Relaunches
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+pytestmark = pytest.mark.skipif(
+    not dlpack.exchange_function(torch.Tensor), reason="this torch publishes no DLPack C exchange API"
+)
+
+WEIGHTS = {"weight", "bias", "A", "D", "dt_bias"}
+
+
+def _cpu():  # type: ignore[no-untyped-def]
+    dev = get_device("cpu")
+    assert dev._exchange_reader is not None
+    return dev
+
+
+def test_the_reading_is_the_tensor_s_geometry() -> None:
+    dev = _cpu()
+    reader = dev._exchange_reader
+    t = torch.arange(24, dtype=torch.float32).view(2, 3, 4)[:, 1:, ::2]
+    address, ndim, dtype, device, *rest = reader.reading(t)
+    assert address == t.data_ptr() and ndim == 3
+    assert tuple(rest[:3]) == tuple(t.shape) and tuple(rest[3:]) == t.stride()
+    assert dtype == dlpack.KDL_FLOAT | 32 << 8 | 1 << 16 and device == dlpack.KDL_CPU
+    p = torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))  # requires grad: read all the same
+    assert reader.reading(p)[:3] == (p.data_ptr(), 1, dlpack.KDL_BFLOAT | 16 << 8 | 1 << 16)
+    assert reader.reading(np.zeros(3)) is None  # no exchange API: not read in C
+    assert reader.reading(torch.empty(2, device="meta")) in (None, reader.reading(torch.empty(2, device="meta")))
+
+
+def _call(dev, op: str, args: dict) -> None:  # type: ignore[no-untyped-def,type-arg]
+    positional = [args[n] for n in _POSITIONAL[op]]
+    getattr(dev, op)(*positional, **{n: v for n, v in args.items() if n not in _POSITIONAL[op]})
+
+
+def _plans(dev) -> int:  # type: ignore[no-untyped-def]
+    """How many remembered geometries are matched in C."""
+    relaunches = dev._relaunches
+    if relaunches is None:
+        return 0
+    return sum(entry.plan is not None for chain in relaunches._chains.values() for entry in chain)
+
+
+#: How a step passes x, y (and, for the scan, dt): the remembered geometry at new addresses, or a change.
+VARIANTS = ("same", "same", "same", "strided", "f16", "short", "y_over_x", "y_is_x", "clone", "misaligned", "x_in_pool")
+
+
+def _materialize(op: str, hosts: dict, variant: str, pool, rows) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """One world's arguments for a step: fresh tensors (weights as parameters that require grad)."""
+    x_name, y_name = ("x", "y") if op != "gated_delta_net" else ("q", "o")
+    args: dict = {"pool": pool, "start_rows": rows, "dst_rows": rows}  # type: ignore[type-arg]
+    for name, host in hosts.items():
+        if name in args:
+            continue
+        if name in WEIGHTS:
+            args[name] = torch.nn.Parameter(torch.from_numpy(host.copy()))
+        else:
+            args[name] = _tensor(host)
+    x = args[x_name]
+    if variant == "strided":
+        big = torch.zeros(*x.shape[:-1], 2 * x.shape[-1])
+        view = big[..., ::2]
+        view.copy_(x)
+        args[x_name] = view
+    elif variant == "f16":
+        args[x_name] = x.to(torch.float16)
+    elif variant == "short":
+        args[x_name] = x[:1]
+    elif variant == "y_over_x":
+        n = x.numel()
+        storage = torch.zeros(2 * n)
+        storage[:n].copy_(x.reshape(-1))
+        args[x_name] = storage[:n].view(x.shape)
+        args[y_name] = storage[n // 2 : n // 2 + n].view(args[y_name].shape)
+    elif variant == "y_is_x":
+        args[y_name] = args[x_name]
+    elif variant == "x_in_pool":  # an input over the state pool's memory (a torch view of the Buffer)
+        args[x_name] = torch.from_numpy(as_array(pool)).view(-1)[: x.numel()].view(x.shape)
+    elif variant == "clone":
+        args[x_name] = x.clone()
+    elif variant == "misaligned":  # one byte off its 4-byte elements (NumPy memory: torch allows it)
+        raw = np.zeros(4 * x.numel() + 1, np.uint8)[1:].view(np.float32).reshape(tuple(x.shape))
+        raw[...] = x.numpy()
+        args[x_name] = torch.from_numpy(raw)
+    return args
+
+
+def _outcome(dev, op: str, args: dict, outputs: set[str], pool) -> tuple:  # type: ignore[no-untyped-def,type-arg]
+    try:
+        _call(dev, op, args)
+    except ArgumentError as exc:
+        return ("refused", str(exc), dev.download(pool).tobytes())
+    return ("done", tuple(_host(args[n]).tobytes() for n in sorted(outputs)), dev.download(pool).tobytes())
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    op=st.sampled_from(["ssm_conv", "ssm_scan", "gated_delta_net"]),
+    variants=st.lists(st.sampled_from(VARIANTS), min_size=4, max_size=10),
+    seed=st.integers(0, 2**16),
+)
+def test_c_matching_decides_as_freshly_wrapped_buffers(op, variants, seed) -> None:  # type: ignore[no-untyped-def]
+    """Two worlds from one state: one relaunches (tensors matched in C), the
+    other takes the ordinary path every call (no relaunches: every tensor
+    wrapped, the call matched by geometry or validated).  Every step, with
+    the tensors' geometry kept or changed (strides, dtype, shape, an output
+    over an input, one tensor as input and output), both give the same
+    outputs and pool bitwise, or both refuse with the same message."""
+    dev = _cpu()
+    hosts, _, outputs = _stateful_hosts(op, np.random.default_rng(seed), 2)
+    rows_host = hosts["start_rows"].astype(np.int32)
+    pool, ref_pool = dev.upload(hosts["pool"]), dev.upload(hosts["pool"])
+    rows, ref_rows = dev.indices(rows_host), dev.indices(rows_host)
+    mine = Relaunches()
+    keep = []
+    with torch.no_grad():
+        for step, variant in enumerate(["same", "same", *variants]):
+            step_hosts, _, _ = _stateful_hosts(op, np.random.default_rng([seed, step]), 2)
+            step_hosts = {n: hosts[n] if n in WEIGHTS else h for n, h in step_hosts.items()}
+            args = _materialize(op, step_hosts, variant, pool, rows)
+            ref = _materialize(op, step_hosts, variant, ref_pool, ref_rows)
+            dev._relaunches = mine
+            got = _outcome(dev, op, args, outputs, pool)
+            dev._relaunches = None  # the ordinary path (whatever it learns is dropped)
+            want = _outcome(dev, op, ref, outputs, ref_pool)
+            dev._relaunches = None
+            assert got[0] == want[0], f"step {step} ({variant}): {got[0]} vs {want[0]}"
+            assert got[1:] == want[1:], f"step {step} ({variant})"
+            keep.append((args, ref))  # new addresses every step
+    assert sum(entry.plan is not None for chain in mine._chains.values() for entry in chain) >= 1
+
+
+def test_a_decode_loop_is_relaunched_through_c(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Fresh tensors every step, weights as parameters that require grad: from
+    the third step on every call is relaunched, its tensors matched in C
+    (the Python readers of torch tensors are never called)."""
+    dev = _cpu()
+    hosts, _, _ = _stateful_hosts("ssm_scan", np.random.default_rng(3), 2)
+    rows = dev.indices(hosts["start_rows"].astype(np.int32))
+    pool = dev.upload(hosts["pool"])
+    dev._relaunches = Relaunches()
+    calls = [0]
+    real_run = Relaunches.relaunched
+
+    def counting(self, *a):  # type: ignore[no-untyped-def]
+        done = real_run(self, *a)
+        calls[0] += done
+        return done
+
+    monkeypatch.setattr(Relaunches, "relaunched", counting)
+    keep = []
+    with torch.no_grad():
+        for step in range(6):
+            if step == 3:  # from here on nothing may read a tensor's geometry in Python
+                monkeypatch.setattr(torch.Tensor, "stride", _forbidden)
+            args = _materialize("ssm_scan", hosts, "same", pool, rows)
+            _call(dev, "ssm_scan", args)
+            keep.append(args)
+    assert calls[0] >= 4
+    assert _plans(dev) >= 1
+    dev._relaunches = None
+
+
+def _forbidden(*_: object) -> None:
+    raise AssertionError("a relaunch matched in C read a stride in Python")
+
+
+def test_every_device_gets_the_same_live_builtins() -> None:
+    """The library's readers are made once and handed out as new references
+    (a device made again, as tests do, must not free what another holds)."""
+    import gc
+
+    from statecache.backends.cpu.device import _helpers
+
+    dev = _cpu()
+    readers = [_helpers(dev._ffi, dev._lib) for _ in range(50)]
+    del readers
+    gc.collect()
+    again, place = _helpers(dev._ffi, dev._lib)
+    assert again is not None and again._match is dev._exchange_reader._match and place is dev._place
+    t = torch.arange(6.0)
+    assert again.reading(t)[:2] == (t.data_ptr(), 1)
