@@ -252,6 +252,14 @@ def describe(obj: Any, *, stream: int | None = None) -> TensorMemory:
     if isinstance(obj, np.ndarray):
         return _numpy_memory(obj)
     obj = exportable(obj)
+    is_neg = getattr(obj, "is_neg", None)
+    if callable(is_neg) and is_neg():
+        # torch exports such a view's memory as it is, without the sign its
+        # values carry, so a kernel reading it would see the wrong numbers.
+        raise BufferError(
+            "it has torch's negative bit set (a lazy negation view, such as z.conj().imag), so its memory "
+            "holds its values without their sign: pass t.resolve_neg()"
+        )
     if stream is not None and int(obj.__dlpack_device__()[0]) not in STREAM_DEVICE_TYPES:
         stream = None  # host memory: producers refuse a stream there
     kwargs: dict[str, Any] = {} if stream is None else {"stream": stream}

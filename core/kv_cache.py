@@ -31,8 +31,8 @@ from statecache.batch import SeqIds
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError, StateError
 from statecache.hostmem import gather_rows, scatter_rows
-from statecache.kv_cells import EMPTY, CellJournal, KVCells, last_positions
-from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from_many
+from statecache.kv_cells import EMPTY, CellJournal, KVCells, last_positions, pos_key
+from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from, swa_visible_from_many
 from statecache.memory import (
     POS_MAX,
     ContextError,
@@ -103,6 +103,14 @@ class KVLayer:
             raise ArgumentError("layers", f"layer {self.il}: K width must be > 0 and V width >= 0")
 
 
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+#: Up to this many reused cells (a window cache's apply), or sequences (its eviction plan,
+#: :data:`_FEW_SEQS`), are handled one by one with Python ints: below it, the NumPy calls'
+#: fixed cost is what counts.
+_FEW = 4
+_FEW_SEQS = 16
+
+
 @dataclasses.dataclass
 class SlotInfo:
     """Where a ubatch's tokens go: token ``i`` -> ``(streams[i], cells[i])``."""
@@ -110,6 +118,10 @@ class SlotInfo:
     streams: np.ndarray
     cells: np.ndarray
     size: int
+    #: per token, the one sequence that held the cell it reuses when it was planned (a window
+    #: cache's eviction), -1 for a free cell; None when no cell is reused.  The apply checks it
+    #: against the book before it relies on it (so it reads no row of the sequence matrix).
+    reuse_owner: np.ndarray | None = None
 
     @property
     def rows(self) -> np.ndarray:
@@ -336,6 +348,7 @@ class KVCache(Memory):
         groups = self._stream_groups(ub)
         streams = np.zeros(ub.n_tokens, dtype=np.int64)
         cells_out = np.full(ub.n_tokens, -1, dtype=np.int64)
+        reuse_owner = None
         for strm, tok in groups:
             cells = book.cells[strm]
             n = int(tok.size)
@@ -345,33 +358,87 @@ class KVCache(Memory):
             if head > cells.used + 2 * n:
                 head = 0
             found = cells.free_from(head, n)
-            if len(found) < n and self.evicts:
-                found += self._evictable(cells, n - len(found), ub, tok)
-            if len(found) < n:
-                return None
             streams[tok] = strm
-            cells_out[tok] = found
-        return SlotInfo(streams, cells_out, self.size)
+            if len(found) < n and self.evicts:  # the free cells, then cells the window left
+                n_free = len(found)
+                taken, owners = self._evictable(cells, n - n_free, ub, tok)
+                if n_free + taken.size < n:
+                    return None
+                if reuse_owner is None:
+                    reuse_owner = np.full(ub.n_tokens, -1, dtype=np.int64)
+                reuse_owner[tok[n_free:]] = owners
+                cells_out[tok[n_free:]] = taken
+                cells_out[tok[:n_free]] = found
+            elif len(found) < n:
+                return None
+            else:
+                cells_out[tok] = found
+        return SlotInfo(streams, cells_out, self.size, reuse_owner)
 
-    def _evictable(self, cells: KVCells, need: int, ub: UBatch, tok: np.ndarray) -> list[int]:
+    def _evictable(self, cells: KVCells, need: int, ub: UBatch, tok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Up to ``need`` cells a sliding window has left: a cell held by one sequence
         alone whose position the window of that sequence's earliest possible next
         token (``rollback_depth`` positions before its end) hides.  Those are the
         oldest cells of each sequence, so each sequence's are taken oldest first:
         the ubatch's own sequences first, then the others.  O(sequences + cells
         taken + cells skipped because shared), with no Python call per sequence that gives
-        nothing."""
+        nothing.  Returned with each cell's sequence (its one owner)."""
         own = np.asarray(ub.primary[tok], dtype=np.int64)
-        if own.size > 1 and not (own[1:] > own[:-1]).all():  # (a decode ubatch: distinct and ascending)
+        if self.n_seq_max <= _FEW_SEQS:
+            return self._evictable_few(cells, need, own)
+        ascending = own.size <= 1 or bool((own[1:] > own[:-1]).all())  # (a decode ubatch: distinct, ascending)
+        if not ascending:
             _, first = np.unique(own, return_index=True)
             own = own[np.sort(first)]  # the ubatch's sequences in order of first appearance
-        rest = np.ones(self.n_seq_max, dtype=bool)
-        rest[own] = False
-        order = np.concatenate([own, np.flatnonzero(rest)])
-        p_next = cells.seq_pos.last_positions(order) + 1 - self.rollback_depth
-        return cells.oldest_alone_many(order, swa_visible_from_many(self.n_swa, self.swa_type, p_next), need)
+        order: np.ndarray | None
+        if ascending and own.size == self.n_seq_max:  # a decode step of every sequence: all, in order
+            order = None
+        else:
+            rest = np.ones(self.n_seq_max, dtype=bool)
+            rest[own] = False
+            order = np.concatenate([own, np.flatnonzero(rest)])
+        # each sequence's earliest possible next token, and the first position its window shows
+        # (the rule is plain arithmetic: applied to all sequences at once)
+        p_next = cells.seq_pos.last_positions(order) + (1 - self.rollback_depth)
+        return cells.oldest_alone_arrays(order, swa_visible_from_many(self.n_swa, self.swa_type, p_next), need)
 
-    def _apply_ubatch(self, book: _Book, sinfo: SlotInfo, ub: UBatch) -> None:
+    def _evictable_few(self, cells: KVCells, need: int, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_evictable` of a cache of a few sequences: one by one, with Python ints (the
+        arrays' fixed cost would be most of the step)."""
+        order = list(dict.fromkeys(own.tolist()))
+        order += [s for s in range(self.n_seq_max) if s not in order]
+        book, n_owner = cells.seq_pos, cells.n_owner
+        arena = book.arena
+        out: list[int] = []
+        owners: list[int] = []
+        for s in order:
+            n = int(book.n[s])
+            if not n:
+                continue
+            st = int(book.start[s])
+            first, last = int(arena[st]), int(arena[st + n - 1])
+            p_end = swa_visible_from(self.n_swa, self.swa_type, (last >> 32) + 1 - self.rollback_depth)
+            end_key = pos_key(p_end)
+            if first >= end_key:
+                continue  # (most sequences: nothing below the window)
+            if n == 1 or int(arena[st + 1]) >= end_key:  # just the oldest (a decode step, once the window is full)
+                c = first & 0xFFFFFFFF
+                got = [c] if n_owner[c] == 1 else []
+            else:
+                got = cells.oldest_alone(s, p_end, need - len(out))
+            out += got
+            owners += [s] * len(got)
+            if len(out) >= need:
+                break
+        return np.asarray(out, dtype=np.int64), np.asarray(owners, dtype=np.int64)
+
+    def _apply_ubatch(
+        self, book: _Book, sinfo: SlotInfo, ub: UBatch, reused: list[tuple[int, np.ndarray, np.ndarray]] | None = None
+    ) -> None:
+        """Place the ubatch's tokens into the cells ``sinfo`` names.  ``reused``: where a
+        sliding-window reuse is recorded, before the stream changes, as ``(stream, cells,
+        their sequence rows)`` (the undo record's; the rows are the journal's before-image
+        too, read once)."""
         pos = np.asarray(ub.pos, dtype=np.int64)
         # the cell's 2-D extension: the token's M-RoPE (x, y) = sections (2, 1) as
         # upstream's apply_ubatch; a 1-D ubatch stores (pos, pos)
@@ -383,22 +450,42 @@ class KVCache(Memory):
             cells = book.cells[strm]
             idx = sinfo.cells[tok]
             # sliding-window reuse: remember the overwritten position per sequence
-            held = pmax = np.zeros(0, dtype=np.int64)
-            occ = idx[cells.pos[idx] != EMPTY]
-            if occ.size:  # (vectorised: a prefill chunk may reuse a whole window's cells)
-                owners = cells.owner_pairs(occ)
-                rows, seqs = owners
-                # per losing sequence (ascending) its highest lost position: the last of each
-                # sequence's group sorted by (sequence, position); np.maximum.at costs more
-                p_lost = cells.pos[occ][rows]
-                order = np.lexsort((p_lost, seqs))
-                s_sorted = seqs[order]
-                group_end = np.ones(s_sorted.size, dtype=bool)
-                np.not_equal(s_sorted[1:], s_sorted[:-1], out=group_end[:-1])
-                held, pmax = s_sorted[group_end], p_lost[order][group_end]
-                cells.rm_many(occ, owners)
+            held = pmax = _NO_ROWS
+            lost: dict[int, int] = {}  # (the same, for a few reused cells)
+            occupied = cells.pos[idx] != EMPTY
+            occ = idx[occupied]
+            reuse = None
+            if occ.size > _FEW:  # (vectorised: a prefill chunk may reuse a whole window's cells)
+                # the cells' owners: the plan's, where the book says each cell is still held by
+                # that one sequence (one element of the sequence matrix per cell, a row each
+                # was several times the rest); else the cells' rows, read once.  Either is the
+                # journal's before-image and the undo record's too.
+                own = None if sinfo.reuse_owner is None else sinfo.reuse_owner[tok][occupied]
+                if own is not None and not (
+                    (own >= 0).all() and (cells.n_owner[occ] == 1).all() and cells.seq[occ, own].all()
+                ):
+                    own = None
+                seq_rows = cells.seq[occ] if own is None else own
+                if reused is not None:
+                    reused.append((strm, occ, seq_rows))
+                # the lost pairs sorted by (sequence, key), one sort for the drop and for the
+                # highest lost position of each losing sequence (np.maximum.at costs more)
+                runs = cells.owner_runs(occ, seq_rows, own)
+                held, pmax = runs.highest()
+                if single:  # dropped by the placement, which refills the cells at once
+                    reuse = (occupied, occ, runs, seq_rows)
+                else:
+                    cells.rm_many(occ, runs, seq_rows)
+            elif occ.size:  # a few cells (a small batch): one by one, the arrays' fixed cost saved
+                if reused is not None:
+                    reused.append((strm, occ, cells.seq[occ]))
+                for c in occ.tolist():
+                    p = cells.pos_get(c)
+                    for s in cells.seqs_of(c):
+                        lost[s] = max(p, lost.get(s, -1))
+                    cells.rm(c)
             if single:
-                cells.place_seqs(idx, pos[tok], ext[tok], ub.seq_id.ids[tok])  # type: ignore[attr-defined]
+                cells.place_seqs(idx, pos[tok], ext[tok], ub.seq_id.ids[tok], reuse)  # type: ignore[attr-defined]
             else:
                 for k, c in enumerate(idx.tolist()):
                     i = int(tok[k])
@@ -411,6 +498,10 @@ class KVCache(Memory):
                 lo = cells.seq_pos.first_positions(held)
                 for k in np.flatnonzero((lo != -1) & (lo <= pmax)).tolist():
                     self._seq_rm_cells(book, strm, int(held[k]), int(lo[k]), int(pmax[k]) + 1)
+            for s, p_lost in lost.items():
+                p_first = cells.seq_pos_min(s)
+                if p_first != -1 and p_first <= p_lost:
+                    self._seq_rm_cells(book, strm, s, p_first, p_lost + 1)
             head = int(idx.max()) + 1
             book.heads[strm] = 0 if head >= self.size else head
 
@@ -1030,6 +1121,15 @@ class KVCache(Memory):
             self.clear(data=True)
 
 
+def _owner_rows(owners: np.ndarray, n_seq_max: int) -> np.ndarray:
+    """Sequence rows ``[cells, n_seq_max]`` from rows (as they are) or each cell's one sequence."""
+    if owners.ndim == 2:
+        return owners
+    rows = np.zeros((owners.size, n_seq_max), dtype=bool)
+    rows[np.arange(owners.size), owners] = True
+    return rows
+
+
 @dataclasses.dataclass(eq=False)
 class _KVApplyRecord:
     """What :meth:`KVCacheContext.undo_rows` needs for one applied ubatch:
@@ -1042,7 +1142,8 @@ class _KVApplyRecord:
     saved: list[tuple[Buffer, Buffer]] | None
     #: per overwritten row, the sequences that held its cell before (what an undo drops):
     #: ``owners[k, s]`` for row ``overwrites[k]`` (a copy of the cells' sequence rows, no
-    #: Python work per row at apply; read only by :meth:`KVCacheContext.undo_rows_damage`)
+    #: Python work per row at apply; read only by :meth:`KVCacheContext.undo_rows_damage`),
+    #: or, 1-D, ``owners[k]`` the one sequence of each (a decode step's reuse)
     owners: np.ndarray | None = None
 
 
@@ -1074,25 +1175,31 @@ class KVCacheContext(UBatchContext):
 
     def _apply_ubatch(self, i: int) -> bool:
         cache, sinfo = self.cache, self.sinfos[i]
-        owners = None
-        if cache.evicts:  # only a window cache places tokens into cells it still uses
-            occupied = np.zeros(sinfo.cells.size, dtype=bool)
-            streams = [0] if cache.unified else np.unique(sinfo.streams).tolist()
-            for strm in streams:
-                tok = sinfo.streams == strm
-                occupied[tok] = cache.cells[strm].pos[sinfo.cells[tok]] != EMPTY
-            rows = sinfo.rows[occupied]
-            if rows.size:
-                occ_cells, occ_streams = sinfo.cells[occupied], sinfo.streams[occupied]
-                owners = np.zeros((rows.size, cache.n_seq_max), dtype=bool)
-                for strm in streams:
-                    at = occ_streams == strm
-                    owners[at] = cache.cells[strm].seq[occ_cells[at]]
-        else:
-            rows = np.zeros(0, dtype=np.int64)
-        saved = None
+        rec = _KVApplyRecord(i, _NO_ROWS, None)
+        self._records.append(rec)
+        streams = [0] if cache.unified else np.unique(sinfo.streams).tolist()
+        journal = BookJournal(cache.book, streams)
+        self._journals.append(journal)  # before any change: a failure half-way is taken back too
+        # only a window cache places tokens into cells it still uses: the book's apply reports
+        # them (and their owners) as it reads them anyway, before it changes them
+        reused: list[tuple[int, np.ndarray, np.ndarray]] = []
+        try:
+            cache._apply_ubatch(cache.book, sinfo, self.ubatches[i], reused if cache.evicts else None)
+        finally:
+            journal.close(cache.book)
+            cache._version += 1
+            journal.version_after = cache._version
+            if reused:
+                if len(reused) == 1:
+                    strm, occ, owners = reused[0]
+                    rec.overwrites, rec.owners = occ + strm * cache.size, owners
+                else:
+                    rec.overwrites = np.concatenate([occ + strm * cache.size for strm, occ, _ in reused])
+                    rec.owners = np.concatenate([_owner_rows(o, cache.n_seq_max) for _, _, o in reused])
         if self.keep_undo_rows:
-            saved = []
+            # the rows the ubatch will write although the old book still uses them, copied
+            # before the compute writes them (the book's apply wrote no K/V row)
+            rows, saved = rec.overwrites, []
             if rows.size:
                 dev = cache.device
                 src, local = dev.indices(rows), dev.indices(np.arange(rows.size))
@@ -1100,16 +1207,7 @@ class KVCacheContext(UBatchContext):
                     tmp = dev.alloc((rows.size, buf.shape[1]), buf.dtype)
                     dev.copy_rows(buf, src, tmp, local)
                     saved.append((buf, tmp))
-        self._records.append(_KVApplyRecord(i, rows, saved, owners))
-        streams = [0] if cache.unified else np.unique(sinfo.streams).tolist()
-        journal = BookJournal(cache.book, streams)
-        self._journals.append(journal)  # before any change: a failure half-way is taken back too
-        try:
-            cache._apply_ubatch(cache.book, sinfo, self.ubatches[i])
-        finally:
-            journal.close(cache.book)
-            cache._version += 1
-            journal.version_after = cache._version
+            rec.saved = saved
         return True
 
     @property
@@ -1159,7 +1257,8 @@ class KVCacheContext(UBatchContext):
         for rec in recs:
             for k, r in enumerate(rec.overwrites.tolist()):
                 if r not in placed and rec.owners is not None:
-                    first.setdefault(r, tuple(np.flatnonzero(rec.owners[k]).tolist()))
+                    owners = rec.owners[k]  # (a row, or the one sequence)
+                    first.setdefault(r, tuple(np.flatnonzero(owners).tolist()) if owners.ndim else (int(owners),))
             placed.update(self.sinfos[rec.index].rows.tolist())
         return {s for r in damaged for s in first.get(r, ())}
 

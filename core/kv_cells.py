@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 
@@ -43,6 +43,7 @@ BLOCK = 1 << BLOCK_SHIFT
 _BLOCK_WINDOW = 256
 #: Pairs of each sequence read together by :meth:`KVCells.oldest_alone_many`.
 _HEAD = 8
+_HEAD_J = np.arange(_HEAD, dtype=np.int64)
 
 #: A pair ``(pos, cell)`` is stored as one int64 key ``pos << 32 | cell``, so sorting the
 #: keys sorts by position then cell (positions are int32 >= 0 in a book, cells < 2**32).
@@ -87,6 +88,10 @@ def _pos_key(p: int) -> int:
     return min(max(p, 0), _POS_END) << _CELL_BITS
 
 
+#: The smallest key (``pos << 32 | cell``) at a position, for a caller that reads the pair arena.
+pos_key = _pos_key
+
+
 class SeqPairBook(Sequence["SeqCells"]):
     """The ``(pos, cell)`` pairs of every sequence of one stream, each sequence's sorted by
     position then cell, as int64 keys (``pos << 32 | cell``) in one shared arena.
@@ -103,12 +108,16 @@ class SeqPairBook(Sequence["SeqCells"]):
     when its top is reached (both amortised O(1) per pair).
 
     ``book[s]`` is sequence ``s``'s :class:`SeqCells` (a view that reads the arrays).
+
+    The arena keeps at least :data:`_HEAD` slots past the top segment, so that any row's
+    first ``_HEAD`` slots, and the slot before and at its start, can be read by one gather
+    with no clipping (a read past a row's pairs is masked by its count).
     """
 
     __slots__ = ("_rows", "_top", "arena", "base", "end", "n", "stamps", "start")
 
     def __init__(self, n_rows: int) -> None:
-        self.arena = np.empty(max(64, 2 * _ROW_CAP0 * n_rows), dtype=np.int64)
+        self.arena = np.empty(max(64, 2 * _ROW_CAP0 * n_rows) + _HEAD, dtype=np.int64)
         self.base = np.arange(n_rows, dtype=np.int64) * _ROW_CAP0
         self.start = self.base.copy()
         self.end = self.base + _ROW_CAP0
@@ -146,7 +155,7 @@ class SeqPairBook(Sequence["SeqCells"]):
         out.start = out.base.copy()
         out.end = out.base + caps
         out._top = int(caps.sum())
-        out.arena = np.empty(max(64, 2 * out._top), dtype=np.int64)
+        out.arena = np.empty(max(64, 2 * out._top) + _HEAD, dtype=np.int64)
         src, dst = self._ranges(self.start, self.n), self._ranges(out.start, out.n)
         out.arena[dst] = self.arena[src]
         out._rows = [SeqCells(out, s) for s in range(n_rows)]
@@ -174,16 +183,12 @@ class SeqPairBook(Sequence["SeqCells"]):
     def first_keys(self, rows: np.ndarray | None = None) -> np.ndarray:
         """The first key of each of ``rows`` (all when None), -1 for an empty one."""
         st, n = (self.start, self.n) if rows is None else (self.start[rows], self.n[rows])
-        if not st.size:
-            return _NO_KEYS
-        return np.where(n > 0, self.arena[np.minimum(st, self.arena.size - 1)], -1)
+        return np.where(n > 0, self.arena[st], -1)  # (a start is below the arena's end: no clip)
 
     def last_keys(self, rows: np.ndarray | None = None) -> np.ndarray:
         """The last key of each of ``rows`` (all when None), -1 for an empty one."""
         st, n = (self.start, self.n) if rows is None else (self.start[rows], self.n[rows])
-        if not st.size:
-            return _NO_KEYS
-        return np.where(n > 0, self.arena[np.maximum(st + n - 1, 0)], -1)
+        return np.where(n > 0, self.arena[st + n - 1], -1)  # (an empty row at 0 reads slot -1: masked)
 
     def first_positions(self, rows: np.ndarray | None = None) -> np.ndarray:
         """``first_pos()`` of each of ``rows`` (all when None; -1: holds nothing)."""
@@ -197,8 +202,8 @@ class SeqPairBook(Sequence["SeqCells"]):
         """Raise :class:`InvariantError` unless every row lies in its segment and no two overlap."""
         if ((self.base > self.start) | (self.start + self.n > self.end) | (self.end > self._top)).any():
             raise InvariantError("kv-seq-pos", "a sequence's pairs lie outside its segment")
-        if self._top > self.arena.size:
-            raise InvariantError("kv-seq-pos", "the segments pass the arena's end")
+        if self._top + _HEAD > self.arena.size:
+            raise InvariantError("kv-seq-pos", f"the segments leave fewer than {_HEAD} slots at the arena's end")
         order = np.argsort(self.base, kind="stable")
         if (self.end[order][:-1] > self.base[order][1:]).any():
             raise InvariantError("kv-seq-pos", "two sequences' segments overlap")
@@ -215,7 +220,7 @@ class SeqPairBook(Sequence["SeqCells"]):
             self.start[s] = base
             return base
         cap = max(_ROW_CAP0, 2 * (n + extra))
-        if self._top + cap > self.arena.size:
+        if self._top + cap + _HEAD > self.arena.size:  # (the slack of the class docstring)
             self._repack(s, cap)
         else:
             top = self._top
@@ -233,7 +238,7 @@ class SeqPairBook(Sequence["SeqCells"]):
         base = np.zeros(len(self._rows), dtype=np.int64)
         np.cumsum(caps[:-1], out=base[1:])
         top = int(caps.sum())
-        arena = np.empty(max(64, 2 * top), dtype=np.int64)
+        arena = np.empty(max(64, 2 * top) + _HEAD, dtype=np.int64)
         arena[self._ranges(base, self.n)] = self.arena[self._ranges(self.start, self.n)]
         self.arena, self.base, self.start, self.end, self._top = arena, base, base.copy(), base + caps, top
 
@@ -339,6 +344,11 @@ class SeqPairBook(Sequence["SeqCells"]):
         g_first, g_last = keys[bounds[:-1]], keys[bounds[1:] - 1]
         arena = self.arena
         head = (g_first == arena[st]) & (g_last == arena[st + m - 1])
+        if head.all():  # (a window cache's decode step: every run is its row's oldest pairs)
+            self.start[rows] = st + m
+            self.n[rows] = n - m
+            self.stamps[rows] = _StampClock.block(int(rows.size))
+            return
         tail = ~head & (g_last == arena[st + n - 1]) & (g_first == arena[st + n - m])
         done = head | tail
         if not done.all():
@@ -480,6 +490,20 @@ class SeqCells(Sequence[tuple[int, int]]):
         self._book.remove_many(self._s, keys_sorted)
 
 
+class OwnerRuns(NamedTuple):
+    """``(sequence, key)`` pairs sorted by sequence then key (:meth:`KVCells.owner_runs`):
+    sequence ``seqs[bounds[g]]`` holds ``keys[bounds[g] : bounds[g + 1]]``."""
+
+    seqs: np.ndarray
+    keys: np.ndarray
+    bounds: np.ndarray
+
+    def highest(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each run's sequence (ascending) and the highest position it holds in the run."""
+        last = self.bounds[1:] - 1
+        return self.seqs[last], self.keys[last] >> _CELL_BITS
+
+
 def last_positions(seqs: Sequence[SeqCells]) -> np.ndarray:
     """``last_pos()`` of each of ``seqs`` (-1: holds nothing) as one int64 array."""
     keys = np.fromiter((sc.last_key for sc in seqs), dtype=np.int64, count=len(seqs))
@@ -493,19 +517,38 @@ class CellJournal:
 
     Each cell is saved once, at its first touch: one at a time (``saved``, ``empty_before``)
     or, for the bulk mutations, a whole set of cells as arrays (``bulk``), so that a decode
-    step that reuses 256 window cells saves them with a few NumPy copies, not 256 tuples."""
+    step that reuses 256 window cells saves them with a few NumPy copies, not 256 tuples.
+    The cells the bulk mutations touch are kept as the arrays they came in and turned into
+    sets (:attr:`empty_before`, :attr:`bulk_cells`) only when a later touch must ask whether
+    a cell was seen: a decode step's apply (a bulk reuse, then a bulk placement) builds no
+    set at all (a set of 256 ints cost more than the rest of the journal)."""
 
-    __slots__ = ("bulk", "bulk_cells", "counts", "empty_before", "has_shift", "removals", "saved", "stamps", "used")
+    __slots__ = (
+        "_bulk_cells",
+        "_bulk_new",
+        "_empty",
+        "_empty_new",
+        "bulk",
+        "counts",
+        "has_shift",
+        "removals",
+        "saved",
+        "stamps",
+        "used",
+    )
 
     def __init__(self, cells: KVCells) -> None:
         #: cell -> (pos, ext x, ext y, shift, sequences) of a cell that held a position at its first touch
         self.saved: dict[int, tuple[int, int, int, int, tuple[int, ...]]] = {}
-        #: cells that were empty at their first touch
-        self.empty_before: set[int] = set()
-        #: (cells, pos, ext, shift, sequence rows) of cells saved together, each holding a position
-        #: at its first touch; ``bulk_cells`` is every cell of them (disjoint from ``saved``)
+        #: cells that were empty at their first touch: a set and arrays not yet joined to it
+        self._empty: set[int] = set()
+        self._empty_new: list[np.ndarray] = []
+        #: (cells, pos, ext, shift, sequence rows or, 1-D, each cell's one sequence) of cells saved
+        #: together, each holding a position at its first touch; their cells (disjoint from
+        #: ``saved``): a set and arrays not yet joined
         self.bulk: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        self.bulk_cells: set[int] = set()
+        self._bulk_cells: set[int] = set()
+        self._bulk_new: list[np.ndarray] = []
         self.used = cells.used
         self.has_shift = cells.has_shift
         self.removals = cells.removals
@@ -514,6 +557,39 @@ class CellJournal:
         self.stamps = cells.seq_pos.stamps.copy()
         self.counts = cells.seq_pos.n.copy()
 
+    @property
+    def empty_before(self) -> set[int]:
+        """The cells that were empty at their first touch."""
+        if self._empty_new:
+            for a in self._empty_new:
+                self._empty.update(a.tolist())
+            self._empty_new.clear()
+        return self._empty
+
+    @property
+    def bulk_cells(self) -> set[int]:
+        """Every cell of :attr:`bulk`."""
+        if self._bulk_new:
+            for a in self._bulk_new:
+                self._bulk_cells.update(a.tolist())
+            self._bulk_new.clear()
+        return self._bulk_cells
+
+    def _any(self) -> bool:
+        """Whether any cell was touched."""
+        return bool(self.saved or self._empty or self._empty_new or self.bulk)
+
+    def empty_cells(self) -> np.ndarray:
+        """:attr:`empty_before` as a sorted array (no set built when it is arrays alone)."""
+        if not self._empty:
+            if not self._empty_new:
+                return _NO_KEYS
+            if len(self._empty_new) == 1:
+                return np.unique(self._empty_new[0])
+            return np.unique(np.concatenate(self._empty_new))
+        e = self.empty_before
+        return np.sort(np.fromiter(e, dtype=np.int64, count=len(e)))
+
     def _seen(self, i: int) -> bool:
         return i in self.saved or i in self.empty_before or i in self.bulk_cells
 
@@ -521,29 +597,35 @@ class CellJournal:
         if self._seen(i):
             return
         if cells.pos[i] == EMPTY:
-            self.empty_before.add(i)
+            self._empty.add(i)
         else:
             x, y = cells.ext[i]
             self.saved[i] = (int(cells.pos[i]), int(x), int(y), int(cells.shift[i]), tuple(cells.seqs_of(i)))
 
-    def touch_many(self, cells: KVCells, idx: np.ndarray) -> None:
-        """:meth:`touch` for the cells ``idx`` (distinct, each holding a position), read in bulk."""
-        if self.saved or self.empty_before or self.bulk_cells:
-            new = [i for i in idx.tolist() if not self._seen(i)]
-            if not new:
+    def touch_many(self, cells: KVCells, idx: np.ndarray, seq_rows: np.ndarray | None = None) -> None:
+        """:meth:`touch` for the cells ``idx`` (distinct, each holding a position), read in bulk.
+        ``seq_rows``: ``cells.seq[idx]`` when the caller has read it already, or (1-D) each cell's
+        one sequence (it is kept, not copied: the caller must not write it)."""
+        if self._any():
+            empty, bulk = self.empty_before, self.bulk_cells
+            fresh = [k for k, i in enumerate(idx.tolist()) if i not in self.saved and i not in empty and i not in bulk]
+            if not fresh:
                 return
-            sel = np.asarray(new, dtype=np.int64)
-        else:  # the first touch of this journal (a decode step's window reuse): every cell is new
-            new = idx.tolist()
-            sel = np.array(idx, dtype=np.int64)
-        self.bulk.append((sel, cells.pos[sel], cells.ext[sel], cells.shift[sel], cells.seq[sel]))
-        self.bulk_cells.update(new)
+            if len(fresh) < idx.size:
+                sel_k = np.asarray(fresh, dtype=np.int64)
+                idx = idx[sel_k]
+                seq_rows = None if seq_rows is None else seq_rows[sel_k]
+        sel = np.array(idx, dtype=np.int64)  # a copy: the caller's array may change
+        self.bulk.append(
+            (sel, cells.pos[sel], cells.ext[sel], cells.shift[sel], cells.seq[sel] if seq_rows is None else seq_rows)
+        )
+        self._bulk_new.append(sel)
 
     def touch_empty(self, idx: np.ndarray) -> None:
         """The cells ``idx``, all empty now, are about to be placed in bulk.  (One
         already saved with a position keeps that before-image: rollback empties
         every touched cell before it puts the saved ones back.)"""
-        self.empty_before.update(idx.tolist())
+        self._empty_new.append(np.array(idx, dtype=np.int64))
 
     @property
     def n_touched(self) -> int:
@@ -672,6 +754,7 @@ class KVCells:
         """Up to ``n`` empty cells in cyclic order from ``start`` (upstream's scan from
         the search head), skipping full blocks; O(n + blocks skipped / 256)."""
         out: list[int] = []
+        n = min(n, self.size - self.used)  # (a full window cache has none: no block is read)
         if n <= 0:
             return out
         start = min(max(start, 0), self.size)
@@ -710,96 +793,145 @@ class KVCells:
             out.extend(cand[:need].tolist())
             i = (int(blocks[-1]) + 1) << BLOCK_SHIFT
 
-    def oldest_alone_many(self, seqs: Sequence[int] | np.ndarray, p_end: np.ndarray, need: int) -> list[int]:
-        """:meth:`oldest_alone` of ``seqs`` in order (``p_end[k]`` for ``seqs[k]``), until ``need``
-        cells are found: the same cells as a loop of calls, but read with NumPy for many
-        sequences at once (a decode step of a full window cache asks each of its 256 sequences
-        for about one cell): the sequences whose oldest pair is below their end, then the first
-        :data:`_HEAD` pairs of those, in runs that double until ``need`` is met; a sequence whose
-        first pairs are all below its end may hold more there, and is asked alone."""
-        if need <= 0 or not len(seqs):
-            return []
-        rows = np.asarray(seqs, dtype=np.int64)
-        end_key = np.minimum(np.maximum(np.asarray(p_end, dtype=np.int64), 0), _POS_END) << _CELL_BITS
-        first = self.seq_pos.first_keys(rows)
-        giving = np.flatnonzero((first >= 0) & (first < end_key))
-        out: list[int] = []
-        if giving.size <= 2:  # one or two sequences give (a small batch): asked one by one, no gather
-            for g in giving.tolist():
-                out += self.oldest_alone(int(rows[g]), int(end_key[g] >> _CELL_BITS), need - len(out))
-                if len(out) >= need:
-                    break
-            return out
-        lo, run = 0, max(16, need)  # a decode step (about one cell each): every giving sequence at once
-        while lo < giving.size and len(out) < need:
-            sel = giving[lo : lo + run]
-            out += self._oldest_alone_heads(rows[sel], end_key[sel], need - len(out))
-            lo, run = lo + run, 2 * run
+    def oldest_alone_many(
+        self,
+        seqs: Sequence[int] | np.ndarray | None,
+        p_end: np.ndarray | int,
+        need: int,
+        owners: list[int] | None = None,
+    ) -> list[int]:
+        """:meth:`oldest_alone` of ``seqs`` in order (``p_end[k]`` for ``seqs[k]``; None: every
+        sequence, ascending), until ``need`` cells are found: the same cells as a loop of calls
+        (:meth:`oldest_alone_arrays`, as a list).  ``owners``: where the sequence of each cell
+        returned is appended (its only owner)."""
+        cells, who = self.oldest_alone_arrays(seqs, p_end, need)
+        if owners is not None:
+            owners += who.tolist()
+        out: list[int] = cells.tolist()
         return out
 
-    def _oldest_alone_heads(self, seqs: np.ndarray, end_key: np.ndarray, need: int) -> list[int]:
-        """:meth:`oldest_alone_many` of sequences that each give at least one pair: the first
-        :data:`_HEAD` pairs of every one of them in one gather ``[sequences, _HEAD]``."""
+    def oldest_alone_arrays(
+        self, seqs: Sequence[int] | np.ndarray | None, p_end: np.ndarray | int, need: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`oldest_alone_many` as arrays: the cells and each one's sequence.  They are
+        read with NumPy for many sequences at once (a decode step of a full window cache asks
+        each of its 256 sequences for about one cell): the first :data:`_HEAD` pairs of the
+        sequences, in runs that double until ``need`` is met; a sequence whose first pairs are
+        all below its end may hold more there, and is asked alone.  When there are many more
+        sequences than ``need``, only those whose oldest pair is below their end are read."""
+        n_rows = self.n_seq_max if seqs is None else len(seqs)
+        if need <= 0 or not n_rows:
+            return _NO_KEYS, _NO_KEYS
+        rows = None if seqs is None else np.asarray(seqs, dtype=np.int64)
+        end_key = np.minimum(np.maximum(p_end, 0), _POS_END).astype(np.int64) << _CELL_BITS  # (np.clip costs 10x)
+        if end_key.ndim == 0:
+            end_key = np.full(n_rows, end_key, dtype=np.int64)
+        run = max(16, need)
+        if 8 < n_rows <= 2 * run:  # a decode step: every sequence's head in one gather, no pre-filter
+            return self._oldest_alone_heads(rows, end_key, need)
+        if rows is None:
+            rows = np.arange(n_rows, dtype=np.int64)
+        first = self.seq_pos.first_keys(rows)
+        giving = np.flatnonzero((first >= 0) & (first < end_key))
+        cells: list[np.ndarray] = []
+        who: list[np.ndarray] = []
+        got_n = 0
+        if giving.size <= 2:  # one or two sequences give (a small batch): asked one by one, no gather
+            for g in giving.tolist():
+                got = self._oldest_alone_from(int(rows[g]), 0, int(end_key[g]), need - got_n)
+                cells.append(got)
+                who.append(np.full(got.size, rows[g], dtype=np.int64))
+                got_n += int(got.size)
+                if got_n >= need:
+                    break
+        else:
+            lo = 0
+            while lo < giving.size and got_n < need:
+                sel = giving[lo : lo + run]
+                c, w = self._oldest_alone_heads(rows[sel], end_key[sel], need - got_n)
+                cells.append(c)
+                who.append(w)
+                got_n += int(c.size)
+                lo, run = lo + run, 2 * run
+        if not cells:
+            return _NO_KEYS, _NO_KEYS
+        return np.concatenate(cells), np.concatenate(who)
+
+    def _oldest_alone_heads(
+        self, seqs: np.ndarray | None, end_key: np.ndarray, need: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`oldest_alone_arrays` of some sequences (None: all, ascending; ``end_key``:
+        their ends as keys): the first :data:`_HEAD` pairs of every one of them in one gather
+        ``[sequences, _HEAD]`` (the arena's slack makes it safe without a clip); only a sequence
+        whose head pairs are all below its end is read further (:meth:`_oldest_alone_from`)."""
         book = self.seq_pos
-        n_rows = int(seqs.size)
-        j = np.arange(_HEAD, dtype=np.int64)
-        valid = j < book.n[seqs][:, None]
-        flat = book.arena[np.minimum(book.start[seqs][:, None] + j, book.arena.size - 1)]
-        below = valid & (flat < end_key[:, None])
-        cells = np.where(valid, flat & _CELL_MASK, 0)
-        take = below & (self.n_owner[cells] == 1)
-        more = np.flatnonzero(below.all(axis=1)).tolist()  # every head pair below its end: may hold more
-        out: list[int] = []
-        lo = 0
-        for r in [*more, n_rows]:
-            seg = cells[lo:r][take[lo:r]] if lo or r < n_rows else cells[take]  # row-major: oldest first
-            out += seg[: need - len(out)].tolist()
-            if len(out) >= need or r == n_rows:
-                break
-            out += self._oldest_alone_from(int(seqs[r]), 0, int(end_key[r] >> _CELL_BITS), need - len(out))
-            if len(out) >= need:
-                break
-            lo = r + 1
-        return out
+        start, n = (book.start, book.n) if seqs is None else (book.start[seqs], book.n[seqs])
+        flat = book.arena[start[:, None] + _HEAD_J]
+        # keys are sorted, so ``below`` is a prefix of each row: its last column says "all"
+        below = (flat < end_key[:, None]) & (_HEAD_J < n[:, None])
+        cells = flat[below] & _CELL_MASK  # row-major: each sequence's cells oldest first, in order
+        alone = self.n_owner[cells] == 1
+        counts = below.sum(axis=1)
+        ids = np.repeat(np.arange(counts.size) if seqs is None else seqs, counts)  # each cell's sequence
+        if not below[:, -1].any():
+            return cells[alone][:need], ids[alone][:need]
+        # a sequence may hold more below its end than its head: read it alone, in its turn
+        ends = np.cumsum(counts)
+        out: list[np.ndarray] = []
+        who: list[np.ndarray] = []
+        got_n = lo = 0
+        for r in np.flatnonzero(below[:, -1]).tolist():
+            hi = int(ends[r])
+            if hi - _HEAD > lo:  # the rows before it (none when it follows another such row)
+                k = need - got_n
+                out.append(cells[lo : hi - _HEAD][alone[lo : hi - _HEAD]][:k])
+                who.append(ids[lo : hi - _HEAD][alone[lo : hi - _HEAD]][:k])
+                got_n += int(out[-1].size)
+            if got_n < need:  # the row itself, from its first pair
+                s = r if seqs is None else int(seqs[r])
+                got = self._oldest_alone_from(s, 0, int(end_key[r]), need - got_n)
+                out.append(got)
+                who.append(np.full(got.size, s, dtype=np.int64))
+                got_n += int(got.size)
+            if got_n >= need:
+                return np.concatenate(out), np.concatenate(who)
+            lo = hi
+        k = need - got_n
+        out.append(cells[lo:][alone[lo:]][:k])
+        who.append(ids[lo:][alone[lo:]][:k])
+        return np.concatenate(out), np.concatenate(who)
 
     def oldest_alone(self, s: int, p_end: int, need: int) -> list[int]:
         """Up to ``need`` cells of ``s`` at positions below ``p_end`` that ``s`` holds alone,
-        oldest first (a window cache's reusable cells).  The first few pairs are read one
-        by one (a decode step takes about one cell per sequence), then a slice at a time:
+        oldest first (a window cache's reusable cells): a slice of its pairs at a time,
         O(cells taken + shared cells skipped), never the whole sequence."""
-        out: list[int] = []
         if need <= 0 or p_end <= 0:
-            return out
-        sc = self.seq_pos[s]
-        keys, end_key, owners = sc.keys, _pos_key(p_end), self.n_owner
-        n = keys.size
-        j = 0
-        while j < min(n, 8) and len(out) < need:
-            k = int(keys[j])
-            if k >= end_key:
-                return out
-            c = k & _CELL_MASK
-            if owners[c] == 1:
-                out.append(c)
-            j += 1
-        if len(out) >= need or j >= n:
-            return out
-        return out + self._oldest_alone_from(s, j, p_end, need - len(out))
-
-    def _oldest_alone_from(self, s: int, j: int, p_end: int, need: int) -> list[int]:
-        """:meth:`oldest_alone` from the ``j``-th pair of ``s`` on, a slice at a time."""
-        out: list[int] = []
-        if need <= 0 or p_end <= 0:
-            return out
-        sc, owners = self.seq_pos[s], self.n_owner
-        _, hi = sc.span(0, p_end)
-        while j < hi and len(out) < need:
-            stop = min(hi, j + max(64, 2 * (need - len(out))))
-            cand = sc.cells(j, stop)
-            cand = cand[owners[cand] == 1]
-            out.extend(cand[: need - len(out)].tolist())
-            j = stop
+            return []
+        out: list[int] = self._oldest_alone_from(s, 0, _pos_key(p_end), need).tolist()
         return out
+
+    def _oldest_alone_from(self, s: int, j: int, end_key: int, need: int) -> np.ndarray:
+        """:meth:`oldest_alone` from the ``j``-th pair of ``s`` on, below the key ``end_key``,
+        as an array, a slice at a time (the first one twice ``need`` pairs or 64: a decode
+        step's)."""
+        if need <= 0 or end_key <= 0:
+            return _NO_KEYS
+        book, owners = self.seq_pos, self.n_owner
+        st, n = int(book.start[s]), int(book.n[s])
+        if j >= n or int(book.arena[st + j]) >= end_key:  # (most sequences of a small batch give nothing)
+            return _NO_KEYS
+        keys = book.arena[st : st + n]
+        hi = int(np.searchsorted(keys, end_key))
+        out: list[np.ndarray] = []
+        got = 0
+        while j < hi and got < need:
+            stop = min(hi, j + max(64, 2 * (need - got)))
+            cand = keys[j:stop] & _CELL_MASK
+            cand = cand[owners[cand] == 1][: need - got]
+            out.append(cand)
+            got += int(cand.size)
+            j = stop
+        return out[0] if len(out) == 1 else np.concatenate(out) if out else _NO_KEYS
 
     def check(self) -> None:
         """Raise :class:`InvariantError` unless the book is consistent (tests call
@@ -849,8 +981,9 @@ class KVCells:
         detached first; O(cells touched)."""
         if self._journal is journal:
             self._journal = None
-        if journal.empty_before:
-            self.rm_many(np.fromiter(journal.empty_before, dtype=np.int64, count=len(journal.empty_before)))
+        empty = journal.empty_cells()
+        if empty.size:
+            self.rm_many(empty)
         for i in journal.saved:
             self.rm(i)
         for chunk in journal.bulk:
@@ -947,23 +1080,42 @@ class KVCells:
         if i == self._hi - 1:
             self._hi_dirty = True
 
-    def place_seqs(self, idx: np.ndarray, pos: np.ndarray, ext: np.ndarray, seqs: np.ndarray) -> None:
+    def place_seqs(
+        self,
+        idx: np.ndarray,
+        pos: np.ndarray,
+        ext: np.ndarray,
+        seqs: np.ndarray,
+        reuse: tuple[np.ndarray, np.ndarray, OwnerRuns, np.ndarray] | None = None,
+    ) -> None:
         """Occupy the empty cells ``idx`` (distinct) at positions ``pos`` with 2-D
         extensions ``ext`` [n, 2], cell ``idx[k]`` held by sequence ``seqs[k]`` alone:
         the bulk form of ``pos_set`` + ``seq_add`` (a ubatch with one sequence per
-        token), vectorised but for one append per sequence."""
+        token), vectorised but for one append per sequence.
+
+        ``reuse``: ``(occupied, occ, runs, seq_rows)`` when some of the cells still hold a
+        position (a window cache's reuse): ``occupied`` marks them in ``idx``, ``occ`` are
+        they, ``runs`` / ``seq_rows`` as for :meth:`rm_many`.  Their owners are dropped
+        first, as :meth:`rm_many` then a placement would, but the cells are not emptied
+        and filled again (no free counts, extent or fields written twice)."""
         n = int(idx.size)
         if not n:
             return
+        fresh = idx
+        if reuse is not None:
+            occupied, occ, runs, seq_rows = reuse
+            self._drop_owners(occ, runs, seq_rows)
+            fresh = idx[~occupied] if occ.size < n else _NO_KEYS
         if self._journal is not None:
-            self._journal.touch_empty(idx)
+            self._journal.touch_empty(idx)  # (a reused cell keeps its bulk before-image: rollback empties first)
         self.pos[idx] = pos
         self.ext[idx] = ext
         self.shift[idx] = 0
         self.seq[idx, seqs] = True
         self.n_owner[idx] = 1
-        self.used += n
-        self._count_free(idx, -1)
+        self.used += int(fresh.size)
+        if fresh.size:
+            self._count_free(fresh, -1)
         top = int(idx.max()) + 1
         if top > self._hi:
             self._hi = top
@@ -988,11 +1140,15 @@ class KVCells:
 
     def _put_back(self, idx: np.ndarray, pos: np.ndarray, ext: np.ndarray, shift: np.ndarray, seq: np.ndarray) -> None:
         """Occupy the empty cells ``idx`` (distinct) with saved contents: positions, 2-D
-        extensions, shifts and sequence rows ``[n, n_seq_max]`` (a bulk before-image of
-        :class:`CellJournal`); the journal must be detached."""
+        extensions, shifts and sequence rows ``[n, n_seq_max]`` or (1-D) each cell's one
+        sequence (a bulk before-image of :class:`CellJournal`); the journal must be detached."""
         n = int(idx.size)
         if not n:
             return
+        if seq.ndim == 1:
+            expanded = np.zeros((n, self.n_seq_max), dtype=bool)
+            expanded[np.arange(n), seq] = True
+            seq = expanded
         self.pos[idx] = pos
         self.ext[idx] = ext
         self.shift[idx] = shift
@@ -1036,37 +1192,62 @@ class KVCells:
         if int(idx.max()) >= self._hi - 1:
             self._hi_dirty = True
 
-    def owner_pairs(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``np.nonzero(self.seq[idx])``: every (row of ``idx``, sequence) pair, rows ascending,
-        each row's sequences ascending; one ``argmax`` when every cell has one owner."""
-        if (self.n_owner[idx] == 1).all():
-            return np.arange(idx.size), self.seq[idx].argmax(axis=1)
-        rows, seqs = np.nonzero(self.seq[idx])
-        return rows, seqs
+    def owner_runs(
+        self, idx: np.ndarray, seq_rows: np.ndarray | None = None, owners: np.ndarray | None = None
+    ) -> OwnerRuns:
+        """Every ``(sequence, key)`` pair the cells ``idx`` (distinct, each holding a position)
+        hold, sorted by sequence then key, with the bounds of each sequence's run: what
+        :meth:`rm_many` drops from the pair book, and (the last key of each run) the highest
+        position each sequence loses.  ``seq_rows``: ``self.seq[idx]`` when the caller read it;
+        one ``argmax`` when every cell has one owner (a window cache's reuse).  ``owners``: the
+        one sequence of each cell when the caller knows it (checked by the caller: no row of
+        the sequence matrix is read)."""
+        keys = (self.pos[idx] << _CELL_BITS) | idx
+        if owners is not None:
+            seqs = owners
+        else:
+            if seq_rows is None:
+                seq_rows = self.seq[idx]
+            if (self.n_owner[idx] == 1).all():
+                seqs = seq_rows.argmax(axis=1)
+            else:
+                rows, seqs = np.nonzero(seq_rows)
+                keys = keys[rows]
+        order = np.lexsort((keys, seqs))
+        seqs, keys = seqs[order], keys[order]
+        change = np.ones(seqs.size + 1, dtype=bool)  # (np.r_ costs more than the rest of this)
+        np.not_equal(seqs[1:], seqs[:-1], out=change[1:-1])
+        return OwnerRuns(seqs, keys, np.flatnonzero(change))
 
-    def rm_many(self, idx: np.ndarray, owners: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    def rm_many(self, idx: np.ndarray, runs: OwnerRuns | None = None, seq_rows: np.ndarray | None = None) -> None:
         """Empty the cells ``idx`` (distinct), whatever sequences hold them; vectorised.
-        ``owners``: :meth:`owner_pairs` of ``idx`` when the caller has it (every cell then
-        holds a position)."""
-        if owners is None:
+        ``runs``: :meth:`owner_runs` of ``idx`` and ``seq_rows``: ``self.seq[idx]`` or (1-D,
+        every cell held by one sequence) those sequences, when the caller has them (every cell
+        then holds a position; ``seq_rows`` is kept by the journal as the cells' before-image,
+        so the caller must not write it)."""
+        if runs is None:
             idx = idx[self.pos[idx] != EMPTY]
         if not idx.size:
             return
-        if self._journal is not None:
-            self._journal.touch_many(self, idx)
-        rows, seqs = self.owner_pairs(idx) if owners is None else owners  # every (cell, sequence) pair dropped
-        keys = ((self.pos[idx] << _CELL_BITS) | idx)[rows]
-        order = np.lexsort((keys, seqs))
-        seqs, keys = seqs[order], keys[order]
-        # each sequence's run of keys (a window cache's reuse: its oldest pairs), all at once
-        change = np.ones(seqs.size + 1, dtype=bool)  # (np.r_ costs more than the rest of this)
-        np.not_equal(seqs[1:], seqs[:-1], out=change[1:-1])
-        bounds = np.flatnonzero(change)
-        self.seq_pos.remove_runs(seqs[bounds[:-1]], bounds, keys)
-        self.removals += int(seqs.size)
-        self.seq[idx] = False
+        if runs is None:
+            runs = self.owner_runs(idx)
+        self._drop_owners(idx, runs, seq_rows)
         self.n_owner[idx] = 0
         self._empty_many(idx)
+
+    def _drop_owners(self, idx: np.ndarray, runs: OwnerRuns, seq_rows: np.ndarray | None) -> None:
+        """Drop every sequence from the cells ``idx`` (each holding a position; ``runs``: their
+        :meth:`owner_runs`), leaving the cells' position and counts to the caller.  ``seq_rows``:
+        ``self.seq[idx]``, or (1-D) the one sequence of each cell."""
+        if self._journal is not None:
+            self._journal.touch_many(self, idx, seq_rows)
+        # each sequence's run of keys (a window cache's reuse: its oldest pairs), all at once
+        self.seq_pos.remove_runs(runs.seqs[runs.bounds[:-1]], runs.bounds, runs.keys)
+        self.removals += int(runs.seqs.size)
+        if seq_rows is not None and seq_rows.ndim == 1:
+            self.seq[idx, seq_rows] = False  # (one element per cell: no row of the matrix read)
+        else:
+            self.seq[idx] = False
 
     def _repos(self, i: int, new: int) -> None:
         old = int(self.pos[i])

@@ -78,9 +78,12 @@ def swa_visible_from(n_swa: int, swa_type: SWAType, p1: int) -> int:
 
 def swa_visible_from_many(n_swa: int, swa_type: SWAType, p1: np.ndarray) -> np.ndarray:
     """:func:`swa_visible_from` of every position in ``p1`` (int64, the same shape)."""
-    # the rule is plain arithmetic, so NumPy applies it elementwise
-    out = swa_visible_from(n_swa, swa_type, cast(int, np.asarray(p1, dtype=np.int64)))
-    return np.broadcast_to(np.asarray(out, dtype=np.int64), np.shape(p1))
+    # the rule is plain arithmetic, so NumPy applies it elementwise (a window cache's decode
+    # step asks for all its sequences: no conversion when ``p1`` is int64 already)
+    p1 = np.asarray(p1, dtype=np.int64)
+    if swa_type is SWAType.NONE:
+        return np.full(p1.shape, swa_visible_from(n_swa, swa_type, 0), dtype=np.int64)
+    return cast(np.ndarray, swa_visible_from(n_swa, swa_type, cast(int, p1)))
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -241,6 +241,10 @@ class TensorWraps:
         exported = exported_memory(fp)
         shape_key = None if exported is not None else (fp[0], *fp[2:])
         template = None if shape_key is None else self._templates.get(shape_key)
+        if template is not None:
+            is_neg = getattr(obj, "is_neg", None)  # what describe() would refuse (see there)
+            if callable(is_neg) and is_neg():
+                template = None
         if exported is not None:
             memory = exported
         elif template is not None:

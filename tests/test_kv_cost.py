@@ -43,7 +43,7 @@ def mutate(c: KVCells, rng: np.random.Generator) -> None:
     """One random edit through every mutation entry point."""
     used = np.flatnonzero(c.pos != EMPTY)
     free = np.flatnonzero(c.pos == EMPTY)
-    op = int(rng.integers(0, 7))
+    op = int(rng.integers(0, 8))
     if op == 0 and free.size:  # bulk placement, one sequence per cell
         idx = rng.choice(free, size=int(rng.integers(1, min(free.size, 9) + 1)), replace=False)
         pos = rng.integers(0, 3 * BLOCK, size=idx.size)
@@ -69,6 +69,29 @@ def mutate(c: KVCells, rng: np.random.Generator) -> None:
     elif op == 6 and used.size:
         i = int(rng.choice(used))
         c.seq_add(i, int(rng.integers(0, N_SEQ)))
+    elif op == 7 and used.size:  # a window reuse: the cells emptied with their rows read once, then placed
+        idx = rng.choice(used, size=int(rng.integers(1, min(used.size, 9) + 1)), replace=False).astype(np.int64)
+        seq_rows = c.seq[idx]
+        runs = c.owner_runs(idx, seq_rows)
+        lost_seqs, lost_pos = runs.highest()
+        for s, p in zip(lost_seqs.tolist(), lost_pos.tolist(), strict=True):  # each loser's highest lost pair
+            assert p == max(pos for pos, cell in c.seq_cells(s) if cell in set(idx.tolist()))
+        # some free cells too; placed either after an rm_many or by the placement's own reuse
+        extra = rng.choice(free, size=int(rng.integers(0, min(free.size, 3) + 1)), replace=False) if free.size else free
+        cells = np.concatenate([idx, extra.astype(np.int64)])
+        pos = rng.integers(0, 3 * BLOCK, size=cells.size).astype(np.int64)
+        seqs = rng.integers(0, N_SEQ, cells.size)
+        ext = np.zeros((cells.size, 2), np.int64)
+        other = c.clone()
+        occupied = other.pos[cells] != EMPTY
+        other.rm_many(idx, other.owner_runs(idx), other.seq[idx])
+        other.place_seqs(cells, pos, ext, seqs)
+        if rng.random() < 0.5:
+            c.rm_many(idx, runs, seq_rows)
+            c.place_seqs(cells, pos, ext, seqs)
+        else:
+            c.place_seqs(cells, pos, ext, seqs, (occupied, idx, runs, seq_rows))
+        assert c.same_as(other) and c.removals == other.removals
 
 
 @given(seed=st.integers(0, 2**32 - 1), n_ops=st.integers(1, 30), fill=st.floats(0.0, 1.0))
@@ -245,12 +268,20 @@ def test_oldest_alone_is_the_naive_pick(seed: int, fill: float, need: int) -> No
     assert c.oldest_alone(s, p_end, need) == naive
 
 
-@given(seed=st.integers(0, 2**32 - 1), fill=st.floats(0.0, 1.0), need=st.integers(0, 80))
-def test_oldest_alone_many_is_the_loop_of_oldest_alone(seed: int, fill: float, need: int) -> None:
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    fill=st.floats(0.0, 1.0),
+    need=st.integers(0, 80),
+    n_seq=st.sampled_from([5, 12, 40]),
+    every=st.booleans(),
+)
+def test_oldest_alone_many_is_the_loop_of_oldest_alone(
+    seed: int, fill: float, need: int, n_seq: int, every: bool
+) -> None:
     """The window cache's eviction asks every sequence at once (their first pairs read
-    together): the same cells, in the same order, as asking them one after the other."""
+    together; ``every``: all sequences in order, given as None, read without a gather of
+    rows): the same cells, in the same order, as asking them one after the other."""
     rng = np.random.default_rng(seed)
-    n_seq = 5
     c = random_book(rng, int(rng.integers(1, 4 * BLOCK)), fill, n_seq)
     for _ in range(int(rng.integers(0, 4))):  # long single-owner runs: sequences with more than a head below
         free = np.flatnonzero(c.pos == EMPTY)[: int(rng.integers(0, 40))]
@@ -259,14 +290,19 @@ def test_oldest_alone_many_is_the_loop_of_oldest_alone(seed: int, fill: float, n
             top = max(c.seq_pos_max(s) + 1, 0)
             zeros = np.zeros((free.size, 2), np.int64)
             c.place_seqs(free, np.arange(top, top + free.size), zeros, np.full(free.size, s))
-    order = [int(s) for s in rng.permutation(n_seq)][: int(rng.integers(0, n_seq + 1))]
+    if every:
+        order = list(range(n_seq))
+    else:
+        order = [int(s) for s in rng.permutation(n_seq)][: int(rng.integers(0, n_seq + 1))]
     p_end = rng.integers(-2, 4 * BLOCK, size=len(order))
     loop: list[int] = []
     for s, p in zip(order, p_end.tolist(), strict=True):
         loop += c.oldest_alone(s, p, need - len(loop))
         if len(loop) >= need:
             break
-    assert c.oldest_alone_many(order, p_end, need) == loop
+    owners: list[int] = []
+    assert c.oldest_alone_many(None if every else order, p_end, need, owners) == loop
+    assert owners == [c.seqs_of(cell)[0] for cell in loop]  # each cell's one sequence
 
 
 def reference_kpool_inputs(lay: KPoolLayout, state: KPoolState, tokens: list[Token], n_kv: int, **kw: Any) -> Any:
@@ -598,3 +634,118 @@ def test_seq_pair_book_holds_each_rows_sorted_keys_through_every_edit(seed: int,
         assert book.last_keys().tolist() == [m[-1] if m else -1 for m in model]
         if op != 6:
             assert ((book.stamps == stamps) == appended_only).all(), (op, book.stamps, stamps, appended_only)
+
+
+def _window_cache(n_seq: int, swa: SWAType, rollback_depth: int, unified: bool) -> Any:
+    import statecache
+    from statecache.kv_cache import KVCache, KVLayer
+
+    dev = statecache.get_device("reference")
+    size = (6 + rollback_depth) * n_seq + 8 if unified else 6 + rollback_depth + 8
+    return KVCache(
+        dev, [KVLayer(0, 2, 2)], size=size, n_seq_max=n_seq, unified=unified, dtype="f32",
+        swa_type=swa, n_swa=4, n_pad=8, rollback_depth=rollback_depth,
+    )  # fmt: skip
+
+
+def _naive_evictable(cache: Any, cells: KVCells, need: int, own: list[int]) -> list[int]:
+    """Every sequence asked in turn (the ubatch's own first, in order of appearance), each
+    giving the cells below its next token's window that it holds alone, oldest first."""
+    from statecache.kv_mask import swa_visible_from
+
+    order = list(dict.fromkeys(own)) + [s for s in range(cache.n_seq_max) if s not in own]
+    out: list[int] = []
+    for s in order:
+        pairs = cells.seq_cells(s)
+        if not pairs:
+            continue
+        p_end = swa_visible_from(cache.n_swa, cache.swa_type, pairs[-1][0] + 1 - cache.rollback_depth)
+        out += [c for p, c in pairs if p < p_end and cells.seq_count(c) == 1]
+    return out[:need]
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n_seq=st.sampled_from([3, 6, 12]),
+    swa=st.sampled_from([SWAType.STANDARD, SWAType.CHUNKED, SWAType.SYMMETRIC]),
+    rollback_depth=st.integers(0, 2),
+    unified=st.booleans(),
+    n_steps=st.integers(1, 25),
+)
+def test_window_eviction_one_by_one_and_vectorised_agree_with_asking_each_sequence(
+    seed: int, n_seq: int, swa: SWAType, rollback_depth: int, unified: bool, n_steps: int
+) -> None:
+    """A window cache's decode steps and prefill chunks, run on two caches: one that plans and
+    applies every reuse with the few-sequence Python path, one with the vectorised path.  The
+    cells each ubatch is given are those of asking every sequence in turn (the naive pick), the
+    two books stay equal and consistent, and an undo of the last batch puts a book back."""
+    from statecache import kv_cache as kvc
+    from statecache.batch import Batch, BatchAllocator
+
+    rng = np.random.default_rng(seed)
+    caches = [_window_cache(n_seq, swa, rollback_depth, unified) for _ in range(2)]
+    few = [10**9, 0]  # the threshold each cache runs under
+    saved = kvc._FEW, kvc._FEW_SEQS
+    try:
+        for _ in range(n_steps):
+            if unified and rng.random() < 0.15:  # a copied sequence: cells held by two (never reused)
+                src, dst = (int(x) for x in rng.choice(n_seq, size=2, replace=False))
+                for cache in caches:
+                    cache.seq_rm(dst)
+                    cache.seq_cp(src, dst)
+            seqs = sorted(rng.choice(n_seq, size=int(rng.integers(1, n_seq + 1)), replace=False).tolist())
+            chunk = 1 if rng.random() < 0.6 else int(rng.integers(2, 7))
+            ids = np.repeat(np.asarray(seqs, dtype=np.int32), chunk)
+            if rng.random() < 0.3:
+                ids = rng.permutation(ids).astype(np.int32)
+            batch = Batch(tokens=np.ones(ids.size, dtype=np.int32), seq_ids=ids)
+            n_ubatch = int(rng.integers(1, ids.size + 1))
+            placed, books = [], []
+            for cache, f in zip(caches, few, strict=True):
+                kvc._FEW = kvc._FEW_SEQS = f
+                balloc = BatchAllocator(n_seq)
+                balloc.init(batch, cache)
+                ctx = cache.init_batch(balloc, n_ubatch if cache.unified else ids.size)
+                if ctx.status.is_fail:
+                    placed.append(None)
+                    continue
+                cells_seen = []
+                while True:
+                    ub, sinfo = ctx.get_ubatch(), ctx.sinfo
+                    for strm, tok in cache._stream_groups(ub):
+                        cells = cache.cells[strm]
+                        found = sinfo.cells[tok]
+                        reused = [int(c) for c in found if cells.pos[c] != EMPTY]
+                        if reused:  # the reused cells: the naive pick after the free ones
+                            own = [int(s) for s in ub.primary[tok]]
+                            assert reused == _naive_evictable(cache, cells, len(reused), own), f"threshold {f}"
+                            # and the plan's owner of each: the one sequence that holds it
+                            assert sinfo.reuse_owner is not None
+                            planned = [int(sinfo.reuse_owner[t]) for t, c in zip(tok, found) if cells.pos[c] != EMPTY]
+                            assert planned == [cells.seqs_of(c)[0] for c in reused]
+                    cells_seen.append(sinfo.cells.tolist())
+                    assert ctx.apply()
+                    if not ctx.next():
+                        break
+                for cells in cache.cells:
+                    cells.check()
+                placed.append(cells_seen)
+                books.append(ctx)
+            assert placed[0] == placed[1]
+            for a, b in zip(caches[0].cells, caches[1].cells, strict=True):
+                assert a.same_as(b)
+            if placed[0] is not None:  # what an undo without kept rows would drop: the same on both
+                n_done = books[0].n_undoable
+                assert books[0].undo_rows_damage(n_done) == books[1].undo_rows_damage(n_done)
+            if placed[0] is not None and rng.random() < 0.2:  # undo the batch: each book as it was
+                before = [[c.clone() for c in cache.cells] for cache in caches]
+                for cache, ctx in zip(caches, books, strict=True):
+                    ctx.restore((0, 0, 0))
+                    for cells in cache.cells:
+                        cells.check()
+                for a, b in zip(caches[0].cells, caches[1].cells, strict=True):
+                    assert a.same_as(b)
+                for cache, bk in zip(caches, before, strict=True):  # and something was taken back
+                    assert not all(c.same_as(d) for c, d in zip(cache.cells, bk, strict=True))
+    finally:
+        kvc._FEW, kvc._FEW_SEQS = saved

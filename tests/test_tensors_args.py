@@ -468,3 +468,22 @@ def test_opencl_copies_host_inputs_in_and_refuses_host_outputs() -> None:
     np.testing.assert_array_equal(dev.download(dst), 10 * host[[3, 1]])
     with pytest.raises(ArgumentError, match="dst: is a host tensor, which opencl:0 cannot write in place"):
         dev.get_rows(dev.upload(host), rows, torch.zeros(2, 3))
+
+
+def test_a_torch_negative_view_is_refused_not_read_without_its_sign(dev) -> None:  # type: ignore[no-untyped-def]
+    """torch exports a lazy negation view's memory as it is (the values
+    without their sign); reading it would hand the kernel the wrong numbers.
+    Refused, also in a geometry the device has read before."""
+    rows = dev.indices([0, 1])
+    src = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    dst = dev.alloc((2, 3))
+    dev.get_rows(src, rows, dst)  # the geometry is now known
+    assert np.array_equal(dev.download(dst), src.numpy()[:2])
+    neg = torch.arange(12, dtype=torch.float32).reshape(4, 3)._neg_view()
+    assert neg.is_neg()
+    before = dev.download(dst).copy()
+    with pytest.raises(ArgumentError, match=r"src: .*negative bit"):
+        dev.get_rows(neg, rows, dst)
+    assert np.array_equal(dev.download(dst), before)
+    dev.get_rows(neg.resolve_neg(), rows, dst)
+    assert np.array_equal(dev.download(dst), -src.numpy()[:2])

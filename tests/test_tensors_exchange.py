@@ -66,7 +66,10 @@ def _plans(dev) -> int:  # type: ignore[no-untyped-def]
 
 
 #: How a step passes x, y (and, for the scan, dt): the remembered geometry at new addresses, or a change.
-VARIANTS = ("same", "same", "same", "strided", "f16", "short", "y_over_x", "y_is_x", "clone", "misaligned", "x_in_pool")
+VARIANTS = (
+    *("same", "same", "same", "strided", "f16", "short", "y_over_x", "y_is_x", "clone", "misaligned", "x_in_pool"),
+    "negative_view",  # torch's lazy negation: the memory holds the values without their sign
+)
 
 
 def _materialize(op: str, hosts: dict, variant: str, pool, rows) -> dict:  # type: ignore[no-untyped-def,type-arg]
@@ -102,6 +105,8 @@ def _materialize(op: str, hosts: dict, variant: str, pool, rows) -> dict:  # typ
         args[x_name] = torch.from_numpy(as_array(pool)).view(-1)[: x.numel()].view(x.shape)
     elif variant == "clone":
         args[x_name] = x.clone()
+    elif variant == "negative_view":
+        args[x_name] = (-x)._neg_view()  # the same values, seen through a negation view
     elif variant == "misaligned":  # one byte off its 4-byte elements (NumPy memory: torch allows it)
         raw = np.zeros(4 * x.numel() + 1, np.uint8)[1:].view(np.float32).reshape(tuple(x.shape))
         raw[...] = x.numpy()

@@ -82,6 +82,26 @@ static int fill(void *obj, void *from_py, sc_dl_tensor *t) {
     return 0;
 }
 
+/* Whether obj is a torch tensor with its negative bit set (a lazy negation
+ * view, e.g. z.conj().imag): its DLPack export is its memory as it is, the
+ * values without their sign, which no DLPack field says.  Such a call must
+ * take the ordinary path, which refuses it.  1: negative; 0: not, or a
+ * producer without is_neg; -1: a Python error (cleared). */
+static int negative_view(PyObject *obj) {
+    static PyObject *name = NULL;
+    if (name == NULL && (name = PyUnicode_InternFromString("is_neg")) == NULL) return -1;
+    PyObject *r = PyObject_CallMethodObjArgs(obj, name, NULL);
+    if (r == NULL) {
+        int missing = PyErr_ExceptionMatches(PyExc_AttributeError);
+        PyErr_Clear();
+        return missing ? 0 : -1;
+    }
+    int neg = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (neg < 0) PyErr_Clear();
+    return neg;
+}
+
 /* read(obj, from_py): obj's reading (layout above) as a tuple of ints, or
  * None when the producer refuses it. */
 static PyObject *py_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -121,7 +141,7 @@ static PyObject *py_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 /* match(given, plan): whether every tensor of the plan (bytes, layout above)
  * has its geometry in the tuple `given` and the checks pass: a new list of
  * the tensors' addresses; None: a position holds another type or another
- * geometry, or a producer refused; False: the geometry matched and a check
+ * geometry, a torch negative view, or a producer refused; False: the geometry matched and a check
  * failed (misaligned, or written memory overlapping other arguments). */
 static PyObject *py_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -142,6 +162,7 @@ static PyObject *py_match(PyObject *self, PyObject *const *args, Py_ssize_t narg
             Py_RETURN_NONE;
         }
         if ((int64_t)(uintptr_t)Py_TYPE(obj) != p[1]) Py_RETURN_NONE;
+        if (negative_view(obj) != 0) Py_RETURN_NONE;
         sc_dl_tensor t;
         if (fill(obj, (void *)(uintptr_t)p[2], &t) != 0) Py_RETURN_NONE;
         int32_t ndim = t.ndim;
