@@ -18,6 +18,8 @@ the first ``--warmup`` rounds are not counted):
   (its header and metadata, then one per row block), all posted at once: what the
   wire alone costs when split like a transfer (gloo moves a large payload faster
   in pieces);
+* ``plain, gathered``: the same, with the row blocks under 512 KiB gathered into one
+  message (a copy in on the sender, out on the receiver): what that design would win;
 * ``sequence``: ``send_sequence`` / ``recv_sequence`` until the state is installed
   in the receiver's memory;
 * ``state format``: the same with ``rows=False`` (``state_write`` blob,
@@ -73,6 +75,34 @@ def _plain_split(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
     post = dist.isend if rank == 0 else dist.irecv
     for work in [post(part, 1 - rank) for part in ctx["parts"]]:
         work.wait()
+
+
+#: Row blocks under this many bytes travel gathered into one message in ``plain, gathered``.
+SMALL_BLOCK = 512 << 10
+
+
+@kind("plain, gathered")
+def _plain_gathered(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
+    """The transfer's messages with the row blocks under SMALL_BLOCK gathered into one
+    (copied in on the sender, out on the receiver): what gathering small blocks would
+    win on the wire and cost in copies (a design the transfer does not use yet)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    small = [p for p in ctx["parts"][1:] if p.numel() < SMALL_BLOCK]
+    big = [ctx["parts"][0], *(p for p in ctx["parts"][1:] if p.numel() >= SMALL_BLOCK)]
+    scratch = ctx.setdefault("scratch", np.empty(sum(p.numel() for p in small), dtype=np.uint8))
+    if rank == 0 and small:  # numpy copies: torch's would start its thread pool
+        np.concatenate([p.numpy() for p in small], out=scratch)
+    post = dist.isend if rank == 0 else dist.irecv
+    for work in [post(part, 1 - rank) for part in [*big, torch.from_numpy(scratch)] if part.numel()]:
+        work.wait()
+    if rank == 1 and small:
+        off = 0
+        for part in small:
+            part.numpy()[:] = scratch[off : off + part.numel()]
+            off += part.numel()
 
 
 @kind("sequence")
