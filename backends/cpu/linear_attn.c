@@ -506,8 +506,8 @@ static void prefill_group(const la_call *c, int64_t s, int64_t ha, int64_t G, fl
  * instead of stalling in a burst (rows a token apart are in other pages,
  * where no hardware prefetcher goes). */
 typedef struct {
-    const float *next[6];
-    int64_t next_ls[6], n_in, next_rows, fetched;
+    const float *next[7]; /* the inputs' rows, then the output's (written soon) */
+    int64_t next_ls[7], n_in, next_rows, fetched;
 } la_fetch;
 
 /* Fetches the next `rows` of the next head's n_in * next_rows token rows of S floats. */
@@ -661,31 +661,54 @@ typedef struct {
 } wkv7_chunk_ws;
 
 /* One chunk of L <= SC_WKV7_BLOCK tokens of one head in the chunked form, or 0
- * (nothing written) when its decays span too much.  in[0..5]: the token rows
+ * (nothing written) when its decays span too much, -1 (nothing written) when
+ * some input is not finite (the head then runs the token loop for good).  in[0..5]: the token rows
  * of r, w (log decays), k, v, a, b, rows ls[m] apart; r is multiplied by
  * `scale` here; M: the key-major state [S][S]; outputs at o, rows ldo apart. */
 static int wkv7_chunk(const float *const *in, const int64_t *ls, float scale, int64_t L, int64_t S, float *M,
                       float *o, int64_t ldo, wkv7_chunk_ws *w) {
     const int64_t Lp = (L + 7) & ~(int64_t)7, ld = 2 * SC_WKV7_BLOCK_PAD;
     const __m256 one = _mm256_set1_ps(1.0f), sc = _mm256_set1_ps(scale);
-    if (!la_log_decay_sums(in[1], ls[1], L, S, w->G, w->Eend)) return 0;
+    if (!la_log_decay_sums(in[1], ls[1], L, S, w->G, w->Eend)) {
+        for (int m = 0; m < 6; m++)
+            if (!sc_all_finite(in[m], L, ls[m], S, 1)) return -1;
+        return 0;
+    }
+    /* x - x is 0 exactly when x is finite: every input row is checked on its
+     * way into the chunk (one pass over the rows, not a pass of its own) */
+    __m256 bad = _mm256_setzero_ps();
+    const __m256 zero = _mm256_setzero_ps();
+#define WKV7_CHECK(x) bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps((x), (x)), zero, _CMP_NEQ_UQ))
     for (int64_t t = 0; t < L; t++) {
         const float *R = in[0] + t * ls[0], *K = in[2] + t * ls[2], *Av = in[4] + t * ls[4], *B = in[5] + t * ls[5];
-        la_fetch_next(&w->fetch, S, 3);
+        const float *W = in[1] + t * ls[1], *V = in[3] + t * ls[3];
+        float *Vd = w->VS + (Lp + t) * S;
+        la_fetch_next(&w->fetch, S, 2);
         for (int64_t i = 0; i < S; i += 8) {
+            const __m256 wv = _mm256_loadu_ps(W + i), vv = _mm256_loadu_ps(V + i);
+            const __m256 rv = _mm256_loadu_ps(R + i), kv = _mm256_loadu_ps(K + i);
+            const __m256 av = _mm256_loadu_ps(Av + i), bv = _mm256_loadu_ps(B + i);
+            WKV7_CHECK(wv);
+            WKV7_CHECK(vv);
+            WKV7_CHECK(rv);
+            WKV7_CHECK(kv);
+            WKV7_CHECK(av);
+            WKV7_CHECK(bv);
+            _mm256_storeu_ps(Vd + i, vv);
             /* 1 / e by a refined reciprocal (e lies in [e^-60, e^60]): a
              * divide would hold its port for several cycles per vector */
             const __m256 e = sc_exp8(_mm256_loadu_ps(w->G + t * S + i)), r0 = _mm256_rcp_ps(e);
             const __m256 inv = _mm256_fmadd_ps(r0, _mm256_fnmadd_ps(e, r0, one), r0);
             const __m256 before = t ? _mm256_loadu_ps(w->G + (t - 1) * S + i) : one; /* exp G_{t-1}, exp'd already */
             _mm256_storeu_ps(w->G + t * S + i, e);
-            _mm256_storeu_ps(w->P + t * S + i, _mm256_mul_ps(_mm256_loadu_ps(Av + i), before));
-            _mm256_storeu_ps(w->P + (L + t) * S + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(R + i), sc), e));
-            _mm256_storeu_ps(w->Q + t * S + i, _mm256_mul_ps(_mm256_loadu_ps(B + i), inv));
-            _mm256_storeu_ps(w->Q + (Lp + t) * S + i, _mm256_mul_ps(_mm256_loadu_ps(K + i), inv));
+            _mm256_storeu_ps(w->P + t * S + i, _mm256_mul_ps(av, before));
+            _mm256_storeu_ps(w->P + (L + t) * S + i, _mm256_mul_ps(_mm256_mul_ps(rv, sc), e));
+            _mm256_storeu_ps(w->Q + t * S + i, _mm256_mul_ps(bv, inv));
+            _mm256_storeu_ps(w->Q + (Lp + t) * S + i, _mm256_mul_ps(kv, inv));
         }
-        memcpy(w->VS + (Lp + t) * S, in[3] + t * ls[3], sizeof(float) * (size_t)S);
     }
+#undef WKV7_CHECK
+    if (_mm256_movemask_ps(bad)) return -1;
     for (int64_t t = L; t < Lp; t++) {
         memset(w->Q + t * S, 0, sizeof(float) * (size_t)S);
         memset(w->Q + (Lp + t) * S, 0, sizeof(float) * (size_t)S);
@@ -701,19 +724,31 @@ static int wkv7_chunk(const float *const *in, const int64_t *ls, float scale, in
         for (int64_t u = t; u < Lp; u++) ra[u] = ra[Lp + u] = 0.0f;
         for (int64_t u = t + 1; u < Lp; u++) rr[u] = rr[Lp + u] = 0.0f;
     }
-    la_fetch_next(&w->fetch, S, 12);
+    la_fetch_next(&w->fetch, S, 6);
     /* [at; rt] M0 in one product (2L rows fill the kernel's row blocks of 6
      * better than two of L), then at M0 into the SA rows, rt M0 into the outputs. */
     sc_gemm(2 * L, S, S, w->P, S, M, S, w->Y, S, SC_GEMM_SET, 0.0f, NULL, SC_GEMM_DENSE, 0);
     memcpy(w->VS, w->Y, sizeof(float) * (size_t)(L * S));
     for (int64_t t = 0; t < L; t++) memcpy(o + t * ldo, w->Y + (L + t) * S, sizeof(float) * (size_t)S);
-    la_fetch_next(&w->fetch, S, 12);
+    la_fetch_next(&w->fetch, S, 6);
     /* SA = at M0 + Aak V, then (I - Aab) SA = that, row by row. */
     sc_gemm(L, S, L, w->A + Lp, ld, w->VS + Lp * S, S, w->VS, S, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_A_LOWER, 0);
     for (int64_t t = 1; t < L; t++) {
         float *sat = w->VS + t * S;
         const float *ab = w->A + t * ld;
         int64_t j = 0;
+        /* 64 columns at once: eight independent chains cover the FMA latency
+         * (each element is still one chain over u in order: same bits) */
+        for (; j + 64 <= S; j += 64) {
+            __m256 x[8];
+            for (int q = 0; q < 8; q++) x[q] = _mm256_loadu_ps(sat + j + 8 * q);
+            for (int64_t u = 0; u < t; u++) {
+                const __m256 f = _mm256_set1_ps(ab[u]);
+                const float *su = w->VS + u * S + j;
+                for (int q = 0; q < 8; q++) x[q] = _mm256_fmadd_ps(f, _mm256_loadu_ps(su + 8 * q), x[q]);
+            }
+            for (int q = 0; q < 8; q++) _mm256_storeu_ps(sat + j + 8 * q, x[q]);
+        }
         for (; j + 16 <= S; j += 16) {
             __m256 x0 = _mm256_loadu_ps(sat + j), x1 = _mm256_loadu_ps(sat + j + 8);
             for (int64_t u = 0; u < t; u++) {
@@ -730,18 +765,26 @@ static int wkv7_chunk(const float *const *in, const int64_t *ls, float scale, in
             _mm256_storeu_ps(sat + j, x0);
         }
     }
-    la_fetch_next(&w->fetch, S, 12);
+    la_fetch_next(&w->fetch, S, 6);
     /* o += [Arb Ark] [SA; V]. */
     sc_gemm(L, S, 2 * Lp, w->A + L * ld, ld, w->VS, S, o, ldo, SC_GEMM_SCALE, 1.0f, NULL, SC_GEMM_DENSE, 0);
-    la_fetch_next(&w->fetch, S, 12);
+    la_fetch_next(&w->fetch, S, 6);
     /* M = diag(exp G_end) M0 + ([bh kh] exp G_end) [SA; V]. */
     for (int64_t i = 0; i < S; i++) {
         float *row = w->QT + i * ld;
         const __m256 e = _mm256_set1_ps(w->Eend[i]);
         for (int64_t u = 0; u < 2 * Lp; u += 8) _mm256_storeu_ps(row + u, _mm256_mul_ps(e, _mm256_loadu_ps(row + u)));
     }
-    sc_gemm(S, S, 2 * Lp, w->QT, ld, w->VS, S, M, S, SC_GEMM_ROWS, 0.0f, w->Eend, SC_GEMM_DENSE, 0);
-    la_fetch_next(&w->fetch, S, 6 * L); /* whatever is left */
+    /* in slices of whole row blocks, the fetches between them (a burst of
+     * them fills the line fill buffers and stalls the loads; each element's
+     * chain is the same whatever rows the product covers) */
+    for (int64_t i0 = 0; i0 < S; i0 += 18) {
+        const int64_t n = S - i0 < 18 ? S - i0 : 18;
+        sc_gemm(n, S, 2 * Lp, w->QT + i0 * ld, ld, w->VS, S, M + i0 * S, S, SC_GEMM_ROWS, 0.0f, w->Eend + i0,
+                SC_GEMM_DENSE, 0);
+        la_fetch_next(&w->fetch, S, 6);
+    }
+    la_fetch_next(&w->fetch, S, 7 * L); /* whatever is left */
     return 1;
 }
 
@@ -849,15 +892,29 @@ static void prefill_group_chunked(const la_call *c, int64_t s, int64_t ha, int64
                     fetch->next[m] = p[m] + v->strides[1];
                     fetch->next_ls[m] = ls[m];
                 }
-                fetch->n_in = c->n_in;
+                /* and the next head's output rows, which its chunk writes */
+                fetch->next[c->n_in] = c->o + ((t0 + pos) * H + h + 1) * S;
+                fetch->next_ls[c->n_in] = H * S;
+                fetch->n_in = c->n_in + 1;
                 fetch->next_rows = direct && hh + 1 < G ? L : 0;
+                if (direct && hh + 1 == G && pos + L < n_t) {
+                    /* the last head of the group fetches the next chunk's rows
+                     * of the first one (else every chunk begins on misses) */
+                    const int64_t left = n_t - (pos + L);
+                    for (int m = 0; m < c->n_in; m++) {
+                        const sc_view *v = &c->in[m];
+                        fetch->next[m] = v->data + (t0 + pos + L) * v->strides[0] + ha * v->strides[1];
+                    }
+                    fetch->next[c->n_in] = c->o + ((t0 + pos + L) * H + ha) * S;
+                    fetch->next_rows = left < block ? left : block;
+                }
                 fetch->fetched = 0;
                 float *b = gla || wkv7 ? NULL : bonus + hh * SC_LA_CHUNK;
                 if (b && direct)
                     for (int64_t t = 0; t < L; t++)
                         b[t] = la_bonus(p[0] + t * ls[0], c->u + h * S, p[1] + t * ls[1], c->scale, S);
                 float *tile = tiles + hh * S * S, *o = c->o + ((t0 + pos) * H + h) * S;
-                if (!w->token_loop[hh]) {
+                if (!w->token_loop[hh] && !wkv7) { /* wkv7_chunk checks its rows itself */
                     int ok = 1;
                     for (int m = 0; m < c->n_in && ok; m++) ok = sc_all_finite(p[m], L, ls[m], S, 1);
                     if (ok && b) ok = sc_all_finite(b, 1, 0, L, 1);
@@ -865,8 +922,9 @@ static void prefill_group_chunked(const la_call *c, int64_t s, int64_t ha, int64
                 }
                 if (wkv7) {
                     const float sc = direct ? c->scale : 1.0f;
-                    if (w->token_loop[hh] || !wkv7_chunk(p, ls, sc, L, S, tile, o, H * S, w7))
-                        wkv7_chunk_tokens(p, ls, sc, L, S, tile, o, H * S, w7);
+                    const int done = w->token_loop[hh] ? -1 : wkv7_chunk(p, ls, sc, L, S, tile, o, H * S, w7);
+                    if (done < 0) w->token_loop[hh] = 1;
+                    if (done <= 0) wkv7_chunk_tokens(p, ls, sc, L, S, tile, o, H * S, w7);
                 } else if (w->token_loop[hh] || L < SC_LA_CHUNK_MIN ||
                            !la_chunk(p, ls, direct ? c->scale : 1.0f, b, L, S, tile, o, H * S, w)) {
                     const float *q = p[0], *k = p[1], *v = p[2], *g = p[3];
