@@ -59,6 +59,7 @@ from statecache.state_io import (
     Reader,
     RowWrite,
     Writer,
+    expect_sections,
     find_section,
     pack_sections,
     rows_landing,
@@ -1095,6 +1096,10 @@ class KVCache(Memory):
         made before it, which may count on what those cells held, is stale now."""
         self._version += 1
 
+    def state_tags(self, flags: int = StateFlags.NONE) -> tuple[bytes, ...]:
+        """The tags of the sections :meth:`state_write` writes (with any flags)."""
+        return (TAG_KV,)
+
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         """Restore from a blob.  The whole blob is parsed and placed before
         anything is written, so a rejected blob (``StateError``) leaves the cache
@@ -1102,6 +1107,7 @@ class KVCache(Memory):
         drops the destination, so no half-restored sequence survives."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         _, sections = unpack_sections(data)  # PARTIAL_ONLY changes nothing a single cache writes
+        expect_sections(sections, self.state_tags(flags), "KV cache")
         r = Reader(find_section(sections, TAG_KV))
         plan = self.state_parse(r, seq)
         r.at_end()
@@ -1789,6 +1795,10 @@ class KVCacheISWA(Memory):
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
         return pack_sections(self.state_sections(seq, flags), flags)
 
+    def state_tags(self, flags: int = StateFlags.NONE) -> tuple[bytes, ...]:
+        """The tags of the sections :meth:`state_write` writes with ``flags``."""
+        return (TAG_KV_SWA,) if flags & StateFlags.PARTIAL_ONLY else (TAG_KV_BASE, TAG_KV_SWA)
+
     def parse_sections(self, sections: Any, seq: int = -1, flags: int = StateFlags.NONE) -> ISWAPlan:
         base = None
         if not flags & StateFlags.PARTIAL_ONLY:
@@ -1833,6 +1843,7 @@ class KVCacheISWA(Memory):
         """As :meth:`KVCache.state_read`: rejected blobs change nothing."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         _, sections = unpack_sections(data, flags)
+        expect_sections(sections, self.state_tags(flags), "KV cache pair (iSWA)")
         plan = self.parse_sections(sections, seq, flags)
         rows_landing(lambda: self.landing_writes(plan), self.state_landing_failed)
         rows_ready()  # a transfer's rows may still be arriving: validated above, written below

@@ -81,6 +81,7 @@ from statecache.state_io import (
     Reader,
     RowWrite,
     Writer,
+    expect_sections,
     find_section,
     pack_sections,
     planes_apart,
@@ -1500,11 +1501,16 @@ class RecurrentMemory(Memory):
                 for name, buf in pools.items():
                     scatter_rows(self.device, buf, idx, data[layer][name][sel])
 
+    def state_tags(self, flags: int = StateFlags.NONE) -> tuple[bytes, ...]:
+        """The tags of the sections :meth:`state_write` writes (with any flags)."""
+        return (SECTION_TAG,)
+
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         if hasattr(data, "read") and not isinstance(data, bytes | bytearray | memoryview):
             data = data.read()
         # PARTIAL_ONLY does not change what a recurrent memory writes: only unknown flag bits are refused
         blob_flags, sections = unpack_sections(data)
+        expect_sections(sections, self.state_tags(flags), "recurrent memory")
         plan = self.parse_section(find_section(sections, SECTION_TAG), seq, planes=bool(blob_flags & WITH_PLANES))
         rows_landing(lambda: self.landing_writes(plan), self.state_landing_failed)
         rows_ready()  # a transfer's rows may still be arriving: validated above, written below
