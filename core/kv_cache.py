@@ -624,9 +624,19 @@ class KVCache(Memory):
         self._version += 1
         if ss == sd:
             cells = self.cells[ss]
-            for pos, idx in list(cells.seq_pos[src]):
-                if p0 <= pos < p1:
-                    cells.seq_add(idx, dst)
+            brought = [(pos, idx) for pos, idx in cells.seq_pos[src] if p0 <= pos < p1]
+            # dst's own cells at a position src brings are dropped first: upstream keeps
+            # them, and dst then held two cells at one position (attending to both, with
+            # a blob its own state_read refuses as "duplicate positions").  dst holds
+            # src's tokens at those positions, as a copy between streams does.
+            at = {pos for pos, _ in brought}
+            own = [idx for pos, idx in cells.seq_pos[dst] if pos in at and not cells.seq_has(idx, src)]
+            if own:
+                gone = cells.seq_rm_many(np.array(sorted(own), dtype=np.int64), dst)
+                if gone.size:
+                    self.book.heads[ss] = min(self.book.heads[ss], int(gone.min()))
+            for _, idx in brought:
+                cells.seq_add(idx, dst)
             return
         src_cells, dst_cells = self.cells[ss], self.cells[sd]
         dst_cells.reset()

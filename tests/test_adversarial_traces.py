@@ -14,12 +14,14 @@ from typing import Any
 
 import pytest
 from hybrid_toy import ATTN, E, make_hybrid
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from recurrent_toy import toy_spec
 from test_memory_queries import DEV, build, decode, view_key
 
 from statecache.errors import ArgumentError, StateError
 from statecache.kv_cache import KVCache, KVLayer
-from statecache.memory import Memory, StateFlags
+from statecache.memory import POS_MAX, Memory, StateFlags
 from statecache.recurrent import RecurrentMemory
 
 BUILDERS: dict[str, Any] = {
@@ -106,3 +108,182 @@ def test_blob_of_another_size(src: str, dst: str) -> None:
             continue
         for s in range(b.n_seq_max) if seq < 0 else (seq,):
             assert (b.seq_pos_min(s), b.seq_pos_max(s)) == (a.seq_pos_min(s), a.seq_pos_max(s)), (seq, s)
+
+
+# -- the KV book against a model of the spec ------------------------------------------------
+
+
+class KVModel:
+    """The KV book of docs/memory-semantics.md#kv-sequence-ops as plain cells
+    ``[stream, pos, {seqs}, ext]`` (unified: one stream; else stream ``s`` holds ``s``;
+    ``ext`` the 2-D extension, the position the token was decoded at, which ``seq_add``
+    and ``seq_div`` leave as it is).  Raises ArgumentError where the memory must refuse."""
+
+    def __init__(self, n_seq: int, unified: bool) -> None:
+        self.n_seq, self.unified = n_seq, unified
+        self.cells: list[list[Any]] = []  # [stream, pos, set(seqs), ext]
+
+    def of(self, s: int) -> list[list[Any]]:
+        return [c for c in self.cells if s in c[2]]
+
+    def pos_max(self, s: int) -> int:
+        return max((c[1] for c in self.of(s)), default=-1)
+
+    def _gc(self) -> None:
+        self.cells = [c for c in self.cells if c[2] and c[1] >= 0]
+
+    def decode(self, s: int, n: int) -> None:
+        start = self.pos_max(s) + 1
+        self.cells += [[0 if self.unified else s, start + k, {s}, start + k] for k in range(n)]
+
+    def seq_rm(self, s: int, p0: int, p1: int) -> None:
+        for c in self.cells:
+            if p0 <= c[1] < p1:
+                c[2].discard(s) if s >= 0 else c[2].clear()
+        self._gc()
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        if src == dst:
+            return
+        brought = [c for c in self.of(src) if p0 <= c[1] < p1]
+        if not self.unified:
+            if (p0, p1) != (0, POS_MAX):
+                raise ArgumentError("p0/p1", "between streams: whole sequences only")
+            self.cells = [c for c in self.cells if c[0] != dst]
+            self.cells += [[dst, c[1], {dst}, c[3]] for c in brought]
+            return
+        at = {c[1] for c in brought}
+        for c in self.of(dst):
+            if c[1] in at and src not in c[2]:
+                c[2].discard(dst)
+        for c in brought:
+            c[2].add(dst)
+        self._gc()
+
+    def seq_keep(self, s: int) -> None:
+        for c in self.cells:
+            c[2].intersection_update({s})
+        self._gc()
+
+    def move(self, s: int, p0: int, p1: int, f: Any) -> None:
+        mine = self.of(s)
+        inside = [c for c in mine if p0 <= c[1] < p1]
+        if any(len(c[2]) > 1 for c in inside):
+            raise ArgumentError("seq", "shared")
+        new = [(f(c[1]) if p0 <= c[1] < p1 else c[1], c[3]) for c in mine]
+        kept = [q for q in new if q[0] >= 0]
+        if len(kept) != len(set(kept)):
+            raise ArgumentError("delta", "twins")
+        for c in inside:
+            c[1] = f(c[1])
+        self._gc()
+
+    def positions(self, s: int) -> list[tuple[int, bool]]:
+        return sorted((c[1], len(c[2]) > 1) for c in self.of(s))
+
+
+N = 3
+pos = st.integers(-2, 14)
+kv_ops = st.one_of(
+    st.tuples(st.just("decode"), st.integers(0, N - 1), st.integers(1, 5)),
+    st.tuples(st.just("seq_rm"), st.integers(-1, N - 1), pos, pos),
+    st.tuples(st.just("seq_cp"), st.integers(0, N - 1), st.integers(0, N - 1), pos, pos),
+    st.tuples(st.just("seq_cp"), st.integers(0, N - 1), st.integers(0, N - 1), st.just(-1), st.just(-1)),
+    st.tuples(st.just("seq_keep"), st.integers(0, N - 1)),
+    st.tuples(st.just("seq_add"), st.integers(0, N - 1), pos, pos, st.integers(-6, 6)),
+    st.tuples(st.just("seq_div"), st.integers(0, N - 1), pos, pos, st.integers(1, 3)),
+)
+
+
+def _norm(p0: int, p1: int) -> tuple[int, int]:
+    return max(p0, 0), POS_MAX if p1 < 0 else p1
+
+
+#: cheap (about 15 ms an example): more than the shared bound under ``ci``
+KV_EXAMPLES = 100 if settings.default.max_examples <= 40 else settings.default.max_examples
+
+
+@pytest.mark.parametrize("kind", ["kv", "kv_streams"])
+@settings(max_examples=KV_EXAMPLES)
+@given(program=st.lists(kv_ops, min_size=3, max_size=25))
+def test_kv_book_follows_the_model(kind: str, program: list[tuple[Any, ...]]) -> None:
+    """Every sequence holds exactly the model's positions (and sharing) after every
+    operation; the model refuses exactly where the memory raises, and a refusal changes
+    nothing.  Regression: ``seq_cp`` within a stream into a sequence that already held
+    some of the copied positions left it two cells at one position (its own blob was
+    then refused by its own state_read)."""
+    mem = build(kind)
+    model = KVModel(N, unified=kind == "kv")
+    for op in program:
+        name, *args = op
+        if name == "decode":
+            before = fingerprint(mem)
+            ok = _decode(mem, {args[0]: args[1]})
+            if ok:
+                model.decode(*args)
+            else:
+                assert fingerprint(mem) == before
+            continue
+        if name in ("seq_rm", "seq_cp", "seq_add", "seq_div"):
+            q = list(args)
+            k = 2 if name == "seq_cp" else 1
+            q[k], q[k + 1] = _norm(q[k], q[k + 1])
+        want_error = None
+        try:
+            if name == "seq_add" or name == "seq_div":
+                s, p0, p1, x = q
+                if p0 < p1 and (x != 0 if name == "seq_add" else x != 1):
+                    model.move(s, p0, p1, (lambda p, x=x: p + x) if name == "seq_add" else (lambda p, x=x: p // x))
+            elif name == "seq_keep":
+                model.seq_keep(*args)
+            else:
+                getattr(model, name)(*q)
+        except ArgumentError as exc:
+            want_error = exc
+        before = fingerprint(mem)
+        try:
+            assert getattr(mem, name)(*args) in (None, True)
+        except ArgumentError:
+            assert want_error is not None, op
+            assert fingerprint(mem) == before, op
+            continue
+        assert want_error is None, (op, want_error)
+        for s in range(N):
+            view = mem.seq_state(s).kv[0]
+            got = sorted(zip(view.positions.tolist(), view.shared.tolist(), strict=True))
+            assert got == model.positions(s), (op, s)
+            assert mem.seq_pos_max(s) == model.pos_max(s)
+        # every sequence's blob reads back (no sequence holds a position twice)
+        blob = mem.state_write(-1)
+        fresh = build(kind)
+        fresh.state_read(blob)
+        assert fresh.state_write(-1) == blob
+
+
+def _decode(mem: Memory, tokens: dict[int, int]) -> bool:
+    from test_memory_queries import plan
+
+    ctx = plan(mem, tokens, 4)
+    if ctx is None:
+        return False
+    while True:
+        assert ctx.apply()
+        if not ctx.next():
+            return True
+
+
+@pytest.mark.parametrize("kind", ["kv", "kv_iswa"])
+def test_seq_cp_into_a_sequence_holding_the_positions(kind: str) -> None:
+    """Regression: ``seq_cp(0, 1, 2, 4)`` with sequence 1 already at positions 0..4 left
+    it two cells at positions 2 and 3 (upstream does too); its blob was refused by its
+    own ``state_read`` ("duplicate positions").  Now dst holds src's cells there."""
+    mem = build(kind, n_rs_seq=0)
+    decode(mem, {0: 5, 1: 5})
+    mem.seq_cp(0, 1, 2, 4)
+    for view in mem.seq_state(1).kv:
+        assert view.positions.tolist() == [0, 1, 2, 3, 4]
+        assert view.shared.tolist() == [False, False, True, True, False]
+    for seq in (-1, 1):
+        fresh = build(kind, n_rs_seq=0)
+        fresh.state_read(mem.state_write(seq), seq)
+        assert fresh.seq_pos_max(1) == 4
