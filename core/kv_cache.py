@@ -34,6 +34,7 @@ from statecache.hostmem import gather_rows, scatter_rows
 from statecache.kv_cells import EMPTY, CellJournal, KVCells, last_positions, pos_key
 from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from, swa_visible_from_many
 from statecache.memory import (
+    POS_LAST,
     POS_MAX,
     ContextError,
     KVSeqCells,
@@ -1042,6 +1043,8 @@ class KVCache(Memory):
             p = r.i32(f"{self.name}.pos")
             if p < 0:
                 raise StateError(f"{self.name}.pos", f"cell {c} has negative position {p}")
+            if p > POS_LAST:  # the open end of every range: no cell holds it (memory.POS_LAST)
+                raise StateError(f"{self.name}.pos", f"cell {c} has position {p}, past the largest {POS_LAST}")
             n_ids = r.u32(f"{self.name}.n_seq_id")
             if seq >= 0 and n_ids != 1:
                 raise StateError(f"{self.name}.n_seq_id", f"a per-sequence blob needs 1 id per cell, got {n_ids}")
@@ -1571,7 +1574,7 @@ def one_owner_records(r: Reader, count: int, has_ext: bool) -> tuple[np.ndarray,
     if not count or r.off + n > len(r.data):
         return None
     rec = np.frombuffer(r.data[r.off : r.off + n], dtype="<i4").reshape(count, width).astype(np.int64)
-    if not ((rec[:, 1] == 1).all() and (rec[:, 0] >= 0).all()):
+    if not ((rec[:, 1] == 1).all() and (rec[:, 0] >= 0).all() and (rec[:, 0] <= POS_LAST).all()):
         return None
     r.raw(n, "cells")
     ext = rec[:, 3:5] if has_ext else np.stack([rec[:, 0], rec[:, 0]], axis=1)

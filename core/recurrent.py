@@ -55,6 +55,7 @@ from statecache.errors import ArgumentError, BatchError, InvariantError, Stateca
 from statecache.hostmem import gather_rows, scatter_rows
 from statecache.launch_memo import LaunchMemo
 from statecache.memory import (
+    POS_LAST,
     POS_MAX,
     ContextError,
     Memory,
@@ -1347,8 +1348,8 @@ class RecurrentMemory(Memory):
         seen: set[int] = set()
         for i in range(n_cells):
             p = r.i32(f"cell[{i}].pos")
-            if p < 0:
-                r.fail(f"cell[{i}].pos", f"is {p}; a stored cell holds a position >= 0")
+            if not 0 <= p <= POS_LAST:  # POS_MAX is the open end of every range (memory.POS_LAST)
+                r.fail(f"cell[{i}].pos", f"is {p}; a stored cell holds a position in [0, {POS_LAST}]")
             n_ids = r.u32(f"cell[{i}].n_seq_id")
             if seq >= 0 and n_ids != 0:
                 r.fail(f"cell[{i}].n_seq_id", f"is {n_ids}; a single-sequence entry must be sequence-agnostic (0)")

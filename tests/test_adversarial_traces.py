@@ -10,8 +10,10 @@ reach; the fixes are in the core, with a comment saying why.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
+import numpy as np
 import pytest
 from hybrid_toy import ATTN, E, make_hybrid
 from hypothesis import given, settings
@@ -19,10 +21,12 @@ from hypothesis import strategies as st
 from recurrent_toy import toy_spec
 from test_memory_queries import DEV, build, decode, view_key
 
-from statecache.errors import ArgumentError, StateError
+from statecache.batch import Batch, BatchAllocator
+from statecache.errors import ArgumentError, BatchError, StateError
 from statecache.kv_cache import KVCache, KVLayer
-from statecache.memory import POS_MAX, Memory, StateFlags
+from statecache.memory import POS_LAST, POS_MAX, Memory, StateFlags
 from statecache.recurrent import RecurrentMemory
+from statecache.state_io import pack_sections, unpack_sections
 
 BUILDERS: dict[str, Any] = {
     "recurrent": lambda: build("recurrent"),
@@ -203,7 +207,7 @@ def _norm(p0: int, p1: int) -> tuple[int, int]:
 KV_EXAMPLES = 100 if settings.default.max_examples <= 40 else settings.default.max_examples
 
 
-@pytest.mark.parametrize("kind", ["kv", "kv_streams"])
+@pytest.mark.parametrize("kind", ["kv", "kv_streams", "kv_iswa"])
 @settings(max_examples=KV_EXAMPLES)
 @given(program=st.lists(kv_ops, min_size=3, max_size=25))
 def test_kv_book_follows_the_model(kind: str, program: list[tuple[Any, ...]]) -> None:
@@ -213,7 +217,7 @@ def test_kv_book_follows_the_model(kind: str, program: list[tuple[Any, ...]]) ->
     some of the copied positions left it two cells at one position (its own blob was
     then refused by its own state_read)."""
     mem = build(kind)
-    model = KVModel(N, unified=kind == "kv")
+    model = KVModel(N, unified=kind != "kv_streams")
     for op in program:
         name, *args = op
         if name == "decode":
@@ -249,10 +253,14 @@ def test_kv_book_follows_the_model(kind: str, program: list[tuple[Any, ...]]) ->
             continue
         assert want_error is None, (op, want_error)
         for s in range(N):
-            view = mem.seq_state(s).kv[0]
+            view, *window = mem.seq_state(s).kv
             got = sorted(zip(view.positions.tolist(), view.shared.tolist(), strict=True))
             assert got == model.positions(s), (op, s)
             assert mem.seq_pos_max(s) == model.pos_max(s)
+            for w in window:  # an iSWA pair's window cache: a subset of the base, ending where it ends
+                held = w.positions.tolist()
+                assert set(held) <= set(view.positions.tolist()), (op, s)
+                assert max(held, default=-1) == model.pos_max(s), (op, s)
         # every sequence's blob reads back (no sequence holds a position twice)
         blob = mem.state_write(-1)
         fresh = build(kind)
@@ -287,3 +295,43 @@ def test_seq_cp_into_a_sequence_holding_the_positions(kind: str) -> None:
         fresh = build(kind, n_rs_seq=0)
         fresh.state_read(mem.state_write(seq), seq)
         assert fresh.seq_pos_max(1) == 4
+
+
+# -- the last int32 position ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["recurrent", "positions_only", "kv", "kv_streams", "kv_iswa", "hybrid", "hybrid_idx"])
+def test_no_token_at_the_open_end_of_every_range(name: str) -> None:
+    """Regression: a token could sit at position 2**31 - 1 (a batch there, or a
+    ``seq_add`` onto it), which is where ``p1 = -1`` ends every range, so
+    ``seq_rm(s, -1, -1)`` returned True and left it.  Now a batch there, a shift onto it
+    and a blob holding it are refused (nothing changed), and a sequence at the last
+    position a token may hold is removed by ``seq_rm(s, -1, -1)``."""
+    mem = BUILDERS[name]()
+    decode(mem, {0: 3, 1: 2})
+    before = fingerprint(mem)
+    balloc = BatchAllocator.for_memory(mem)
+    with pytest.raises(BatchError, match="end of every range"):
+        balloc.init(Batch(tokens=np.array([1, 2], np.int32), pos=np.array([POS_MAX - 1, POS_MAX]), seq_ids=[2, 2]), mem)
+    with pytest.raises(ArgumentError, match="largest position"):
+        mem.seq_add(0, 0, -1, POS_MAX - 2)  # position 2 would land on POS_MAX
+    assert fingerprint(mem) == before
+    mem.seq_add(1, 0, -1, POS_LAST - 1)  # positions 0, 1 -> POS_LAST - 1, POS_LAST
+    assert mem.seq_pos_max(1) == POS_LAST
+    blob = mem.state_write(1)
+    # the same blob with the position one further: refused by name, nothing changed
+    flags, sections = unpack_sections(blob)
+    last = struct.pack("<i", POS_LAST)
+    patched = [(t, bytes(p).replace(last, struct.pack("<i", POS_MAX))) for t, p in sections]
+    assert any(bytes(p) != q for (_, p), (_, q) in zip(sections, patched, strict=True))
+    target = BUILDERS[name]()
+    decode(target, {0: 2})
+    before = fingerprint(target)
+    with pytest.raises(StateError, match="pos"):
+        target.state_read(pack_sections(patched, flags), 1)
+    assert fingerprint(target) == before
+    target.state_read(blob, 1)
+    assert target.seq_pos_max(1) == POS_LAST
+    for m in (mem, target):
+        assert m.seq_rm(1, -1, -1)
+        assert m.seq_pos_max(1) == -1 and m.seq_pos_min(1) == -1
