@@ -19,7 +19,8 @@ from hybrid_toy import ATTN, E, make_hybrid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from recurrent_toy import toy_spec
-from test_memory_queries import DEV, build, decode, view_key
+from test_memory_queries import DEV, EXAMPLES, KINDS, build, decode, view_key
+from test_memory_queries import ops as OPS
 
 from statecache.batch import Batch, BatchAllocator
 from statecache.errors import ArgumentError, BatchError, StateError
@@ -335,3 +336,58 @@ def test_no_token_at_the_open_end_of_every_range(name: str) -> None:
     for m in (mem, target):
         assert m.seq_rm(1, -1, -1)
         assert m.seq_pos_max(1) == -1 and m.seq_pos_min(1) == -1
+
+
+# -- every kind: what a book must always satisfy, after random operations -------------------
+
+
+def _check_book(kind: str, mem: Memory, op: Any) -> None:
+    """Positions held once per sequence (with their 2-D extension), the parts of a hybrid
+    ending at one position, and every blob (whole and per sequence) read back into a fresh
+    memory giving the same blob."""
+    for s in range(N):
+        view = mem.seq_state(s)
+        for cells in view.kv:
+            pos = cells.positions.tolist()
+            if cells.cache != "kv_swa":
+                assert max(pos, default=-1) == view.pos_max or view.recurrent is not None, (op, s, cells.cache)
+        r = view.recurrent
+        if r is not None and view.kv and r.tensors:
+            ends = {max(c.positions.tolist(), default=-1) for c in view.kv}
+            assert ends == {r.pos}, (op, s, ends, r.pos)
+    whole = mem.state_write(-1)
+    fresh = build(kind)
+    fresh.state_read(whole)
+    assert fresh.state_write(-1) == whole, op
+    for s in range(N):
+        one = mem.state_write(s)
+        fresh = build(kind)
+        fresh.state_read(one, s)
+        assert fresh.state_write(s) == one, (op, s)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=EXAMPLES)
+@given(program=st.lists(OPS, min_size=3, max_size=15))
+def test_books_stay_sound_under_random_operations(kind: str, program: list[tuple[Any, ...]]) -> None:
+    mem = build(kind)
+    decode(mem, {0: 6, 1: 4, 2: 5})
+    for op in program:
+        if op[0] in ("undo", "update"):
+            continue  # undo and updates have their own tests (test_memory_queries)
+        if op[0] == "decode":
+            decode(mem, op[1])
+            _check_book(kind, mem, op)
+            continue
+        if op[0] == "keep":
+            op = ("seq_keep", op[1])
+        if op[0] == "rollback":
+            s, k = op[1], op[2]
+            op = ("seq_rm", s, mem.seq_pos_max(s) + 1 - k, -1)
+        try:
+            getattr(mem, op[0])(*op[1:])
+        except ArgumentError:
+            continue
+        _check_book(kind, mem, op)
+        decode(mem, {0: 2, 2: 1})
+        _check_book(kind, mem, (op, "then decode"))
