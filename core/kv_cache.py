@@ -518,7 +518,19 @@ class KVCache(Memory):
         Each ubatch but the last is placed on the book itself, under a journal
         (:class:`BookJournal`), so that the next one's search sees it; the
         journal then takes every placement back, exactly.  This costs the cells
-        the ubatches take, where a copy of the book cost every cell."""
+        the ubatches take, where a copy of the book cost every cell.
+
+        Raises :class:`ContextError` (nothing changed) while a copy between streams
+        waits for the update: its rows move only then, so a batch placed before it
+        wrote rows the copy reads (the update then copied the new tokens into the
+        destination) or fills (it then overwrote them), silently.  Upstream's decode
+        always runs the update first."""
+        if self.pending_copies:
+            ss, sd = self.pending_copies[0]
+            raise ContextError(
+                f"{self.name}: the copy between streams {ss} -> {sd} (seq_cp) waits for the update; "
+                "apply init_update() before planning a batch"
+            )
         for ub in ubatches:
             if isinstance(ub.seq_id, SeqIds):
                 ids = ub.seq_id.ids

@@ -15,17 +15,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hybrid_toy import ATTN, E, make_hybrid
+from hybrid_toy import ATTN, E, HybridToy, make_hybrid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from recurrent_toy import toy_spec
-from test_memory_queries import DEV, EXAMPLES, KINDS, build, decode, view_key
+from test_memory_queries import DEV, EXAMPLES, KINDS, build, decode, plan, run_update, view_key
 from test_memory_queries import ops as OPS
 
 from statecache.batch import Batch, BatchAllocator
 from statecache.errors import ArgumentError, BatchError, StateError
 from statecache.kv_cache import KVCache, KVLayer
-from statecache.memory import POS_LAST, POS_MAX, Memory, StateFlags
+from statecache.memory import POS_LAST, POS_MAX, ContextError, Memory, StateFlags
 from statecache.recurrent import RecurrentMemory
 from statecache.state_io import pack_sections, unpack_sections
 
@@ -270,8 +270,8 @@ def test_kv_book_follows_the_model(kind: str, program: list[tuple[Any, ...]]) ->
 
 
 def _decode(mem: Memory, tokens: dict[int, int]) -> bool:
-    from test_memory_queries import plan
-
+    """The decode loop of docs/memory-semantics.md#failed-compute: any pending update first."""
+    run_update(mem)
     ctx = plan(mem, tokens, 4)
     if ctx is None:
         return False
@@ -376,7 +376,7 @@ def test_books_stay_sound_under_random_operations(kind: str, program: list[tuple
         if op[0] in ("undo", "update"):
             continue  # undo and updates have their own tests (test_memory_queries)
         if op[0] == "decode":
-            decode(mem, op[1])
+            _decode(mem, op[1])
             _check_book(kind, mem, op)
             continue
         if op[0] == "keep":
@@ -389,5 +389,35 @@ def test_books_stay_sound_under_random_operations(kind: str, program: list[tuple
         except ArgumentError:
             continue
         _check_book(kind, mem, op)
-        decode(mem, {0: 2, 2: 1})
+        _decode(mem, {0: 2, 2: 1})
         _check_book(kind, mem, (op, "then decode"))
+
+
+@pytest.mark.parametrize("kind", ["kv_streams", "hybrid_streams"])
+def test_no_plan_while_a_copy_between_streams_waits(kind: str) -> None:
+    """Regression: ``seq_cp`` between streams copies the rows at the next update; a batch
+    planned and run before it wrote the source stream's rows, and the update then copied
+    the new tokens into the destination (sequence 1 silently attended to sequence 0's
+    later tokens).  Planning is now refused with ContextError (nothing changed) until
+    the update ran, and the destination keeps exactly what was copied."""
+    mem = build(kind, n_rs_seq=0)
+    toy = HybridToy(DEV, mem) if kind.startswith("hybrid") else None
+    if toy is not None:
+        toy.decode({0: [1, 2, 3, 4]})
+    else:
+        decode(mem, {0: 4})
+        for buf in mem.buffers():  # distinct rows, so that a wrong copy shows
+            mem.device.write(buf, np.arange(np.prod(buf.shape), dtype=np.float32).reshape(buf.shape))
+    mem.seq_cp(0, 1)
+    copied = mem.state_write(1)  # what sequence 1 holds (a blob accounts for the pending copy)
+    assert mem.seq_rm(0, -1, -1)
+    before = fingerprint(mem)
+    with pytest.raises(ContextError, match="waits for the update"):
+        plan(mem, {0: 4}, 8)
+    assert fingerprint(mem) == before
+    run_update(mem)
+    if toy is not None:
+        toy.decode({0: [9, 9, 9, 9]})
+    else:
+        decode(mem, {0: 4})
+    assert mem.state_write(1) == copied
