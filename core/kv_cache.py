@@ -966,6 +966,17 @@ class KVCache(Memory):
         M-RoPE image tokens share a temporal position, never the whole of it)."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         streams = [self.stream_of(seq)] if seq >= 0 else list(range(self.n_stream))
+        # A copy between streams still waiting for the update reads its source stream's
+        # rows and fills its destination's then: restoring a sequence of either stream
+        # before it had the update overwrite the restored rows (or carry them into the
+        # destination), silently.  (A whole-memory read clears the pending copies.)
+        for ss, sd in self.pending_copies if seq >= 0 else ():
+            if streams[0] in (ss, sd):
+                raise StateError(
+                    f"{self.name}.stream",
+                    f"stream {streams[0]} of sequence {seq} waits for the copy between streams {ss} -> {sd} "
+                    "(seq_cp): apply init_update() first",
+                )
         n_stream = r.u32(f"{self.name}.n_stream")
         if n_stream != len(streams):
             raise StateError(f"{self.name}.n_stream", f"blob has {n_stream} streams, expected {len(streams)}")

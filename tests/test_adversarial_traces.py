@@ -421,3 +421,37 @@ def test_no_plan_while_a_copy_between_streams_waits(kind: str) -> None:
     else:
         decode(mem, {0: 4})
     assert mem.state_write(1) == copied
+
+
+@pytest.mark.parametrize("kind", ["kv_streams", "hybrid_streams"])
+@pytest.mark.parametrize("target", [0, 1])
+def test_no_restore_into_a_stream_a_copy_waits_for(kind: str, target: int) -> None:
+    """Regression: a sequence restored (``state_read(blob, seq)``) into the source or the
+    destination stream of a copy still waiting for the update had its rows overwritten
+    by that copy (or carried into the destination) when the update ran.  The read is now
+    refused with StateError, nothing changed; after the update it restores exactly."""
+    donor = build(kind, n_rs_seq=0)
+    if kind.startswith("hybrid"):
+        HybridToy(DEV, donor).decode({target: [5, 6, 7]})
+    else:
+        decode(donor, {target: 3})
+        for buf in donor.buffers():
+            donor.device.write(buf, np.full(buf.shape, 5.0, np.float32))
+    blob = donor.state_write(target)
+    mem = build(kind, n_rs_seq=0)
+    if kind.startswith("hybrid"):
+        HybridToy(DEV, mem).decode({0: [1, 2, 3, 4]})
+    else:
+        decode(mem, {0: 4})
+        for buf in mem.buffers():
+            mem.device.write(buf, np.arange(np.prod(buf.shape), dtype=np.float32).reshape(buf.shape))
+    mem.seq_cp(0, 1)
+    other = mem.state_write(1 - target)
+    before = fingerprint(mem)
+    with pytest.raises(StateError, match="waits for the copy"):
+        mem.state_read(blob, target)
+    assert fingerprint(mem) == before
+    run_update(mem)
+    mem.state_read(blob, target)
+    assert mem.state_write(target) == blob
+    assert mem.state_write(1 - target) == other
