@@ -1,32 +1,38 @@
 """Sequence transfer between two local processes against a plain tensor send of the same bytes.
 
-    python bench/transfer.py                       # gloo on 127.0.0.1, cpu backend
-    python bench/transfer.py --tokens 8192 --rounds 7 --checksum
+    python bench/transfer.py                               # 64, 256 and 4096 tokens, gloo on 127.0.0.1
+    python bench/transfer.py --tokens 256,4096 --rounds 9 --checksum
 
 Two processes join a gloo group on 127.0.0.1.  Rank 0 holds a hybrid memory
-(Qwen3-Next-like proportions: gated-delta-net layers of 16 heads of 128 and
-attention layers of 4 K/V heads of 128 in f16) with one sequence of
-``--tokens`` tokens; rank 1 holds an empty memory of the same spec.  Each
-round, interleaved so both see the same machine load:
+(Qwen3-Next-like proportions: 12 gated-delta-net layers of 16 heads of 128 in
+f32 and 4 attention layers of 4 K/V heads of 128 in f16) with one sequence of
+``--tokens`` tokens; rank 1 holds an empty memory of the same spec.  For each
+size, each round times, on the receiver, from a barrier to the end of the
+receive (the kinds in a rotating order, so that every kind meets the same load;
+the first ``--warmup`` rounds are not counted):
 
-* ``plain``: ``dist.send`` of a ``uint8`` tensor as large as the sequence's
-  payload, timed on the receiver from a barrier to the end of ``dist.recv``;
-* ``sequence``: ``send_sequence`` / ``recv_sequence``, timed on the receiver
-  from the same barrier until the state is installed in its memory: the
-  sender gathers the sequence's rows (and snapshot planes) into one host
-  buffer behind their metadata and sends the metadata first, then the rows;
-  the receiver validates the metadata while the rows travel, then copies
-  them into its memory;
-* ``state format``: the same with ``rows=False``: the sender's ``state_write``
-  blob, the receiver's ``state_read`` (the fallback, with the format's CRC-32
-  of every section on both sides);
-* ``protocol``: the messages and checks around a blob written before the
-  clock starts and not read into the memory.
+* ``plain``: one ``dist.send`` / ``dist.recv`` of a ``uint8`` tensor of exactly
+  the sequence transfer's payload bytes (metadata + rows; the target is >= 0.8 of
+  its GB/s);
+* ``plain, N msgs``: the same bytes as the N messages a sequence transfer sends
+  (its header and metadata, then one per row block), all posted at once: what the
+  wire alone costs when split like a transfer (gloo moves a large payload faster
+  in pieces);
+* ``plain, gathered``: the same, with the row blocks under 512 KiB gathered into one
+  message (a copy in on the sender, out on the receiver): what that design would win;
+* ``sequence``: ``send_sequence`` / ``recv_sequence`` until the state is installed
+  in the receiver's memory;
+* ``state format``: the same with ``rows=False`` (``state_write`` blob,
+  ``state_read``: the fallback between memories that cannot exchange rows).
 
-Prints the median GB/s of each and the ratios (target: >= 0.8), then where a
-transfer's time goes besides the wire, measured in one process: the sender's
-gather, the receiver's checks and install, and ``state_write`` / ``state_read``.
-The rows hold garbage (nothing is computed): only bytes and bookkeeping matter.
+Prints each kind's GB/s of the sequence's payload (``--stat``: median or min
+over the rounds), the ratio to ``plain`` of that statistic and the median of the
+per-round ratios (a round's kinds ran back to back), then where a transfer's
+fixed cost goes, timed in one process: the sender's metadata, the receiver's
+checks, validation + book commit with every row landed, and the state format's
+``state_write`` / ``state_read``.  A transfer is a wall-clock matter between two
+processes: there is no CPU clock to use; on a loaded machine repeat the run and
+compare ratios from one run.  The rows hold garbage (nothing is computed).
 """
 
 from __future__ import annotations
@@ -35,11 +41,90 @@ import argparse
 import datetime
 import multiprocessing as mp
 import os
+import queue
 import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
+
+#: What each kind does on one side: ``fn(rank, mem, ctx)`` with ``ctx`` the size's buffers.
+KINDS: dict[str, Callable[[int, Any, dict[str, Any]], None]] = {}
+
+
+def kind(name: str) -> Callable[[Callable[[int, Any, dict[str, Any]], None]], Any]:
+    def add(fn: Callable[[int, Any, dict[str, Any]], None]) -> Any:
+        KINDS[name] = fn
+        return fn
+
+    return add
+
+
+@kind("plain")
+def _plain(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    (dist.send if rank == 0 else dist.recv)(ctx["plain"], 1 - rank)
+
+
+@kind("plain, N msgs")
+def _plain_split(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    post = dist.isend if rank == 0 else dist.irecv
+    for work in [post(part, 1 - rank) for part in ctx["parts"]]:
+        work.wait()
+
+
+#: Row blocks under this many bytes travel gathered into one message in ``plain, gathered``.
+SMALL_BLOCK = 512 << 10
+
+
+@kind("plain, gathered")
+def _plain_gathered(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
+    """The transfer's messages with the row blocks under SMALL_BLOCK gathered into one
+    (copied in on the sender, out on the receiver): what gathering small blocks would
+    win on the wire and cost in copies (a design the transfer does not use yet)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    small = [p for p in ctx["parts"][1:] if p.numel() < SMALL_BLOCK]
+    big = [ctx["parts"][0], *(p for p in ctx["parts"][1:] if p.numel() >= SMALL_BLOCK)]
+    scratch = ctx.setdefault("scratch", np.empty(sum(p.numel() for p in small), dtype=np.uint8))
+    if rank == 0 and small:  # numpy copies: torch's would start its thread pool
+        np.concatenate([p.numpy() for p in small], out=scratch)
+    post = dist.isend if rank == 0 else dist.irecv
+    for work in [post(part, 1 - rank) for part in [*big, torch.from_numpy(scratch)] if part.numel()]:
+        work.wait()
+    if rank == 1 and small:
+        off = 0
+        for part in small:
+            part.numpy()[:] = scratch[off : off + part.numel()]
+            off += part.numel()
+
+
+@kind("sequence")
+def _sequence(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
+    from statecache.distributed import recv_sequence, send_sequence
+
+    if rank == 0:
+        send_sequence(mem, 0, 1, checksum=ctx["checksum"], timeout=300)
+    else:
+        recv_sequence(mem, 0, 0, timeout=300)
+        assert mem.seq_pos_max(0) == ctx["tokens"] - 1
+
+
+@kind("state format")
+def _state_format(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
+    from statecache.distributed import recv_sequence, send_sequence
+
+    if rank == 0:
+        send_sequence(mem, 0, 1, checksum=ctx["checksum"], timeout=300, rows=False)
+    else:
+        recv_sequence(mem, 0, 0, timeout=300)
+        assert mem.seq_pos_max(0) == ctx["tokens"] - 1
 
 
 def spec_and_memory(device: str, tokens: int) -> tuple[Any, Any]:
@@ -74,91 +159,106 @@ def fill(mem: Any, tokens: int) -> None:
             break
 
 
+def message_sizes(mem: Any) -> list[int]:
+    """The messages a sequence transfer of sequence 0 sends over gloo, in bytes: the
+    header with the metadata inline, then one per row block."""
+    from statecache.distributed import transfer as T
+
+    out = T._Outgoing.of(mem, 0, 0)
+    return [8 * T._HEADER_WORDS + len(out.meta), *out.sizes]
+
+
+def breakdown(mem: Any, other: Any, tokens: int, rounds: int) -> dict[str, list[float]]:
+    """Where a transfer's fixed cost goes, in this process (no wire): the sender's
+    metadata; the receiver's checks of it; its ``state_read`` with every row block
+    landed (validation and the book: what is left of the install when the wire wrote
+    the rows); the state format's ``state_write`` and ``state_read``."""
+    from statecache.distributed import transfer as T
+    from statecache.state_io import RowSource, rows_apart
+
+    data, meta_bytes, _ = T._rows_payload(mem, 0, 0)
+    meta, rows = data[:meta_bytes], data[meta_bytes:]
+    blob = mem.state_write(0)
+    times: dict[str, list[float]] = {}
+    for r in range(rounds + 1):
+        t0 = time.perf_counter()
+        T._Outgoing.of(mem, 0, 0)
+        t1 = time.perf_counter()
+        T._check_positions(meta, tokens - 1, rows)
+        t2 = time.perf_counter()
+        with rows_apart(RowSource(rows, wait=lambda: None, land=list)):
+            other.state_read(meta, 0, 0)
+        t3 = time.perf_counter()
+        other.seq_rm(0, -1, -1)
+        t4 = time.perf_counter()
+        mem.state_write(0)
+        t5 = time.perf_counter()
+        other.state_read(blob, 0)
+        t6 = time.perf_counter()
+        other.seq_rm(0, -1, -1)
+        if r:
+            for k, t in (("metadata", t1 - t0), ("checks", t2 - t1), ("install", t3 - t2), ("state_write", t5 - t4),
+                         ("state_read", t6 - t5)):  # fmt: skip
+                times.setdefault(k, []).append(t)
+    return times
+
+
 def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch
     import torch.distributed as dist
 
-    from statecache.distributed import recv_sequence, send_sequence
-    from statecache.distributed import transfer as T
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=300))  # fmt: skip
-    _, mem = spec_and_memory(args.device, args.tokens)
-    if rank == 0:
-        fill(mem, args.tokens)
-    nbytes = torch.zeros(1, dtype=torch.int64)
-    if rank == 0:
-        nbytes[0] = len(mem.state_write(0))
-    dist.broadcast(nbytes, 0)
-    n = int(nbytes.item())
-    plain = torch.ones(n, dtype=torch.uint8) if rank == 0 else torch.empty(n, dtype=torch.uint8)
-    blob = mem.state_write(0) if rank == 0 else b""
-    times: dict[str, list[float]] = {"plain": [], "protocol": [], "sequence": [], "state format": []}
-    for r in range(args.rounds + 1):  # round 0 warms up
-        for kind in times:
-            if rank == 1:
-                mem.seq_rm(0, -1, -1)  # a decode instance receives into a free sequence
-            dist.barrier()
-            t0 = time.perf_counter()
-            if kind == "plain":
-                (dist.send if rank == 0 else dist.recv)(plain, 1 - rank)
-            elif kind == "protocol":  # the transfer's messages and checks around an already written blob
-                ch = T._Channel(1 - rank, None, 0, 300.0)
-                if rank == 0:
-                    T._offer(ch, blob, 0, args.tokens - 1, 0, args.checksum, "the blob")
-                else:
-                    got = T._take(ch, 1 << 40)
-                    T._check_positions(got.meta, args.tokens - 1)
-                    ch.answer(T.OK)
-            elif rank == 0:
-                send_sequence(mem, 0, 1, checksum=args.checksum, timeout=300, rows=kind == "sequence")
-            else:
-                recv_sequence(mem, 0, 0, timeout=300)
-            if r:
-                times[kind].append(time.perf_counter() - t0)
-    if rank == 0:  # where the time goes besides the wire, in this process
-        blob = mem.state_write(0)
-        other = spec_and_memory(args.device, args.tokens)[1]
-        for _ in range(args.rounds + 1):
-            t0 = time.perf_counter()
-            outgoing = T._Outgoing.of(mem, 0, 0)
-            t1 = time.perf_counter()
-            data, meta_bytes, _ = T._rows_payload(mem, 0, 0)
-            t2 = time.perf_counter()
-            T._check_positions(data[:meta_bytes], args.tokens - 1, data[meta_bytes:])
-            t3 = time.perf_counter()
-            T._read(other, data[:meta_bytes], data[meta_bytes:], 0, 0)
-            t4 = time.perf_counter()
-            other.seq_rm(0, -1, -1)
-            t5 = time.perf_counter()
-            mem.state_write(0)
-            t6 = time.perf_counter()
-            other.state_read(blob, 0)
-            t7 = time.perf_counter()
-            other.seq_rm(0, -1, -1)
-            assert outgoing.nbytes + len(outgoing.meta) == len(data)
-            for k, t in (("metadata", t1 - t0), ("gather", t2 - t1), ("checks", t3 - t2), ("install", t4 - t3),
-                         ("state_write", t6 - t5), ("state_read", t7 - t6)):  # fmt: skip
-                times.setdefault(k, []).append(t)
-        local = ("metadata", "gather", "checks", "install", "state_write", "state_read")
-        out.put(("serialisation", {k: v[1:] for k, v in times.items() if k in local}))
-    if rank == 1:
-        assert mem.seq_pos_max(0) == args.tokens - 1
-        out.put(("wire", (n, times)))
+    sizes = args.tokens
+    _, mem = spec_and_memory(args.device, max(sizes))
+    other = spec_and_memory(args.device, max(sizes))[1] if rank == 0 else None
+    kinds = list(KINDS)
+    results = {}
+    for tokens in sizes:
+        if rank == 0:
+            mem.seq_rm(0, -1, -1)
+            fill(mem, tokens)
+        count = torch.zeros(1, dtype=torch.int64)
+        msgs = message_sizes(mem) if rank == 0 else []
+        count[0] = len(msgs)
+        dist.broadcast(count, 0)
+        lengths = torch.tensor(msgs, dtype=torch.int64) if rank == 0 else torch.zeros(int(count), dtype=torch.int64)
+        dist.broadcast(lengths, 0)
+        msgs = [int(n) for n in lengths.tolist()]
+        n = sum(msgs)
+        plain = torch.ones(n, dtype=torch.uint8) if rank == 0 else torch.empty(n, dtype=torch.uint8)
+        ctx = {"plain": plain, "parts": list(torch.split(plain, msgs)), "checksum": args.checksum, "tokens": tokens}
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        for r in range(args.warmup + args.rounds):
+            for k in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
+                if rank == 1:
+                    mem.seq_rm(0, -1, -1)  # a decode instance receives into a free sequence
+                dist.barrier()
+                t0 = time.perf_counter()
+                KINDS[k](rank, mem, ctx)
+                if r >= args.warmup:
+                    times[k].append(time.perf_counter() - t0)
+        if rank == 0:
+            results[tokens] = {"local": breakdown(mem, other, tokens, args.rounds)}
+        else:
+            results[tokens] = {"wire": times, "n": n, "msgs": len(msgs)}
+    out.put((rank, results))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=4096, help="tokens of the sequence (K/V cells)")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", default="64,256,4096", help="tokens of the sequence (K/V cells), comma-separated")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2, help="rounds run first and not counted")
     ap.add_argument("--device", default="cpu", help="statecache device of both memories")
     ap.add_argument("--checksum", action="store_true", help="send a CRC-32 of the payload (checked on receipt)")
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="min: each kind's fastest round (less sensitive to a loaded machine's stalls)")  # fmt: skip
     args = ap.parse_args(argv)
+    args.tokens = [int(t) for t in str(args.tokens).split(",")]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -167,35 +267,40 @@ def main(argv: list[str] | None = None) -> int:
     procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict(out.get(timeout=900) for _ in range(2))
+    got: dict[int, Any] = {}
+    while len(got) < 2:  # a worker that dies says so instead of leaving this waiting
+        try:
+            rank, results = out.get(timeout=5)
+            got[rank] = results
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"a worker failed (exit codes {[p.exitcode for p in procs]})") from None
     for p in procs:
         p.join(timeout=60)
-    n, times = got["wire"]
-    times.update(got["serialisation"])
     pick = statistics.median if args.stat == "median" else min
-    med = {k: pick(v) for k, v in times.items()}
-    gbps = {k: n / t / 1e9 for k, t in med.items()}
-    print(f"payload {n / 2**20:.1f} MiB ({args.tokens} tokens, device {args.device}, "
-          f"checksum {'on' if args.checksum else 'off'}), {args.stat} of {args.rounds} rounds")  # fmt: skip
-    print(f"  plain tensor send   {gbps['plain']:7.2f} GB/s  ({med['plain'] * 1e3:8.1f} ms)")
-    print(f"  sequence transfer   {gbps['sequence']:7.2f} GB/s  ({med['sequence'] * 1e3:8.1f} ms)")
-    ratio = gbps["sequence"] / gbps["plain"]
-    print(f"  ratio               {ratio:7.2f}   (target >= 0.8)")
-    for k, what in (
-        ("state format", "rows=False: state_write, state_read"),
-        ("protocol", "a state-format blob written beforehand, its CRCs checked"),
-    ):
-        print(f"  {k:20s}{gbps[k]:7.2f} GB/s  ({med[k] * 1e3:8.1f} ms)  ratio {gbps[k] / gbps['plain']:.2f}: {what}")
-    print("where a transfer's time goes besides the wire (one process):")
-    for k, what in (
-        ("metadata", "sender: state_write of the metadata (the rows are sent from the pool)"),
-        ("gather", "metadata + every row into one buffer (what the sender no longer does)"),
-        ("checks", "receiver: the header's positions and the row messages, from the metadata"),
-        ("install", "receiver: state_read of metadata + staged rows (validation, then one copy)"),
-        ("state_write", "sender, state format"),
-        ("state_read", "receiver, state format"),
-    ):
-        print(f"  {k:20s}{gbps[k]:7.2f} GB/s  ({med[k] * 1e3:8.1f} ms)  {what}")
+    summary = []
+    for tokens in args.tokens:
+        wire, local = got[1][tokens], got[0][tokens]["local"]
+        n, times = wire["n"], wire["wire"]
+        stat = {k: pick(v) for k, v in times.items()}
+        print(f"{tokens} tokens: payload {n} bytes ({n / 2**20:.2f} MiB) in {wire['msgs']} messages; device "
+              f"{args.device}, checksum {'on' if args.checksum else 'off'}; {args.stat} of {args.rounds} rounds "
+              f"after {args.warmup} warm-up")  # fmt: skip
+        for k, t in stat.items():
+            per_round = statistics.median(a / b for a, b in zip(times["plain"], times[k], strict=True))
+            print(f"  {k:16s}{n / t / 1e9:7.2f} GB/s  ({t * 1e3:8.2f} ms)  ratio {stat['plain'] / t:5.2f}"
+                  f"  (per round: median {per_round:5.2f})")  # fmt: skip
+        print("  fixed costs, one process:  " + "  ".join(f"{k} {pick(v) * 1e3:.2f} ms" for k, v in local.items()))
+        seq = stat["plain"] / stat["sequence"]
+        per_round = statistics.median(a / b for a, b in zip(times["plain"], times["sequence"], strict=True))
+        summary.append((tokens, n, stat["plain"], stat["sequence"], seq, per_round))
+    print("summary (target: sequence >= 0.8 of plain)")
+    print(f"  {'tokens':>7s} {'MiB':>7s} {'plain ms':>9s} {'seq ms':>8s} {'ratio':>6s} {'per-round':>9s}")
+    for tokens, n, p, s, ratio, per_round in summary:
+        print(f"  {tokens:7d} {n / 2**20:7.2f} {p * 1e3:9.2f} {s * 1e3:8.2f} {ratio:6.2f} {per_round:9.2f}")
     return 0
 
 

@@ -18,6 +18,7 @@ business.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Any
 
 import numpy as np
@@ -196,3 +197,98 @@ def parse_section(tag: bytes, payload: Any, planes: bool = False) -> Section:
     if tag in KV_TAGS:
         return _parse_kv(tag, payload)
     raise StateError("section", f"no layout is known for section {tag.decode(errors='replace')!r}")
+
+
+_U32 = struct.Struct("<I")
+_POS_SEQS = struct.Struct("<iI")  # a cell's position and its number of sequence ids
+_CODE_ROWS = struct.Struct("<iQ")  # a row block's type code and row size
+
+
+class _Malformed(Exception):
+    """The fast scan met something :func:`parse_section` must name."""
+
+
+def scan_apart(tag: bytes, payload: Any) -> tuple[int | None, list[int]] | None:
+    """What a transfer's receiver checks before it lets rows land, from one section of
+    metadata whose rows are apart (:func:`statecache.state_io.rows_apart`): the last
+    position of its cells (None: no cells) and the byte size of every row block, in
+    order.  The same walk as :func:`parse_section` inside ``rows_apart`` (snapshot
+    planes included), without building blocks, copying metadata or naming fields (a
+    few tens of microseconds for a 16-layer hybrid instead of a few hundred); None
+    when the section is unknown or not well formed, and then ``parse_section`` says
+    what is wrong."""
+    data = memoryview(payload).cast("B")
+    try:
+        if tag == TAG_RECR:
+            return _scan_recurrent(data)
+        if tag in KV_TAGS:
+            return _scan_kv(data, KV_TAGS[tag])
+    except (struct.error, _Malformed, UnicodeDecodeError, IndexError, ValueError):
+        return None
+    return None
+
+
+def _scan_recurrent(d: memoryview) -> tuple[int | None, list[int]]:
+    (n,) = _U32.unpack_from(d, 0)
+    off, last = 4, None
+    for _ in range(n):
+        pos, n_seq = _POS_SEQS.unpack_from(d, off)
+        off += 8 + 4 * n_seq
+        last = pos if last is None else max(last, pos)
+    off += 8  # s_trans, n_layer
+    (n_state,) = _U32.unpack_from(d, off)
+    off += 4
+    row_sizes = []
+    for _ in range(n_state):
+        (n_tensors,) = _U32.unpack_from(d, off + 4)  # after the layer index
+        off += 8
+        for _ in range(n_tensors):
+            length = d[off]
+            bytes(d[off + 1 : off + 1 + length]).decode()  # a name parse_section would refuse
+            off += 1 + length
+            _, row_bytes = _CODE_ROWS.unpack_from(d, off)
+            off += 12
+            row_sizes.append(row_bytes)
+    if off + 4 * n > len(d):
+        raise _Malformed
+    planes = int(np.frombuffer(d[off : off + 4 * n], dtype="<u4").sum(dtype=np.int64))  # per cell: its planes
+    off += 4 * n
+    if off != len(d):
+        raise _Malformed
+    return last, [n * rb for rb in row_sizes] + [planes * rb for rb in row_sizes]
+
+
+def _scan_kv(d: memoryview, with_v: bool) -> tuple[int | None, list[int]]:
+    (n_stream,) = _U32.unpack_from(d, 0)
+    off, last = 4, None
+    sizes = []
+    for _ in range(n_stream):
+        (word,) = _U32.unpack_from(d, off)
+        off += 4
+        count, ext = word & ~KV_CELL_COUNT_EXT, bool(word & KV_CELL_COUNT_EXT)
+        width = 5 if ext else 3
+        if count and off + count * width * 4 <= len(d):  # one owner per cell: every record read at once
+            rec = np.frombuffer(d[off : off + count * width * 4], dtype="<i4").reshape(count, width)
+            one_owner = bool((rec[:, 1] == 1).all() and (rec[:, 0] >= 0).all())
+        else:
+            one_owner = False
+        if one_owner:
+            top = int(rec[:, 0].max())
+            last = top if last is None else max(last, top)
+            off += count * width * 4
+        else:
+            for _ in range(count):
+                pos, n_seq = _POS_SEQS.unpack_from(d, off)
+                off += 8 + 4 * n_seq + (8 if ext else 0)
+                last = pos if last is None else max(last, pos)
+        if not count:
+            continue
+        (n_layer,) = _U32.unpack_from(d, off)
+        off += 4
+        for _ in range(n_layer * (2 if with_v else 1)):
+            _, row_bytes = _CODE_ROWS.unpack_from(d, off + 4)  # after the layer index
+            off += 16
+            sizes.append(count * row_bytes)
+    if off != len(d):
+        raise _Malformed
+    return last, sizes

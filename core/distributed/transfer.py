@@ -29,10 +29,13 @@ The protocol (version 4) keeps the receiver safe:
    metadata (up to :data:`INLINE_BYTES`) travels in the same message;
 2. the receiver checks the header (a corrupt one, or a payload larger than
    its memory could ever hold, is refused before it allocates anything) and
-   answers *go* or *refused*; on *go* the sender posts the row messages
-   (after the metadata's own message over NCCL);
+   answers *go* or *refused*, without waiting for the answer to leave (it goes
+   on checking while the sender hears it); on *go* the sender posts the row
+   messages (after the metadata's own message over NCCL), which it read from
+   its pool while the receiver worked;
 3. the receiver checks that every part of the metadata ends at the header's
-   last position and that its row blocks are the announced messages, saves
+   last position and that its row blocks are the announced messages (a scan
+   of the metadata, :func:`statecache.distributed.sections.scan_apart`), saves
    what the destination sequence held, and runs the memory's ``state_read``:
    it validates everything from the metadata, then names the row writes its
    commit will make into rows that nothing references
@@ -181,6 +184,7 @@ class _Channel:
         self.torch, self.dist = torch_dist()
         self.peer, self.group, self.tag, self.timeout = peer, group, tag, timeout
         self.device = group_device(group)
+        self.told: list[Any] = []  # answers posted and not yet waited for (see tell)
 
     def ints(self, values: list[int]) -> Any:
         return self.torch.tensor(values, dtype=self.torch.int64, device=self.device)
@@ -195,15 +199,38 @@ class _Channel:
         wait(self.post_recv(t, what), self.timeout, self.peer, what)
         return t
 
+    def tell(self, code: int) -> None:
+        """Post an answer without waiting for it to leave: the receiver goes on checking
+        while the sender hears it (its wait, a hand-over between the two processes that
+        a loaded host can stretch by a time slice, would sit on the transfer's critical
+        path).  :meth:`settle` waits for it; until then the work keeps its tensor alive."""
+        try:
+            self.told.append(self.send(self.ints([ANSWER, code]), "answering"))
+        except TransferError:
+            pass  # a peer that is gone cannot hear it; the next wait says so
+
+    def settle(self) -> None:
+        """Best effort: wait for the answers :meth:`tell` posted (long delivered, when the
+        peer went on; within 5 s when it is gone)."""
+        told, self.told = self.told, []
+        for work in told:
+            with contextlib.suppress(TransferError):
+                wait(work, min(self.timeout, 5.0), self.peer, "answering")
+
     def answer(self, code: int) -> None:
         """Best effort: a peer that is gone cannot hear why (the caller raises anyway)."""
-        try:
-            wait(self.send(self.ints([ANSWER, code]), "answering"), min(self.timeout, 5.0), self.peer, "answering")
-        except TransferError:
-            pass
+        self.tell(code)
+        self.settle()
 
-    def hear(self, what: str) -> int:
-        words = self.recv(self.ints([0, 0]), what).tolist()
+    def listen(self, what: str) -> tuple[Any, Any]:
+        """Post the receive of the peer's next answer (:meth:`hear` waits for it)."""
+        words = self.ints([0, 0])
+        return words, self.post_recv(words, what)
+
+    def hear(self, what: str, posted: tuple[Any, Any] | None = None) -> int:
+        words_t, work = posted if posted is not None else self.listen(what)
+        wait(work, self.timeout, self.peer, what)
+        words = words_t.tolist()
         if words[0] != ANSWER or words[1] not in REASONS:
             raise TransferError(self.peer, f"rank {self.peer} answered {words}, not a transfer answer")
         return int(words[1])
@@ -309,21 +336,33 @@ def _offer(
 ) -> None:
     """The sender's side of the protocol for one payload (see the module docstring):
     ``blob`` alone in one message, or, with ``out``, ``blob`` (its metadata) and then
-    one message per row block, each sent as soon as it is read."""
-    parts: list[np.ndarray | None] = [None] * (len(out.sizes) if out is not None else 0)
+    one message per row block.  The row blocks are read (and, on the host, wrapped as
+    tensors) while the receiver checks the header and validates the metadata, so that
+    its *go* finds every send ready to post."""
+    n_parts = len(out.sizes) if out is not None else 0
+    parts: list[np.ndarray | None] = [None] * n_parts
     crc = None
     if checksum:  # the CRC goes in the header: every part is read first
         crc = zlib.crc32(blob)
-        for k in range(len(parts)):
+        for k in range(n_parts):
             assert out is not None
             parts[k] = out.part(k)
             crc = zlib.crc32(parts[k].data, crc)  # type: ignore[union-attr]
     nbytes = len(blob) + (out.nbytes if out is not None else 0)
     meta_bytes, sizes = (None, None) if out is None else (len(blob), out.sizes)
     header = _header(nbytes, pos_min, pos_max, flags, crc, meta_bytes, sizes)
-    inline = out is not None and on_host(ch.device) and len(blob) <= INLINE_BYTES
+    host = on_host(ch.device)
+    inline = out is not None and host and len(blob) <= INLINE_BYTES
     sent = ch.send(_header_message(ch, header, blob if inline else b""), "sending the header")
-    code = ch.hear("waiting for the answer to the header")
+    heard = ch.listen("waiting for the answer to the header")
+    tensors = []
+    if host:  # while the receiver works: tensors over pool views (no copy) or over gathered rows
+        assert out is not None or not n_parts
+        for k in range(n_parts):
+            if parts[k] is None:
+                parts[k] = out.part(k)  # type: ignore[union-attr]
+            tensors.append(as_tensor(parts[k], ch.device))  # type: ignore[arg-type]  # kept alive until sent
+    code = ch.hear("waiting for the answer to the header", heard)
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
     works = (
@@ -331,12 +370,14 @@ def _offer(
         if inline
         else [ch.send(as_tensor(blob, ch.device), "sending the metadata" if out else "sending the payload")]
     )
-    for k in range(len(parts)):  # posted now, received once the receiver's memory named their destinations
-        assert out is not None
-        part = parts[k]
-        if part is None:
-            part = parts[k] = out.part(k)  # kept alive until sent
-        works.append(ch.send(as_tensor(part, ch.device), "sending the rows"))  # (NCCL: uploaded, then sent)
+    for k in range(n_parts):  # posted now, received once the receiver's memory named their destinations
+        if not host:  # a device: each block gathered, uploaded, then sent (the gathers overlap the sends)
+            assert out is not None
+            part = parts[k]
+            if part is None:
+                part = parts[k] = out.part(k)  # kept alive until sent
+            tensors.append(as_tensor(part, ch.device))
+        works.append(ch.send(tensors[k], "sending the rows"))
     code = ch.hear("waiting for the answer to the payload")
     wait(sent, ch.timeout, ch.peer, "sending the header")
     for work in works:
@@ -378,6 +419,13 @@ def recv_sequence(
     t0 = time.perf_counter()
     ch = _Channel(src, group, tag, timeout)
     limit = default_max_bytes(memory) if max_bytes is None else int(max_bytes)
+    try:
+        return _receive(memory, seq_id, ch, limit, t0)
+    finally:
+        ch.settle()  # the go told in _take (long delivered unless the sender is gone)
+
+
+def _receive(memory: Any, seq_id: int, ch: _Channel, limit: int, t0: float) -> Transfer:
     got = _take(ch, limit)
     try:
         sizes = _check_positions(got.meta, got.pos_max, got.rows)
@@ -605,7 +653,7 @@ def _take(ch: _Channel, limit: int) -> _Arrival:
     if nbytes > limit:
         ch.answer(TOO_LARGE)
         raise TransferError(src, f"rank {src} announced {nbytes} bytes, more than max_bytes={limit}; refused")
-    ch.answer(OK)
+    ch.tell(OK)  # go: the receiver checks the metadata while the sender hears it
     payload = _receive_buffer(ch, nbytes)
     flags = flags_word & 0xFFFF
     crc = crc if flags_word & _CRC_PRESENT else None
@@ -665,7 +713,40 @@ def release_buffers() -> None:
 def _check_positions(data: Any, pos_max: int, rows: np.ndarray | None = None) -> list[int]:
     """Every part of the blob ends at the header's last position (an empty sequence: no
     cells); with ``rows`` apart, the metadata's row blocks also use every row byte.
-    Returns the sizes of the row blocks, in order (none for a blob)."""
+    Returns the sizes of the row blocks, in order (none for a blob).  Metadata with its
+    rows apart is scanned (:func:`statecache.distributed.sections.scan_apart`: what the
+    receiver checks before rows land, in a few tens of microseconds); a section the
+    scan does not take, and every blob, is parsed, which names what is wrong."""
+    if rows is not None:
+        sizes = _scan_positions(data, pos_max, rows)
+        if sizes is not None:
+            return sizes
+    return _parse_positions(data, pos_max, rows)
+
+
+def _scan_positions(data: Any, pos_max: int, rows: np.ndarray) -> list[int] | None:
+    """:func:`_check_positions` of metadata whose rows are apart, by the fast scan; None
+    when a section is not well formed or the rows do not add up (the parse then says why)."""
+    from statecache.distributed.sections import TAG_NAMES, scan_apart
+
+    with rows_apart(RowSource(rows)):
+        _, sections = unpack_sections(data)
+    sizes: list[int] = []
+    for tag, payload in sections:
+        scanned = scan_apart(tag, payload)
+        if scanned is None:
+            return None
+        last, blocks = scanned
+        last = -1 if last is None else last
+        if last != pos_max:
+            name = TAG_NAMES.get(tag, tag.decode(errors="replace"))
+            raise StateError(f"{name}.pos", f"the sequence ends at position {last} there, the header says {pos_max}")
+        sizes += blocks
+    return sizes if sum(sizes) == rows.size else None
+
+
+def _parse_positions(data: Any, pos_max: int, rows: np.ndarray | None = None) -> list[int]:
+    """:func:`_check_positions` by the full parse (every field named in its errors)."""
     from statecache.distributed.sections import parse_section
 
     source = RowSource(rows) if rows is not None else None

@@ -214,3 +214,70 @@ def test_rows_that_arrive_while_the_metadata_is_validated_install_and_a_lost_tai
     assert not source.late  # the wait came before any write, not from scatter_rows
     after = everything(late)
     assert before[0] == after[0] and np.array_equal(before[1], after[1])
+
+
+def _outcome(check, meta, pos_max, rows):
+    """What a positions check returns or raises (type and message)."""
+    try:
+        return ("ok", check(meta, pos_max, rows))
+    except StateError as exc:
+        return ("refused", str(exc))
+
+
+def _repacked(meta, edit):
+    """``meta`` with its sections' payloads edited by ``edit(index, bytearray)`` and their
+    CRC-32s rewritten, so that the edit reaches the section parsers."""
+    from statecache.state_io import pack_sections, unpack_sections
+
+    flags, sections = unpack_sections(meta)
+    out = []
+    for i, (tag, payload) in enumerate(sections):
+        data = bytearray(payload)
+        edit(i, data)
+        out.append((tag, bytes(data)))
+    return pack_sections(out, flags)
+
+
+@given(
+    kind=st.sampled_from([*sorted(SPECS), "deep"]),
+    seq=st.integers(0, 2),
+    section=st.integers(0, 3),
+    at=st.floats(0, 1, exclude_max=True),
+    value=st.integers(0, 255),
+    cut=st.integers(-3, 3),
+    pos_delta=st.sampled_from([0, 0, 1, -1]),
+)
+@example(kind="hybrid_iswa", seq=0, section=0, at=0.0, value=0, cut=0, pos_delta=0)
+@example(kind="deep", seq=0, section=1, at=0.99, value=7, cut=0, pos_delta=0)  # a cell's plane count
+def test_the_receivers_fast_scan_decides_exactly_as_the_full_parse(kind, seq, section, at, value, cut, pos_delta):
+    """The receiver checks metadata whose rows are apart with a fast scan
+    (``sections.scan_apart``), falling back to the full parse; over intact and damaged
+    metadata of every memory kind (a byte of a section changed, its CRC rewritten; a
+    section cut short or grown; the header's last position off by one), it returns the
+    same row block sizes, or refuses with the same error, as the full parse alone."""
+    dev = statecache.get_device("cpu")
+    if kind == "deep":  # rollback planes behind the state
+        src = make_memory(_deep_spec("gdn"), dev, 1, 3, n_ctx=32, n_ubatch=8)
+        place(src, {0: [1, 2, 3]})
+        place(src, {0: [4]})
+        seq = 0
+    else:
+        src = garbage_memory(kind, dev, seed=3)
+    meta, rows = payload(src, seq)
+    pos_max = src.seq_pos_max(seq) + pos_delta
+
+    def edit(i, data):
+        if i != section % 2 or not data:
+            return
+        data[int(at * len(data))] = value
+        if cut < 0:
+            del data[cut:]
+        elif cut > 0:
+            data.extend(bytes(cut))
+
+    damaged = _repacked(meta, edit)
+    for m in (meta, damaged):
+        fast = _outcome(T._check_positions, m, pos_max, rows)
+        assert fast == _outcome(T._parse_positions, m, pos_max, rows)
+    intact = T._scan_positions(meta, src.seq_pos_max(seq), rows)
+    assert intact is not None and intact == T._parse_positions(meta, src.seq_pos_max(seq), rows)
