@@ -6,6 +6,15 @@ reach; the fixes are in the core, with a comment saying why.
 * A blob of another memory kind is refused, changing nothing: every reader used to
   pick the sections it knows by tag and silently drop the rest (a hybrid blob read
   into a KV cache restored the attention cells without the recurrent state).
+* KV ``seq_cp`` within a stream into a sequence already holding some of the copied
+  positions left it two cells at one position (its own blob was then unreadable).
+* No token may sit at 2**31 - 1, the open end of every range (``seq_rm(s, -1, -1)``
+  returned True and left it).
+* While a copy between streams waits for the update, planning a batch and restoring
+  a sequence into either stream are refused (the update overwrote their rows).
+* Properties: the KV book against a model of the spec (positions, sharing, refusals),
+  and every kind's book stays sound (no twin positions, parts agree, blobs read back)
+  under random operations.
 """
 
 from __future__ import annotations
