@@ -204,3 +204,24 @@ def test_the_readme_command_table_names_only_what_exists():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     for command in re.findall(r"^\| `statecache (\w+)", text, flags=re.M):
         assert command in sub.choices, f"README names `statecache {command}`, which the CLI lacks"
+
+
+def test_the_tensor_parallel_example_builds_a_shard_of_either_spec_kind():
+    """docs/distributed.md's first block says `model_spec` may be a ModelSpec or a
+    MemorySpec; the same line (n_ctx included) must build both."""
+    import statecache
+    from statecache.spec import AttentionLayerSpec, MemorySpec, ModelSpec, RecurrentLayerSpec
+
+    block = _doc_python_blocks("distributed.md")[0]
+    assert "ModelSpec or MemorySpec" in block
+    layer = RecurrentLayerSpec.mamba2(d_inner=32, d_state=16, d_conv=4, n_group=2, head_dim=8)
+    specs = {
+        "HybridMemory": ModelSpec.build(2, recurrent={0: layer}, attention={1: AttentionLayerSpec(2, 8)}),
+        "RecurrentMemory": MemorySpec.build(1, {0: layer}),
+    }
+    for kind, model_spec in specs.items():
+        scope = dict(model_spec=model_spec, rank=1, world=2, n_seq_max=2, n_rs_seq=2, n_ctx=16)
+        scope["device"] = statecache.get_device("reference")
+        exec(compile(block, "docs/distributed.md[python block 0]", "exec"), scope)
+        assert type(scope["memory"]).__name__ == kind
+        assert scope["local"] == model_spec.shard(1, 2)
