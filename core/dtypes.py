@@ -70,7 +70,7 @@ class DType(enum.Enum):
             if npd.name == "bfloat16" and npd == DType.BF16.numpy:
                 return DType.BF16
         names = ", ".join(m.value for m in cls)
-        if npd is not None:
+        if npd is not None and not isinstance(value, str):
             # Most often a NumPy default (float64, int64) reaching upload(): say how to get
             # a stored dtype instead of only listing them.
             raise ValueError(
