@@ -718,7 +718,14 @@ class Device(abc.ABC):
 
     def indices(self, values: Any) -> Buffer:
         """Upload an int32 index array (keeps a host copy for validation)."""
-        host = np.ascontiguousarray(np.asarray(values, dtype=np.int64))
+        given = np.asarray(values)
+        if given.dtype.kind == "f" and given.size:
+            # the int64 conversion below would truncate 1.5 to row 1 without a word
+            flat = given.ravel()
+            fractional = flat[~np.isfinite(flat) | (flat != np.trunc(flat))]
+            if fractional.size:
+                raise ArgumentError("indices", f"values must be whole numbers, got {fractional[0]} ({given.dtype})")
+        host = np.ascontiguousarray(np.asarray(given, dtype=np.int64))
         if host.size and (host.min() < np.iinfo(np.int32).min or host.max() > np.iinfo(np.int32).max):
             raise ArgumentError("indices", "values do not fit in int32")
         return self.upload(host.astype(np.int32), DType.I32)

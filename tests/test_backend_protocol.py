@@ -157,3 +157,11 @@ def test_a_dtype_the_device_cannot_store_is_refused_naming_those_it_can() -> Non
     with pytest.raises(CapabilityError, match=r"cannot store bf16 \(it stores f32\)"):
         dev.alloc((2, 2), "bf16")
     assert "cannot store f16 (it stores f32)" in dev.supports("get_rows", dtype="f16").reason
+
+
+def test_fractional_index_values_are_refused_not_truncated() -> None:
+    dev = ReferenceDevice()
+    assert dev.indices([1.0, 2.0]).numpy().tolist() == [1, 2]  # whole floats are fine
+    for bad in ([1.0, 1.5], [float("nan")], [float("inf")]):
+        with pytest.raises(statecache.errors.ArgumentError, match="indices: values must be whole numbers"):
+            dev.indices(bad)
