@@ -40,6 +40,7 @@ import numpy as np
 from statecache import primitives as P
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError, CapabilityError
+from statecache.launch_memo import STORAGE_WRITES as _STORAGE_WRITES
 from statecache.launch_memo import LaunchMemo
 from statecache.tensor_args import Relaunches, TensorWraps
 
@@ -362,13 +363,6 @@ class Buffer:
     def __repr__(self) -> str:
         extra = "" if self.is_contiguous and self.offset == 0 else f", strides={self.strides}, offset={self.offset}"
         return f"Buffer({self.device.id}, {self.dtype}, shape={self.shape}{extra})"
-
-
-#: id(storage) -> how many times the contents of that int32 storage were set
-#: or handed out; a Buffer's host copy is valid only at the count it was
-#: taken at.  Ids of freed storages may be reused: a new storage's first
-#: write just continues the old count, which no live Buffer holds.
-_STORAGE_WRITES: dict[int, int] = {}
 
 
 def storage_address(storage: Any) -> int | None:
@@ -819,6 +813,15 @@ class Device(abc.ABC):
         Rows may come from any plane of a state pool.  ``src`` and ``dst``
         must be different storages.
         """
+        memo = self._launches
+        if memo is not None:  # the very Buffers of a remembered call: see LaunchMemo.probe
+            hit = memo.probe(("get_rows", id(src), id(rows), id(dst)), self.caps)
+            if hit is not None:
+                if hit.launch is None:
+                    self._get_rows(src, rows, dst, hit.shape)
+                else:
+                    hit.launch()
+                return
         given = (src, rows, dst)  # held until return: see _tensors_in
         src, rows, dst = self._tensors_in("src rows dst*", *given)
         bufs = (src, rows, dst)
@@ -847,6 +850,15 @@ class Device(abc.ABC):
         its result would depend on the launch order).  Other rows of ``dst``
         are untouched.  ``src`` and ``dst`` must be different storages.
         """
+        memo = self._launches
+        if memo is not None:  # the very Buffers of a remembered call: see LaunchMemo.probe
+            hit = memo.probe(("set_rows", id(dst), id(rows), id(src)), self.caps)
+            if hit is not None:
+                if hit.launch is None:
+                    self._set_rows(dst, rows, src, hit.shape)
+                else:
+                    hit.launch()
+                return
         given = (dst, rows, src)  # held until return: see _tensors_in
         dst, rows, src = self._tensors_in("dst* rows src", *given)
         bufs = (dst, rows, src)
@@ -870,6 +882,15 @@ class Device(abc.ABC):
     def zero_rows(self, dst: Buffer, rows: Buffer) -> None:
         """``dst[rows[i], :] = 0`` for contiguous 2-D ``dst``; ``rows`` int32 [N]
         in range (duplicates allowed: zeroing twice is harmless)."""
+        memo = self._launches
+        if memo is not None:  # the very Buffers of a remembered call: see LaunchMemo.probe
+            hit = memo.probe(("zero_rows", id(dst), id(rows)), self.caps)
+            if hit is not None:
+                if hit.launch is None:
+                    self._zero_rows(dst, rows, hit.shape)
+                else:
+                    hit.launch()
+                return
         given = (dst, rows)  # held until return: see _tensors_in
         dst, rows = self._tensors_in("dst* rows", *given)
         bufs = (dst, rows)
@@ -898,6 +919,15 @@ class Device(abc.ABC):
         destination row is also a source row: every read must be independent
         of every write, whatever the launch order.
         """
+        memo = self._launches
+        if memo is not None:  # the very Buffers of a remembered call: see LaunchMemo.probe
+            hit = memo.probe(("copy_rows", id(src), id(src_rows), id(dst), id(dst_rows)), self.caps)
+            if hit is not None:
+                if hit.launch is None:
+                    self._copy_rows(src, src_rows, dst, dst_rows, *hit.shape)
+                else:
+                    hit.launch()
+                return
         given = (src, src_rows, dst, dst_rows)  # held until return: see _tensors_in
         src, src_rows, dst, dst_rows = self._tensors_in("src src_rows dst* dst_rows", *given)
         bufs = (src, src_rows, dst, dst_rows)
@@ -994,8 +1024,23 @@ class Device(abc.ABC):
         Snapshot column j is the window ending j tokens before the end,
         ``ext[s, :, n_t - j : n_t - j + W]`` (column n_t(s) is the input window).
         """
-        given = (pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens)  # held until return: see _tensors_in
         silu = bool(apply_silu)
+        memo = self._launches
+        if memo is not None:  # the very Buffers of a remembered call: see LaunchMemo.probe
+            if cu_seqlens is None:
+                hit = memo.probe(("ssm_conv", n_snap, plane_stride, silu, id(pool), id(start_rows), id(dst_rows),
+                                  id(x), id(weight), id(bias), id(y)), self.caps)  # fmt: skip
+            else:
+                hit = memo.probe(("ssm_conv+", n_snap, plane_stride, silu, id(pool), id(start_rows), id(dst_rows),
+                                  id(x), id(weight), id(bias), id(y), id(cu_seqlens)), self.caps)  # fmt: skip
+            if hit is not None:
+                if hit.launch is None:
+                    args = (pool, start_rows, dst_rows, x, weight, bias, y, cu_seqlens)
+                    self._launch_again("ssm_conv", hit, self._conv_args(hit.shape, args, silu))
+                else:
+                    hit.launch()
+                return
+        given = (pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens)  # held until return: see _tensors_in
         site = ("ssm_conv", n_snap, plane_stride, silu)
         coerced = self._tensors_or_relaunch(site, _CONV_NAMES, given)
         if coerced is None:
@@ -1112,6 +1157,22 @@ class Device(abc.ABC):
 
         Snapshot column j receives S after n_t(s) - j tokens.
         """
+        memo = self._launches
+        if memo is not None:  # the very Buffers of a remembered call: see LaunchMemo.probe
+            if cu_seqlens is None and D is None and z is None and dt_bias is None and dt_limit is None:
+                hit = memo.probe(("ssm_scan", n_snap, plane_stride, id(pool), id(start_rows), id(dst_rows), id(x),
+                                  id(dt), id(A), id(B), id(C), id(y)), self.caps)  # fmt: skip
+            else:
+                hit = memo.probe(("ssm_scan+", n_snap, plane_stride, dt_limit, id(pool), id(start_rows),
+                                  id(dst_rows), id(x), id(dt), id(A), id(B), id(C), id(y), id(cu_seqlens), id(D),
+                                  id(z), id(dt_bias)), self.caps)  # fmt: skip
+            if hit is not None:
+                if hit.launch is None:
+                    args = (pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias)
+                    self._launch_again("ssm_scan", hit, self._scan_args(hit.shape, args))
+                else:
+                    hit.launch()
+                return
         given = (pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias)  # held: see _tensors_in
         site = ("ssm_scan", n_snap, plane_stride, dt_limit)
         coerced = self._tensors_or_relaunch(site, _SCAN_NAMES, given)
@@ -1251,6 +1312,23 @@ class Device(abc.ABC):
 
         Snapshot column j receives M after n_t(s) - j tokens.
         """
+        memo = self._launches
+        if memo is not None:  # the very Buffers of a remembered call: see LaunchMemo.probe
+            if cu_seqlens is None and A_log is None and dt_bias is None:
+                hit = memo.probe(("gated_delta_net", n_snap, plane_stride, scale, head_map, qk_l2norm, beta_sigmoid,
+                                  id(pool), id(start_rows), id(dst_rows), id(q), id(k), id(v), id(g), id(beta),
+                                  id(o)), self.caps)  # fmt: skip
+            else:
+                hit = memo.probe(("gated_delta_net+", n_snap, plane_stride, scale, head_map, qk_l2norm, beta_sigmoid,
+                                  id(pool), id(start_rows), id(dst_rows), id(q), id(k), id(v), id(g), id(beta), id(o),
+                                  id(cu_seqlens), id(A_log), id(dt_bias)), self.caps)  # fmt: skip
+            if hit is not None:
+                if hit.launch is None:
+                    args = (pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias)
+                    self._launch_again("gated_delta_net", hit, self._delta_args(hit.shape, args))
+                else:
+                    hit.launch()
+                return
         given = (pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias)  # held: see _tensors_in
         site = ("gated_delta_net", n_snap, plane_stride, scale, head_map, qk_l2norm, beta_sigmoid)
         coerced = self._tensors_or_relaunch(site, _DELTA_NAMES, given)
@@ -1382,6 +1460,17 @@ class Device(abc.ABC):
 
         Snapshot column j receives S after n_t(s) - j tokens.
         """
+        memo = self._launches
+        if memo is not None:  # the very Buffers of a remembered call: see LaunchMemo.probe
+            hit = memo.probe(("rwkv_wkv6", n_snap, plane_stride, scale, id(pool), id(start_rows), id(dst_rows), id(r),
+                              id(k), id(v), id(w), id(u), id(o), id(cu_seqlens)), self.caps)  # fmt: skip
+            if hit is not None:
+                if hit.launch is None:
+                    args = (pool, start_rows, dst_rows, r, k, v, w, u, o, cu_seqlens)
+                    self._rwkv_wkv6(*self._linear_attn_args(hit.shape, args))
+                else:
+                    hit.launch()
+                return
         given = (pool, start_rows, dst_rows, r, k, v, w, u, o, cu_seqlens)  # held until return: see _tensors_in
         pool, start_rows, dst_rows, r, k, v, w, u, o, cu_seqlens = self._tensors_in(
             "pool* start_rows dst_rows r k v w u o* cu_seqlens", *given
@@ -1431,6 +1520,18 @@ class Device(abc.ABC):
 
         Snapshot column j receives S after n_t(s) - j tokens.
         """
+        memo = self._launches
+        if memo is not None:  # the very Buffers of a remembered call: see LaunchMemo.probe
+            hit = memo.probe(("rwkv_wkv7", n_snap, plane_stride, scale, id(pool), id(start_rows), id(dst_rows),
+                              id(r), id(w), id(k), id(v), id(a), id(b), id(None), id(o), id(cu_seqlens)),
+                             self.caps)  # fmt: skip
+            if hit is not None:
+                if hit.launch is None:
+                    args = (pool, start_rows, dst_rows, r, w, k, v, a, b, None, o, cu_seqlens)
+                    self._rwkv_wkv7(*self._linear_attn_args(hit.shape, args))
+                else:
+                    hit.launch()
+                return
         given = (pool, start_rows, dst_rows, r, w, k, v, a, b, o, cu_seqlens)  # held until return: see _tensors_in
         pool, start_rows, dst_rows, r, w, k, v, a, b, o, cu_seqlens = self._tensors_in(
             "pool* start_rows dst_rows r w k v a b o* cu_seqlens", *given
@@ -1469,6 +1570,17 @@ class Device(abc.ABC):
 
         Snapshot column j receives S after n_t(s) - j tokens.
         """
+        memo = self._launches
+        if memo is not None:  # the very Buffers of a remembered call: see LaunchMemo.probe
+            hit = memo.probe(("gated_linear_attn", n_snap, plane_stride, scale, id(pool), id(start_rows), id(dst_rows),
+                              id(q), id(k), id(v), id(g), id(None), id(o), id(cu_seqlens)), self.caps)  # fmt: skip
+            if hit is not None:
+                if hit.launch is None:
+                    args = (pool, start_rows, dst_rows, q, k, v, g, None, o, cu_seqlens)
+                    self._gated_linear_attn(*self._linear_attn_args(hit.shape, args))
+                else:
+                    hit.launch()
+                return
         given = (pool, start_rows, dst_rows, q, k, v, g, o, cu_seqlens)  # held until return: see _tensors_in
         pool, start_rows, dst_rows, q, k, v, g, o, cu_seqlens = self._tensors_in(
             "pool* start_rows dst_rows q k v g o* cu_seqlens", *given

@@ -454,7 +454,8 @@ class BatchAllocator:
         sections: np.ndarray | None = None
         if batch.pos is None:
             in_batch = np.fromiter(all_ids, dtype=np.int64) if coupled else uniq_primary
-            if int(pos_mem[in_batch].max()) + n > INT32_MAX:  # auto-filled positions would pass int32
+            # auto-filled positions would reach INT32_MAX, which no position may hold (POS_LAST)
+            if int(pos_mem[in_batch].max()) + n >= INT32_MAX:
                 s = int(in_batch[np.argmax(pos_mem[in_batch])])
                 raise BatchError(
                     f"sequence {s} is at position {int(pos_mem[s])}: the next positions would pass int32",
@@ -484,6 +485,16 @@ class BatchAllocator:
             if (pos < 0).any():
                 i = int(np.flatnonzero(pos < 0)[0])
                 raise BatchError(f"token {i}: negative position {int(pos[i])}", token=i, rule="pos_negative")
+            if (pos == INT32_MAX).any():
+                # INT32_MAX is the open end of every range (p1 = -1): a token there could
+                # never be removed or shifted by "to the end" (statecache.memory.POS_LAST)
+                i = int(np.flatnonzero(pos == INT32_MAX)[0])
+                raise BatchError(
+                    f"token {i}: position {INT32_MAX} is the end of every range, the largest a token may hold "
+                    f"is {INT32_MAX - 1} (int32)",
+                    token=i,
+                    rule="pos_range",
+                )
 
         # per-sequence rules on the temporal position: start right after the memory,
         # consecutive in batch order (auto-filled positions of uncoupled sequences satisfy

@@ -86,6 +86,7 @@ from statecache.state_io import (
     Reader,
     RowWrite,
     Writer,
+    expect_sections,
     find_section,
     pack_sections,
     rows_landing,
@@ -643,6 +644,14 @@ class HybridMemory(Memory):
         (:func:`~statecache.state_io.pack_sections` takes either)."""
         return [*self._attn_sections(seq, flags), (TAG_RECR, self.recr.write_section(seq, flags))]
 
+    def state_tags(self, flags: int = StateFlags.NONE) -> tuple[bytes, ...]:
+        """The tags of the sections :meth:`state_sections` writes with ``flags``."""
+        if isinstance(self.attn, KVCacheISWA):
+            attn = self.attn.state_tags(flags)
+        else:
+            attn = () if flags & StateFlags.PARTIAL_ONLY else (TAG_KV,)
+        return (*attn, TAG_RECR)
+
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         return pack_sections(self.state_sections(seq, flags), flags)
@@ -749,6 +758,7 @@ class HybridMemory(Memory):
         blob_flags, sections = unpack_sections(data, flags)
         # the blob's own WITH_PLANES bit says whether its recurrent section carries planes
         flags = (int(flags) & ~StateFlags.WITH_PLANES) | (blob_flags & StateFlags.WITH_PLANES)
+        expect_sections(sections, self.state_tags(flags), type(self).__name__)
         plans = self.parse_all(sections, seq, flags)
         rows_landing(lambda: self.landing_writes(plans), self.state_landing_failed)
         rows_ready()  # a transfer's rows may still be arriving: validated above, written below

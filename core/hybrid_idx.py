@@ -318,6 +318,10 @@ class HybridIdxMemory(HybridMemory):
             out.append((TAG_IDX, w))
         return out
 
+    def state_tags(self, flags: int = StateFlags.NONE) -> tuple[bytes, ...]:
+        tags = super().state_tags(flags)
+        return tags if flags & StateFlags.PARTIAL_ONLY else (*tags, TAG_IDX)
+
     def parse_all(self, sections: Any, seq: int, flags: int) -> dict[str, Any]:
         plans = super().parse_all(sections, seq, flags)
         plans["idx"] = None

@@ -34,6 +34,7 @@ from statecache.hostmem import gather_rows, scatter_rows
 from statecache.kv_cells import EMPTY, CellJournal, KVCells, last_positions, pos_key
 from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from, swa_visible_from_many
 from statecache.memory import (
+    POS_LAST,
     POS_MAX,
     ContextError,
     KVSeqCells,
@@ -59,6 +60,7 @@ from statecache.state_io import (
     Reader,
     RowWrite,
     Writer,
+    expect_sections,
     find_section,
     pack_sections,
     rows_landing,
@@ -516,7 +518,19 @@ class KVCache(Memory):
         Each ubatch but the last is placed on the book itself, under a journal
         (:class:`BookJournal`), so that the next one's search sees it; the
         journal then takes every placement back, exactly.  This costs the cells
-        the ubatches take, where a copy of the book cost every cell."""
+        the ubatches take, where a copy of the book cost every cell.
+
+        Raises :class:`ContextError` (nothing changed) while a copy between streams
+        waits for the update: its rows move only then, so a batch placed before it
+        wrote rows the copy reads (the update then copied the new tokens into the
+        destination) or fills (it then overwrote them), silently.  Upstream's decode
+        always runs the update first."""
+        if self.pending_copies:
+            ss, sd = self.pending_copies[0]
+            raise ContextError(
+                f"{self.name}: the copy between streams {ss} -> {sd} (seq_cp) waits for the update; "
+                "apply init_update() before planning a batch"
+            )
         for ub in ubatches:
             if isinstance(ub.seq_id, SeqIds):
                 ids = ub.seq_id.ids
@@ -623,9 +637,19 @@ class KVCache(Memory):
         self._version += 1
         if ss == sd:
             cells = self.cells[ss]
-            for pos, idx in list(cells.seq_pos[src]):
-                if p0 <= pos < p1:
-                    cells.seq_add(idx, dst)
+            brought = [(pos, idx) for pos, idx in cells.seq_pos[src] if p0 <= pos < p1]
+            # dst's own cells at a position src brings are dropped first: upstream keeps
+            # them, and dst then held two cells at one position (attending to both, with
+            # a blob its own state_read refuses as "duplicate positions").  dst holds
+            # src's tokens at those positions, as a copy between streams does.
+            at = {pos for pos, _ in brought}
+            own = [idx for pos, idx in cells.seq_pos[dst] if pos in at and not cells.seq_has(idx, src)]
+            if own:
+                gone = cells.seq_rm_many(np.array(sorted(own), dtype=np.int64), dst)
+                if gone.size:
+                    self.book.heads[ss] = min(self.book.heads[ss], int(gone.min()))
+            for _, idx in brought:
+                cells.seq_add(idx, dst)
             return
         src_cells, dst_cells = self.cells[ss], self.cells[sd]
         dst_cells.reset()
@@ -942,6 +966,17 @@ class KVCache(Memory):
         M-RoPE image tokens share a temporal position, never the whole of it)."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         streams = [self.stream_of(seq)] if seq >= 0 else list(range(self.n_stream))
+        # A copy between streams still waiting for the update reads its source stream's
+        # rows and fills its destination's then: restoring a sequence of either stream
+        # before it had the update overwrite the restored rows (or carry them into the
+        # destination), silently.  (A whole-memory read clears the pending copies.)
+        for ss, sd in self.pending_copies if seq >= 0 else ():
+            if streams[0] in (ss, sd):
+                raise StateError(
+                    f"{self.name}.stream",
+                    f"stream {streams[0]} of sequence {seq} waits for the copy between streams {ss} -> {sd} "
+                    "(seq_cp): apply init_update() first",
+                )
         n_stream = r.u32(f"{self.name}.n_stream")
         if n_stream != len(streams):
             raise StateError(f"{self.name}.n_stream", f"blob has {n_stream} streams, expected {len(streams)}")
@@ -1031,6 +1066,8 @@ class KVCache(Memory):
             p = r.i32(f"{self.name}.pos")
             if p < 0:
                 raise StateError(f"{self.name}.pos", f"cell {c} has negative position {p}")
+            if p > POS_LAST:  # the open end of every range: no cell holds it (memory.POS_LAST)
+                raise StateError(f"{self.name}.pos", f"cell {c} has position {p}, past the largest {POS_LAST}")
             n_ids = r.u32(f"{self.name}.n_seq_id")
             if seq >= 0 and n_ids != 1:
                 raise StateError(f"{self.name}.n_seq_id", f"a per-sequence blob needs 1 id per cell, got {n_ids}")
@@ -1095,6 +1132,10 @@ class KVCache(Memory):
         made before it, which may count on what those cells held, is stale now."""
         self._version += 1
 
+    def state_tags(self, flags: int = StateFlags.NONE) -> tuple[bytes, ...]:
+        """The tags of the sections :meth:`state_write` writes (with any flags)."""
+        return (TAG_KV,)
+
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         """Restore from a blob.  The whole blob is parsed and placed before
         anything is written, so a rejected blob (``StateError``) leaves the cache
@@ -1102,6 +1143,7 @@ class KVCache(Memory):
         drops the destination, so no half-restored sequence survives."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         _, sections = unpack_sections(data)  # PARTIAL_ONLY changes nothing a single cache writes
+        expect_sections(sections, self.state_tags(flags), "KV cache")
         r = Reader(find_section(sections, TAG_KV))
         plan = self.state_parse(r, seq)
         r.at_end()
@@ -1555,7 +1597,7 @@ def one_owner_records(r: Reader, count: int, has_ext: bool) -> tuple[np.ndarray,
     if not count or r.off + n > len(r.data):
         return None
     rec = np.frombuffer(r.data[r.off : r.off + n], dtype="<i4").reshape(count, width).astype(np.int64)
-    if not ((rec[:, 1] == 1).all() and (rec[:, 0] >= 0).all()):
+    if not ((rec[:, 1] == 1).all() and (rec[:, 0] >= 0).all() and (rec[:, 0] <= POS_LAST).all()):
         return None
     r.raw(n, "cells")
     ext = rec[:, 3:5] if has_ext else np.stack([rec[:, 0], rec[:, 0]], axis=1)
@@ -1789,6 +1831,10 @@ class KVCacheISWA(Memory):
     def state_write(self, seq: int = -1, flags: int = StateFlags.NONE) -> bytes:
         return pack_sections(self.state_sections(seq, flags), flags)
 
+    def state_tags(self, flags: int = StateFlags.NONE) -> tuple[bytes, ...]:
+        """The tags of the sections :meth:`state_write` writes with ``flags``."""
+        return (TAG_KV_SWA,) if flags & StateFlags.PARTIAL_ONLY else (TAG_KV_BASE, TAG_KV_SWA)
+
     def parse_sections(self, sections: Any, seq: int = -1, flags: int = StateFlags.NONE) -> ISWAPlan:
         base = None
         if not flags & StateFlags.PARTIAL_ONLY:
@@ -1833,6 +1879,7 @@ class KVCacheISWA(Memory):
         """As :meth:`KVCache.state_read`: rejected blobs change nothing."""
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         _, sections = unpack_sections(data, flags)
+        expect_sections(sections, self.state_tags(flags), "KV cache pair (iSWA)")
         plan = self.parse_sections(sections, seq, flags)
         rows_landing(lambda: self.landing_writes(plan), self.state_landing_failed)
         rows_ready()  # a transfer's rows may still be arriving: validated above, written below

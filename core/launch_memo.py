@@ -50,8 +50,22 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from statecache.dtypes import DType
+
 if TYPE_CHECKING:
     from statecache.backend import Buffer
+
+#: id(storage) -> how many times the contents of that int32 storage were set
+#: or handed out; a Buffer's host copy is valid only at the count it was
+#: taken at (``Buffer.host_indices``).  Ids of freed storages may be reused: a
+#: new storage's first write just continues the old count, which no live
+#: Buffer holds.  Counts only grow, so an index buffer whose storage still
+#: has the count it had when a call was remembered still has the host copy
+#: that call was validated with (:meth:`LaunchMemo.probe`).
+STORAGE_WRITES: dict[int, int] = {}
+
+#: The liveness flag of an entry that is never probed.
+_ALWAYS_DEAD = [False]
 
 #: Entries kept per device.  A model has a few primitives per layer, each
 #: with a handful of batch shapes in use: far fewer than this.
@@ -61,7 +75,7 @@ MEMO_LIMIT = 4096
 class Remembered:
     """One validated call: what to check and what to run."""
 
-    __slots__ = ("caps", "launch", "loose", "prepared", "refs", "shadows", "shape")
+    __slots__ = ("caps", "launch", "live", "loose", "prepared", "refs", "shadows", "shape", "stamps")
 
     def __init__(
         self,
@@ -79,6 +93,11 @@ class Remembered:
         self.launch = launch  # a backend's prepared launch, or None: call _op(shape, ...)
         self.loose = loose  # positions without a reference are matched by the key alone
         self.prepared = launch is not None  # a launch was prepared, or asked for (Device._launch_again)
+        # For probe(): [False] once a buffer of the call has died (set by the weakrefs'
+        # callback), and per index buffer (id(storage), write count) while its host
+        # copy is the one validated (None: not probed).
+        self.live = _ALWAYS_DEAD
+        self.stamps: tuple[tuple[int, int], ...] | None = None
 
 
 class LaunchMemo:
@@ -88,6 +107,38 @@ class LaunchMemo:
 
     def __init__(self) -> None:
         self._entries: dict[tuple[Any, ...], Remembered] = {}
+
+    def probe(self, key: tuple[Any, ...], caps: object) -> Remembered | None:
+        """:meth:`lookup` for a key of argument ids alone, without the
+        arguments: the cheapest check a decode call can make.
+
+        ``key`` must end with the ``id()`` of each argument the entry was
+        stored with (``id(None)`` for an argument not given), in order, and
+        the caller must hold those arguments while it probes.  Then the key
+        proves identity while every remembered buffer is alive: a live object
+        is the only one with its id.  Liveness is one flag, cleared by the
+        weakrefs' callback, which runs when a buffer is freed and before its
+        memory (its id) can be handed to another object.  Index buffers are checked by their
+        storage's write count (``STORAGE_WRITES``) instead of their host
+        copy, which is the same test without reading the Buffers; a count
+        moved by a write that left the host copy as it was (never, in
+        practice) only costs a validation.  Entries matched by geometry are
+        never probed.  None also for an unhashable key (a bad scalar:
+        validation says what is wrong)."""
+        try:
+            entry = self._entries.get(key)
+        except TypeError:
+            return None
+        if entry is None or entry.caps is not caps:
+            return None
+        stamps = entry.stamps
+        if stamps is None or not entry.live[0]:
+            return None  # not probed (loose, index buffers of no known storage), or a buffer died
+        writes = STORAGE_WRITES
+        for storage, count in stamps:
+            if writes.get(storage) != count:
+                return None
+        return entry
 
     def lookup(
         self, key: tuple[Any, ...], caps: object, bufs: Sequence[Buffer | None], index_bufs: Sequence[Buffer]
@@ -120,17 +171,30 @@ class LaunchMemo:
     ) -> None:
         """Remember a validated call.  ``loose``: per buffer, True where the key
         itself names the argument (by geometry) and its identity is not kept."""
-        shadows = tuple(buf.host_indices for buf in index_bufs)
-        if any(s is None for s in shadows) or not all(buf.is_contiguous for buf in index_bufs):
-            return  # contents only the device knows: validate every call
+        # Loops, not generators: tensors as arguments store an entry per new address.
+        shadows = []
+        for buf in index_bufs:
+            shadow = buf.host_indices
+            if shadow is None or not buf.is_contiguous:
+                return  # contents only the device knows: validate every call
+            shadows.append(shadow)
         if len(self._entries) >= MEMO_LIMIT:
             self._prune()
+        ref = weakref.ref
         if loose is None:
-            refs = tuple(None if buf is None else weakref.ref(buf) for buf in bufs)
-            self._entries[key] = Remembered(caps, refs, shadows, shape, launch)
+            live = [True]
+
+            def died(_: object, live: list[bool] = live) -> None:
+                live[0] = False  # no reference to the entry: no cycle to collect
+
+            refs = tuple([None if buf is None else ref(buf, died) for buf in bufs])
+            entry = Remembered(caps, refs, tuple(shadows), shape, launch)
+            entry.live = live
+            entry.stamps = _stamps(index_bufs)
         else:
-            refs = tuple(None if buf is None or free else weakref.ref(buf) for buf, free in zip(bufs, loose))
-            self._entries[key] = Remembered(caps, refs, shadows, shape, launch, loose=True)
+            refs = tuple([None if buf is None or free else ref(buf) for buf, free in zip(bufs, loose)])
+            entry = Remembered(caps, refs, tuple(shadows), shape, launch, loose=True)
+        self._entries[key] = entry
 
     def _prune(self) -> None:
         # Drop entries whose buffers are gone; if that frees too little (a
@@ -143,3 +207,19 @@ class LaunchMemo:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _stamps(index_bufs: Sequence[Buffer]) -> tuple[tuple[int, int], ...] | None:
+    """(id(storage), write count) of each int32 index buffer whose host copy
+    is current (see :data:`STORAGE_WRITES`); None if one is not such a Buffer."""
+    stamps = []
+    writes = STORAGE_WRITES
+    for buf in index_bufs:
+        try:
+            count, storage, dtype = buf._shadow_gen, id(buf.storage), buf.dtype
+        except AttributeError:  # a stand-in (tests): never probed
+            return None
+        if dtype is not DType.I32 or writes.get(storage, 0) != count:
+            return None  # not an index buffer, or its host copy is stale
+        stamps.append((storage, count))
+    return tuple(stamps)

@@ -43,8 +43,14 @@ from statecache.errors import ContextError as ContextError
 if TYPE_CHECKING:
     from statecache.batch import BatchAllocator, UBatch
 
-#: Positions are signed 32-bit; a negative p1 means "to the end".
+#: Positions are signed 32-bit; a negative p1 means "to the end", that is POS_MAX.
 POS_MAX = 2**31 - 1
+
+#: The largest position a token may hold.  POS_MAX itself is the open end of every
+#: range (``p1 = -1``): a token there was outside ``[p0, POS_MAX)``, so
+#: ``seq_rm(s, -1, -1)`` returned True and left it, and ``seq_add(s, p, -1, d)`` never
+#: moved it.  Batches, shifts and state blobs refuse it instead.
+POS_LAST = POS_MAX - 1
 
 
 #: Smallest signed 32-bit value (positions and sequence ids are int32 in a blob).
@@ -81,11 +87,14 @@ def check_divisor(d: Any) -> int:
 
 
 def check_shifted(pos: int, delta: int) -> None:
-    """Refuse a ``seq_add`` that would move position ``pos`` past int32 (a shift below 0
-    is allowed: it removes the cell); every later write of the position would fail."""
-    if pos + delta > POS_MAX:
+    """Refuse a ``seq_add`` that would move position ``pos`` past :data:`POS_LAST` (a
+    shift below 0 is allowed: it removes the cell); every later write of the position
+    would fail, and POS_MAX is the open end no range reaches."""
+    if pos + delta > POS_LAST:
         raise ArgumentError(
-            "delta", f"moves position {pos} to {pos + delta}, past the largest position {POS_MAX} (int32)"
+            "delta",
+            f"moves position {pos} to {pos + delta}, past the largest position {POS_LAST} "
+            f"(int32; {POS_MAX} is the end of every range)",
         )
 
 
@@ -124,8 +133,6 @@ class RollbackReach:
     sequence goes) and for ``p >= floor`` (``p > pos_max`` removes nothing), and
     refused for ``0 < p < floor``.  ``floor == 0``: every position is accepted;
     ``floor == pos_max + 1``: no rollback is possible (only dropping it all).
-    (A sequence at the last int32 position is the one exception: ``p1 = -1``
-    ends the range just before it, so ``seq_rm(seq, p, -1)`` removes a hole.)
     """
 
     seq: int

@@ -55,6 +55,7 @@ from statecache.errors import ArgumentError, BatchError, InvariantError, Stateca
 from statecache.hostmem import gather_rows, scatter_rows
 from statecache.launch_memo import LaunchMemo
 from statecache.memory import (
+    POS_LAST,
     POS_MAX,
     ContextError,
     Memory,
@@ -81,6 +82,7 @@ from statecache.state_io import (
     Reader,
     RowWrite,
     Writer,
+    expect_sections,
     find_section,
     pack_sections,
     planes_apart,
@@ -1346,8 +1348,8 @@ class RecurrentMemory(Memory):
         seen: set[int] = set()
         for i in range(n_cells):
             p = r.i32(f"cell[{i}].pos")
-            if p < 0:
-                r.fail(f"cell[{i}].pos", f"is {p}; a stored cell holds a position >= 0")
+            if not 0 <= p <= POS_LAST:  # POS_MAX is the open end of every range (memory.POS_LAST)
+                r.fail(f"cell[{i}].pos", f"is {p}; a stored cell holds a position in [0, {POS_LAST}]")
             n_ids = r.u32(f"cell[{i}].n_seq_id")
             if seq >= 0 and n_ids != 0:
                 r.fail(f"cell[{i}].n_seq_id", f"is {n_ids}; a single-sequence entry must be sequence-agnostic (0)")
@@ -1500,11 +1502,16 @@ class RecurrentMemory(Memory):
                 for name, buf in pools.items():
                     scatter_rows(self.device, buf, idx, data[layer][name][sel])
 
+    def state_tags(self, flags: int = StateFlags.NONE) -> tuple[bytes, ...]:
+        """The tags of the sections :meth:`state_write` writes (with any flags)."""
+        return (SECTION_TAG,)
+
     def state_read(self, data: Any, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         if hasattr(data, "read") and not isinstance(data, bytes | bytearray | memoryview):
             data = data.read()
         # PARTIAL_ONLY does not change what a recurrent memory writes: only unknown flag bits are refused
         blob_flags, sections = unpack_sections(data)
+        expect_sections(sections, self.state_tags(flags), "recurrent memory")
         plan = self.parse_section(find_section(sections, SECTION_TAG), seq, planes=bool(blob_flags & WITH_PLANES))
         rows_landing(lambda: self.landing_writes(plan), self.state_landing_failed)
         rows_ready()  # a transfer's rows may still be arriving: validated above, written below

@@ -10,7 +10,8 @@ import dataclasses
 import functools
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from statecache.errors import SettingsError
 
@@ -123,17 +124,56 @@ def num_threads() -> int:
     to leave cores to others.  torch is looked up, never imported.
 
     Read at every kernel call (so a changed variable, or torch's
-    ``set_num_threads``, takes effect at once); parsing is cached per value,
-    since a decode step is only a few microseconds."""
-    value = os.environ.get("STATECACHE_NUM_THREADS")
+    ``set_num_threads``, takes effect at once), and cheaply: a decode step
+    is only a few microseconds.  ``os.environ.get`` encodes the name and
+    goes through two Python frames (0.8 us); the raw mapping behind
+    ``os.environ`` holds the same entries (``os.environ[...] = ...``,
+    ``putenv`` through it and ``monkeypatch.setenv`` all write it), so it is
+    read directly, found again whenever ``os.environ`` is not the object it
+    was.  Parsing is cached per value."""
+    seen, get, key = _raw_threads_var
+    value = get(key) if os.environ is seen else _raw_threads_value()
     if value:
-        return _threads_from(value)
+        return _threads_from_raw(value)
     torch = sys.modules.get("torch")
     if torch is not None:
-        follow = _torch_threads(torch)
-        if follow is not None:
-            return follow
+        try:
+            n = torch.get_num_threads()
+        except Exception:  # torch is still being imported (no such attribute yet), or a stand-in
+            n = None
+        if type(n) is int and n >= 1:
+            return n
+        if n is not None:
+            follow = _torch_threads(torch)
+            if follow is not None:
+                return follow
     return _threads_from(None)
+
+
+def _never_seen(key: Any) -> Any:
+    raise AssertionError("unreachable: no os.environ is None")
+
+
+#: (os.environ as last seen, the lookup of its raw mapping, STATECACHE_NUM_THREADS's key there)
+_raw_threads_var: tuple[object, Callable[[Any], Any], Any] = (None, _never_seen, None)
+
+
+def _raw_threads_value() -> Any:
+    """``STATECACHE_NUM_THREADS`` undecoded (bytes on POSIX) or None, with
+    :data:`_raw_threads_var` set for the next call to read it directly; for a
+    stand-in ``os.environ`` without a raw mapping behind it, its ``get``."""
+    global _raw_threads_var
+    env = os.environ
+    data = getattr(env, "_data", None)
+    encode = getattr(env, "encodekey", None)
+    if isinstance(data, dict) and encode is not None:
+        _raw_threads_var = (env, data.get, encode(_NUM_THREADS))
+    else:
+        _raw_threads_var = (None, _never_seen, None)
+    return env.get(_NUM_THREADS)
+
+
+_NUM_THREADS = "STATECACHE_NUM_THREADS"
 
 
 def _torch_threads(torch: object) -> int | None:
@@ -144,6 +184,11 @@ def _torch_threads(torch: object) -> int | None:
         return max(1, int(get()))
     except Exception:
         return None
+
+
+@functools.lru_cache(maxsize=8)
+def _threads_from_raw(value: Any) -> int:
+    return _threads_from(os.fsdecode(value) if isinstance(value, bytes) else value)
 
 
 @functools.lru_cache(maxsize=8)

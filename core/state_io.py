@@ -431,6 +431,24 @@ def unpack_sections(data: Any, flags: int | None = None) -> tuple[int, list[tupl
     return blob_flags, out
 
 
+def expect_sections(sections: Sequence[tuple[bytes, memoryview]], tags: Sequence[bytes], reader: str) -> None:
+    """The blob holds exactly the sections ``reader`` writes (``tags``), no more, no fewer.
+
+    Each reader looks its sections up by tag, so without this a blob of another kind
+    of memory that happens to contain them was accepted and its other sections
+    silently dropped: a hybrid blob read into a KV cache restored the attention
+    cells without the recurrent state, a hybrid-idx blob read into a plain hybrid
+    lost its indexer, a hybrid blob read into a recurrent memory lost its attention
+    cells, and the caller believed the sequence restored."""
+    have = sorted(t for t, _ in sections)
+    if have != sorted(tags):
+        names = [t.decode(errors="replace") for t, _ in sections]
+        want = [t.decode(errors="replace") for t in tags]
+        raise StateError(
+            "section", f"the blob holds sections {names}, a {reader} reads exactly {want} (a blob of another kind)"
+        )
+
+
 def find_section(sections: Sequence[tuple[bytes, memoryview]], tag: bytes) -> memoryview:
     found = [p for t, p in sections if t == tag]
     if len(found) != 1:

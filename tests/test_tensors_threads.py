@@ -71,3 +71,35 @@ def test_the_real_torch_and_the_cpu_device(no_override) -> None:  # type: ignore
 def test_the_documented_default() -> None:
     var = next(v for v in settings.VARIABLES if v.name == "STATECACHE_NUM_THREADS")
     assert "torch.get_num_threads()" in var.meaning
+
+
+def test_the_variable_is_read_at_every_call(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """num_threads() reads the environment's raw mapping directly (cheaper than
+    os.environ.get): every way of changing the variable still shows at the next call."""
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(get_num_threads=lambda: 5))
+    monkeypatch.setenv("STATECACHE_NUM_THREADS", "3")
+    assert settings.num_threads() == 3
+    os.environ["STATECACHE_NUM_THREADS"] = "1"
+    assert settings.num_threads() == 1
+    monkeypatch.delenv("STATECACHE_NUM_THREADS")
+    assert settings.num_threads() == 5
+    monkeypatch.setenv("STATECACHE_NUM_THREADS", "")  # empty: unset
+    assert settings.num_threads() == 5
+    monkeypatch.setenv("STATECACHE_NUM_THREADS", "x")
+    with pytest.raises(ValueError, match="STATECACHE_NUM_THREADS"):
+        settings.num_threads()
+    # A stand-in for os.environ (a plain dict) is read through its own get().
+    monkeypatch.setattr(os, "environ", {"STATECACHE_NUM_THREADS": "4"})
+    assert settings.num_threads() == 4
+    os.environ["STATECACHE_NUM_THREADS"] = "2"
+    assert settings.num_threads() == 2
+    monkeypatch.undo()
+    monkeypatch.delenv("STATECACHE_NUM_THREADS", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(get_num_threads=lambda: 6))
+    assert settings.num_threads() == 6  # the real os.environ again
+
+
+def test_torch_returning_odd_counts(no_override, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    for given, want in ((0, 1), (-3, 1), (2.0, 2), ("3", 3), (True, 1)):
+        monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(get_num_threads=lambda g=given: g))
+        assert settings.num_threads() == want, given
