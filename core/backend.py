@@ -427,6 +427,10 @@ class Device(abc.ABC):
         return f"<{type(self).__name__} {self.id} {self.name!r}>"
 
     # -- capabilities ---------------------------------------------------------
+    def _stored(self) -> str:
+        """The storage dtypes, for a refusal that says what would work instead."""
+        return ", ".join(sorted(d.value for d in self.caps.storage_dtypes))
+
     def supports(self, op: str, **params: Any) -> Support:
         """Whether ``op`` with these parameters runs on this device.
 
@@ -443,10 +447,14 @@ class Device(abc.ABC):
         if op not in PRIMITIVES:
             raise CapabilityError(f"unknown primitive {op!r}; known: {', '.join(PRIMITIVES)}")
         if op not in self.caps.ops:
-            return Support(False, f"{self.id} does not implement {op}")
+            return Support(
+                False,
+                f"{self.id} does not implement {op} (it implements {', '.join(sorted(self.caps.ops)) or 'nothing'}; "
+                "`statecache backends` lists the other devices)",
+            )
         dtype = params.get("dtype")
         if dtype is not None and DType.parse(dtype) not in self.caps.storage_dtypes:
-            return Support(False, f"{self.id} cannot store {DType.parse(dtype)}")
+            return Support(False, f"{self.id} cannot store {DType.parse(dtype)} (it stores {self._stored()})")
         n_snap = params.get("n_snap")
         if n_snap is not None and int(n_snap) > self.caps.max_snapshots:
             return Support(False, f"{self.id} emits at most {self.caps.max_snapshots} snapshots")
@@ -691,7 +699,7 @@ class Device(abc.ABC):
         if any(s < 0 for s in shape_t):
             raise ArgumentError("shape", f"negative dimension in {shape_t}")
         if dt is not DType.I32 and dt not in self.caps.storage_dtypes:
-            raise CapabilityError(f"{self.id} cannot store {dt}")
+            raise CapabilityError(f"{self.id} cannot store {dt} (it stores {self._stored()})")
         return self._alloc(shape_t, dt)
 
     def upload(self, array: Any, dtype: DType | str | None = None) -> Buffer:
@@ -704,7 +712,14 @@ class Device(abc.ABC):
 
     def indices(self, values: Any) -> Buffer:
         """Upload an int32 index array (keeps a host copy for validation)."""
-        host = np.ascontiguousarray(np.asarray(values, dtype=np.int64))
+        given = np.asarray(values)
+        if given.dtype.kind == "f" and given.size:
+            # the int64 conversion below would truncate 1.5 to row 1 without a word
+            flat = given.ravel()
+            fractional = flat[~np.isfinite(flat) | (flat != np.trunc(flat))]
+            if fractional.size:
+                raise ArgumentError("indices", f"values must be whole numbers, got {fractional[0]} ({given.dtype})")
+        host = np.ascontiguousarray(np.asarray(given, dtype=np.int64))
         if host.size and (host.min() < np.iinfo(np.int32).min or host.max() > np.iinfo(np.int32).max):
             raise ArgumentError("indices", "values do not fit in int32")
         return self.upload(host.astype(np.int32), DType.I32)

@@ -365,8 +365,11 @@ def host_flat(memory: TensorMemory, dtype: np.dtype) -> np.ndarray:
 Fingerprint = tuple[Any, ...]
 
 
+# ``is_neg()``: torch exports a lazy negation view's memory as it is, without
+# the sign its values carry, so such a view must never pass for the tensor whose
+# memory (and so whose address, shape and strides) it shares; describe() refuses it.
 def torch_like(obj: Any) -> Fingerprint:
-    return (type(obj), obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.device)
+    return (type(obj), obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.device, obj.is_neg())
 
 
 def _numpy_like(obj: Any) -> Fingerprint:
@@ -430,7 +433,7 @@ def fingerprint(obj: Any) -> Fingerprint | None:
 
 
 def torch_geometry(obj: Any) -> tuple[Fingerprint, int]:
-    return (type(obj), obj.shape, obj.stride(), obj.dtype, obj.device), obj.data_ptr()
+    return (type(obj), obj.shape, obj.stride(), obj.dtype, obj.device, obj.is_neg()), obj.data_ptr()
 
 
 def _numpy_geometry(obj: Any) -> tuple[Fingerprint, int]:

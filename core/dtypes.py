@@ -70,6 +70,14 @@ class DType(enum.Enum):
             if npd.name == "bfloat16" and npd == DType.BF16.numpy:
                 return DType.BF16
         names = ", ".join(m.value for m in cls)
+        if npd is not None and not isinstance(value, str):
+            # Most often a NumPy default (float64, int64) reaching upload(): say how to get
+            # a stored dtype instead of only listing them.
+            raise ValueError(
+                f"NumPy dtype {npd.name} is not a statecache dtype (expected one of {names}); "
+                "convert the array first (e.g. array.astype(np.float32)) or name the storage "
+                "dtype (device.upload(array, 'f32'))"
+            )
         raise ValueError(f"unknown dtype {value!r}; expected one of {names}")
 
     def __str__(self) -> str:

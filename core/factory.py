@@ -33,6 +33,10 @@ def make_memory(
     :class:`ModelSpec` (attention / indexer layers too) picks its class itself."""
     if isinstance(spec, ModelSpec):
         return make_model_memory(spec, device, n_seq_max, n_rs_seq, **kwargs)
+    # n_ctx sizes KV cells, which a recurrent memory has none of; accepted (and unused,
+    # as for a pure-recurrent ModelSpec) so that one call builds either spec's memory
+    # (docs/distributed.md: ``make_memory(spec.shard(r, t), ..., n_ctx=n_ctx)``).
+    kwargs.pop("n_ctx", None)
     return RecurrentMemory(spec, device, n_seq_max=n_seq_max, n_rs_seq=n_rs_seq, **kwargs)
 
 

@@ -247,7 +247,10 @@ class BackendRegistry:
                 ok, _ = entry.availability()
                 if ok and entry.backend is not None and entry.backend.devices():
                     return entry.backend.devices()[0]
-            raise BackendNotFoundError(f"no usable device; backends known: {self._listing()}")
+            why = self.why_empty()  # an empty or mistyped STATECACHE_BACKENDS says so here too
+            raise BackendNotFoundError(
+                f"no usable device; backends known: {self._listing()}" + (f" ({why})" if why else "")
+            )
         backend_name, _, index_text = name.strip().partition(":")
         backend = self.get_backend(backend_name)
         devices = list(backend.devices())

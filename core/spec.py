@@ -30,6 +30,20 @@ from statecache.errors import ArgumentError
 ROLLBACK_FAMILIES = frozenset({"mamba1", "mamba2", "gdn", "kda", "shortconv", "rwkv6", "rwkv7", "gla"})
 
 
+def _check_sizes(family: str, d_conv: tuple[str, int] | None = None, **sizes: int) -> None:
+    """Refuse a hyperparameter that no kernel can run, naming it: without this a zero
+    or negative size surfaced as "state tensor 'r' needs a positive row size", or not
+    at all until the first step.  ``d_conv`` (its name and value) is a conv window,
+    which keeps ``d_conv - 1`` columns of state, so it must be at least 2."""
+    for name, value in sizes.items():
+        if int(value) < 1:
+            raise ArgumentError(name, f"{family}: must be a positive integer, got {value}")
+    if d_conv is not None and int(d_conv[1]) < 2:
+        raise ArgumentError(
+            d_conv[0], f"{family}: must be >= 2 (the conv state keeps {d_conv[0]} - 1 columns), got {d_conv[1]}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class StateTensor:
     """One per-layer state tensor: ``name`` (``"r"`` conv / token shift, ``"s"``
@@ -63,6 +77,7 @@ class RecurrentLayerSpec:
     # -- family constructors (hyperparameters -> row sizes, docs/memory-semantics.md#state-sizes) ----------
     @classmethod
     def mamba1(cls, *, d_inner: int, d_state: int, d_conv: int) -> RecurrentLayerSpec:
+        _check_sizes("mamba1", ("d_conv", d_conv), d_inner=d_inner, d_state=d_state)
         # Mamba-1 is Mamba-2 with head_dim 1, n_head = d_inner, one group (B, C not convolved).
         return cls(
             "mamba1",
@@ -72,8 +87,12 @@ class RecurrentLayerSpec:
 
     @classmethod
     def mamba2(cls, *, d_inner: int, d_state: int, d_conv: int, n_group: int, head_dim: int) -> RecurrentLayerSpec:
+        _check_sizes("mamba2", ("d_conv", d_conv), d_inner=d_inner, d_state=d_state, n_group=n_group, head_dim=head_dim)
         if d_inner % head_dim:
             raise ArgumentError("head_dim", f"{head_dim} must divide d_inner {d_inner}")
+        if (d_inner // head_dim) % n_group:
+            # ssm_scan would refuse it at the first step: head h reads B/C group h // (n_head / n_group)
+            raise ArgumentError("n_group", f"{n_group} must divide n_head = d_inner / head_dim = {d_inner // head_dim}")
         channels = d_inner + 2 * n_group * d_state  # x, B and C go through the conv
         return cls(
             "mamba2",
@@ -93,6 +112,7 @@ class RecurrentLayerSpec:
         """Gated delta net (Qwen3-Next style): q, k, v convolved (3 * n_head * head_dim
         channels when q/k have as many heads as v), state head_dim^2 per value head."""
         hk = n_head if n_head_k is None else n_head_k
+        _check_sizes("gdn", ("d_conv", d_conv), n_head=n_head, head_dim=head_dim, n_head_k=hk)
         channels = (2 * hk + n_head) * head_dim
         return cls(
             "gdn",
@@ -102,6 +122,7 @@ class RecurrentLayerSpec:
 
     @classmethod
     def kda(cls, *, n_head: int, head_dim: int, d_conv: int) -> RecurrentLayerSpec:
+        _check_sizes("kda", ("d_conv", d_conv), n_head=n_head, head_dim=head_dim)
         channels = 3 * n_head * head_dim
         return cls(
             "kda",
@@ -115,6 +136,7 @@ class RecurrentLayerSpec:
         last input of the time mixing, then of the channel mixing, as llama.cpp
         stores them) and the wkv state ``s``, ``n_embd / head_size`` heads of
         [head_size, head_size] (the layout of :meth:`statecache.backend.Device.rwkv_wkv6`)."""
+        _check_sizes("rwkv", n_embd=n_embd, head_size=head_size, token_shift_count=token_shift_count)
         if n_embd % head_size:
             raise ArgumentError("head_size", f"{head_size} must divide n_embd {n_embd}")
         return cls(
@@ -138,11 +160,13 @@ class RecurrentLayerSpec:
     def gla(cls, *, n_head: int, head_dim: int) -> RecurrentLayerSpec:
         """Gated linear attention (GLA, QRWKV-6): only the state ``s``, ``n_head``
         blocks of [head_dim, head_dim] (:meth:`statecache.backend.Device.gated_linear_attn`)."""
+        _check_sizes("gla", n_head=n_head, head_dim=head_dim)
         return cls("gla", (StateTensor("s", n_head * head_dim * head_dim),), {"n_head": n_head, "head_dim": head_dim})
 
     @classmethod
     def shortconv(cls, *, n_embd: int, l_cache: int) -> RecurrentLayerSpec:
         """LFM2 short conv: only a conv window of L_cache - 1 columns."""
+        _check_sizes("shortconv", ("l_cache", l_cache), n_embd=n_embd)
         return cls("shortconv", (StateTensor("r", n_embd * (l_cache - 1)),), {"d_conv": l_cache, "channels": n_embd})
 
     # -- tensor parallelism: the shard of rank r of t ----------------------------

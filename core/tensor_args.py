@@ -241,10 +241,6 @@ class TensorWraps:
         exported = exported_memory(fp)
         shape_key = None if exported is not None else (fp[0], *fp[2:])
         template = None if shape_key is None else self._templates.get(shape_key)
-        if template is not None:
-            is_neg = getattr(obj, "is_neg", None)  # what describe() would refuse (see there)
-            if callable(is_neg) and is_neg():
-                template = None
         if exported is not None:
             memory = exported
         elif template is not None:
@@ -476,7 +472,7 @@ class Relaunches:
                     if entry.direct:
                         # dlpack.torch_geometry, inlined and compared field by field: this runs
                         # for every tensor of every call
-                        for pos, cls, shape, strides, dtype, device in entry.tensors:
+                        for pos, cls, shape, strides, dtype, device, _ in entry.tensors:
                             obj = given[pos]
                             if (
                                 type(obj) is not cls
@@ -484,6 +480,7 @@ class Relaunches:
                                 or obj.stride() != strides
                                 or obj.dtype is not dtype
                                 or obj.device != device
+                                or obj.is_neg()  # (validated tensors never are: see dlpack.torch_like)
                             ):
                                 break
                             addresses.append(obj.data_ptr())
@@ -597,7 +594,7 @@ class Relaunches:
         run = dev._prepare_relaunch(op, call_args, templates)
         if run is None:
             return
-        if direct:  # torch_geometry's (type, shape, strides, dtype, device), by position
+        if direct:  # torch_geometry's (type, shape, strides, dtype, device, is_neg), by position
             slots = [(pos, *geometry) for pos, _, _, geometry in slots]
         entry = _Relaunch(
             dev.caps,

@@ -12,6 +12,7 @@ import pytest
 import statecache
 from statecache.backend import PROTOCOL_VERSION, Backend, Caps
 from statecache.backends.reference.device import ReferenceDevice
+from statecache.dtypes import DType
 from statecache.errors import BackendUnavailableError, CapabilityError
 from statecache.hookspecs import hookimpl
 from statecache.registry import BackendRegistry
@@ -142,3 +143,25 @@ def test_a_protocol_2_device_without_the_linear_attention_primitives_refuses_the
     np.testing.assert_array_equal(dev.download(pool), pool_host)
     np.testing.assert_array_equal(dev.download(o), 0.0)
     assert not dev.supports("rwkv_wkv7") and "does not implement rwkv_wkv7" in dev.supports("rwkv_wkv7").reason
+    # the refusal says what the device does do, so a newcomer knows what to ask for instead
+    assert "it implements copy_rows, gated_delta_net, get_rows" in dev.supports("rwkv_wkv7").reason
+
+
+def test_a_dtype_the_device_cannot_store_is_refused_naming_those_it_can() -> None:
+    class F32Only(ReferenceDevice):
+        def __init__(self) -> None:
+            super().__init__()
+            self.caps = dataclasses.replace(self.caps, storage_dtypes=frozenset({DType.F32}))
+
+    dev = F32Only()
+    with pytest.raises(CapabilityError, match=r"cannot store bf16 \(it stores f32\)"):
+        dev.alloc((2, 2), "bf16")
+    assert "cannot store f16 (it stores f32)" in dev.supports("get_rows", dtype="f16").reason
+
+
+def test_fractional_index_values_are_refused_not_truncated() -> None:
+    dev = ReferenceDevice()
+    assert dev.indices([1.0, 2.0]).numpy().tolist() == [1, 2]  # whole floats are fine
+    for bad in ([1.0, 1.5], [float("nan")], [float("inf")]):
+        with pytest.raises(statecache.errors.ArgumentError, match="indices: values must be whole numbers"):
+            dev.indices(bad)

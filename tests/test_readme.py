@@ -115,3 +115,113 @@ def test_every_doc_page_is_reachable_from_the_readme_and_every_named_page_exists
     named.discard("README.md")
     assert named - pages == set(), f"README names missing pages: {sorted(named - pages)}"
     assert pages - named == set(), f"docs pages the README never names: {sorted(pages - named)}"
+
+
+# -- the rest of the docs' code and claims: a page that drifts from the code fails here --
+
+
+def _doc_python_blocks(page: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (README.parent / "docs" / page).read_text(), flags=re.S)
+
+
+def test_the_transformers_page_example_runs_around_a_tiny_model():
+    """The page's first block is a fragment (the reader brings `model` and the token
+    lists); given the smallest such context it must run as written."""
+    pytest.importorskip("torch", reason="docs/integrations/transformers.md needs the torch extra")
+    transformers = pytest.importorskip("transformers", reason="the page needs the transformers extra")
+    block = _doc_python_blocks("integrations/transformers.md")[0]
+    cfg = transformers.Mamba2Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, n_groups=1
+    )
+    scope = {
+        "model": transformers.Mamba2ForCausalLM(cfg).eval(),
+        "prompt_ids": [1, 2, 3, 4],
+        "other_ids": [5, 6, 7],
+        "code_ids": [8, 9, 8, 9, 8, 9],
+        "token": 3,
+        "print": lambda *args: None,
+    }
+    exec(compile(block, "docs/integrations/transformers.md[python block 0]", "exec"), scope)
+    eng = scope["eng"]
+    assert len(eng.tokens(scope["a"])) == 64 and len(eng.tokens(scope["c"])) == 64
+
+
+def test_the_optional_expected_failures_hook_names_a_real_case():
+    """The second-hook example of docs/writing-a-backend.md returns a case id; an id the
+    kit no longer has would only be reported as stale, so check it here."""
+    hook_file = "# my_backend/__init__.py (optional"
+    blocks = [b for b in _doc_python_blocks("writing-a-backend.md") if b.startswith(hook_file)]
+    assert len(blocks) == 1
+    scope: dict = {}
+    exec(compile(blocks[0], "docs/writing-a-backend.md[expected failures hook]", "exec"), scope)
+    ids = scope["statecache_conformance_expected_failures"]("mine")
+    assert scope["statecache_conformance_expected_failures"]("other") is None
+    cmd = [sys.executable, "-m", "statecache.cli", "conformance", "--backend", "reference", "--list", "-k", "ssm_scan"]
+    listed = set(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300).stdout.split())
+    assert ids and set(ids) <= listed, f"ids not in the kit: {set(ids) - listed}"
+
+
+def test_the_backend_page_gives_the_signatures_the_device_declares():
+    """The 'What a Device implements' table must list each primitive's parameters as
+    core/backend.py declares them (a backend author copies them)."""
+    from statecache.backend import Device
+
+    text = BACKEND_DOC.read_text()
+    rows = re.findall(r"^\| `(_\w+)\(([^)]*)\)", text, flags=re.M)
+    assert {name for name, _ in rows} >= {"_ssm_conv", "_ssm_scan", "_gated_delta_net", "_get_rows"}
+    for name, params in rows:
+        declared = [p for p in inspect.signature(getattr(Device, name)).parameters if p != "self"]
+        assert [p.strip() for p in params.split(",")] == declared, f"docs/writing-a-backend.md: {name}"
+    # the signature block of the stateful primitives, too
+    for name, params in re.findall(r"^def (_\w+)\(self, ([^)]*)\)", text, flags=re.M):
+        declared = [p for p in inspect.signature(getattr(Device, name)).parameters if p != "self"]
+        assert [p.strip() for p in params.split(",")] == declared, f"docs/writing-a-backend.md: def {name}"
+
+
+def test_the_builtin_priorities_are_the_documented_ones():
+    """`get_device()` with nothing named takes the highest priority: a usable GPU
+    first, the NumPy reference last, as docs/writing-a-backend.md says."""
+    from statecache.backends.cpu.device import CpuBackend
+    from statecache.backends.cuda.device import CudaBackend
+    from statecache.backends.opencl.device import OpenCLBackend
+    from statecache.backends.reference.device import ReferenceBackend
+
+    actual = {b.name: b.priority for b in (ReferenceBackend, OpenCLBackend, CpuBackend, CudaBackend)}
+    line = next(line for line in BACKEND_DOC.read_text().splitlines() if "| `priority` |" in line)
+    assert {name: int(value) for value, name in re.findall(r"(\d+) \((\w+)\)", line)} == actual
+    assert actual["cuda"] > actual["cpu"] > actual["opencl"] > actual["reference"]
+
+
+def test_the_readme_command_table_names_only_what_exists():
+    text = README.read_text()
+    assert "`backends/cuda/gpu_check.sh [limit_s]`" in text
+    script = README.parent / "backends" / "cuda" / "gpu_check.sh"
+    assert script.is_file() and script.stat().st_mode & 0o111
+    main = (README.parent / "backends" / "cuda" / "__main__.py").read_text()
+    assert '"build"' in main or "'build'" in main
+    from statecache.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for command in re.findall(r"^\| `statecache (\w+)", text, flags=re.M):
+        assert command in sub.choices, f"README names `statecache {command}`, which the CLI lacks"
+
+
+def test_the_tensor_parallel_example_builds_a_shard_of_either_spec_kind():
+    """docs/distributed.md's first block says `model_spec` may be a ModelSpec or a
+    MemorySpec; the same line (n_ctx included) must build both."""
+    import statecache
+    from statecache.spec import AttentionLayerSpec, MemorySpec, ModelSpec, RecurrentLayerSpec
+
+    block = _doc_python_blocks("distributed.md")[0]
+    assert "ModelSpec or MemorySpec" in block
+    layer = RecurrentLayerSpec.mamba2(d_inner=32, d_state=16, d_conv=4, n_group=2, head_dim=8)
+    specs = {
+        "HybridMemory": ModelSpec.build(2, recurrent={0: layer}, attention={1: AttentionLayerSpec(2, 8)}),
+        "RecurrentMemory": MemorySpec.build(1, {0: layer}),
+    }
+    for kind, model_spec in specs.items():
+        scope = dict(model_spec=model_spec, rank=1, world=2, n_seq_max=2, n_rs_seq=2, n_ctx=16)
+        scope["device"] = statecache.get_device("reference")
+        exec(compile(block, "docs/distributed.md[python block 0]", "exec"), scope)
+        assert type(scope["memory"]).__name__ == kind
+        assert scope["local"] == model_spec.shard(1, 2)

@@ -282,3 +282,17 @@ def test_a_device_from_statecache_device_names_the_variable(monkeypatch, value):
     reg = BackendRegistry(load_entry_points=False, plugins=[plugin_with(FakeBackend("acme"))])
     with pytest.raises(BackendNotFoundError, match=f"^STATECACHE_DEVICE='{value}': no "):
         reg.get_device()
+
+
+def test_get_device_with_nothing_usable_says_why_the_allowlist_left_nothing(monkeypatch):
+    """`get_device()` under an empty or mistyped STATECACHE_BACKENDS names the variable,
+    not only "backends known: none"."""
+    monkeypatch.setenv("STATECACHE_BACKENDS", "")
+    with pytest.raises(BackendNotFoundError, match="STATECACHE_BACKENDS is set but empty"):
+        BackendRegistry().get_device()
+    monkeypatch.setenv("STATECACHE_BACKENDS", "refrence")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SettingsWarning)  # the typo warning is tested above
+        reg = BackendRegistry()
+    with pytest.raises(BackendNotFoundError, match=r"allows only refrence.*installed: .*reference"):
+        reg.get_device()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import statecache
@@ -123,3 +124,41 @@ def test_make_memory_sizes_a_hybrid_iswa_window_for_its_rollback_depth() -> None
         assert swa.rollback_depth == depth
         assert swa.size == iswa_sizes(512, 4, 2, 8, True, 1, False, depth)
     assert iswa_sizes(512, 4, 2, 8, True, 1, False, 3) > iswa_sizes(512, 4, 2, 8, True, 1, False, 0)
+
+
+@pytest.mark.parametrize(
+    ("build", "field", "says"),
+    [
+        (lambda: RecurrentLayerSpec.mamba2(d_inner=32, d_state=16, d_conv=1, n_group=1, head_dim=8), "d_conv", ">= 2"),
+        (
+            lambda: RecurrentLayerSpec.mamba2(d_inner=32, d_state=16, d_conv=4, n_group=0, head_dim=8),
+            "n_group",
+            "got 0",
+        ),
+        (
+            lambda: RecurrentLayerSpec.mamba2(d_inner=32, d_state=16, d_conv=4, n_group=3, head_dim=8),
+            "n_group",
+            "n_head",
+        ),
+        (lambda: RecurrentLayerSpec.mamba2(d_inner=32, d_state=0, d_conv=4, n_group=1, head_dim=8), "d_state", "got 0"),
+        (lambda: RecurrentLayerSpec.mamba1(d_inner=-4, d_state=16, d_conv=4), "d_inner", "got -4"),
+        (lambda: RecurrentLayerSpec.gdn(n_head=4, head_dim=0, d_conv=4), "head_dim", "got 0"),
+        (lambda: RecurrentLayerSpec.kda(n_head=4, head_dim=8, d_conv=0), "d_conv", "got 0"),
+        (lambda: RecurrentLayerSpec.rwkv6(n_embd=0, head_size=8), "n_embd", "got 0"),
+        (lambda: RecurrentLayerSpec.gla(n_head=0, head_dim=8), "n_head", "got 0"),
+        (lambda: RecurrentLayerSpec.shortconv(n_embd=16, l_cache=1), "l_cache", ">= 2"),
+    ],
+)
+def test_a_layer_no_kernel_can_run_is_refused_naming_the_hyperparameter(build, field: str, says: str) -> None:  # type: ignore[no-untyped-def]
+    """A newcomer's inconsistent sizes fail at the spec, naming what to change, not as a
+    row size they never passed or at the first step."""
+    with pytest.raises(ArgumentError, match=says) as info:
+        build()
+    assert info.value.argument == field
+
+
+def test_a_float64_upload_says_how_to_convert() -> None:
+    dev = statecache.get_device("reference")
+    with pytest.raises(ValueError, match=r"float64 .*astype\(np\.float32\).*upload\(array, 'f32'\)"):
+        dev.upload(np.zeros(3))
+    assert dev.upload(np.zeros(3), "f32").numpy().dtype == np.float32

@@ -487,3 +487,9 @@ def test_a_torch_negative_view_is_refused_not_read_without_its_sign(dev) -> None
     assert np.array_equal(dev.download(dst), before)
     dev.get_rows(neg.resolve_neg(), rows, dst)
     assert np.array_equal(dev.download(dst), -src.numpy()[:2])
+    # A view of the very tensor read before: its address, shape and strides too.
+    for _ in range(3):
+        dev.get_rows(src, rows, dst)
+    with pytest.raises(ArgumentError, match=r"src: .*negative bit"):
+        dev.get_rows(src._neg_view(), rows, dst)
+    assert np.array_equal(dev.download(dst), src.numpy()[:2])

@@ -836,7 +836,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
     version = __version__
-    priority = 30  # a usable GPU wins automatic selection
+    priority = 200  # above the C CPU backend (100): a usable GPU wins automatic selection
     description = "CUDA kernels built by nvcc, loaded with cffi (ABI mode)"
     provided_by = "statecache"
     protocol = PROTOCOL_VERSION
