@@ -87,10 +87,68 @@ static int fill(void *obj, void *from_py, sc_dl_tensor *t) {
  * values without their sign, which no DLPack field says.  Such a call must
  * take the ordinary path, which refuses it.  1: negative; 0: not, or a
  * producer without is_neg; -1: a Python error (cleared). */
+/* is_neg's C function per exact type, when the type's is_neg is a C method (torch's
+ * tensor types): called directly, it costs a few nanoseconds where the method call
+ * machinery costs ~50 per tensor, nine tensors per Mamba scan call.  The types are held
+ * (an address of a freed type could be reused by another).  A type whose is_neg is not
+ * a C method taking no arguments (or varargs) is called the ordinary way. */
+#define SC_NEG_TYPES 8
+static struct {
+    PyObject *type;
+    PyCFunction fn; /* NULL: call the method */
+    int flags;
+} neg_types[SC_NEG_TYPES];
+static int n_neg_types = 0;
+
+static int truth(PyObject *r) {
+    if (r == NULL) return -1;
+    int neg = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return neg;
+}
+
 static int negative_view(PyObject *obj) {
     static PyObject *name = NULL;
     if (name == NULL && (name = PyUnicode_InternFromString("is_neg")) == NULL) return -1;
-    PyObject *r = PyObject_CallMethodObjArgs(obj, name, NULL);
+    PyObject *type = (PyObject *)Py_TYPE(obj);
+    int slot = 0;
+    while (slot < n_neg_types && neg_types[slot].type != type) slot++;
+    if (slot == n_neg_types && slot < SC_NEG_TYPES) { /* first time: how this type's is_neg is called */
+        PyObject *bound = PyObject_GetAttr(obj, name);
+        PyCFunction fn = NULL;
+        int flags = 0;
+        if (bound == NULL) {
+            PyErr_Clear();
+        } else {
+            if (PyCFunction_Check(bound) && PyCFunction_GetSelf(bound) == obj) {
+                flags = PyCFunction_GetFlags(bound) & ~METH_COEXIST;
+                if (flags == METH_NOARGS || flags == METH_VARARGS || flags == (METH_VARARGS | METH_KEYWORDS))
+                    fn = PyCFunction_GetFunction(bound);
+            }
+            Py_DECREF(bound);
+        }
+        Py_INCREF(type);
+        neg_types[slot].type = type;
+        neg_types[slot].fn = fn;
+        neg_types[slot].flags = flags;
+        n_neg_types = slot + 1;
+    }
+    PyObject *r;
+    if (slot < n_neg_types && neg_types[slot].fn != NULL) {
+        PyCFunction fn = neg_types[slot].fn;
+        if (neg_types[slot].flags == METH_NOARGS) {
+            r = fn(obj, NULL);
+        } else {
+            PyObject *none = PyTuple_New(0);
+            if (none == NULL) return -1;
+            r = neg_types[slot].flags == METH_VARARGS ? fn(obj, none) : ((PyCFunctionWithKeywords)(void (*)(void))fn)(obj, none, NULL);
+            Py_DECREF(none);
+        }
+        int neg = truth(r);
+        if (neg < 0) PyErr_Clear();
+        return neg;
+    }
+    r = PyObject_CallMethodObjArgs(obj, name, NULL);
     if (r == NULL) {
         int missing = PyErr_ExceptionMatches(PyExc_AttributeError);
         PyErr_Clear();
