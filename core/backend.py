@@ -1026,7 +1026,10 @@ class Device(abc.ABC):
         """
         silu = bool(apply_silu)
         memo = self._launches
-        if memo is not None:  # the very Buffers of a remembered call: see LaunchMemo.probe
+        # The very Buffers of a remembered call: see LaunchMemo.probe.  Its keys hold live
+        # Buffers' ids only, so a call whose activation is not a Buffer (a fresh tensor) would
+        # miss: it goes straight to the relaunch by geometry instead.
+        if memo is not None and isinstance(x, Buffer):
             if cu_seqlens is None:
                 hit = memo.probe(("ssm_conv", n_snap, plane_stride, silu, id(pool), id(start_rows), id(dst_rows),
                                   id(x), id(weight), id(bias), id(y)), self.caps)  # fmt: skip
@@ -1158,7 +1161,7 @@ class Device(abc.ABC):
         Snapshot column j receives S after n_t(s) - j tokens.
         """
         memo = self._launches
-        if memo is not None:  # the very Buffers of a remembered call: see LaunchMemo.probe
+        if memo is not None and isinstance(x, Buffer):  # see ssm_conv: a fresh tensor's call would miss
             if cu_seqlens is None and D is None and z is None and dt_bias is None and dt_limit is None:
                 hit = memo.probe(("ssm_scan", n_snap, plane_stride, id(pool), id(start_rows), id(dst_rows), id(x),
                                   id(dt), id(A), id(B), id(C), id(y)), self.caps)  # fmt: skip
@@ -1313,7 +1316,7 @@ class Device(abc.ABC):
         Snapshot column j receives M after n_t(s) - j tokens.
         """
         memo = self._launches
-        if memo is not None:  # the very Buffers of a remembered call: see LaunchMemo.probe
+        if memo is not None and isinstance(q, Buffer):  # see ssm_conv: a fresh tensor's call would miss
             if cu_seqlens is None and A_log is None and dt_bias is None:
                 hit = memo.probe(("gated_delta_net", n_snap, plane_stride, scale, head_map, qk_l2norm, beta_sigmoid,
                                   id(pool), id(start_rows), id(dst_rows), id(q), id(k), id(v), id(g), id(beta),

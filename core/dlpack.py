@@ -589,9 +589,10 @@ class Plan:
 
     __slots__ = ("_keep", "match", "words")
 
-    def __init__(self, match: Callable[[tuple[Any, ...], bytes], Any], words: bytes, types: list[type]) -> None:
-        # match(given, words): the tensors' addresses (a list), None (another geometry), or
-        # False (the geometry, but misaligned or overlapping)
+    def __init__(self, match: Callable[..., Any], words: bytes, types: list[type]) -> None:
+        # match(given, words[, fixed, shadows]): the tensors' addresses (a list), None (another
+        # geometry, or a fixed position holding another object), or False (the geometry, but
+        # misaligned, overlapping, or an index Buffer whose host copy changed)
         self.match = match
         self.words = words
         self._keep = types  # the plan holds their addresses: they must outlive it

@@ -352,8 +352,8 @@ def _absent() -> None:
 class _Relaunch:
     """One call geometry remembered for relaunching: what to check, and the launch."""
 
-    __slots__ = ("align", "caps", "direct", "fixed", "native_pairs", "plan", "run", "shadows", "signature",
-                 "tensor_pairs", "tensors")  # fmt: skip
+    __slots__ = ("align", "c_fixed", "c_shadows", "caps", "direct", "fixed", "native_pairs", "plan", "run",
+                 "shadows", "signature", "tensor_pairs", "tensors")  # fmt: skip
 
     def __init__(
         self,
@@ -392,6 +392,10 @@ class _Relaunch:
         # The tensors read in C instead (statecache.dlpack.Plan), where the device has a reader
         # and every tensor's type publishes the DLPack C exchange API; None: read as above.
         self.plan: Plan | None = None
+        # fixed and shadows flattened for the plan's match (position, None or the weak
+        # reference, ...; position, host copy, ...): checked in the same C call
+        self.c_fixed = tuple(x for pos, expected in fixed for x in (pos, None if expected is _absent else expected))
+        self.c_shadows = tuple(x for pair in shadows for x in pair)
 
 
 def _read_by_readers(tensors: tuple[tuple[Any, ...], ...], given: tuple[Any, ...], addresses: list[int]) -> bool:
@@ -449,25 +453,20 @@ class Relaunches:
             return False
         addresses: list[int] = []
         for entry in chain:
+            plan = entry.plan
+            if plan is not None:
+                # The fixed positions and every tensor read and compared, and the alignment,
+                # overlap and index shadow checks below made, in one C call (DLPack C exchange API)
+                found = plan.match(given, plan.words, entry.c_fixed, entry.c_shadows)
+                if found is None:
+                    continue  # another geometry
+                if found is False or entry.caps is not dev.caps:
+                    return False  # (misaligned or overlapping: the ordinary path refuses it by name)
+                return entry.run(found)
             for pos, expected in entry.fixed:  # the very Buffers validated, None where None was
                 if expected() is not given[pos]:
                     break
             else:
-                plan = entry.plan
-                if plan is not None:
-                    # Every tensor read and compared, and the alignment and overlap checks
-                    # below made, in one C call (DLPack C exchange API)
-                    found = plan.match(given, plan.words)
-                    if found is None:
-                        continue  # another geometry
-                    if found is False:
-                        return False  # (misaligned or overlapping: the ordinary path refuses it by name)
-                    if entry.caps is not dev.caps:
-                        return False
-                    for pos, shadow in entry.shadows:
-                        if given[pos].host_indices is not shadow:
-                            return False
-                    return entry.run(found)
                 addresses = []
                 try:
                     if entry.direct:

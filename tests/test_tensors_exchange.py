@@ -209,3 +209,51 @@ def test_every_device_gets_the_same_live_builtins() -> None:
     assert again is not None and again._match is dev._exchange_reader._match and place is dev._place
     t = torch.arange(6.0)
     assert again.reading(t)[:2] == (t.data_ptr(), 1)
+
+
+def test_the_c_match_checks_the_fixed_positions_and_index_shadows() -> None:
+    """The plan's match also makes the checks relaunched() made in Python
+    before and after it: a fixed position must hold the very Buffer validated
+    there (a dead one's reference matches nothing, not even None), None where
+    None was; an index Buffer must still hold the host copy it was validated
+    with (else False: the ordinary path refreshes it)."""
+    import weakref
+
+    dev = _cpu()
+    hosts, _, _ = _stateful_hosts("ssm_scan", np.random.default_rng(5), 2)
+    rows = dev.indices(hosts["start_rows"].astype(np.int32))
+    pool = dev.upload(hosts["pool"])
+    dev._relaunches = mine = Relaunches()
+    keep = []
+    with torch.no_grad():
+        for _ in range(3):
+            args = _materialize("ssm_scan", hosts, "same", pool, rows)
+            _call(dev, "ssm_scan", args)
+            keep.append(args)
+        entries = [e for chain in mine._chains.values() for e in chain if e.plan is not None]
+        assert entries
+        entry = entries[0]
+        args = _materialize("ssm_scan", hosts, "same", pool, rows)
+        given = tuple(args.get(n) for n in ("pool", "start_rows", "dst_rows", "x", "dt", "A", "B", "C", "y",
+                                            "cu_seqlens", "D", "z", "dt_bias"))  # fmt: skip
+        plan = entry.plan
+        match = plan.match
+        assert isinstance(match(given, plan.words, entry.c_fixed, entry.c_shadows), list)
+        assert entry.c_fixed[:2] == (0, entry.fixed[0][1])  # the pool's weak reference
+        other = dev.upload(hosts["pool"])
+        moved = (other, *given[1:])
+        assert match(moved, plan.words, entry.c_fixed, entry.c_shadows) is None  # another pool Buffer
+        none_at = entry.c_fixed.index(None) - 1  # a position that held None (cu_seqlens)
+        dead = weakref.ref(dev.upload(hosts["pool"]))
+        assert dead() is None
+        fixed = list(entry.c_fixed)
+        fixed[none_at + 1] = dead
+        assert match(given, plan.words, tuple(fixed), entry.c_shadows) is None  # dead: not taken for None
+        filled = tuple(rows if p == entry.c_fixed[none_at] else g for p, g in enumerate(given))
+        assert match(filled, plan.words, entry.c_fixed, entry.c_shadows) is None  # something where None was
+        pos = entry.c_shadows[0]
+        assert match(given, plan.words, entry.c_fixed, (pos, np.zeros(1, np.int32))) is False  # stale shadow
+        assert match(given, plan.words, entry.c_fixed, (pos + 100, entry.c_shadows[1])) is False  # no such position
+        with pytest.raises(TypeError):
+            match(given, plan.words, list(entry.c_fixed), entry.c_shadows)
+    dev._relaunches = None

@@ -579,9 +579,11 @@ class CpuDevice(Device):
         # relaunching the same call meanwhile would move the first one's pointers.  It takes the
         # ordinary path instead (relaunch returns False, nothing done).
         busy = threading.Lock()
+        acquire, release = busy.acquire, busy.release  # bound once: this runs on every fresh-tensor call
+        numbered = tuple((i, *step) for i, step in enumerate(pointer_steps))
 
         def relaunch(addresses: list[int]) -> bool:
-            if not busy.acquire(blocking=False):
+            if not acquire(False):  # (positional: a keyword costs a dict per call)
                 return False
             try:
                 if place is not None:
@@ -589,14 +591,14 @@ class CpuDevice(Device):
                 else:
                     for k, delta, alias in field_steps:
                         alias[0] = addresses[k] + delta
-                for i, (k, delta, ctype, arg) in enumerate(pointer_steps):
+                for i, k, delta, ctype, arg in numbered:
                     address = addresses[k] + delta
                     if address != last[i]:
                         args[arg] = cast(ctype, address)
                         last[i] = address
                 kernel(*args, num_threads())
             finally:
-                busy.release()
+                release()
             return True
 
         relaunch.keep = (keep, args)  # type: ignore[attr-defined]  # the structs the aliases write into

@@ -87,10 +87,68 @@ static int fill(void *obj, void *from_py, sc_dl_tensor *t) {
  * values without their sign, which no DLPack field says.  Such a call must
  * take the ordinary path, which refuses it.  1: negative; 0: not, or a
  * producer without is_neg; -1: a Python error (cleared). */
+/* is_neg's C function per exact type, when the type's is_neg is a C method (torch's
+ * tensor types): called directly, it costs a few nanoseconds where the method call
+ * machinery costs ~50 per tensor, nine tensors per Mamba scan call.  The types are held
+ * (an address of a freed type could be reused by another).  A type whose is_neg is not
+ * a C method taking no arguments (or varargs) is called the ordinary way. */
+#define SC_NEG_TYPES 8
+static struct {
+    PyObject *type;
+    PyCFunction fn; /* NULL: call the method */
+    int flags;
+} neg_types[SC_NEG_TYPES];
+static int n_neg_types = 0;
+
+static int truth(PyObject *r) {
+    if (r == NULL) return -1;
+    int neg = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return neg;
+}
+
 static int negative_view(PyObject *obj) {
     static PyObject *name = NULL;
     if (name == NULL && (name = PyUnicode_InternFromString("is_neg")) == NULL) return -1;
-    PyObject *r = PyObject_CallMethodObjArgs(obj, name, NULL);
+    PyObject *type = (PyObject *)Py_TYPE(obj);
+    int slot = 0;
+    while (slot < n_neg_types && neg_types[slot].type != type) slot++;
+    if (slot == n_neg_types && slot < SC_NEG_TYPES) { /* first time: how this type's is_neg is called */
+        PyObject *bound = PyObject_GetAttr(obj, name);
+        PyCFunction fn = NULL;
+        int flags = 0;
+        if (bound == NULL) {
+            PyErr_Clear();
+        } else {
+            if (PyCFunction_Check(bound) && PyCFunction_GetSelf(bound) == obj) {
+                flags = PyCFunction_GetFlags(bound) & ~METH_COEXIST;
+                if (flags == METH_NOARGS || flags == METH_VARARGS || flags == (METH_VARARGS | METH_KEYWORDS))
+                    fn = PyCFunction_GetFunction(bound);
+            }
+            Py_DECREF(bound);
+        }
+        Py_INCREF(type);
+        neg_types[slot].type = type;
+        neg_types[slot].fn = fn;
+        neg_types[slot].flags = flags;
+        n_neg_types = slot + 1;
+    }
+    PyObject *r;
+    if (slot < n_neg_types && neg_types[slot].fn != NULL) {
+        PyCFunction fn = neg_types[slot].fn;
+        if (neg_types[slot].flags == METH_NOARGS) {
+            r = fn(obj, NULL);
+        } else {
+            PyObject *none = PyTuple_New(0);
+            if (none == NULL) return -1;
+            r = neg_types[slot].flags == METH_VARARGS ? fn(obj, none) : ((PyCFunctionWithKeywords)(void (*)(void))fn)(obj, none, NULL);
+            Py_DECREF(none);
+        }
+        int neg = truth(r);
+        if (neg < 0) PyErr_Clear();
+        return neg;
+    }
+    r = PyObject_CallMethodObjArgs(obj, name, NULL);
     if (r == NULL) {
         int missing = PyErr_ExceptionMatches(PyExc_AttributeError);
         PyErr_Clear();
@@ -138,20 +196,52 @@ static PyObject *py_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return out;
 }
 
-/* match(given, plan): whether every tensor of the plan (bytes, layout above)
+/* match(given, plan[, fixed, shadows]): with fixed and shadows (see below), first
+ * whether every position that is not a tensor holds what it held (else None).  Then
+ * whether every tensor of the plan (bytes, layout above)
  * has its geometry in the tuple `given` and the checks pass: a new list of
  * the tensors' addresses; None: a position holds another type or another
  * geometry, a torch negative view, or a producer refused; False: the geometry matched and a check
  * failed (misaligned, or written memory overlapping other arguments). */
 static PyObject *py_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2 || !PyTuple_Check(args[0]) || !PyBytes_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "match(given: tuple, plan: bytes)");
+    if ((nargs != 2 && nargs != 4) || !PyTuple_Check(args[0]) || !PyBytes_Check(args[1]) ||
+        (nargs == 4 && (!PyTuple_Check(args[2]) || !PyTuple_Check(args[3])))) {
+        PyErr_SetString(PyExc_TypeError, "match(given: tuple, plan: bytes[, fixed: tuple, shadows: tuple])");
         return NULL;
     }
     PyObject *given = args[0];
     const int64_t *p = (const int64_t *)PyBytes_AsString(args[1]);
     if (p == NULL) return NULL;
+    if (nargs == 4) {
+        /* The positions that are not tensors first (fixed: position, expected, ...): None where
+         * None was given, else a weak reference to the very Buffer validated there (dead: no
+         * match, its id may have been reused).  One Python call less per relaunch than
+         * checking them in Python before this one. */
+        PyObject *fixed = args[2];
+        Py_ssize_t n_fixed = PyTuple_Size(fixed);
+        for (Py_ssize_t i = 0; i + 1 < n_fixed; i += 2) {
+            Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GetItem(fixed, i));
+            PyObject *obj = pos < 0 ? NULL : PyTuple_GetItem(given, pos);
+            if (obj == NULL) {
+                PyErr_Clear();
+                Py_RETURN_NONE;
+            }
+            PyObject *ref = PyTuple_GetItem(fixed, i + 1);
+            if (ref == Py_None) {
+                if (obj != Py_None) Py_RETURN_NONE;
+                continue;
+            }
+            PyObject *expected = PyObject_CallNoArgs(ref); /* a new reference; None when dead */
+            if (expected == NULL) {
+                PyErr_Clear();
+                Py_RETURN_NONE;
+            }
+            int same = expected == obj && expected != Py_None;
+            Py_DECREF(expected);
+            if (!same) Py_RETURN_NONE;
+        }
+    }
     int64_t n = *p++;
     int64_t found[64];
     if (n < 0 || n > 64) Py_RETURN_NONE;
@@ -187,6 +277,29 @@ static PyObject *py_match(PyObject *self, PyObject *const *args, Py_ssize_t narg
     p += 1;
     for (int64_t i = 0; i < n_pairs; i++, p += 3) {
         if (p[1] < found[p[0]] && found[p[0]] < p[2]) Py_RETURN_FALSE;
+    }
+    if (nargs == 4) {
+        /* Index Buffers (shadows: position, host copy, ...) must still hold the host copy they
+         * were validated with (host_indices): else False, the ordinary path refreshes them. */
+        static PyObject *host_indices = NULL;
+        if (host_indices == NULL && (host_indices = PyUnicode_InternFromString("host_indices")) == NULL) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        PyObject *shadows = args[3];
+        Py_ssize_t n_shadows = PyTuple_Size(shadows);
+        for (Py_ssize_t i = 0; i + 1 < n_shadows; i += 2) {
+            Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GetItem(shadows, i));
+            PyObject *obj = pos < 0 ? NULL : PyTuple_GetItem(given, pos);
+            PyObject *now = obj == NULL ? NULL : PyObject_GetAttr(obj, host_indices);
+            if (now == NULL) {
+                PyErr_Clear();
+                Py_RETURN_FALSE;
+            }
+            int same = now == PyTuple_GetItem(shadows, i + 1);
+            Py_DECREF(now);
+            if (!same) Py_RETURN_FALSE;
+        }
     }
     PyObject *out = PyList_New((Py_ssize_t)n);
     if (out == NULL) return NULL;
