@@ -67,9 +67,11 @@ STORAGE_WRITES: dict[int, int] = {}
 #: The liveness flag of an entry that is never probed.
 _ALWAYS_DEAD = [False]
 
-#: Entries kept per device.  A model has a few primitives per layer, each
-#: with a handful of batch shapes in use: far fewer than this.
-MEMO_LIMIT = 4096
+#: Entries kept per device.  A step remembers one entry per layer call and
+#: rotation of rollback planes (layers x primitives x (1 + n_rs_seq) x the
+#: batch shapes in use): a deep model with rollback holds thousands, and a
+#: working set above the limit would be validated again on every call.
+MEMO_LIMIT = 16384
 
 
 class Remembered:
@@ -197,10 +199,15 @@ class LaunchMemo:
         self._entries[key] = entry
 
     def _prune(self) -> None:
-        # Drop entries whose buffers are gone; if that frees too little (a
-        # caller making new buffers every call), start afresh.
+        # Drop entries whose buffers are gone; if that frees too little, drop
+        # the older half of the rest (insertion order): a caller making new
+        # buffers every call loses old entries it never meets again, and a
+        # steady working set keeps its newer half rather than nothing.
         live = {k: e for k, e in self._entries.items() if all(r is None or r() is not None for r in e.refs)}
-        self._entries = live if len(live) < MEMO_LIMIT // 2 else {}
+        if len(live) >= MEMO_LIMIT // 2:
+            items = list(live.items())
+            live = dict(items[len(items) // 2 :])
+        self._entries = live
 
     def clear(self) -> None:
         self._entries.clear()

@@ -145,6 +145,11 @@ def test_memo_stays_bounded() -> None:
     for i, buf in enumerate(keep):
         memo.store(("op", i), "caps", (buf,), (), None, None)
     assert len(memo) <= MEMO_LIMIT
+    # Full of live entries: the newer half stays (a steady working set is not
+    # dropped whole), the older half goes.
+    last = MEMO_LIMIT + 9
+    assert memo.lookup(("op", last), "caps", (keep[last],), ()) is not None
+    assert memo.lookup(("op", 0), "caps", (keep[0],), ()) is None
 
 
 def test_index_buffer_overwritten_by_copy_buffer_is_validated_with_its_new_values(dev, rng) -> None:
