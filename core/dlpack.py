@@ -372,6 +372,11 @@ def torch_like(obj: Any) -> Fingerprint:
     return (type(obj), obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.device, obj.is_neg())
 
 
+def _torch_like_without_neg(obj: Any) -> Fingerprint:
+    """A producer with torch's methods but no ``is_neg`` (no negation views)."""
+    return (type(obj), obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.device)
+
+
 def _numpy_like(obj: Any) -> Fingerprint:
     iface = obj.__array_interface__
     return (type(obj), iface["data"][0], obj.shape, obj.strides, obj.dtype, obj.flags.writeable)
@@ -409,7 +414,7 @@ def reader_for(cls: type) -> Callable[[Any], Fingerprint | None]:
     elif all(callable(getattr(cls, m, None)) for m in ("data_ptr", "stride")) and all(
         hasattr(cls, a) for a in ("shape", "dtype", "device")
     ):
-        reader = torch_like
+        reader = torch_like if callable(getattr(cls, "is_neg", None)) else _torch_like_without_neg
     elif isinstance(getattr(cls, "__array_interface__", None), property) or issubclass(cls, np.ndarray):
         reader = _numpy_like
     else:
@@ -436,6 +441,10 @@ def torch_geometry(obj: Any) -> tuple[Fingerprint, int]:
     return (type(obj), obj.shape, obj.stride(), obj.dtype, obj.device, obj.is_neg()), obj.data_ptr()
 
 
+def _torch_geometry_without_neg(obj: Any) -> tuple[Fingerprint, int]:
+    return (type(obj), obj.shape, obj.stride(), obj.dtype, obj.device), obj.data_ptr()
+
+
 def _numpy_geometry(obj: Any) -> tuple[Fingerprint, int]:
     return (type(obj), obj.shape, obj.strides, obj.dtype, obj.flags.writeable), obj.__array_interface__["data"][0]
 
@@ -445,6 +454,7 @@ def _numpy_geometry(obj: Any) -> tuple[Fingerprint, int]:
 #: once in that geometry depends on), for :class:`statecache.tensor_args.Relaunches`.
 _SPLIT_READERS: dict[Callable[[Any], Fingerprint | None], Callable[[Any], tuple[Fingerprint, int]]] = {
     torch_like: torch_geometry,
+    _torch_like_without_neg: _torch_geometry_without_neg,
     _numpy_like: _numpy_geometry,
 }
 
