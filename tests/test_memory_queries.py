@@ -107,7 +107,14 @@ def plan(mem: Memory, tokens: dict[int, int], n_ubatch: int) -> Any:
         balloc.init(Batch.for_sequences(batch, output_all=True), mem)
     except BatchError:
         return None
-    ctx = mem.init_batch(balloc, n_ubatch)
+    try:
+        ctx = mem.init_batch(balloc, n_ubatch)
+    except ContextError:
+        # A copy between streams waits for the update, and planning is refused
+        # (changing nothing) until it runs: do what the error says, as a runtime
+        # does (upstream's decode always runs the update first).
+        run_update(mem)
+        ctx = mem.init_batch(balloc, n_ubatch)
     return None if ctx.status.is_fail else ctx
 
 
