@@ -107,21 +107,25 @@ def plan(mem: Memory, tokens: dict[int, int], n_ubatch: int) -> Any:
         balloc.init(Batch.for_sequences(batch, output_all=True), mem)
     except BatchError:
         return None
-    try:
-        ctx = mem.init_batch(balloc, n_ubatch)
-    except ContextError:
-        # A copy between streams waits for the update, and planning is refused
-        # (changing nothing) until it runs: do what the error says, as a runtime
-        # does (upstream's decode always runs the update first).
-        run_update(mem)
-        ctx = mem.init_batch(balloc, n_ubatch)
+    ctx = mem.init_batch(balloc, n_ubatch)
     return None if ctx.status.is_fail else ctx
+
+
+def plan_as_runtime(mem: Memory, tokens: dict[int, int], n_ubatch: int) -> Any:
+    """:func:`plan` as a runtime plans: a copy between streams waits for the update,
+    and planning is refused (changing nothing) until it runs, so run it first, as the
+    refusal says (upstream's decode always runs the update first)."""
+    try:
+        return plan(mem, tokens, n_ubatch)
+    except ContextError:
+        run_update(mem)
+        return plan(mem, tokens, n_ubatch)
 
 
 def decode(mem: Memory, tokens: dict[int, int], n_ubatch: int = 8) -> None:
     """Plan and apply a batch (book only: the queries are about the book; rows keep
     whatever they hold, which the fingerprints compare anyway)."""
-    ctx = plan(mem, tokens, n_ubatch)
+    ctx = plan_as_runtime(mem, tokens, n_ubatch)
     if ctx is None:
         return
     while True:
@@ -139,7 +143,7 @@ def decode_then_undo(mem: Memory, tokens: dict[int, int]) -> None:
     drops, and a plain ``undo()`` is refused, changing nothing, exactly when it is lossy."""
     if not isinstance(mem, RecurrentMemory | HybridMemory):
         return  # a KV cache alone offers no undo
-    ctx: Any = plan(mem, tokens, 4)
+    ctx: Any = plan_as_runtime(mem, tokens, 4)
     if ctx is None:
         return
     recr = mem if isinstance(mem, RecurrentMemory) else mem.recr
