@@ -392,10 +392,16 @@ static void decode_unit(const la_call *c, int64_t s, int64_t h, float *buf, floa
     const int64_t head_off = h * S * S, r0 = sc_snap_row(st, s, 0);
     copy_input_state(st, s, n_t, head_off, S * S);
     if (n_t == 0) return;
-    float bonus = 0.0f;
-    pack_chunk(c, s, 0, 1, h, 1, buf, &bonus);
+    /* the token's inputs packed as pack_chunk packs them (the same calls, so
+     * the same bits), but next to each other: n_in * S floats */
     const float *p[6];
-    for (int m = 0; m < c->n_in; m++) p[m] = buf + m * SC_LA_CHUNK * S;
+    for (int m = 0; m < c->n_in; m++) {
+        const sc_view *v = &c->in[m];
+        pack_row(v->data + t0 * v->strides[0] + h * v->strides[1], v->strides[2], S, m == 0 ? c->scale : 1.0f,
+                 m == c->exp_in, buf + m * S);
+        p[m] = buf + m * S;
+    }
+    const float bonus = c->kind == LA_RWKV6 ? la_bonus(p[0], c->u + h * S, p[1], 1.0f, S) : 0.0f;
     const int direct = st->pool_dtype == SC_F32;
     float *start = (float *)sc_pool_at(st, st->start_rows[s], head_off);
     float *final = direct && r0 >= 0 ? (float *)sc_pool_at(st, r0, head_off) : NULL;
@@ -960,7 +966,27 @@ static void prefill_group_chunked(const la_call *c, int64_t s, int64_t ha, int64
 }
 #endif
 
-static void la_run(const la_call *c, int n_threads) {
+/* Whether a decode unit (one token, or none) of this call may need a tile:
+ * a pool of another dtype, or a sequence whose state after the token is
+ * written to no row (it is computed in the tile and dropped). */
+static int la_decode_needs_tile(const sc_state *st) {
+    if (st->pool_dtype != SC_F32) return 1;
+    for (int64_t s = 0; s < st->n_seqs; s++)
+        if (sc_snap_row(st, s, 0) < 0) return 1;
+    return 0;
+}
+
+/* Decode packs at most this many floats of one token's inputs (n_in * S) on the stack. */
+#define SC_LA_DECODE_STACK 1536
+
+/* The units [lo, hi) of thread tid of nt (sc_split).  A call of decode units
+ * alone needs no chunk buffers, bonus row or tiles (f32 pools, every state
+ * written somewhere): it allocates nothing, and its token's inputs go on the
+ * stack.  Allocations of tens of KiB per thread and call (48 KiB of chunk
+ * buffer for RWKV-7 at S = 64, of which a decode used 1.5) each made glibc
+ * consolidate the freed small chunks first: a quarter of a one-head call. */
+static void la_thread(void *arg, int tid, int nt) {
+    const la_call *c = (const la_call *)arg;
     const sc_state *st = c->st;
     const int64_t H = c->H, S = c->S;
     int64_t tile_rows = SC_LA_ROW_TILE_BYTES / 4 / (S > 0 ? S : 1);
@@ -968,69 +994,77 @@ static void la_run(const la_call *c, int n_threads) {
     int64_t group = SC_LA_GROUP_BYTES / (S * S * (int64_t)sizeof(float));
     group = group < 1 ? 1 : (group > H ? H : group);
     const int64_t longest = st->max_tokens;
+    const int64_t G = longest >= 2 ? group : 1;
+    float stack_buf[SC_LA_DECODE_STACK];
+    const int decode_only = longest < 2;
+    float *buf = decode_only && c->n_in * S <= SC_LA_DECODE_STACK
+                     ? stack_buf
+                     : (float *)sc_alloc(sizeof(float) * (size_t)(c->n_in * (decode_only ? 1 : G * SC_LA_CHUNK) * S));
+    float *bonus = decode_only ? NULL : (float *)sc_alloc(sizeof(float) * (size_t)(G * SC_LA_CHUNK));
+    /* a decode unit uses at most one head's worth */
+    float *tiles = !decode_only || la_decode_needs_tile(st) ? (float *)sc_alloc(sizeof(float) * (size_t)(G * S * S))
+                                                              : NULL;
+#ifdef SC_HAVE_AVX2
+    const int chunked = S % 8 == 0 && longest >= 2;
+    la_chunk_ws w = {0};
+    wkv7_chunk_ws w7 = {0};
+    if (chunked && c->kind == LA_RWKV7) wkv7_chunk_ws_alloc(&w7, S);
+    if (chunked) {
+        const size_t cs = sizeof(float) * (size_t)(SC_LA_CHUNK * S);
+        w.EG = (float *)sc_alloc(cs);
+        w.Qd = (float *)sc_alloc(cs);
+        w.Kf = (float *)sc_alloc(cs);
+        w.KT = (float *)sc_alloc(sizeof(float) * (size_t)(S * SC_LA_CHUNK_PAD));
+        w.A = (float *)sc_alloc(sizeof(float) * (size_t)(SC_LA_CHUNK * SC_LA_CHUNK_PAD));
+        w.Eend = (float *)sc_alloc(sizeof(float) * (size_t)S);
+        w.stops = (int64_t *)sc_alloc(sizeof(int64_t) * (size_t)(st->n_cols + 1));
+        w.token_loop = (int *)sc_alloc(sizeof(int) * (size_t)G);
+    }
+#endif
+    int64_t lo, hi;
+    sc_split(st->n_seqs * H, tid, nt, &lo, &hi);
+    for (int64_t unit = lo; unit < hi;) {
+        const int64_t s = unit / H, h = unit % H;
+        const int64_t n_t = st->cu_seqlens[s + 1] - st->cu_seqlens[s];
+        if (n_t < 2) {
+            decode_unit(c, s, h, buf, tiles, tile_rows);
+            unit++;
+            continue;
+        }
+        /* the heads of this sequence in this thread's range, G at a time */
+        const int64_t end = (s + 1) * H < hi ? (s + 1) * H : hi;
+        const int64_t g = end - unit < G ? end - unit : G;
+#ifdef SC_HAVE_AVX2
+        if (chunked)
+            prefill_group_chunked(c, s, h, g, buf, bonus, tiles, &w, &w7);
+        else
+#endif
+            prefill_group(c, s, h, g, buf, bonus, tiles, tile_rows);
+        unit += g;
+    }
+#ifdef SC_HAVE_AVX2
+    free(w.EG);
+    free(w.Qd);
+    free(w.Kf);
+    free(w.KT);
+    free(w.A);
+    free(w.Eend);
+    free(w.stops);
+    free(w.token_loop);
+    wkv7_chunk_ws_free(&w7);
+#endif
+    if (buf != stack_buf) free(buf);
+    free(bonus);
+    free(tiles);
+}
+
+static void la_run(const la_call *c, int n_threads) {
+    const sc_state *st = c->st;
+    const int64_t H = c->H, S = c->S;
     /* state streamed: every token passes over it, plus the rows written */
     const int64_t work = H * S * S * (int64_t)sizeof(float) * (st->n_tokens + st->n_seqs * sc_max_written(st));
     const int team = sc_state_team(st->n_seqs * H, work, n_threads);
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-        const int64_t G = longest >= 2 ? group : 1;
-        float *buf = (float *)sc_alloc(sizeof(float) * (size_t)(c->n_in * G * SC_LA_CHUNK * S));
-        float *bonus = (float *)sc_alloc(sizeof(float) * (size_t)(G * SC_LA_CHUNK));
-        const int64_t tile_floats = G * S * S; /* a decode unit uses at most one head's worth */
-        float *tiles = (float *)sc_alloc(sizeof(float) * (size_t)tile_floats);
-#ifdef SC_HAVE_AVX2
-        const int chunked = S % 8 == 0 && longest >= 2;
-        la_chunk_ws w = {0};
-        wkv7_chunk_ws w7 = {0};
-        if (chunked && c->kind == LA_RWKV7) wkv7_chunk_ws_alloc(&w7, S);
-        if (chunked) {
-            const size_t cs = sizeof(float) * (size_t)(SC_LA_CHUNK * S);
-            w.EG = (float *)sc_alloc(cs);
-            w.Qd = (float *)sc_alloc(cs);
-            w.Kf = (float *)sc_alloc(cs);
-            w.KT = (float *)sc_alloc(sizeof(float) * (size_t)(S * SC_LA_CHUNK_PAD));
-            w.A = (float *)sc_alloc(sizeof(float) * (size_t)(SC_LA_CHUNK * SC_LA_CHUNK_PAD));
-            w.Eend = (float *)sc_alloc(sizeof(float) * (size_t)S);
-            w.stops = (int64_t *)sc_alloc(sizeof(int64_t) * (size_t)(st->n_cols + 1));
-            w.token_loop = (int *)sc_alloc(sizeof(int) * (size_t)G);
-        }
-#endif
-        int64_t lo, hi;
-        sc_split(st->n_seqs * H, sc_thread_id(), sc_team_size(), &lo, &hi);
-        for (int64_t unit = lo; unit < hi;) {
-            const int64_t s = unit / H, h = unit % H;
-            const int64_t n_t = st->cu_seqlens[s + 1] - st->cu_seqlens[s];
-            if (n_t < 2) {
-                decode_unit(c, s, h, buf, tiles, tile_rows);
-                unit++;
-                continue;
-            }
-            /* the heads of this sequence in this thread's range, G at a time */
-            const int64_t end = (s + 1) * H < hi ? (s + 1) * H : hi;
-            const int64_t g = end - unit < G ? end - unit : G;
-#ifdef SC_HAVE_AVX2
-            if (chunked)
-                prefill_group_chunked(c, s, h, g, buf, bonus, tiles, &w, &w7);
-            else
-#endif
-                prefill_group(c, s, h, g, buf, bonus, tiles, tile_rows);
-            unit += g;
-        }
-#ifdef SC_HAVE_AVX2
-        free(w.EG);
-        free(w.Qd);
-        free(w.Kf);
-        free(w.KT);
-        free(w.A);
-        free(w.Eend);
-        free(w.stops);
-        free(w.token_loop);
-        wkv7_chunk_ws_free(&w7);
-#endif
-        free(buf);
-        free(bonus);
-        free(tiles);
-    }
+    sc_team_run(team, la_thread, (void *)c);
 }
 
 /* ---- entry points ---------------------------------------------------------------- */
