@@ -697,11 +697,16 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
 #endif
 #pragma omp parallel num_threads(team) if (team > 1)
         {
-            float *dvec = (float *)sc_alloc(sizeof(float) * (size_t)SC_M1_HEADS);
-            float *bvec = (float *)sc_alloc(sizeof(float) * (size_t)N);
-            float *cvec = (float *)sc_alloc(sizeof(float) * (size_t)N);
-            float *decay = (float *)sc_alloc(sizeof(float) * (size_t)N);
-            float *state = (float *)sc_alloc(sizeof(float) * (size_t)(SC_M1_HEADS * N));
+            /* d_state <= 16 (every Mamba-1 model): the scratch (17 KiB) on the
+             * stack, not five aligned_alloc/free pairs per thread and call. */
+            float small[(3 + SC_M1_HEADS) * 16 + SC_M1_HEADS] __attribute__((aligned(64)));
+            const int on_stack = N <= 16;
+            float *dvec = on_stack ? small : (float *)sc_alloc(sizeof(float) * (size_t)SC_M1_HEADS);
+            float *bvec = on_stack ? small + SC_M1_HEADS : (float *)sc_alloc(sizeof(float) * (size_t)N);
+            float *cvec = on_stack ? small + SC_M1_HEADS + 16 : (float *)sc_alloc(sizeof(float) * (size_t)N);
+            float *decay = on_stack ? small + SC_M1_HEADS + 32 : (float *)sc_alloc(sizeof(float) * (size_t)N);
+            float *state =
+                on_stack ? small + SC_M1_HEADS + 48 : (float *)sc_alloc(sizeof(float) * (size_t)(SC_M1_HEADS * N));
             memset(dvec, 0, sizeof(float) * SC_M1_HEADS); /* lanes past a short block stay finite */
             int64_t lo, hi;
             sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
@@ -717,11 +722,13 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
                 scan_mamba1_unit(&c, s, h0, hb, dvec, bvec, cvec, decay, state);
             }
             (void)rows_path;
-            free(dvec);
-            free(bvec);
-            free(cvec);
-            free(decay);
-            free(state);
+            if (!on_stack) {
+                free(dvec);
+                free(bvec);
+                free(cvec);
+                free(decay);
+                free(state);
+            }
         }
         return;
     }
@@ -740,12 +747,17 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         const size_t tmax = (size_t)(n_t_max > 0 ? n_t_max : 1);
-        float *dbuf = (float *)sc_alloc(sizeof(float) * tmax);
-        float *abuf = (float *)sc_alloc(sizeof(float) * tmax);
+        /* Decode with d_state <= 256: the scratch (a 32 KiB tile and a few
+         * KiB) on the stack, not four aligned_alloc/free pairs per thread and
+         * call; longer calls and larger states allocate it. */
+        float small[SC_SCAN_TILE_BYTES / 4 + 4 * 256 + 16] __attribute__((aligned(64)));
+        const int on_stack = tmax == 1 && N <= 256 && tile_rows(N) * N <= SC_SCAN_TILE_BYTES / 4;
+        float *dbuf = on_stack ? small + SC_SCAN_TILE_BYTES / 4 + 4 * 256 : (float *)sc_alloc(sizeof(float) * tmax);
+        float *abuf = on_stack ? small + SC_SCAN_TILE_BYTES / 4 + 4 * 256 + 8 : (float *)sc_alloc(sizeof(float) * tmax);
         float *bpack = need_pack ? (float *)sc_alloc(sizeof(float) * tmax * (size_t)N) : NULL;
         float *cpack = need_pack ? (float *)sc_alloc(sizeof(float) * tmax * (size_t)N) : NULL;
-        float *tile = (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows(N) * N));
-        float *quad = (float *)sc_alloc(sizeof(float) * (size_t)(4 * N));
+        float *tile = on_stack ? small : (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows(N) * N));
+        float *quad = on_stack ? small + SC_SCAN_TILE_BYTES / 4 : (float *)sc_alloc(sizeof(float) * (size_t)(4 * N));
 #ifdef SC_HAVE_AVX2
         m2_chunk_ws w = {0};
         if (may_chunk) m2_chunk_ws_alloc(&w, P, N, (int64_t)tmax, st->n_cols);
@@ -769,12 +781,14 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
         }
         sc_stream_fence(); /* this thread's streamed rows are visible before it joins */
         (void)may_chunk;
-        free(dbuf);
-        free(abuf);
         free(bpack);
         free(cpack);
-        free(tile);
-        free(quad);
+        if (!on_stack) {
+            free(dbuf);
+            free(abuf);
+            free(tile);
+            free(quad);
+        }
 #ifdef SC_HAVE_AVX2
         if (may_chunk) m2_chunk_ws_free(&w);
 #endif
