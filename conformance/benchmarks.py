@@ -53,6 +53,8 @@ either way, in place without rollback and into the next plane with it.
 These rows walk :data:`ROLLBACK_STATE_BYTES` of state per step (4x the
 host's L3, 128 to 512 MiB, see :func:`rollback_state_bytes`), so that both
 forms run from memory as a model's state does; the size and why are printed.
+Before they are timed, these rows call every (layer, plane) pair once, as a
+decode loop long past its first steps has (the launch memo knows them all).
 Next to those ratios, their floor on this host (:func:`host_rotation_floor`):
 a bare ``y = a x + b`` pass over the same state in place against one
 streamed into another plane; the same bytes move, but the in-place pass
