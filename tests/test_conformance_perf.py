@@ -66,5 +66,9 @@ def test_memcpy_floor_takes_the_in_place_pass_only_where_the_call_updates_in_pla
     assert set(in_place["memcpy_ways"]) == want
     assert set(rotated["memcpy_ways"]) == {"copy"}
     for row in rows:
-        assert row["memcpy_seconds"] == min(row["memcpy_ways"].values())
-        assert row["memcpy_ways"][row["memcpy_how"]] == row["memcpy_seconds"]
+        # the bound is the copy (issue 18's memcpy floor); the in-place floor is the stricter column beside it
+        assert row["memcpy_how"] == "copy" and row["memcpy_seconds"] == row["memcpy_ways"]["copy"]
+        inplace = [v for w, v in row["memcpy_ways"].items() if w != "copy"]
+        assert row["inplace_seconds"] == (min(inplace) if inplace else None)
+    assert in_place["inplace_ratio"] == in_place["inplace_seconds"] / in_place["seconds"]
+    assert rotated["inplace_ratio"] is None
