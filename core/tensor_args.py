@@ -352,8 +352,8 @@ def _absent() -> None:
 class _Relaunch:
     """One call geometry remembered for relaunching: what to check, and the launch."""
 
-    __slots__ = ("align", "c_fixed", "c_shadows", "caps", "direct", "fixed", "native_pairs", "plan", "run",
-                 "shadows", "signature", "tensor_pairs", "tensors")  # fmt: skip
+    __slots__ = ("align", "block", "c_fixed", "c_shadows", "caps", "direct", "fixed", "native_pairs", "plan", "run",
+                 "shadows", "signature", "tensor_pairs", "tensors", "threads")  # fmt: skip
 
     def __init__(
         self,
@@ -396,6 +396,11 @@ class _Relaunch:
         # reference, ...; position, host copy, ...): checked in the same C call
         self.c_fixed = tuple(x for pos, expected in fixed for x in (pos, None if expected is _absent else expected))
         self.c_shadows = tuple(x for pair in shadows for x in pair)
+        # The launch as a block the plan's launch runs (match, addresses placed and the kernel,
+        # in one C call; run's ``block``), with run's ``threads`` giving its thread count; 0: the
+        # plan's match, then run.
+        self.block = 0
+        self.threads: Callable[[], int] | None = None
 
 
 def _read_by_readers(tensors: tuple[tuple[Any, ...], ...], given: tuple[Any, ...], addresses: list[int]) -> bool:
@@ -455,6 +460,15 @@ class Relaunches:
         for entry in chain:
             plan = entry.plan
             if plan is not None:
+                block = entry.block
+                if block:
+                    # The match below, then the addresses placed and the kernel run, in one C call
+                    if entry.caps is not dev.caps:
+                        return False
+                    done = plan.launch(given, plan.words, entry.c_fixed, entry.c_shadows, block, entry.threads())  # type: ignore[misc]
+                    if done is None:
+                        continue  # another geometry
+                    return done  # (False: misaligned, overlapping, or running in another thread)
                 # The fixed positions and every tensor read and compared, and the alignment,
                 # overlap and index shadow checks below made, in one C call (DLPack C exchange API)
                 found = plan.match(given, plan.words, entry.c_fixed, entry.c_shadows)
@@ -613,6 +627,9 @@ class Relaunches:
             entry.plan = in_c.plan(
                 given, tensors, [coerced[pos] for pos in tensors], entry.align, entry.tensor_pairs, entry.native_pairs
             )
+            block, threads = getattr(run, "block", 0), getattr(run, "threads", None)
+            if entry.plan is not None and entry.plan.launch is not None and block and callable(threads):
+                entry.block, entry.threads = block, threads
         chain = self._chains.get(anchor)
         if chain is None:
             if self._count >= RELAUNCH_LIMIT:
