@@ -132,6 +132,8 @@ from statecache.dlpack import (
 )
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError
+from statecache.launch_memo import STORAGE_WRITES
+from statecache.launch_memo import _stamps as index_stamps  # the memo's probe makes the same test
 
 if TYPE_CHECKING:
     from statecache.backend import Buffer, Device
@@ -392,10 +394,11 @@ class _Relaunch:
         # The tensors read in C instead (statecache.dlpack.Plan), where the device has a reader
         # and every tensor's type publishes the DLPack C exchange API; None: read as above.
         self.plan: Plan | None = None
-        # fixed and shadows flattened for the plan's match (position, None or the weak
-        # reference, ...; position, host copy, ...): checked in the same C call
+        # fixed flattened for the plan's match (position, None or the weak reference, ...), and the
+        # index shadows as their storages' write counts (STORAGE_WRITES, id(storage), count, ...;
+        # see _index_stamps): checked in the same C call
         self.c_fixed = tuple(x for pos, expected in fixed for x in (pos, None if expected is _absent else expected))
-        self.c_shadows = tuple(x for pair in shadows for x in pair)
+        self.c_shadows: tuple[Any, ...] = ()
         # The launch as a block the plan's launch runs (match, addresses placed and the kernel,
         # in one C call; run's ``block``), with run's ``threads`` giving its thread count; 0: the
         # plan's match, then run.
@@ -416,6 +419,23 @@ def _read_by_readers(tensors: tuple[tuple[Any, ...], ...], given: tuple[Any, ...
             return False
         addresses.append(address)
     return True
+
+
+def _index_stamps(index_bufs: Sequence[Any], shadows: Sequence[Any]) -> tuple[Any, ...] | None:
+    """The index checks of a plan's match: ``(STORAGE_WRITES, id(storage),
+    count, ...)`` of each index Buffer, taken now, when each still holds the
+    host copy it was validated with (``shadows``); None otherwise.  The same
+    test as comparing the host copies later (a copy is replaced only through
+    ``Buffer.host_indices``' setter, which counts a write of its storage; the
+    launch memo's probe relies on it too), without reading the Buffers."""
+    if any(buf.host_indices is not shadow for buf, shadow in zip(index_bufs, shadows)):
+        return None
+    stamps = index_stamps(index_bufs)
+    if stamps is None:
+        return None
+    if not stamps:
+        return ()
+    return (STORAGE_WRITES, *(w for stamp in dict.fromkeys(stamps) for w in stamp))
 
 
 class Relaunches:
@@ -623,7 +643,9 @@ class Relaunches:
             run,
         )
         in_c: ExchangeReader | None = getattr(dev, "_exchange_reader", None)
-        if in_c is not None and direct:
+        stamps = _index_stamps(index_bufs, shadows) if in_c is not None and direct else None
+        if in_c is not None and stamps is not None:
+            entry.c_shadows = stamps
             entry.plan = in_c.plan(
                 given, tensors, [coerced[pos] for pos in tensors], entry.align, entry.tensor_pairs, entry.native_pairs
             )

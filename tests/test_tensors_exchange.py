@@ -23,6 +23,7 @@ from test_tensors_args import _POSITIONAL, _host, _stateful_hosts, _tensor
 from statecache import dlpack
 from statecache.errors import ArgumentError
 from statecache.hostmem import as_array
+from statecache.launch_memo import STORAGE_WRITES
 from statecache.registry import get_device
 from statecache.tensor_args import Relaunches
 
@@ -326,7 +327,8 @@ def test_the_c_match_checks_the_fixed_positions_and_index_shadows() -> None:
     before and after it: a fixed position must hold the very Buffer validated
     there (a dead one's reference matches nothing, not even None), None where
     None was; an index Buffer must still hold the host copy it was validated
-    with (else False: the ordinary path refreshes it)."""
+    with, told by its storage's write count (else False: the ordinary path
+    refreshes it)."""
     import weakref
 
     dev = _cpu()
@@ -361,9 +363,14 @@ def test_the_c_match_checks_the_fixed_positions_and_index_shadows() -> None:
         assert match(given, plan.words, tuple(fixed), entry.c_shadows) is None  # dead: not taken for None
         filled = tuple(rows if p == entry.c_fixed[none_at] else g for p, g in enumerate(given))
         assert match(filled, plan.words, entry.c_fixed, entry.c_shadows) is None  # something where None was
-        pos = entry.c_shadows[0]
-        assert match(given, plan.words, entry.c_fixed, (pos, np.zeros(1, np.int32))) is False  # stale shadow
-        assert match(given, plan.words, entry.c_fixed, (pos + 100, entry.c_shadows[1])) is False  # no such position
+        writes, storage, count = entry.c_shadows  # the rows Buffer (start and destination rows)
+        assert writes is STORAGE_WRITES and storage == id(rows.storage) and count == STORAGE_WRITES[storage]
+        assert match(given, plan.words, entry.c_fixed, (writes, storage, count + 1)) is False  # written since
+        assert match(given, plan.words, entry.c_fixed, (writes, storage + 64, count)) is False  # no such storage
+        assert match(given, plan.words, entry.c_fixed, ([], storage, count)) is False  # not the counts
+        assert match(given, plan.words, entry.c_fixed, (writes, storage)) is False  # malformed
+        dev.write(rows, hosts["start_rows"].astype(np.int32))  # the same values, written again
+        assert match(given, plan.words, entry.c_fixed, entry.c_shadows) is False
         with pytest.raises(TypeError):
             match(given, plan.words, list(entry.c_fixed), entry.c_shadows)
     dev._relaunches = None

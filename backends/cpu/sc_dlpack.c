@@ -276,25 +276,23 @@ static int match_core(PyObject *given, const int64_t *p, PyObject *fixed, PyObje
         if (p[1] < found[p[0]] && found[p[0]] < p[2]) return REFUSED;
     }
     if (shadows != NULL) {
-        /* Index Buffers (shadows: position, host copy, ...) must still hold the host copy they
-         * were validated with (host_indices): else False, the ordinary path refreshes them. */
-        static PyObject *host_indices = NULL;
-        if (host_indices == NULL && (host_indices = PyUnicode_InternFromString("host_indices")) == NULL) {
+        /* Index Buffers must still hold the host copy they were validated with: their storages'
+         * write counts (shadows: the counts dict, then id(storage), count, ...; the launch memo's
+         * stamps) are the ones taken then, else False, the ordinary path refreshes them.  A dict
+         * lookup each, where reading a Buffer's host copy runs a Python property. */
+        Py_ssize_t n_shadows = PyTuple_Size(shadows);
+        PyObject *writes = n_shadows > 0 ? PyTuple_GetItem(shadows, 0) : NULL;
+        if (n_shadows > 0 && (writes == NULL || !PyDict_Check(writes) || n_shadows % 2 == 0)) {
             PyErr_Clear();
             return REFUSED;
         }
-        Py_ssize_t n_shadows = PyTuple_Size(shadows);
-        for (Py_ssize_t i = 0; i + 1 < n_shadows; i += 2) {
-            Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GetItem(shadows, i));
-            PyObject *obj = pos < 0 ? NULL : PyTuple_GetItem(given, pos);
-            PyObject *now = obj == NULL ? NULL : PyObject_GetAttr(obj, host_indices);
-            if (now == NULL) {
+        for (Py_ssize_t i = 1; i + 1 < n_shadows; i += 2) {
+            PyObject *now = PyDict_GetItemWithError(writes, PyTuple_GetItem(shadows, i)); /* borrowed */
+            int same = now == NULL ? 0 : PyObject_RichCompareBool(now, PyTuple_GetItem(shadows, i + 1), Py_EQ);
+            if (same != 1) {
                 PyErr_Clear();
                 return REFUSED;
             }
-            int same = now == PyTuple_GetItem(shadows, i + 1);
-            Py_DECREF(now);
-            if (!same) return REFUSED;
         }
     }
     return MATCHED;
@@ -307,7 +305,8 @@ static int match_core(PyObject *given, const int64_t *p, PyObject *fixed, PyObje
  * addresses; None: a position holds another type or another geometry, a
  * torch negative view, or a producer refused; False: the geometry matched and
  * a check failed (misaligned, written memory overlapping other arguments, an
- * index Buffer whose host copy changed). */
+ * index Buffer's storage written since: shadows is (write counts, id(storage),
+ * count, ...), an empty tuple when the call has no index Buffers). */
 static PyObject *py_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if ((nargs != 2 && nargs != 4) || !PyTuple_Check(args[0]) || !PyBytes_Check(args[1]) ||
