@@ -354,8 +354,8 @@ def _absent() -> None:
 class _Relaunch:
     """One call geometry remembered for relaunching: what to check, and the launch."""
 
-    __slots__ = ("align", "block", "c_fixed", "c_shadows", "caps", "direct", "fixed", "native_pairs", "plan", "run",
-                 "shadows", "signature", "tensor_pairs", "tensors", "threads")  # fmt: skip
+    __slots__ = ("align", "c_fixed", "c_shadows", "caps", "direct", "fixed", "fused", "native_pairs", "plan", "run",
+                 "shadows", "signature", "tensor_pairs", "tensors")  # fmt: skip
 
     def __init__(
         self,
@@ -399,11 +399,13 @@ class _Relaunch:
         # see _index_stamps): checked in the same C call
         self.c_fixed = tuple(x for pos, expected in fixed for x in (pos, None if expected is _absent else expected))
         self.c_shadows: tuple[Any, ...] = ()
-        # The launch as a block the plan's launch runs (match, addresses placed and the kernel,
-        # in one C call; run's ``block``), with run's ``threads`` giving its thread count; 0: the
-        # plan's match, then run.
-        self.block = 0
-        self.threads: Callable[[], int] | None = None
+        # The launch as a block the plan's launch runs (match, addresses placed and the kernel, in
+        # one C call: run's ``block``, with run's ``threads`` giving its thread count), as
+        # relaunched() calls it: (launch, words, c_fixed, c_shadows, block, threads, caps, run),
+        # read in one go.  run owns the block and the structs its words point into: the tuple
+        # held while the kernel runs keeps them alive should another thread drop this entry
+        # meanwhile (the kernel runs without the GIL).  None: the plan's match, then run.
+        self.fused: tuple[Any, ...] | None = None
 
 
 def _read_by_readers(tensors: tuple[tuple[Any, ...], ...], given: tuple[Any, ...], addresses: list[int]) -> bool:
@@ -476,19 +478,19 @@ class Relaunches:
             return False
         if chain is None:
             return False
-        addresses: list[int] = []
         for entry in chain:
+            fused = entry.fused
+            if fused is not None:
+                # The plan's match below, then the addresses placed and the kernel run, in one C call
+                launch, words, fixed, shadows, block, threads, caps, _ = fused  # (fused holds run: see _Relaunch)
+                if caps is not dev.caps:
+                    return False
+                done = launch(given, words, fixed, shadows, block, threads())
+                if done is None:
+                    continue  # another geometry
+                return done  # type: ignore[no-any-return]  # (False: misaligned, overlapping, or running in another thread)
             plan = entry.plan
             if plan is not None:
-                block = entry.block
-                if block:
-                    # The match below, then the addresses placed and the kernel run, in one C call
-                    if entry.caps is not dev.caps:
-                        return False
-                    done = plan.launch(given, plan.words, entry.c_fixed, entry.c_shadows, block, entry.threads())  # type: ignore[misc]
-                    if done is None:
-                        continue  # another geometry
-                    return done  # (False: misaligned, overlapping, or running in another thread)
                 # The fixed positions and every tensor read and compared, and the alignment,
                 # overlap and index shadow checks below made, in one C call (DLPack C exchange API)
                 found = plan.match(given, plan.words, entry.c_fixed, entry.c_shadows)
@@ -649,9 +651,9 @@ class Relaunches:
             entry.plan = in_c.plan(
                 given, tensors, [coerced[pos] for pos in tensors], entry.align, entry.tensor_pairs, entry.native_pairs
             )
-            block, threads = getattr(run, "block", 0), getattr(run, "threads", None)
-            if entry.plan is not None and entry.plan.launch is not None and block and callable(threads):
-                entry.block, entry.threads = block, threads
+            plan, block, threads = entry.plan, getattr(run, "block", 0), getattr(run, "threads", None)
+            if plan is not None and plan.launch is not None and block and callable(threads):
+                entry.fused = (plan.launch, plan.words, entry.c_fixed, entry.c_shadows, block, threads, entry.caps, run)
         chain = self._chains.get(anchor)
         if chain is None:
             if self._count >= RELAUNCH_LIMIT:

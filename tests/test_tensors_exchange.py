@@ -74,7 +74,7 @@ def _entries(relaunches: Relaunches) -> list:  # type: ignore[type-arg]
 
 def _launched_in_c(relaunches: Relaunches) -> int:
     """How many remembered geometries are matched and launched in one C call (a block)."""
-    return sum(bool(entry.block) for entry in _entries(relaunches))
+    return sum(entry.fused is not None for entry in _entries(relaunches))
 
 
 #: How a step passes x, y (and, for the scan, dt): the remembered geometry at new addresses, or a change.
@@ -169,7 +169,7 @@ def test_c_matching_decides_as_freshly_wrapped_buffers(op, variants, seed, launc
             blocks = max(blocks, _launched_in_c(mine))
             if not launched:
                 for entry in _entries(mine):
-                    entry.block = 0  # the plan's match, then the Python launch
+                    entry.fused = None  # the plan's match, then the Python launch
             dev._relaunches = None  # the ordinary path (whatever it learns is dropped)
             want = _outcome(dev, op, ref, outputs, ref_pool)
             dev._relaunches = None
@@ -218,7 +218,7 @@ def _decode_entry(dev, hosts, pool, rows, keep):  # type: ignore[no-untyped-def]
             args = _materialize("ssm_scan", hosts, "same", pool, rows)
             _call(dev, "ssm_scan", args)
             keep.append(args)
-    entries = [e for e in _entries(dev._relaunches) if e.block]
+    entries = [e for e in _entries(dev._relaunches) if e.fused is not None]
     assert len(entries) == 1
     return entries[0]
 
@@ -251,7 +251,7 @@ def test_a_launch_running_in_another_thread_leaves_the_call_to_the_ordinary_path
         plan = entry.plan
         block[0] = 1
         try:
-            assert plan.launch(_given(args), plan.words, entry.c_fixed, entry.c_shadows, entry.block, 1) is False
+            assert plan.launch(_given(args), plan.words, entry.c_fixed, entry.c_shadows, entry.run.block, 1) is False
             dev._relaunches = mine
             before = len(mine)
             _call(dev, "ssm_scan", args)  # relaunched() says False: validated by geometry instead
@@ -283,20 +283,20 @@ def test_launch_refuses_what_is_not_a_block_call() -> None:
     with torch.no_grad():
         given = _given(_materialize("ssm_scan", hosts, "same", pool, rows))
         with pytest.raises(TypeError, match="launch"):
-            plan.launch(given, plan.words, list(entry.c_fixed), entry.c_shadows, entry.block, 1)
+            plan.launch(given, plan.words, list(entry.c_fixed), entry.c_shadows, entry.run.block, 1)
         with pytest.raises(TypeError, match="launch"):
-            plan.launch(given, plan.words, entry.c_fixed, entry.c_shadows, entry.block)
+            plan.launch(given, plan.words, entry.c_fixed, entry.c_shadows, entry.run.block)
         with pytest.raises(ValueError, match="n_threads"):
-            plan.launch(given, plan.words, entry.c_fixed, entry.c_shadows, entry.block, 0)
+            plan.launch(given, plan.words, entry.c_fixed, entry.c_shadows, entry.run.block, 0)
         kernel = block[1]
         block[1] = 99
         try:
             with pytest.raises(ValueError, match="no kernel"):
-                plan.launch(given, plan.words, entry.c_fixed, entry.c_shadows, entry.block, 1)
+                plan.launch(given, plan.words, entry.c_fixed, entry.c_shadows, entry.run.block, 1)
         finally:
             block[1] = kernel
         assert dev.download(pool).tobytes() == snapshot
-        assert plan.launch(given, plan.words, entry.c_fixed, entry.c_shadows, entry.block, 1) is True
+        assert plan.launch(given, plan.words, entry.c_fixed, entry.c_shadows, entry.run.block, 1) is True
     assert dev.download(pool).tobytes() != snapshot
 
 
