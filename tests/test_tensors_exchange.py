@@ -14,6 +14,8 @@ tensors keep or change their geometry.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -374,3 +376,97 @@ def test_the_c_match_checks_the_fixed_positions_and_index_shadows() -> None:
         with pytest.raises(TypeError):
             match(given, plan.words, list(entry.c_fixed), entry.c_shadows)
     dev._relaunches = None
+
+
+def test_relaunches_from_threads_while_their_entries_are_dropped(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Two threads run decode loops with fresh tensors on pools of their own
+    (relaunched through C, each kernel running without the GIL) while a third
+    drops every remembered geometry again and again (the entries of running
+    kernels among them): every pool and output ends bitwise as when the same
+    loops run one after the other, never relaunched.  (A stress test: freed
+    memory is seldom reused at once, so the ownership a running launch needs
+    is asserted directly in the test below.)"""
+    import threading
+    import time
+
+    dev = _cpu()
+    H, P, N, n_s, steps = 8, 64, 64, 2, 40  # 128 KiB of state per row: kernels long enough to overlap
+
+    def step_args(rng: np.random.Generator) -> dict:  # type: ignore[type-arg]
+        u = lambda *shape: torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32))  # noqa: E731
+        return {"x": u(n_s, 1, H, P), "dt": u(n_s, 1, H), "B": u(n_s, 1, 1, N), "C": u(n_s, 1, 1, N),
+                "y": torch.empty(n_s, 1, H, P)}  # fmt: skip
+
+    A = torch.nn.Parameter(-torch.rand(H) - 0.5)
+
+    def loop(seed: int, outputs: list) -> tuple[Any, list]:  # type: ignore[type-arg]
+        rng = np.random.default_rng(seed)
+        pool = dev.upload(np.zeros((4, H * P * N), np.float32))
+        rows = dev.indices(np.array([2, 0], np.int32))
+        with torch.no_grad():
+            for _ in range(steps):
+                a = step_args(rng)
+                dev.ssm_scan(pool, rows, rows, a["x"], a["dt"], A, a["B"], a["C"], a["y"])
+                outputs.append(_host(a["y"]).tobytes())
+        return dev.download(pool).tobytes(), outputs
+
+    dev._relaunches = None
+    want = [loop(seed, []) for seed in (1, 2)]
+    dev._relaunches = mine = Relaunches()
+    got: list = [None, None]  # type: ignore[type-arg]
+    done = threading.Event()
+    relaunched: list[bool] = []
+    real = Relaunches.relaunched
+
+    def counting(self, *a):  # type: ignore[no-untyped-def]
+        relaunched.append(real(self, *a))
+        return relaunched[-1]
+
+    monkeypatch.setattr(Relaunches, "relaunched", counting)
+
+    def worker(i: int) -> None:
+        got[i] = loop(i + 1, [])
+
+    def dropper() -> None:
+        while not done.is_set():
+            mine.clear()  # (the entries are freed at once: nothing else refers to them)
+            time.sleep(0)  # (the GIL to the workers)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    drop = threading.Thread(target=dropper)
+    drop.start()
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    done.set()
+    drop.join()
+    dev._relaunches = None
+    assert got == want
+    assert sum(relaunched) >= 4  # (each thread: validated, matched by geometry, then relaunched until dropped)
+
+
+def test_what_relaunched_holds_while_a_kernel_runs_owns_the_block() -> None:
+    """relaunched() holds the entry's fused tuple until the launch returns;
+    that tuple alone keeps the launch closure (owner of the block and of the
+    structs its words point into) alive once the entry is dropped."""
+    import gc
+    import weakref
+
+    dev = _cpu()
+    hosts, _, _ = _stateful_hosts("ssm_scan", np.random.default_rng(11), 2)
+    pool = dev.upload(hosts["pool"])
+    rows = dev.indices(hosts["start_rows"].astype(np.int32))
+    dev._relaunches = mine = Relaunches()
+    keep: list = []  # type: ignore[type-arg]
+    entry = _decode_entry(dev, hosts, pool, rows, keep)
+    dev._relaunches = None
+    fused, owner = entry.fused, weakref.ref(entry.run)
+    assert fused[4] == entry.run.block
+    del entry
+    mine.clear()
+    gc.collect()
+    assert owner() is not None and owner().keep[2] is not None
+    del fused
+    gc.collect()
+    assert owner() is None
