@@ -580,7 +580,12 @@ class Device(abc.ABC):
         them at its new address (and keep no pointer of the validated call),
         or the backend returns None.  The launch returns True, or False when
         it did nothing (another thread is running it): the call then takes
-        the ordinary path.  None, the default: no relaunching."""
+        the ordinary path.  A backend whose ``_exchange_reader`` has a
+        ``launch`` (:class:`statecache.dlpack.ExchangeReader`) may give the
+        launch a ``block`` (int: the call prepared in that launch's layout,
+        owned by the launch's attributes) and ``threads`` (the thread count,
+        read per call): relaunches then match and launch in one call of it.
+        None, the default: no relaunching."""
         return None
 
     def _import_memory(self, memory: TensorMemory, dtype: DType) -> Buffer | None:

@@ -86,12 +86,19 @@ cpu device's: :class:`statecache.dlpack.ExchangeReader`) and every tensor's
 type publishes the DLPack C exchange API (torch 2.13 does), a remembered geometry
 also gets a *plan* (:class:`statecache.dlpack.Plan`): the tensors' positions,
 exact types and DLTensor geometries, then the alignment mask and overlap
-pairs above.  One C call reads every tensor through the producer's
-``dltensor_from_py_object_no_sync``, compares and checks, and returns the
-addresses, in a tenth of the time torch's accessors take.  A plan
-is made only when each tensor's C reading describes exactly the memory its
-validated Buffer covers (address, shape, strides on axes longer than one,
-dtype); the Buffer checks, index shadows and capabilities stay in Python.
+pairs above.  One C call checks the Buffers and None positions (weak
+references), reads every tensor through the producer's
+``dltensor_from_py_object_no_sync`` (and torch's negative bit), compares and
+checks, and checks the index Buffers by their storages' write counts, in a
+tenth of the time torch's accessors take.  Where the backend also prepared
+the launch as a block for that C call (the cpu device: the kernel's
+arguments as words, and where each tensor's address goes), the same call
+places the addresses and runs the kernel (``fused``): a relaunch is one call
+from Python.  Otherwise the addresses come back and the backend's launch
+runs.  A plan is made only when each tensor's C reading describes exactly
+the memory its validated Buffer covers (address, shape, strides on axes
+longer than one, dtype) and every index Buffer still holds the host copy
+it was validated with; the capabilities stay in Python.
 
 Index tensors and host tensors that are copied in never take this path
 (their values or copies are refreshed per call); nor does a call that
