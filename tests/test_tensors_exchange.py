@@ -390,7 +390,9 @@ def test_relaunches_from_threads_while_their_entries_are_dropped(monkeypatch) ->
     import time
 
     dev = _cpu()
-    H, P, N, n_s, steps = 8, 64, 64, 2, 40  # 128 KiB of state per row: kernels long enough to overlap
+    # 128 KiB of state per row: kernels long enough to overlap, and large enough to run without the GIL
+    # (sc_dlpack.c's SC_LAUNCH_GIL_WORK: 1 token x 32768 state elements)
+    H, P, N, n_s, steps = 8, 64, 64, 2, 40
 
     def step_args(rng: np.random.Generator) -> dict:  # type: ignore[type-arg]
         u = lambda *shape: torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32))  # noqa: E731

@@ -372,6 +372,14 @@ enum { SC_LAUNCH_SSM_CONV = 1, SC_LAUNCH_SSM_SCAN = 2, SC_LAUNCH_GATED_DELTA_NET
 #define SC_LAUNCH_ARGS 16
 #define SC_LAUNCH_HEAD 3
 
+/* A call updating fewer state elements than this (tokens x a pool row's
+ * elements: a decode step of a small layer, a microsecond or two) runs with
+ * the GIL held, as NumPy runs small operations: releasing and taking it back
+ * costs about 0.1 us, a tenth of such a call, and another Python thread
+ * would get the GIL for no longer than the kernel runs.  Larger calls
+ * release it, as a cffi call does. */
+#define SC_LAUNCH_GIL_WORK ((int64_t)1 << 15)
+
 /* The kernel of a block, called with its argument words as its declared
  * types (statecache_cpu.h: the compiler checks these calls against it). */
 static void run_kernel(int64_t kernel, const int64_t *a, int n_threads) {
@@ -400,7 +408,7 @@ static void run_kernel(int64_t kernel, const int64_t *a, int n_threads) {
 /* launch(given, plan, fixed, shadows, block, n_threads): match (above) and,
  * when the tensors match and every check passes, place their addresses into
  * the block's call and run its kernel (the GIL released, as a cffi call
- * does): True.  None: another geometry; False: a check failed, or the block
+ * does, unless the call is small: SC_LAUNCH_GIL_WORK): True.  None: another geometry; False: a check failed, or the block
  * is running in another thread (its pointers are in use): nothing done, the
  * ordinary path decides.  One call from Python per relaunch, where match,
  * then place and a cffi call were three (and a Python closure). */
@@ -446,9 +454,14 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     /* The GIL is held from the check of busy to here, so no other thread can be between them. */
     block[0] = 1;
-    Py_BEGIN_ALLOW_THREADS
-    run_kernel(block[1], block + SC_LAUNCH_HEAD, (int)n_threads);
-    Py_END_ALLOW_THREADS
+    const sc_state *st = (const sc_state *)(uintptr_t)block[SC_LAUNCH_HEAD]; /* every kernel's first argument */
+    if (st->n_tokens * st->row_elems < SC_LAUNCH_GIL_WORK) {
+        run_kernel(block[1], block + SC_LAUNCH_HEAD, (int)n_threads);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        run_kernel(block[1], block + SC_LAUNCH_HEAD, (int)n_threads);
+        Py_END_ALLOW_THREADS
+    }
     block[0] = 0;
     Py_RETURN_TRUE;
 }
