@@ -1050,9 +1050,15 @@ class Device(abc.ABC):
                 return
         given = (pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens)  # held until return: see _tensors_in
         site = ("ssm_conv", n_snap, plane_stride, silu)
-        coerced = self._tensors_or_relaunch(site, _CONV_NAMES, given)
-        if coerced is None:
-            return
+        relaunches = self._relaunches
+        if relaunches is not None and not isinstance(x, Buffer):  # a fresh tensor (the memo above missed)
+            if relaunches.relaunched(self, site, given, Buffer):
+                return
+            coerced = self._tensors_in(_CONV_NAMES, *given)
+        else:
+            coerced = self._tensors_or_relaunch(site, _CONV_NAMES, given)
+            if coerced is None:
+                return
         pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
@@ -1183,9 +1189,15 @@ class Device(abc.ABC):
                 return
         given = (pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias)  # held: see _tensors_in
         site = ("ssm_scan", n_snap, plane_stride, dt_limit)
-        coerced = self._tensors_or_relaunch(site, _SCAN_NAMES, given)
-        if coerced is None:
-            return
+        relaunches = self._relaunches
+        if relaunches is not None and not isinstance(x, Buffer):  # a fresh tensor (the memo above missed)
+            if relaunches.relaunched(self, site, given, Buffer):
+                return
+            coerced = self._tensors_in(_SCAN_NAMES, *given)
+        else:
+            coerced = self._tensors_or_relaunch(site, _SCAN_NAMES, given)
+            if coerced is None:
+                return
         pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
@@ -1339,9 +1351,15 @@ class Device(abc.ABC):
                 return
         given = (pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias)  # held: see _tensors_in
         site = ("gated_delta_net", n_snap, plane_stride, scale, head_map, qk_l2norm, beta_sigmoid)
-        coerced = self._tensors_or_relaunch(site, _DELTA_NAMES, given)
-        if coerced is None:
-            return
+        relaunches = self._relaunches
+        if relaunches is not None and not isinstance(q, Buffer):  # a fresh tensor (the memo above missed)
+            if relaunches.relaunched(self, site, given, Buffer):
+                return
+            coerced = self._tensors_in(_DELTA_NAMES, *given)
+        else:
+            coerced = self._tensors_or_relaunch(site, _DELTA_NAMES, given)
+            if coerced is None:
+                return
         pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
