@@ -318,8 +318,9 @@ def send_sequence(
 class _Outgoing:
     """A sequence as the sender puts it on the wire: the metadata of its state (the
     state format's, with the valid snapshot planes; see
-    :func:`statecache.state_io.rows_apart`), then one message per row block (only the
-    sequence's rows), in the order the metadata names them."""
+    :func:`statecache.state_io.rows_apart`), then its row blocks (only the sequence's
+    rows), in the order the metadata names them; :func:`_offer` sends the small ones
+    coalesced (:meth:`part_into`), each other one as a message of its own (:meth:`part`)."""
 
     meta: bytes
     blocks: list[tuple[Any, Any, np.ndarray]]  # (device, buffer, rows): the non-empty blocks
