@@ -372,11 +372,13 @@ class _Outgoing:
 #: copies each block to its destination while the large blocks arrive.  Measured on
 #: the 2-core host this was written on: a message costs each side about 20-40 us of
 #: CPU (posting it, gloo's ready notification, waiting for it, the landing's
-#: bookkeeping), a copy 5-20 us per 64 KiB and 18-36 us per 256 KiB; so blocks up to
-#: 256 KiB are cheaper copied than sent alone, larger ones are sent from the pool.
-#: Under CPU contention the transfer's wall time follows its CPU time (see
-#: docs/distributed.md).
-SMALL_BLOCK = 256 << 10
+#: bookkeeping), a copy 5-20 us per 64 KiB and 18-36 us per 256 KiB (more from a pool
+#: that is not in cache); so blocks up to 128 KiB are clearly cheaper copied than sent
+#: alone (a layer's conv state, the K/V rows of a short sequence), and near 256 KiB the
+#: two cost the same (a limit of 256 KiB, which also coalesced the K/V rows of 256
+#: tokens, measured no better).  Larger blocks are sent from the pool.  Under CPU
+#: contention the transfer's wall time follows its CPU time (see docs/distributed.md).
+SMALL_BLOCK = 128 << 10
 SMALL_TOTAL = 4 << 20
 
 
@@ -769,11 +771,13 @@ def _take(ch: _Channel, limit: int) -> _Arrival:
     if nbytes > limit:
         ch.answer(TOO_LARGE)
         raise TransferError(src, f"rank {src} announced {nbytes} bytes, more than max_bytes={limit}; refused")
-    ch.tell(OK)  # go: the receiver checks the metadata while the sender hears it
     small = None
     if small_bytes:  # the sender's first message after the go: it crosses while the memory validates
         small_t = _buffer(f"small:{ch.device}", ch.torch, small_bytes, ch.device)
+        # posted before the go, so that gloo's ready notification reaches the sender first
+        # and its send, posted on the go, is written at once
         small = (small_t, ch.post_recv(small_t, "receiving the small rows"))
+    ch.tell(OK)  # go: the receiver checks the metadata while the sender hears it
     payload = _receive_buffer(ch, nbytes)
     flags = flags_word & 0xFFFF
     crc = crc if flags_word & _CRC_PRESENT else None
