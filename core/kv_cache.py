@@ -21,6 +21,7 @@ parse every part before committing any.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -882,6 +883,24 @@ class KVCache(Memory):
         self.state_write_into(w, seq)
         return pack_sections([(TAG_KV, w)], flags)
 
+    @functools.cached_property
+    def _row_layout(self) -> tuple[tuple[str, int, Buffer, bytes], ...]:
+        """Per K then V buffer, in the order a KV section holds them: ``(kind, layer, buffer,
+        descriptor)``, the descriptor being the bytes of its ``layer, type, row_bytes``
+        fields (the cache's layers and buffers are fixed when it is built): written as
+        they are, and read by comparing bytes (:meth:`Reader.match`), field by field only
+        when they differ (to name what is wrong)."""
+        out = []
+        for kind, bufs in (("k", self.k), ("v", self.v)):
+            for layer in self.layers:
+                if layer.il in bufs:
+                    w = Writer()
+                    w.u32(layer.il)
+                    w.i32(DTYPE_CODES[self.dtype])
+                    w.u64(bufs[layer.il].shape[1] * self.dtype.itemsize)
+                    out.append((kind, layer.il, bufs[layer.il], w.getvalue()))
+        return tuple(out)
+
     def state_write_into(self, w: Writer, seq: int = -1, flags: int = StateFlags.NONE) -> None:
         seq = check_seq_id(seq, self.n_seq_max, allow_all=True)
         # a pending update is accounted for, not required (docs/memory-semantics.md#kv-state)
@@ -919,19 +938,14 @@ class KVCache(Memory):
             rows = idxs + data_stream[strm] * self.size
             shift = cells.shift[idxs] if self.can_shift and cells.has_shift else None
             w.u32(len(self.layers))
-            for bufs in (self.k, self.v):
-                for layer in self.layers:
-                    if layer.il not in bufs:
-                        continue
-                    buf = bufs[layer.il]
-                    w.u32(layer.il)
-                    w.i32(DTYPE_CODES[self.dtype])
-                    w.u64(buf.shape[1] * self.dtype.itemsize)
-                    if bufs is self.k and shift is not None and shift.any():
-                        buf, out_rows = self._rotated_copy(layer.il, buf, rows, shift), np.arange(rows.size)
-                        w.rows(self.device, buf, out_rows)
-                    else:
-                        w.rows(self.device, buf, rows)  # only the sequence's rows leave the device
+            rotate = shift is not None and bool(shift.any())
+            for kind, il, buf, desc in self._row_layout:
+                w.raw(desc)  # layer, type, row_bytes
+                if kind == "k" and rotate:
+                    assert shift is not None
+                    w.rows(self.device, self._rotated_copy(il, buf, rows, shift), np.arange(rows.size))
+                else:
+                    w.rows(self.device, buf, rows)  # only the sequence's rows leave the device
 
     def _streams_after_copies(self) -> list[int]:
         """Per stream, the stream whose K/V rows it holds once the pending copies between
@@ -981,6 +995,7 @@ class KVCache(Memory):
         if n_stream != len(streams):
             raise StateError(f"{self.name}.n_stream", f"blob has {n_stream} streams, expected {len(streams)}")
         placements = []
+        data_field = {"k": f"{self.name}.k_data", "v": f"{self.name}.v_data"}
         k_rows: dict[int, list[np.ndarray]] = {layer.il: [] for layer in self.layers}
         v_rows: dict[int, list[np.ndarray]] = {il: [] for il in self.v}
         exts: list[np.ndarray] = []
@@ -1015,14 +1030,12 @@ class KVCache(Memory):
                     raise StateError(
                         f"{self.name}.n_layer", f"blob has {n_layer} layers, this cache {len(self.layers)}"
                     )
-                for kind, bufs, store in (("k", self.k, k_rows), ("v", self.v, v_rows)):
-                    for layer in self.layers:
-                        if layer.il not in bufs:
-                            continue
-                        width = bufs[layer.il].shape[1]
+                for kind, layer_il, buf, desc in self._row_layout:
+                    width = buf.shape[1]
+                    if not r.match(desc):  # some field differs: read them one by one, naming it
                         il = r.u32(f"{self.name}.{kind}_layer")
-                        if il != layer.il:
-                            raise StateError(f"{self.name}.{kind}_layer", f"expected layer {layer.il}, got {il}")
+                        if il != layer_il:
+                            raise StateError(f"{self.name}.{kind}_layer", f"expected layer {layer_il}, got {il}")
                         code = r.i32(f"{self.name}.{kind}_type")
                         if CODE_DTYPES.get(code) is not self.dtype:
                             raise StateError(f"{self.name}.{kind}_type", f"type code {code}, this cache {self.dtype}")
@@ -1032,7 +1045,8 @@ class KVCache(Memory):
                                 f"{self.name}.{kind}_row_bytes",
                                 f"{row_bytes} bytes per row, this layer has {width * self.dtype.itemsize}",
                             )
-                        store[layer.il].append(r.rows(count, row_bytes, self.dtype, f"{self.name}.{kind}_data"))
+                    store = k_rows if kind == "k" else v_rows
+                    store[layer_il].append(r.rows(count, width * self.dtype.itemsize, self.dtype, data_field[kind]))
             else:
                 for store in (k_rows, v_rows):
                     for il in store:

@@ -42,6 +42,7 @@ vectorised and O(size): no work grows as ``n_seq_max ** 2``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -97,6 +98,32 @@ SECTION_TAG = b"RECR"
 MAX_PLANES = 4096
 _EMPTY_ROWS = np.zeros(0, dtype=np.int64)
 _EMPTY_ROWS.flags.writeable = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorLayout:
+    """One state tensor as the recurrent section describes it: its descriptor's bytes
+    (name, dtype code, row bytes, as :class:`Writer` writes them) and the names its
+    rows' fields carry in errors."""
+
+    name: str
+    buf: Buffer
+    row_bytes: int
+    desc: bytes
+    rows_field: str
+    planes_field: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _SectionLayout:
+    """The fields of a recurrent section that depend on the memory alone (its layers
+    and pools, fixed when it is built): written as stored bytes, and read by comparing
+    bytes (:meth:`Reader.match`), field by field only when they differ (to name what
+    is wrong).  ``head``: ``s_trans, n_layer, n_state_layers``; per layer, the bytes of
+    ``layer, n_tensors`` and its tensors."""
+
+    head: bytes
+    layers: tuple[tuple[int, bytes, tuple[_TensorLayout, ...]], ...]
 
 
 class NonConsecutivePositionWarning(StatecacheWarning):
@@ -1269,6 +1296,34 @@ class RecurrentMemory(Memory):
             return [c] if c >= 0 else []
         return np.flatnonzero(b.n_own > 0).tolist()
 
+    @functools.cached_property
+    def _layout(self) -> _SectionLayout:
+        """The section's memory-only fields (:class:`_SectionLayout`), built once: every
+        state transfer and blob of one sequence writes and checks the same ones."""
+
+        def tensor(layer: int, name: str, buf: Buffer) -> _TensorLayout:
+            w = Writer()
+            w.name(name)
+            w.i32(DTYPE_CODES[buf.dtype])
+            w.u64(buf.shape[1] * buf.dtype.itemsize)
+            field = f"layer[{layer}].{name}"
+            return _TensorLayout(
+                name, buf, buf.shape[1] * buf.dtype.itemsize, w.getvalue(), f"{field}.rows", f"{field}.planes"
+            )
+
+        def u32s(*values: int) -> bytes:
+            w = Writer()
+            for v in values:
+                w.u32(v)
+            return w.getvalue()
+
+        head = u32s(0, self.spec.n_layer, len(self.pools))  # s_trans, n_layer, n_state_layers
+        layers = tuple(
+            (layer, u32s(layer, len(pools)), tuple(tensor(layer, name, buf) for name, buf in pools.items()))
+            for layer, pools in self.pools.items()
+        )
+        return _SectionLayout(head, layers)
+
     def write_section(self, seq: int = -1, flags: int = StateFlags.NONE) -> Writer:
         """The recurrent section payload, as the :class:`Writer` holding it (the logical
         state: a pending rollback is written from its plane)."""
@@ -1288,20 +1343,15 @@ class RecurrentMemory(Memory):
             w.u32(len(ids))
             for q in ids:
                 w.i32(q)
-        w.u32(0)  # s_trans
-        w.u32(self.spec.n_layer)
-        w.u32(len(self.pools))
+        layout = self._layout
+        w.raw(layout.head)  # s_trans (0), n_layer, n_state_layers
         rows = np.array([int(b.src[c]) if b.src[c] >= 0 else c for c in cells], dtype=np.int64)
-        for layer, pools in self.pools.items():
-            w.u32(layer)
-            w.u32(len(pools))
-            for name, buf in pools.items():
-                w.name(name)
-                w.i32(DTYPE_CODES[buf.dtype])
-                row_bytes = buf.shape[1] * buf.dtype.itemsize
-                w.u64(row_bytes)
+        for _, head, tensors in layout.layers:
+            w.raw(head)  # layer, n_tensors
+            for t in tensors:
+                w.raw(t.desc)  # name, dtype code, row bytes
                 if rows.size:
-                    w.rows(self.device, buf, rows)
+                    w.rows(self.device, t.buf, rows)
         if planes_apart() or flags & StateFlags.WITH_PLANES:
             self._write_planes(w, cells)
         return w
@@ -1367,22 +1417,26 @@ class RecurrentMemory(Memory):
                 seen.add(q)
                 ids.append(q)
             cells.append((p, ids))
-        r.expect("s_trans", r.u32("s_trans"), 0)
-        r.expect("n_layer", r.u32("n_layer"), self.spec.n_layer)
-        r.expect("n_state_layers", r.u32("n_state_layers"), len(self.pools))
+        layout = self._layout
+        if not r.match(layout.head):  # some field differs: read them one by one, naming it
+            r.expect("s_trans", r.u32("s_trans"), 0)
+            r.expect("n_layer", r.u32("n_layer"), self.spec.n_layer)
+            r.expect("n_state_layers", r.u32("n_state_layers"), len(self.pools))
         data: dict[int, dict[str, np.ndarray]] = {}
-        for layer, pools in self.pools.items():
-            r.expect("layer", r.u32("layer"), layer)
-            r.expect(f"layer[{layer}].n_tensors", r.u32(f"layer[{layer}].n_tensors"), len(pools))
+        for layer, head, tensors in layout.layers:
+            if not r.match(head):
+                r.expect("layer", r.u32("layer"), layer)
+                r.expect(f"layer[{layer}].n_tensors", r.u32(f"layer[{layer}].n_tensors"), len(tensors))
             data[layer] = {}
-            for name, buf in pools.items():
-                r.expect(f"layer[{layer}].tensor", r.name(f"layer[{layer}].tensor"), name)
-                code = r.i32(f"layer[{layer}].{name}.type")
-                if CODE_DTYPES.get(code) is not buf.dtype:
-                    r.fail(f"layer[{layer}].{name}.type", f"is code {code}, this memory stores {buf.dtype}")
-                row_bytes = buf.shape[1] * buf.dtype.itemsize
-                r.expect(f"layer[{layer}].{name}.row_bytes", r.u64(f"layer[{layer}].{name}.row_bytes"), row_bytes)
-                data[layer][name] = r.rows(n_cells, row_bytes, buf.dtype, f"layer[{layer}].{name}.rows")
+            for t in tensors:
+                name, buf = t.name, t.buf
+                if not r.match(t.desc):
+                    r.expect(f"layer[{layer}].tensor", r.name(f"layer[{layer}].tensor"), name)
+                    code = r.i32(f"layer[{layer}].{name}.type")
+                    if CODE_DTYPES.get(code) is not buf.dtype:
+                        r.fail(f"layer[{layer}].{name}.type", f"is code {code}, this memory stores {buf.dtype}")
+                    r.expect(f"layer[{layer}].{name}.row_bytes", r.u64(f"layer[{layer}].{name}.row_bytes"), t.row_bytes)
+                data[layer][name] = r.rows(n_cells, t.row_bytes, buf.dtype, t.rows_field)
         plane_rows = self._parse_planes(r, n_cells) if planes or planes_apart() else None
         r.at_end()
         return {"seq": seq, "cells": cells, "data": data, "planes": plane_rows}
@@ -1397,11 +1451,8 @@ class RecurrentMemory(Memory):
             counts.append(n)
         total = sum(counts)
         data: dict[int, dict[str, np.ndarray]] = {}
-        for layer, pools in self.pools.items():
-            data[layer] = {}
-            for name, buf in pools.items():
-                row_bytes = buf.shape[1] * buf.dtype.itemsize
-                data[layer][name] = r.rows(total, row_bytes, buf.dtype, f"layer[{layer}].{name}.planes")
+        for layer, _, tensors in self._layout.layers:
+            data[layer] = {t.name: r.rows(total, t.row_bytes, t.buf.dtype, t.planes_field) for t in tensors}
         return counts, data
 
     def apply_section(self, plan: dict[str, Any]) -> None:

@@ -353,6 +353,18 @@ class Reader:
         except UnicodeDecodeError as exc:
             raise StateError(self._f(field), "not valid UTF-8") from exc
 
+    def match(self, want: bytes) -> bool:
+        """Consume ``want`` when the next bytes are exactly it; else consume nothing and
+        return False.  A parser whose fields all have one expected value (a memory's
+        layout: layer ids, tensor names, dtype codes, row sizes) compares their bytes, as
+        written by the same :class:`Writer` calls, in one step, and reads them field by
+        field (naming what is wrong) only when they differ."""
+        n = len(want)
+        if self.data[self.off : self.off + n] != want:
+            return False
+        self.off += n
+        return True
+
     def expect(self, field: str, got: Any, want: Any) -> None:
         if got != want:
             raise StateError(self._f(field), f"is {got!r}, this memory expects {want!r}")
