@@ -1012,9 +1012,9 @@ class KVCache(Memory):
             else:
                 pos, ext, sets = self._parse_cells(r, count, has_ext, seq, strm)
             # M-RoPE: an image's cells share a temporal position, never a whole (pos, x, y)
-            whole = np.stack([pos, ext[:, 0], ext[:, 1]], axis=1)
             increasing = count < 2 or bool((pos[1:] > pos[:-1]).all())  # (the usual case: no sort needed)
-            if seq >= 0 and not increasing and np.unique(whole, axis=0).shape[0] != count:
+            whole = np.stack([pos, ext[:, 0], ext[:, 1]], axis=1) if seq >= 0 and not increasing else None
+            if whole is not None and np.unique(whole, axis=0).shape[0] != count:
                 raise StateError(f"{self.name}.pos", "duplicate positions in a per-sequence blob")
             if seq < 0:
                 keys = list(zip(pos.tolist(), ext[:, 0].tolist(), ext[:, 1].tolist()))

@@ -1123,6 +1123,9 @@ class KVCells:
         if n == 1:
             self.seq_pos.add_key(int(seqs[0]), int(keys[0]))
             return
+        if seqs[0] == seqs[-1] and bool((seqs == seqs[0]).all()):  # one sequence (a prefill, a restore): no grouping
+            self.seq_pos.add_many(int(seqs[0]), np.sort(keys))
+            return
         if np.bincount(seqs).max() == 1:  # one cell per sequence (a decode step): one NumPy append for all
             self.seq_pos.append_keys(np.asarray(seqs, dtype=np.int64), keys)
             return

@@ -123,8 +123,12 @@ class RowSource:
     land: Callable[[list[RowWrite]], list[RowWrite]] | None = None
     #: The size of every block taken, in order.
     taken: list[int] = dataclasses.field(default_factory=list)
-    #: The writes ``land`` took, by their view's address and size, until the memory makes them.
-    landed: dict[tuple[int, int], RowWrite] = dataclasses.field(default_factory=dict)
+    #: The writes ``land`` took, by the identity of their view (which the write keeps
+    #: alive), until the memory makes them (:func:`rows_landed`).
+    landed: dict[int, RowWrite] = dataclasses.field(default_factory=dict)
+    #: The same writes by their view's address and size, built when a memory writes
+    #: through another view object than the one it announced (an equal slice).
+    landed_at: dict[tuple[int, int], int] | None = None
     #: What the memory said to call when rows landed and the read then failed.
     spoil: Callable[[], None] | None = None
 
@@ -144,7 +148,7 @@ class RowSource:
         before; the rows it had free hold other bytes now)."""
         if self.landed and self.spoil is not None:
             self.spoil()
-        self.landed = {}
+        self.landed, self.landed_at = {}, None
 
     def take(self, n: int, field: str) -> np.ndarray:
         if self.offset + n > self.data.size:
@@ -206,7 +210,8 @@ def rows_landing(writes: Callable[[], list[RowWrite]], spoil: Callable[[], None]
     if isinstance(source, RowSource) and source.land is not None and source.wait is not None:
         source.spoil = spoil
         for w in source.land(writes()):
-            source.landed[_view_key(w.rows)] = w
+            source.landed[id(w.rows)] = w
+        source.landed_at = None
 
 
 def rows_landed(buf: Any, idx: np.ndarray, rows: np.ndarray) -> bool:
@@ -216,12 +221,27 @@ def rows_landed(buf: Any, idx: np.ndarray, rows: np.ndarray) -> bool:
     source = _ROWS.get()
     if not isinstance(source, RowSource) or not source.landed or not isinstance(rows, np.ndarray):
         return False
-    w = source.landed.pop(_view_key(rows), None)
-    if w is None:
-        return False
-    if w.buf is not buf or not np.array_equal(w.idx, idx):
+    w = source.landed.pop(id(rows), None)  # the very view announced (alive in w: its id is its own)
+    if w is None:  # another view object: the same bytes?
+        if source.landed_at is None:  # (an address costs a microsecond: taken once per view, only here)
+            source.landed_at = {_view_key(v.rows): k for k, v in source.landed.items()}
+        k = source.landed_at.pop(_view_key(rows), None)
+        w = None if k is None else source.landed.pop(k, None)
+        if w is None:
+            return False
+    if w.buf is not buf or not _same_rows(w.idx, idx):
         raise RuntimeError("a memory wrote a landed row block elsewhere than it announced in rows_landing")
     return True
+
+
+def _same_rows(a: np.ndarray, b: np.ndarray) -> bool:
+    """``np.array_equal`` of two row-index arrays, without its overhead for the few rows
+    of one sequence's block."""
+    if a is b:
+        return True
+    if a.shape != b.shape:
+        return False
+    return a.tolist() == b.tolist() if a.size <= 64 else bool(np.array_equal(a, b))
 
 
 def planes_apart() -> bool:
