@@ -230,3 +230,49 @@ def test_state_read_accepts_streams_and_checks_seq(dev) -> None:  # type: ignore
     assert b.mem.seq_pos_max(2) == 1
     with pytest.raises(statecache.ArgumentError):
         a.mem.state_write(5)
+
+
+def _descriptor_offsets(payload: bytes, n_cells: int, cells_bytes: int) -> list[int]:
+    """Offsets of every byte of a recurrent section that depends on the memory alone
+    (s_trans, n_layer, n_state_layers, and per layer its id, tensor count and each
+    tensor's name, type and row size), read from the payload's own fields."""
+    off = cells_bytes
+    out = list(range(off, off + 12))
+    n_state = struct.unpack_from("<I", payload, off + 8)[0]
+    off += 12
+    for _ in range(n_state):
+        n_tensors = struct.unpack_from("<I", payload, off + 4)[0]
+        out += range(off, off + 8)
+        off += 8
+        for _ in range(n_tensors):
+            desc = 1 + payload[off] + 4 + 8
+            row_bytes = struct.unpack_from("<Q", payload, off + desc - 8)[0]
+            out += range(off, off + desc)
+            off += desc + n_cells * row_bytes
+    return out
+
+
+@pytest.mark.parametrize("seq", [-1, 1])
+def test_every_bit_of_the_layout_fields_is_checked(dev, seq: int) -> None:  # type: ignore[no-untyped-def]
+    """The layout fields are compared as bytes (state_io.Reader.match) and read one by one
+    only when they differ: a blob with any one bit of them flipped (checksum rebuilt) is
+    refused, naming a field, and nothing changes."""
+    a = make(dev)
+    payload = _payload(a.mem.state_write(seq))
+    n_cells = struct.unpack_from("<I", payload, 0)[0]
+    cells_bytes = 4
+    for _ in range(n_cells):  # pos, n_seq_id, ids
+        cells_bytes += 8 + 4 * struct.unpack_from("<I", payload, cells_bytes + 4)[0]
+    offsets = _descriptor_offsets(payload, n_cells, cells_bytes)
+    assert len(offsets) > 12 + 8  # the walk found the layers
+    b = make(dev, seed=4)
+    book, data = b.mem.book_snapshot(), data_snapshot(b)
+    for off in offsets:
+        for bit in range(8):
+            flipped = bytearray(payload)
+            flipped[off] ^= 1 << bit
+            with pytest.raises(StateError) as ei:
+                b.mem.state_read(_rebuild(bytes(flipped)), seq)
+            assert ei.value.field
+    assert_unchanged(b, book, data)
+    b.mem.state_read(_rebuild(payload), seq)  # the unflipped payload still reads
