@@ -67,10 +67,13 @@ def as_tensor(data: bytes | bytearray | memoryview | np.ndarray, device: Any) ->
     """A ``uint8`` tensor over ``data`` (no copy on the host; one copy to a GPU)."""
     torch, _ = torch_dist()
     arr = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8).ravel()
-    with warnings.catch_warnings():
-        # torch warns that a read-only buffer is not writable; sends only read it
-        warnings.simplefilter("ignore", UserWarning)
+    if arr.flags.writeable:  # (a pool's rows, a gathered block: no warning to silence, whose filter costs more)
         t = torch.from_numpy(arr)
+    else:
+        with warnings.catch_warnings():
+            # torch warns that a read-only buffer is not writable; sends only read it
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(arr)
     return t if on_host(device) else t.to(device, copy=True)
 
 
