@@ -787,6 +787,8 @@ class BatchAllocator:
                 m = self._masks[k]
                 if m & taken:
                     continue
+                if self._coupled_limits([k])[k] == 0:
+                    continue  # a token of another set of its sequences comes first
                 if sequential and chosen and self._set_ids[k][0] != self._set_ids[chosen[-1]][0] + 1:
                     continue
                 chosen.append(k)
@@ -796,9 +798,14 @@ class BatchAllocator:
 
             ch = np.asarray(chosen, dtype=np.int64)
 
-        # 2. lock-step expansion
+        # 2. lock-step expansion (coupled: no set past a token of another set of its sequences)
         count = self._remaining_count(ch)
         n_len = int(min(count.min(), n_ubatch // ch.size))
+        lim = count
+        if self.has_coupled and ch.size:
+            limits = self._coupled_limits(ch.tolist())
+            lim = np.asarray([limits[k] for k in ch.tolist()], dtype=np.int64)
+            n_len = min(n_len, int(lim.min()))
 
         # 3. keep-tail rule: a set may be cut only where n_keep_tail tokens remain after the cut
         if n_keep_tail > 0:
@@ -809,6 +816,10 @@ class BatchAllocator:
                 c0 = int(count[0])
                 # the whole remainder if it fits, else cut where n_keep_tail tokens stay behind
                 n_len = c0 if c0 <= n_ubatch else min(n_ubatch, c0 - n_keep_tail)
+                if n_len > int(lim[0]):  # coupled: stop before another set of its sequences
+                    n_len = int(lim[0])
+                    if c0 - n_len < n_keep_tail:
+                        return UBatch.empty()  # its tail cannot stay whole: left unplaced, the plan fails
                 keep = 1
             ch = ch[:keep]
 
@@ -845,12 +856,13 @@ class BatchAllocator:
         chosen: list[int] = []
         takes: list[int] = []
         budget, taken = n_ubatch, 0
+        limits = self._coupled_limits(order.tolist()) if self.has_coupled else None
         for k, count in zip(order.tolist(), self._remaining_count(order).tolist(), strict=True):
-            if self.has_coupled:
+            if limits is not None:
                 m = self._masks[k]
                 if m & taken:
                     continue  # shares a sequence with a set already in this ubatch
-            take = min(count, budget)
+            take = min(count, budget) if limits is None else min(count, budget, limits[k])
             if 0 < count - take < n_keep_tail:
                 take = count - n_keep_tail  # leave a whole tail behind for the next ubatch
             if take <= 0:
@@ -862,6 +874,8 @@ class BatchAllocator:
             budget -= take
             if budget == 0:
                 break
+        if not chosen:
+            return UBatch.empty()  # coupled sets that cannot keep their order and tails: the plan fails
         ch = np.asarray(chosen, dtype=np.int64)
         lens = np.asarray(takes, dtype=np.int64)
         cu = np.zeros(ch.size + 1, dtype=np.int32)
@@ -879,6 +893,22 @@ class BatchAllocator:
     def _remaining_count(self, sets: np.ndarray) -> np.ndarray:
         count: np.ndarray = self._bounds[sets + 1] - self._bounds[sets] - self._set_cursor[sets]
         return count
+
+    def _coupled_limits(self, sets: Sequence[int]) -> dict[int, int]:
+        """Per set, how many of its remaining tokens precede the first unused token of
+        another set sharing a sequence with it.  Taking more would run that sequence out
+        of batch order: with ``(0,) (0, 1) (0,)`` set ``(0,)`` may not take its second
+        token before the coupled one.  Only batches that couple sequences need this."""
+        n_sets = len(self._bounds) - 1
+        live = np.flatnonzero(self._remaining_count(np.arange(n_sets)) > 0).tolist()
+        first = {j: int(self._order[self._bounds[j] + self._set_cursor[j]]) for j in live}
+        masks = self._masks
+        out: dict[int, int] = {}
+        for k in sets:
+            m = masks[k]
+            stop = min((first[j] for j in live if j != k and masks[j] & m), default=self.n_tokens)
+            out[k] = int(np.searchsorted(self._set_remaining(k), stop))
+        return out
 
     def split_seq(self, n_ubatch: int) -> UBatch:
         """One set per ubatch: from the first unused token, following unused tokens
@@ -899,6 +929,8 @@ class BatchAllocator:
             if m & cur == m:
                 idx.append(i)
                 cur = m
+            elif m & cur:
+                break  # a token of one of the set's sequences that this ubatch cannot take comes first
         return self._emit(np.asarray(idx), True, len(idx), [first_ids])
 
 
