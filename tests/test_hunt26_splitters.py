@@ -17,9 +17,11 @@ without a keep-tail rule every token is placed.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from statecache.batch import Batch, BatchAllocator
@@ -137,3 +139,52 @@ def test_a_varlen_recurrent_batch_with_a_coupled_token_between_own_tokens_equals
     want, _ = oracle(dev, t.tables, [1, 2, 3, 4, 5, 7, 9, 10])
     np.testing.assert_allclose(np.stack([out[0], out[2], out[3]]), want[-3:], atol=2e-5)
     assert t.mem.seq_pos_max(0) == 7
+
+
+@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_COUPLED_EXAMPLES", "15")), deadline=None)
+@given(coupled_batches(), st.sampled_from([4, 6, 64]), st.sampled_from([0, 2]))
+def test_coupled_varlen_batches_through_a_recurrent_memory_equal_recompute(batch, n_ubatch, n_rs_seq) -> None:  # type: ignore[no-untyped-def]
+    """Every planned coupled batch computes what each sequence's history gives from zeros: a
+    coupled token's sequences continue from its first (primary) sequence's state (the
+    secondaries give up theirs, docs/memory-semantics.md); a plan that fails changes nothing."""
+    from recurrent_toy import VOCAB, Toy, oracle
+
+    import statecache
+
+    seq_ids, positions = batch
+    dev = statecache.get_device("reference")
+    t = Toy(dev, n_seq_max=N_SEQ, n_rs_seq=n_rs_seq)
+    tokens = [(7 * i + 3) % VOCAB for i in range(len(seq_ids))]
+    balloc = BatchAllocator(N_SEQ)
+    try:
+        balloc.init(Batch(tokens=np.asarray(tokens), seq_ids=seq_ids, pos=np.asarray(positions)), t.mem)
+    except BatchError:
+        assume(False)
+    before = t.mem.state_write()
+    ctx = t.mem.init_batch(balloc, n_ubatch, varlen=True)
+    if ctx.status.is_fail:
+        assert t.mem.state_write() == before
+        return
+    out = {}
+    while True:
+        ub = ctx.get_ubatch()
+        assert ctx.apply()
+        y = t.run_step(ctx.step(), ub.token).reshape(ub.n_tokens, -1)
+        for i in range(ub.n_tokens):
+            out[int(ub.token_idx[i])] = y[i]
+        if not ctx.next():
+            break
+    hist: dict[int, list[int]] = {q: [] for q in range(N_SEQ)}
+    for i, ids in enumerate(seq_ids):  # batch order is each sequence's order
+        h = [*hist[ids[0]], tokens[i]]
+        for q in ids:
+            hist[q] = list(h)
+        want, _ = oracle(dev, t.tables, h)
+        np.testing.assert_allclose(out[i], want[-1], atol=2e-5, err_msg=f"token {i} of {ids}")
+    for q, h in hist.items():
+        if h:
+            _, states = oracle(dev, t.tables, h)
+            assert t.mem.seq_pos_max(q) == len(h) - 1
+            for L, tensors in t.state(q).items():
+                for name, row in tensors.items():
+                    np.testing.assert_allclose(row, states[L][name], atol=2e-5, err_msg=f"seq {q} {L} {name}")
