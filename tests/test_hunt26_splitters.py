@@ -188,3 +188,59 @@ def test_coupled_varlen_batches_through_a_recurrent_memory_equal_recompute(batch
             for L, tensors in t.state(q).items():
                 for name, row in tensors.items():
                     np.testing.assert_allclose(row, states[L][name], atol=2e-5, err_msg=f"seq {q} {L} {name}")
+
+
+@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_COUPLED_EXAMPLES", "15")), deadline=None)
+@given(coupled_batches(), st.sampled_from([4, 64]), st.booleans())
+def test_coupled_batches_through_a_hybrid_memory_equal_recompute(batch, n_ubatch, varlen) -> None:  # type: ignore[no-untyped-def]
+    """A unified hybrid splits coupled batches with ``split_equal`` (not sequential) or
+    ``split_varlen``: the attention part of each token must see exactly its primary
+    sequence's tokens at positions up to its own (a token of a later position computed
+    first saw fewer), the recurrent part the primary's history."""
+    from hybrid_toy import ATTN, attention, emb, make_hybrid
+    from recurrent_toy import VOCAB, Tables, oracle, run_layers
+
+    import statecache
+
+    seq_ids, positions = batch
+    dev = statecache.get_device("reference")
+    mem = make_hybrid(dev, n_seq_max=N_SEQ, size=48)
+    tables = Tables()
+    tokens = [(5 * i + 1) % VOCAB for i in range(len(seq_ids))]
+    balloc = BatchAllocator(N_SEQ)
+    try:
+        balloc.init(Batch(tokens=np.asarray(tokens), seq_ids=seq_ids, pos=np.asarray(positions)), mem)
+    except BatchError:
+        assume(False)
+    ctx = mem.init_batch(balloc, n_ubatch, varlen=varlen)
+    if ctx.status.is_fail:
+        return
+    out = {}
+    cache = mem.attn
+    while True:
+        ub = ctx.get_ubatch()
+        assert ctx.apply()
+        toks = ub.token if ub.is_varlen else ub.token.reshape(ub.n_seqs, ub.n_seq_tokens)
+        y_rec = run_layers(dev, ctx.recr.step(), tables, toks).reshape(ub.n_tokens, -1)
+        ctx.attn.cpy_k(ATTN, np.stack([emb(int(t), 1) for t in ub.token]))
+        ctx.attn.cpy_v(ATTN, np.stack([emb(int(t), 2) for t in ub.token]))
+        mask = ctx.attn.mask()
+        k_all, v_all = cache.k[ATTN].numpy(), cache.v[ATTN].numpy()
+        n_kv = mask.shape[1]
+        for i in range(ub.n_tokens):
+            a = attention(emb(int(ub.token[i]), 3), k_all[:n_kv], v_all[:n_kv], mask[i])
+            out[int(ub.token_idx[i])] = (y_rec[i], a)
+        if not ctx.next():
+            break
+    hist: dict[int, list[int]] = {q: [] for q in range(N_SEQ)}
+    for i, ids in enumerate(seq_ids):
+        h = [*hist[ids[0]], tokens[i]]
+        for q in ids:
+            hist[q] = list(h)
+        want_rec, _ = oracle(dev, tables, h)
+        np.testing.assert_allclose(out[i][0], want_rec[-1], atol=2e-5, err_msg=f"recurrent, token {i} of {ids}")
+        seen = [j for j in range(len(seq_ids)) if ids[0] in seq_ids[j] and positions[j] <= positions[i]]
+        k = np.stack([emb(tokens[j], 1) for j in seen])
+        v = np.stack([emb(tokens[j], 2) for j in seen])
+        want_a = attention(emb(tokens[i], 3), k, v, np.zeros(len(seen), dtype=np.float32))
+        np.testing.assert_allclose(out[i][1], want_a, atol=2e-5, err_msg=f"attention, token {i} of {ids}")
