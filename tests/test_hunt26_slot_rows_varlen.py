@@ -5,7 +5,7 @@ rows of equal ubatches only, and checks that a packed ubatch's rows carry its
 offsets.  Here the same kernels run per sequence set of a *packed* ubatch
 (``rows.cu_seqlens``: set ``i`` owns tokens ``cu[i] .. cu[i + 1] - 1``, its own
 length, so its own snapshot columns) over random walks of mixed batches,
-rollbacks and forks; the memory, book and outputs must match the primitive
+rollbacks, forks and undone batches; the memory, book and outputs must match the primitive
 path (packed too).  ``STATECACHE_HUNT26_SLOT_EXAMPLES`` (default 10).
 """
 
@@ -80,6 +80,8 @@ _OPS = st.lists(
     st.one_of(
         st.tuples(st.just("feed"), st.dictionaries(st.integers(0, 2), st.lists(st.integers(0, VOCAB - 1), min_size=1,
                                                                                   max_size=5), min_size=1)),
+        st.tuples(st.just("undo"), st.dictionaries(st.integers(0, 2), st.lists(st.integers(0, VOCAB - 1), min_size=1,
+                                                                                  max_size=5), min_size=1)),
         st.tuples(st.just("seq_rm"), st.integers(0, 2), st.integers(0, 3)),
         st.tuples(st.just("seq_cp"), st.integers(0, 2), st.integers(0, 2)),
     ),
@@ -96,6 +98,10 @@ def test_packed_walks_through_slot_rows_match_the_packed_primitives(ops, device:
     for op in ops:
         if op[0] == "feed":
             _same(a, b, a.decode(op[1], n_ubatch), b.decode(op[1], n_ubatch), dev)
+        elif op[0] == "undo":  # computed, then taken back: every byte as before, in both
+            blobs = [t.mem.state_write() for t in (a, b)]
+            _same(a, b, a.decode(op[1], n_ubatch, undo=True), b.decode(op[1], n_ubatch, undo=True), dev)
+            assert [t.mem.state_write() for t in (a, b)] == blobs
         elif op[0] == "seq_rm":
             keep = max(0, a.mem.seq_pos_max(op[1]) + 1 - op[2])
             assert a.mem.seq_rm(op[1], keep, -1) == b.mem.seq_rm(op[1], keep, -1)
