@@ -55,17 +55,29 @@ def coupled_batches(draw):  # type: ignore[no-untyped-def]
     return seq_ids, positions
 
 
-def _emitted_in_order(balloc: BatchAllocator, split) -> list[int]:  # type: ignore[no-untyped-def]
-    """Run a splitter to exhaustion; check each sequence advances in batch order."""
+def _emitted_in_order(balloc: BatchAllocator, split, n_keep_tail: int = 0) -> list[int]:  # type: ignore[no-untyped-def]
+    """Run a splitter to exhaustion; check each sequence advances in batch order and, when
+    every token was placed, each set's last ``n_keep_tail`` tokens share one ubatch."""
     seen: list[int] = []
     last = {q: -1 for q in range(N_SEQ)}
+    ubatch_of: dict[int, int] = {}
+    k = 0
     while (ub := split(balloc)).n_tokens:
         for i in ub.token_idx.tolist():
             for q in balloc.seq_id[i]:
                 assert i > last[q], f"sequence {q}: token {i} emitted after token {last[q]}"
                 last[q] = i
             seen.append(i)
+            ubatch_of[i] = k
+        k += 1
     assert len(seen) == len(set(seen))
+    if n_keep_tail and len(seen) == balloc.n_tokens:
+        by_set: dict[tuple[int, ...], list[int]] = {}
+        for i in range(balloc.n_tokens):
+            by_set.setdefault(tuple(balloc.seq_id[i]), []).append(i)
+        for ids, toks in by_set.items():
+            tail = {ubatch_of[i] for i in toks[-n_keep_tail:]}
+            assert len(tail) == 1, f"set {ids}: its last {n_keep_tail} tokens span ubatches {sorted(tail)}"
     return seen
 
 
@@ -83,7 +95,7 @@ def _allocator(seq_ids, positions) -> BatchAllocator:  # type: ignore[no-untyped
 def test_split_varlen_keeps_each_sequence_in_batch_order(batch, n_ubatch, n_keep_tail) -> None:  # type: ignore[no-untyped-def]
     assume(n_ubatch > n_keep_tail)
     balloc = _allocator(*batch)
-    seen = _emitted_in_order(balloc, lambda b: b.split_varlen(n_ubatch, n_keep_tail))
+    seen = _emitted_in_order(balloc, lambda b: b.split_varlen(n_ubatch, n_keep_tail), n_keep_tail)
     if n_keep_tail == 0:
         assert len(seen) == balloc.n_tokens
 
@@ -92,7 +104,7 @@ def test_split_varlen_keeps_each_sequence_in_batch_order(batch, n_ubatch, n_keep
 def test_split_equal_keeps_each_sequence_in_batch_order(batch, n_ubatch, n_keep_tail) -> None:  # type: ignore[no-untyped-def]
     assume(n_ubatch > n_keep_tail)
     balloc = _allocator(*batch)
-    seen = _emitted_in_order(balloc, lambda b: b.split_equal(n_ubatch, False, n_keep_tail))
+    seen = _emitted_in_order(balloc, lambda b: b.split_equal(n_ubatch, False, n_keep_tail), n_keep_tail)
     if n_keep_tail == 0:
         assert len(seen) == balloc.n_tokens
 
