@@ -775,7 +775,7 @@ class BatchAllocator:
             _, first = np.unique(sets, return_index=True)
             ch = sets[np.sort(first)[:n_ubatch]].astype(np.int64)
         else:
-            taken = 0
+            before = 0  # the sequences of every set met so far, chosen or not
             seen: set[int] = set()
             for i in range(start, self.n_tokens):
                 if self._used[i]:
@@ -785,14 +785,14 @@ class BatchAllocator:
                     continue
                 seen.add(k)
                 m = self._masks[k]
-                if m & taken:
+                blocked, before = m & before, before | m
+                if blocked:
+                    # shares a sequence with a chosen set, or with one whose unused token comes
+                    # first (taking k would run that sequence out of batch order)
                     continue
-                if self._coupled_limits([k])[k] == 0:
-                    continue  # a token of another set of its sequences comes first
                 if sequential and chosen and self._set_ids[k][0] != self._set_ids[chosen[-1]][0] + 1:
                     continue
                 chosen.append(k)
-                taken |= m
                 if len(chosen) >= n_ubatch:
                     break
 
