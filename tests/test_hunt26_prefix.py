@@ -15,6 +15,7 @@ Examples: ``STATECACHE_HUNT26_PREFIX_EXAMPLES`` (default 6) traces of 8 steps.
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -169,3 +170,27 @@ Hunt26PrefixMachine.TestCase.settings = settings(
     else list(Phase),
 )
 TestHunt26PrefixMachine = Hunt26PrefixMachine.TestCase
+
+
+@pytest.mark.parametrize(
+    ("prompt", "why"),
+    [
+        ([1, 2.5, 3], "integer"),  # once truncated to 2: a hit on another prompt's checkpoint
+        (np.asarray([1.0, 2.0]), "integer"),
+        ([1, 2**31], "int32"),  # once accepted; save() then failed packing it
+        ([1, 2**40], "int32"),
+    ],
+)
+def test_prompts_the_memory_would_refuse_are_refused_and_change_nothing(prompt, why: str) -> None:  # type: ignore[no-untyped-def]
+    """Token ids follow the batch's rules (integers that fit int32), so the cache never
+    keys a checkpoint by a prompt no batch can hold, nor by a rounded one."""
+    dev = statecache.get_device("reference")
+    rt = ModelRuntime(dev, "recurrent", 4, 0)
+    cache = PrefixCache(rt.mem, reserved=range(2, 4), config=PrefixConfig(chunk=4, interval=8, before_end=2))
+    serve(rt, cache, None, 0, [1, 2, 3, 4, 5, 6], [7])
+    before = _books(cache, rt.mem)
+    for call in (lambda: cache.start(1, prompt), lambda: cache.match(prompt)):
+        with pytest.raises(StatecacheError, match=why):
+            call()
+        assert _books(cache, rt.mem) == before
+    cache.save(io.BytesIO())  # the cache holds only what it can write
