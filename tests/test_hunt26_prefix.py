@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import statecache
 from statecache.conformance.model import VOCAB
 from statecache.conformance.prefix_cases import ColdOracle, ModelRuntime, serve
-from statecache.errors import StatecacheError
+from statecache.errors import ArgumentError, StatecacheError
 from statecache.prefix import PrefixCache, PrefixConfig, check_invariants, describe
 
 N_LIVE, N_RES, N_RS = 2, 5, 2
@@ -194,3 +194,13 @@ def test_prompts_the_memory_would_refuse_are_refused_and_change_nothing(prompt, 
             call()
         assert _books(cache, rt.mem) == before
     cache.save(io.BytesIO())  # the cache holds only what it can write
+
+
+def test_make_room_names_the_negative_amount() -> None:
+    dev = statecache.get_device("reference")
+    rt = ModelRuntime(dev, "recurrent", 4, 0)
+    cache = PrefixCache(rt.mem, reserved=range(2, 4), config=PrefixConfig(chunk=4))
+    for args, name in (((-1, 0), "device_bytes"), ((0, -1), "attention_tokens")):
+        with pytest.raises(ArgumentError) as e:
+            cache.make_room(*args)
+        assert e.value.argument == name

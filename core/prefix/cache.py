@@ -666,7 +666,7 @@ class PrefixCache:
         cells (a runtime calls it when a batch finds no room in the memory).
         Returns whether that was reached."""
         if device_bytes < 0 or attention_tokens < 0:
-            raise ArgumentError("device_bytes", "amounts must be >= 0")
+            raise ArgumentError("device_bytes" if device_bytes < 0 else "attention_tokens", "amounts must be >= 0")
         goal = self.tree.held_tokens - attention_tokens
         while not self.device.fits(device_bytes) or self.tree.held_tokens > goal:
             victims = self._evictable("device")
