@@ -204,3 +204,22 @@ def test_make_room_names_the_negative_amount() -> None:
         with pytest.raises(ArgumentError) as e:
             cache.make_room(*args)
         assert e.value.argument == name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"reserved": [2.5, 3]}, "reserved"),  # once truncated: sequence 2 silently reserved
+        ({"reserved": [True]}, "reserved"),
+        ({"config": {"chunk": 4.5}}, "chunk"),  # once refused naming interval
+        ({"config": {"chunk": 4, "interval": 8.0}}, "interval"),
+        ({"config": {"before_end": 1.5}}, "before_end"),
+    ],
+)
+def test_fractional_ids_and_token_counts_are_refused(kwargs, name: str) -> None:  # type: ignore[no-untyped-def]
+    dev = statecache.get_device("reference")
+    rt = ModelRuntime(dev, "recurrent", 4, 0)
+    with pytest.raises(ArgumentError) as e:
+        config = PrefixConfig(**kwargs["config"]) if "config" in kwargs else None
+        PrefixCache(rt.mem, reserved=kwargs.get("reserved", range(2, 4)), config=config)
+    assert e.value.argument == name
