@@ -35,9 +35,10 @@ def _check_sizes(family: str, d_conv: tuple[str, int] | None = None, **sizes: in
     or negative size surfaced as "state tensor 'r' needs a positive row size", or not
     at all until the first step.  ``d_conv`` (its name and value) is a conv window,
     which keeps ``d_conv - 1`` columns of state, so it must be at least 2."""
-    for name, value in sizes.items():
-        if int(value) < 1:
-            raise ArgumentError(name, f"{family}: must be a positive integer, got {value}")
+    for name, value in (*sizes.items(), *([d_conv] if d_conv is not None else [])):
+        # int(8.5) would pass as 8 and a fractional size reach the row sizes
+        if not _whole(value) or int(value) < 1:
+            raise ArgumentError(name, f"{family}: must be a positive integer, got {value!r}")
     if d_conv is not None and int(d_conv[1]) < 2:
         raise ArgumentError(
             d_conv[0], f"{family}: must be >= 2 (the conv state keeps {d_conv[0]} - 1 columns), got {d_conv[1]}"
@@ -289,6 +290,9 @@ class AttentionLayerSpec:
     swa: bool = False
 
     def __post_init__(self) -> None:
+        sizes = (self.n_head_kv, self.head_dim_k, *(() if self.head_dim_v is None else (self.head_dim_v,)))
+        if not all(_whole(v) for v in sizes):
+            raise ArgumentError("attention", f"heads and head sizes must be integers, got {sizes}")
         if self.n_head_kv <= 0 or self.head_dim_k <= 0 or (self.head_dim_v is not None and self.head_dim_v <= 0):
             raise ArgumentError("attention", "heads and head sizes must be positive")
 
@@ -427,7 +431,15 @@ class ModelSpec:
 # -- tensor-parallel shards (Megatron / vLLM: whole heads per rank) -----------------------
 
 
+def _whole(value: object) -> bool:
+    """An integer (a NumPy one too), not a bool or a float."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
 def _check_rank(rank: int, world: int) -> None:
+    for name, value in (("world", world), ("rank", rank)):
+        if not _whole(value):  # a fractional rank made fractional element maps
+            raise ArgumentError(name, f"must be an integer, got {value!r}")
     if world < 1:
         raise ArgumentError("world", f"needs at least one rank, got {world}")
     if not 0 <= rank < world:

@@ -136,3 +136,21 @@ def test_a_world_that_does_not_divide_is_refused_by_shard_and_scatter(family, wo
     place(mem, {0: [1, 2]})
     with pytest.raises(ArgumentError):
         scatter_state(mem.state_write(), spec, world)
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: ONE["mamba2"].shard(0.5, 1), "rank"),  # once accepted: fractional element maps
+        (lambda: MemorySpec.build(1, {0: ONE["gla"]}).shard(0, 1.0), "world"),
+        (lambda: ONE["kda"].shard(True, 2), "rank"),
+        (lambda: AttentionLayerSpec(2, 4).shard(0.5, 2), "rank"),
+        (lambda: AttentionLayerSpec(2.5, 4), "attention"),  # once accepted
+        (lambda: RecurrentLayerSpec.mamba2(d_inner=8.5, d_state=2, d_conv=3, n_group=1, head_dim=2), "d_inner"),
+        (lambda: RecurrentLayerSpec.gla(n_head=2, head_dim=2.0), "head_dim"),
+    ],
+)
+def test_fractional_sizes_ranks_and_worlds_are_refused_naming_them(call, name: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ArgumentError) as e:
+        call()
+    assert e.value.argument == name
