@@ -307,7 +307,7 @@ class AttentionLayerSpec:
     def shard(self, rank: int, world: int) -> AttentionLayerSpec:
         """Rank ``rank`` of ``world`` holds ``n_head_kv / world`` whole K/V heads (its
         query heads' groups); a count that does not divide is refused, not replicated."""
-        _check_rank(rank, world)
+        check_rank(rank, world)
         return dataclasses.replace(self, n_head_kv=_split("n_head_kv", self.n_head_kv, world, "K/V heads"))
 
     def shard_index(self, rank: int, world: int) -> dict[str, np.ndarray]:
@@ -436,7 +436,9 @@ def _whole(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
-def _check_rank(rank: int, world: int) -> None:
+def check_rank(rank: int, world: int) -> None:
+    """Refuse (:class:`ArgumentError` naming it) a rank or world that is not an
+    integer, or a rank outside ``[0, world)``."""
     for name, value in (("world", world), ("rank", rank)):
         if not _whole(value):  # a fractional rank made fractional element maps
             raise ArgumentError(name, f"must be an integer, got {value!r}")
@@ -473,7 +475,7 @@ def _shard_layer(spec: RecurrentLayerSpec, rank: int, world: int) -> tuple[Recur
     is ``[head, head_dim, head_dim]``.  So a rank's rows are its channels' and heads'
     blocks of the full rows, in increasing order.
     """
-    _check_rank(rank, world)
+    check_rank(rank, world)
     p = spec.params
     full = {t.name: np.arange(t.row_size, dtype=np.int64) for t in spec.tensors}
     if p.get("tp_world", 1) != 1:

@@ -154,3 +154,15 @@ def test_fractional_sizes_ranks_and_worlds_are_refused_naming_them(call, name: s
     with pytest.raises(ArgumentError) as e:
         call()
     assert e.value.argument == name
+
+
+@pytest.mark.parametrize(
+    ("rank", "world", "name"), [(5, 2, "rank"), (0.5, 2, "rank"), (0, 0, "world"), (-1, 2, "rank")]
+)
+def test_save_shard_refuses_a_rank_outside_its_world(rank, world, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Once a blob was marked "rank 5 of 2" (or struct failed on 0.5) and restored nowhere."""
+    mem = build(MemorySpec.build(1, {0: ONE["gla"]}), DEV)
+    place(mem, {0: [1, 2]})
+    with pytest.raises(ArgumentError) as e:
+        save_shard(mem, rank, world)
+    assert e.value.argument == name
