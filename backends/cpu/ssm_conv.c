@@ -22,6 +22,8 @@
  * to split a 3k-channel prefill evenly over two threads. */
 #define SC_CONV_BLOCK 256
 #define SC_CONV_MAX_TAPS 16
+/* Work of one channel of one token, in bytes of state moved (see conv_f32). */
+#define SC_CONV_TOKEN_BYTES 96
 
 #ifdef SC_HAVE_AVX2
 /* One token (decode) for channels [c0, c0 + cb) of sequence s.  The pool's
@@ -341,16 +343,138 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
 #undef EROW
 }
 
+/* What every thread of a conv call needs (see conv_f32). */
+typedef struct {
+    const sc_state *st;
+    const sc_view *x;
+    const float *weight, *bias;
+    float *y;
+    int64_t channels, d_conv, width, n_blocks, n_units;
+    int apply_silu, stream, rows_stream, all_decode4;
+} conv_job;
+
+/* Thread tid of n_team runs its share of the call's units. */
+static void conv_worker(const conv_job *job, int tid, int n_team) {
+    const sc_state *st = job->st;
+    const sc_view *x = job->x;
+    const float *weight = job->weight, *bias = job->bias;
+    float *y = job->y;
+    const int64_t channels = job->channels, d_conv = job->d_conv, width = job->width, n_blocks = job->n_blocks;
+    const int64_t n_units = job->n_units, W = d_conv - 1, n_s = st->n_seqs;
+    const int apply_silu = job->apply_silu, stream = job->stream, rows_stream = job->rows_stream;
+    const int all_decode4 = job->all_decode4, block_major = all_decode4;
+    const sc_dtype pool_dtype = (sc_dtype)st->pool_dtype;
+    const int64_t xt = x->strides[0], xc = x->strides[1];
+    (void)rows_stream; /* unused on builds without AVX2 */
+    (void)xt;
+    (void)pool_dtype;
+    const size_t ext_elems = (size_t)((W + (xc == 1 ? 0 : st->max_tokens)) * SC_CONV_BLOCK);
+    float *ext = all_decode4 ? NULL : (float *)sc_alloc(sizeof(float) * ext_elems);
+    /* The per-thread scratch of d_conv <= 4 (12 KiB) lives on the stack:
+     * four aligned_alloc/free pairs per thread were ~0.4 us of a call,
+     * a tenth of a one-sequence decode. */
+    float small[(3 + 4 + 3 + 2) * SC_CONV_BLOCK] __attribute__((aligned(64)));
+    const int on_stack = d_conv <= 4;
+    float *win = on_stack ? small : (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK));
+    float *wT = on_stack ? small + 3 * SC_CONV_BLOCK
+                         : (float *)sc_alloc(sizeof(float) * (size_t)(d_conv * SC_CONV_BLOCK));
+    float *nwin = on_stack ? small + 7 * SC_CONV_BLOCK : (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK));
+    float *rowbuf = on_stack ? small + 10 * SC_CONV_BLOCK : (float *)sc_alloc(sizeof(float) * 2 * SC_CONV_BLOCK);
+#ifdef SC_HAVE_AVX2
+    int64_t wT_c0 = -1; /* block whose taps wT holds (block-major decode) */
+#endif
+    int64_t lo, hi;
+    sc_split(n_units, tid, n_team, &lo, &hi);
+    for (int64_t u = lo; u < hi; u++) {
+        const int64_t s = block_major ? u % n_s : u / n_blocks;
+        const int64_t c0 = (block_major ? u / n_s : u % n_blocks) * width;
+        const int64_t cb = channels - c0 < width ? channels - c0 : width;
+        const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
+        const int64_t slice = c0 * W;
+#ifdef SC_HAVE_AVX2
+        if (n_t == 1) {
+            /* Column 0 is the new window, column 1 the input one; either may be absent. */
+            const char *src = sc_pool_at(st, st->start_rows[s], slice);
+            const int64_t r0 = sc_snap_row(st, s, 0), r1 = sc_snap_row(st, s, 1);
+            const float *xr = x->data + t0 * xt + c0 * xc;
+            float *yr = y + t0 * channels + c0;
+            if (d_conv == 4) {
+                const float *taps = NULL;
+                if (block_major) {
+                    /* Transposed taps pay off from the second sequence of a run on. */
+                    const int reuse = u + 1 < hi && (u + 1) / n_s == u / n_s;
+                    if (wT_c0 != c0 && reuse) {
+                        for (int64_t c = 0; c + 8 <= cb; c += 8) {
+                            __m256 k[4];
+                            conv4_taps(weight + (c0 + c) * 4, k);
+                            for (int t = 0; t < 4; t++) _mm256_store_ps(wT + t * SC_CONV_BLOCK + c, k[t]);
+                        }
+                        wT_c0 = c0;
+                    }
+                    taps = wT_c0 == c0 ? wT : NULL;
+                }
+                if (pool_dtype == SC_F32) {
+                    /* f32 windows are read and written in the pool, no scratch. */
+                    float *fresh = r0 >= 0 ? (float *)sc_pool_at(st, r0, slice) : nwin;
+                    float *old = r1 >= 0 ? (float *)sc_pool_at(st, r1, slice) : NULL;
+                    old = old == (const float *)src ? NULL : old;
+                    /* streamed: a destination row other than the start row (rotated
+                     * planes), as every store of that row is a whole aligned vector */
+                const int nt = rows_stream && r0 >= 0 && fresh != (const float *)src &&
+                               ((uintptr_t)fresh & 31) == 0 && ((uintptr_t)(old ? old : fresh) & 31) == 0;
+                    if (nt && block_major && u + 1 < hi) {
+                        /* Streamed: fetch the next unit's window slice (another
+                         * sequence's row, where no hardware prefetcher looks) while
+                         * this one runs; the streamed lines hold fill buffers that
+                         * its loads would otherwise wait for (see sc_prefetch_ahead). */
+                        const int64_t s1 = (u + 1) % n_s, c1 = (u + 1) / n_s * width;
+                        const int64_t cb1 = channels - c1 < width ? channels - c1 : width;
+                        sc_prefetch_run((const float *)sc_pool_at(st, st->start_rows[s1], c1 * W), cb1 * W, 1);
+                    }
+                    conv4_decode_block((const float *)src, fresh, old, xr, xc, weight, taps, bias, yr, c0, cb,
+                                       apply_silu, nt);
+                    continue;
+                }
+                sc_load_f32(src, pool_dtype, win, cb * W);
+                conv4_decode_block(win, nwin, NULL, xr, xc, weight, taps, bias, yr, c0, cb, apply_silu, 0);
+            } else {
+                sc_load_f32(src, pool_dtype, win, cb * W);
+                conv_decode_block(win, nwin, xr, xc, weight, bias, yr, c0, cb, d_conv, apply_silu);
+            }
+            if (r0 >= 0) sc_store_f32(nwin, sc_pool_at(st, r0, slice), pool_dtype, cb * W);
+            if (r1 >= 0) sc_store_f32(win, sc_pool_at(st, r1, slice), pool_dtype, cb * W);
+            continue;
+        }
+#endif
+        conv_unit(st, s, c0, cb, x, weight, bias, y, channels, d_conv, apply_silu, ext, win, wT, rowbuf, stream);
+    }
+    sc_stream_fence(); /* this thread's streamed outputs are visible before it joins */
+    free(ext);
+    if (!on_stack) {
+        free(win);
+        free(wT);
+        free(nwin);
+        free(rowbuf);
+    }
+}
+
 static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, const float *bias, float *y,
                      int64_t channels, int64_t d_conv, int apply_silu, int n_threads) {
     const int64_t W = d_conv - 1, n_s = st->n_seqs;
     int64_t n_blocks = (channels + SC_CONV_BLOCK - 1) / SC_CONV_BLOCK;
-    const sc_dtype pool_dtype = (sc_dtype)st->pool_dtype;
-    const int64_t xt = x->strides[0], xc = x->strides[1];
     /* Bytes moved: the window read and the rows written, plus x in and y out. */
     const int64_t work_bytes =
         channels * (int64_t)sizeof(float) * (n_s * W * (1 + sc_max_written(st)) + 2 * st->n_tokens);
-    const int team = sc_state_team(n_s * n_blocks, work_bytes, n_threads);
+    /* The conv does more per byte than the scans the state threshold was
+     * measured on: every channel of every token costs a SiLU and the taps'
+     * shuffles (about 1 ns a channel on one core here, where a scan streams
+     * ~100 bytes of state).  So each channel-token counts as SC_CONV_TOKEN_BYTES
+     * more bytes of work when choosing the team: a one-sequence 5376-channel
+     * decode (172 KiB) splits, kernel alone 5.1-5.3 -> 3.6-4.0 us (2 cores,
+     * C harness, fastest/median of 20000 calls); at 2048 channels two threads
+     * only tie with one, at 512 they lose (0.9 -> 1.4 us). */
+    const int team =
+        sc_state_team(n_s * n_blocks, work_bytes + SC_CONV_TOKEN_BYTES * st->n_tokens * channels, n_threads);
     /* Units of equal width split evenly over the team: a 3328-channel prefill
      * is 13 blocks of 256, 7 for one thread and 6 for the other, where 14 of
      * 240 give each 7.  Widths stay multiples of 16 (the last block takes the
@@ -380,89 +504,15 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
      * sequences and transposes that block's weights once (a unit's result
      * never depends on which thread runs it, nor on the transposed copy). */
     const int all_decode4 = has_avx2 && d_conv == 4 && st->max_tokens == 1 && st->n_tokens == n_s;
-    const int block_major = all_decode4;
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-        const size_t ext_elems = (size_t)((W + (xc == 1 ? 0 : st->max_tokens)) * SC_CONV_BLOCK);
-        float *ext = all_decode4 ? NULL : (float *)sc_alloc(sizeof(float) * ext_elems);
-        float *win = (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK));
-        float *wT = (float *)sc_alloc(sizeof(float) * (size_t)(d_conv * SC_CONV_BLOCK));
-        float *nwin = (float *)sc_alloc(sizeof(float) * (size_t)(W * SC_CONV_BLOCK));
-        float *rowbuf = (float *)sc_alloc(sizeof(float) * 2 * SC_CONV_BLOCK);
-#ifdef SC_HAVE_AVX2
-        int64_t wT_c0 = -1; /* block whose taps wT holds (block-major decode) */
-#endif
-        int64_t lo, hi;
-        sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
-        for (int64_t u = lo; u < hi; u++) {
-            const int64_t s = block_major ? u % n_s : u / n_blocks;
-            const int64_t c0 = (block_major ? u / n_s : u % n_blocks) * width;
-            const int64_t cb = channels - c0 < width ? channels - c0 : width;
-            const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
-            const int64_t slice = c0 * W;
-#ifdef SC_HAVE_AVX2
-            if (n_t == 1) {
-                /* Column 0 is the new window, column 1 the input one; either may be absent. */
-                const char *src = sc_pool_at(st, st->start_rows[s], slice);
-                const int64_t r0 = sc_snap_row(st, s, 0), r1 = sc_snap_row(st, s, 1);
-                const float *xr = x->data + t0 * xt + c0 * xc;
-                float *yr = y + t0 * channels + c0;
-                if (d_conv == 4) {
-                    const float *taps = NULL;
-                    if (block_major) {
-                        /* Transposed taps pay off from the second sequence of a run on. */
-                        const int reuse = u + 1 < hi && (u + 1) / n_s == u / n_s;
-                        if (wT_c0 != c0 && reuse) {
-                            for (int64_t c = 0; c + 8 <= cb; c += 8) {
-                                __m256 k[4];
-                                conv4_taps(weight + (c0 + c) * 4, k);
-                                for (int t = 0; t < 4; t++) _mm256_store_ps(wT + t * SC_CONV_BLOCK + c, k[t]);
-                            }
-                            wT_c0 = c0;
-                        }
-                        taps = wT_c0 == c0 ? wT : NULL;
-                    }
-                    if (pool_dtype == SC_F32) {
-                        /* f32 windows are read and written in the pool, no scratch. */
-                        float *fresh = r0 >= 0 ? (float *)sc_pool_at(st, r0, slice) : nwin;
-                        float *old = r1 >= 0 ? (float *)sc_pool_at(st, r1, slice) : NULL;
-                        old = old == (const float *)src ? NULL : old;
-                        /* streamed: a destination row other than the start row (rotated
-                         * planes), as every store of that row is a whole aligned vector */
-                        const int nt = rows_stream && r0 >= 0 && fresh != (const float *)src && ((uintptr_t)fresh & 31) == 0 &&
-                                       ((uintptr_t)(old ? old : fresh) & 31) == 0;
-                        if (nt && block_major && u + 1 < hi) {
-                            /* Streamed: fetch the next unit's window slice (another
-                             * sequence's row, where no hardware prefetcher looks) while
-                             * this one runs; the streamed lines hold fill buffers that
-                             * its loads would otherwise wait for (see sc_prefetch_ahead). */
-                            const int64_t s1 = (u + 1) % n_s, c1 = (u + 1) / n_s * width;
-                            const int64_t cb1 = channels - c1 < width ? channels - c1 : width;
-                            sc_prefetch_run((const float *)sc_pool_at(st, st->start_rows[s1], c1 * W), cb1 * W, 1);
-                        }
-                        conv4_decode_block((const float *)src, fresh, old, xr, xc, weight, taps, bias, yr, c0, cb,
-                                           apply_silu, nt);
-                        continue;
-                    }
-                    sc_load_f32(src, pool_dtype, win, cb * W);
-                    conv4_decode_block(win, nwin, NULL, xr, xc, weight, taps, bias, yr, c0, cb, apply_silu, 0);
-                } else {
-                    sc_load_f32(src, pool_dtype, win, cb * W);
-                    conv_decode_block(win, nwin, xr, xc, weight, bias, yr, c0, cb, d_conv, apply_silu);
-                }
-                if (r0 >= 0) sc_store_f32(nwin, sc_pool_at(st, r0, slice), pool_dtype, cb * W);
-                if (r1 >= 0) sc_store_f32(win, sc_pool_at(st, r1, slice), pool_dtype, cb * W);
-                continue;
-            }
-#endif
-            conv_unit(st, s, c0, cb, x, weight, bias, y, channels, d_conv, apply_silu, ext, win, wT, rowbuf, stream);
-        }
-        sc_stream_fence(); /* this thread's streamed outputs are visible before it joins */
-        free(ext);
-        free(win);
-        free(wT);
-        free(nwin);
-        free(rowbuf);
+    const conv_job job = {st, x, weight, bias, y, channels, d_conv, width, n_blocks, n_units,
+                          apply_silu, stream, rows_stream, all_decode4};
+    /* One thread runs the body directly: an OpenMP region, even with its
+     * `if` false, cost ~0.2 us a call (a 5376-channel decode is ~5 us). */
+    if (team > 1) {
+#pragma omp parallel num_threads(team)
+        conv_worker(&job, sc_thread_id(), sc_team_size());
+    } else {
+        conv_worker(&job, 0, 1);
     }
 }
 

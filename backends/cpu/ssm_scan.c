@@ -679,6 +679,99 @@ static void m2_chunk_ws_free(m2_chunk_ws *w) {
 }
 #endif
 
+/* Thread tid of n_team runs its share of a Mamba-1 call's units (sequence,
+ * block of SC_M1_HEADS heads). */
+static void scan_mamba1_worker(const scan_call *c, int64_t n_blocks, int64_t n_units, int rows_path, int tid,
+                               int n_team) {
+    const int64_t H = c->H, N = c->N;
+    /* d_state <= 16 (every Mamba-1 model): the scratch (17 KiB) on the
+     * stack, not five aligned_alloc/free pairs per thread and call. */
+    float small[(3 + SC_M1_HEADS) * 16 + SC_M1_HEADS] __attribute__((aligned(64)));
+    const int on_stack = N <= 16;
+    float *dvec = on_stack ? small : (float *)sc_alloc(sizeof(float) * (size_t)SC_M1_HEADS);
+    float *bvec = on_stack ? small + SC_M1_HEADS : (float *)sc_alloc(sizeof(float) * (size_t)N);
+    float *cvec = on_stack ? small + SC_M1_HEADS + 16 : (float *)sc_alloc(sizeof(float) * (size_t)N);
+    float *decay = on_stack ? small + SC_M1_HEADS + 32 : (float *)sc_alloc(sizeof(float) * (size_t)N);
+    float *state =
+        on_stack ? small + SC_M1_HEADS + 48 : (float *)sc_alloc(sizeof(float) * (size_t)(SC_M1_HEADS * N));
+    memset(dvec, 0, sizeof(float) * SC_M1_HEADS); /* lanes past a short block stay finite */
+    int64_t lo, hi;
+    sc_split(n_units, tid, n_team, &lo, &hi);
+    for (int64_t u = lo; u < hi; u++) {
+        const int64_t s = u / n_blocks, h0 = (u % n_blocks) * SC_M1_HEADS;
+        const int64_t hb = H - h0 < SC_M1_HEADS ? H - h0 : SC_M1_HEADS;
+#ifdef SC_HAVE_AVX2
+        if (rows_path) {
+            scan_mamba1_rows(c, s, h0, hb, dvec, bvec, cvec, state);
+            continue;
+        }
+#endif
+        scan_mamba1_unit(c, s, h0, hb, dvec, bvec, cvec, decay, state);
+    }
+    (void)rows_path;
+    if (!on_stack) {
+        free(dvec);
+        free(bvec);
+        free(cvec);
+        free(decay);
+        free(state);
+    }
+}
+
+/* Thread tid of n_team runs its share of a Mamba-2 call's units (see scan_f32). */
+static void scan_mamba2_worker(const scan_call *c, int need_pack, int may_chunk, int64_t Hg, int64_t per_block,
+                               int64_t blocks, int64_t n_units, int tid, int n_team) {
+    const sc_state *st = c->st;
+    const int64_t P = c->P, N = c->N, n_group = c->G, n_t_max = st->max_tokens;
+    (void)P;
+    const size_t tmax = (size_t)(n_t_max > 0 ? n_t_max : 1);
+    /* Decode with d_state <= 256: the scratch (a 32 KiB tile and a few
+     * KiB) on the stack, not four aligned_alloc/free pairs per thread and
+     * call; longer calls and larger states allocate it. */
+    float small[SC_SCAN_TILE_BYTES / 4 + 4 * 256 + 16] __attribute__((aligned(64)));
+    const int on_stack = tmax == 1 && N <= 256 && tile_rows(N) * N <= SC_SCAN_TILE_BYTES / 4;
+    float *dbuf = on_stack ? small + SC_SCAN_TILE_BYTES / 4 + 4 * 256 : (float *)sc_alloc(sizeof(float) * tmax);
+    float *abuf = on_stack ? small + SC_SCAN_TILE_BYTES / 4 + 4 * 256 + 8 : (float *)sc_alloc(sizeof(float) * tmax);
+    float *bpack = need_pack ? (float *)sc_alloc(sizeof(float) * tmax * (size_t)N) : NULL;
+    float *cpack = need_pack ? (float *)sc_alloc(sizeof(float) * tmax * (size_t)N) : NULL;
+    float *tile = on_stack ? small : (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows(N) * N));
+    float *quad = on_stack ? small + SC_SCAN_TILE_BYTES / 4 : (float *)sc_alloc(sizeof(float) * (size_t)(4 * N));
+#ifdef SC_HAVE_AVX2
+    m2_chunk_ws w = {0};
+    if (may_chunk) m2_chunk_ws_alloc(&w, P, N, (int64_t)tmax, st->n_cols);
+#endif
+    int64_t lo, hi;
+    sc_split(n_units, tid, n_team, &lo, &hi);
+    for (int64_t u = lo; u < hi; u++) {
+        const int64_t s = u / (n_group * blocks), gb = u % (n_group * blocks);
+        const int64_t h0 = gb / blocks * Hg + gb % blocks * per_block;
+        const int64_t hb = Hg - gb % blocks * per_block < per_block ? Hg - gb % blocks * per_block : per_block;
+#ifdef SC_HAVE_AVX2
+        const int64_t n_t = st->cu_seqlens[s + 1] - st->cu_seqlens[s];
+        if (may_chunk && n_t >= SC_CHUNK_MIN) {
+            int64_t longest;
+            const int64_t n_stops = sc_state_stops(st, s, n_t, w.stops, &longest);
+            if (longest >= SC_CHUNK_MIN && scan_mamba2_chunked_unit(c, s, h0, hb, w.stops, n_stops, abuf, &w))
+                continue;
+        }
+#endif
+        for (int64_t h = h0; h < h0 + hb; h++) scan_mamba2_unit(c, s, h, dbuf, abuf, bpack, cpack, tile, quad);
+    }
+    sc_stream_fence(); /* this thread's streamed rows are visible before it joins */
+    (void)may_chunk;
+    free(bpack);
+    free(cpack);
+    if (!on_stack) {
+        free(dbuf);
+        free(abuf);
+        free(tile);
+        free(quad);
+    }
+#ifdef SC_HAVE_AVX2
+    if (may_chunk) m2_chunk_ws_free(&w);
+#endif
+}
+
 static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, const float *A, int a_per_state,
                      const sc_view *B, const sc_view *C, float *y, const sc_scan_options *opt, int64_t n_head,
                      int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads) {
@@ -695,33 +788,13 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
 #else
         const int rows_path = 0;
 #endif
-#pragma omp parallel num_threads(team) if (team > 1)
-        {
-            float *dvec = (float *)sc_alloc(sizeof(float) * (size_t)SC_M1_HEADS);
-            float *bvec = (float *)sc_alloc(sizeof(float) * (size_t)N);
-            float *cvec = (float *)sc_alloc(sizeof(float) * (size_t)N);
-            float *decay = (float *)sc_alloc(sizeof(float) * (size_t)N);
-            float *state = (float *)sc_alloc(sizeof(float) * (size_t)(SC_M1_HEADS * N));
-            memset(dvec, 0, sizeof(float) * SC_M1_HEADS); /* lanes past a short block stay finite */
-            int64_t lo, hi;
-            sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
-            for (int64_t u = lo; u < hi; u++) {
-                const int64_t s = u / n_blocks, h0 = (u % n_blocks) * SC_M1_HEADS;
-                const int64_t hb = H - h0 < SC_M1_HEADS ? H - h0 : SC_M1_HEADS;
-#ifdef SC_HAVE_AVX2
-                if (rows_path) {
-                    scan_mamba1_rows(&c, s, h0, hb, dvec, bvec, cvec, state);
-                    continue;
-                }
-#endif
-                scan_mamba1_unit(&c, s, h0, hb, dvec, bvec, cvec, decay, state);
-            }
-            (void)rows_path;
-            free(dvec);
-            free(bvec);
-            free(cvec);
-            free(decay);
-            free(state);
+        /* One thread runs the body directly: an OpenMP region, even with its
+         * `if` false, costs ~0.2 us a call. */
+        if (team > 1) {
+#pragma omp parallel num_threads(team)
+            scan_mamba1_worker(&c, n_blocks, n_units, rows_path, sc_thread_id(), sc_team_size());
+        } else {
+            scan_mamba1_worker(&c, n_blocks, n_units, rows_path, 0, 1);
         }
         return;
     }
@@ -730,6 +803,7 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
     const int may_chunk = N % 8 == 0 && P % 8 == 0 && n_t_max >= SC_CHUNK_MIN;
 #else
     const int may_chunk = 0;
+    (void)n_t_max;
 #endif
     /* Units: (sequence, head), or in calls that may chunk (sequence, block
      * of up to SC_M2_HEADS heads of one group); a head's token loop is the
@@ -737,47 +811,11 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
     const int64_t Hg = H / n_group, per_block = may_chunk ? SC_M2_HEADS : 1;
     const int64_t blocks = (Hg + per_block - 1) / per_block, n_units = n_s * n_group * blocks;
     const int team = sc_state_team(n_units, work_bytes, n_threads);
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-        const size_t tmax = (size_t)(n_t_max > 0 ? n_t_max : 1);
-        float *dbuf = (float *)sc_alloc(sizeof(float) * tmax);
-        float *abuf = (float *)sc_alloc(sizeof(float) * tmax);
-        float *bpack = need_pack ? (float *)sc_alloc(sizeof(float) * tmax * (size_t)N) : NULL;
-        float *cpack = need_pack ? (float *)sc_alloc(sizeof(float) * tmax * (size_t)N) : NULL;
-        float *tile = (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows(N) * N));
-        float *quad = (float *)sc_alloc(sizeof(float) * (size_t)(4 * N));
-#ifdef SC_HAVE_AVX2
-        m2_chunk_ws w = {0};
-        if (may_chunk) m2_chunk_ws_alloc(&w, P, N, (int64_t)tmax, st->n_cols);
-#endif
-        int64_t lo, hi;
-        sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
-        for (int64_t u = lo; u < hi; u++) {
-            const int64_t s = u / (n_group * blocks), gb = u % (n_group * blocks);
-            const int64_t h0 = gb / blocks * Hg + gb % blocks * per_block;
-            const int64_t hb = Hg - gb % blocks * per_block < per_block ? Hg - gb % blocks * per_block : per_block;
-#ifdef SC_HAVE_AVX2
-            const int64_t n_t = st->cu_seqlens[s + 1] - st->cu_seqlens[s];
-            if (may_chunk && n_t >= SC_CHUNK_MIN) {
-                int64_t longest;
-                const int64_t n_stops = sc_state_stops(st, s, n_t, w.stops, &longest);
-                if (longest >= SC_CHUNK_MIN && scan_mamba2_chunked_unit(&c, s, h0, hb, w.stops, n_stops, abuf, &w))
-                    continue;
-            }
-#endif
-            for (int64_t h = h0; h < h0 + hb; h++) scan_mamba2_unit(&c, s, h, dbuf, abuf, bpack, cpack, tile, quad);
-        }
-        sc_stream_fence(); /* this thread's streamed rows are visible before it joins */
-        (void)may_chunk;
-        free(dbuf);
-        free(abuf);
-        free(bpack);
-        free(cpack);
-        free(tile);
-        free(quad);
-#ifdef SC_HAVE_AVX2
-        if (may_chunk) m2_chunk_ws_free(&w);
-#endif
+    if (team > 1) {
+#pragma omp parallel num_threads(team)
+        scan_mamba2_worker(&c, need_pack, may_chunk, Hg, per_block, blocks, n_units, sc_thread_id(), sc_team_size());
+    } else {
+        scan_mamba2_worker(&c, need_pack, may_chunk, Hg, per_block, blocks, n_units, 0, 1);
     }
 }
 

@@ -175,6 +175,41 @@ def test_ssm_conv(d_conv: int, ch: int, n_t: int, n_s: int, K: int, bias_silu: b
     against_reference(args, call, {"pool": written_rows(dst, n_t, K, stride), "y": None})
 
 
+@pytest.mark.parametrize("n_s,K", [(1, 1), (1, 2), (3, 2)])
+def test_model_sized_conv_decode_under_the_shipped_team_rule(monkeypatch: pytest.MonkeyPatch, n_s: int, K: int) -> None:
+    """A 5376-channel conv decode (a GDN layer's window) at the shipped
+    thresholds: the conv counts each channel-token as more work than its bytes,
+    so even one sequence splits over two threads; the split must give the bits
+    of one thread and match the reference (in place, and with the input window
+    written to plane 1)."""
+    rng = np.random.default_rng(5376 + 10 * n_s + K)
+    ch, d_conv = 5376, 4
+    dst, start, stride, n_rows = state_rows(rng, n_s, 1, K)
+    args = {
+        "pool": Arg(u(rng, (n_rows, ch * (d_conv - 1)))),
+        "start_rows": Arg(start, DType.I32),
+        "dst_rows": Arg(dst, DType.I32),
+        "x": Arg(u(rng, (n_s, 1, ch), -3, 3)),
+        "weight": Arg(u(rng, (ch, d_conv))),
+        "bias": Arg(u(rng, (ch,))),
+        "y": Arg(u(rng, (n_s, 1, ch))),
+    }
+
+    def call(dev, pool, start_rows, dst_rows, x, weight, bias, y, **_):  # type: ignore[no-untyped-def]
+        dev.ssm_conv(
+            pool, start_rows, dst_rows, x, weight, y, bias=bias, apply_silu=True, n_snap=K, plane_stride=stride
+        )
+
+    dev = cpu_device()
+    results = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("STATECACHE_NUM_THREADS", threads)
+        results.append(run(dev, args, call)[0])
+    for name in results[0]:
+        assert_bitwise(f"{name}, 2 threads vs 1", results[1][name], results[0][name])
+    against_reference(args, call, {"pool": written_rows(dst, 1, K, stride), "y": None})
+
+
 # -- ssm_scan -------------------------------------------------------------------------
 
 SCAN_GRID = [
