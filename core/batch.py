@@ -900,13 +900,23 @@ class BatchAllocator:
         of batch order: with ``(0,) (0, 1) (0,)`` set ``(0,)`` may not take its second
         token before the coupled one.  Only batches that couple sequences need this."""
         n_sets = len(self._bounds) - 1
-        live = np.flatnonzero(self._remaining_count(np.arange(n_sets)) > 0).tolist()
-        first = {j: int(self._order[self._bounds[j] + self._set_cursor[j]]) for j in live}
-        masks = self._masks
+        live = np.flatnonzero(self._remaining_count(np.arange(n_sets)) > 0)
+        first = self._order[self._bounds[live] + self._set_cursor[live]].tolist()
+        # per sequence, the two earliest first-unused tokens of the live sets holding it (and
+        # whose): a set's stop is then found from its own ids, not by comparing every pair
+        best: dict[int, list[tuple[int, int]]] = {}
+        for j, f in zip(live.tolist(), first, strict=True):
+            for q in self._set_ids[j]:
+                b = best.setdefault(q, [])
+                b.append((f, j))
+                if len(b) > 2:
+                    b.sort()
+                    del b[2:]
         out: dict[int, int] = {}
         for k in sets:
-            m = masks[k]
-            stop = min((first[j] for j in live if j != k and masks[j] & m), default=self.n_tokens)
+            stop = self.n_tokens
+            for q in self._set_ids[k]:
+                stop = min([stop, *(f for f, j in best.get(q, ()) if j != k)])
             out[k] = int(np.searchsorted(self._set_remaining(k), stop))
         return out
 
