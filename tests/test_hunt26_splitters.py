@@ -203,8 +203,8 @@ def test_coupled_varlen_batches_through_a_recurrent_memory_equal_recompute(batch
 
 
 @settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_COUPLED_EXAMPLES", "15")), deadline=None)
-@given(coupled_batches(), st.sampled_from([4, 64]), st.booleans())
-def test_coupled_batches_through_a_hybrid_memory_equal_recompute(batch, n_ubatch, varlen) -> None:  # type: ignore[no-untyped-def]
+@given(coupled_batches(), st.sampled_from([4, 64]), st.booleans(), st.sampled_from(["hybrid", "iswa", "idx"]))
+def test_coupled_batches_through_a_hybrid_memory_equal_recompute(batch, n_ubatch, varlen, kind) -> None:  # type: ignore[no-untyped-def]
     """A unified hybrid splits coupled batches with ``split_equal`` (not sequential) or
     ``split_varlen``: the attention part of each token must see exactly its primary
     sequence's tokens at positions up to its own (a token of a later position computed
@@ -216,7 +216,7 @@ def test_coupled_batches_through_a_hybrid_memory_equal_recompute(batch, n_ubatch
 
     seq_ids, positions = batch
     dev = statecache.get_device("reference")
-    mem = make_hybrid(dev, n_seq_max=N_SEQ, size=48)
+    mem = make_hybrid(dev, kind, n_seq_max=N_SEQ, size=48, n_swa=48)  # a window that hides nothing here
     tables = Tables()
     tokens = [(5 * i + 1) % VOCAB for i in range(len(seq_ids))]
     balloc = BatchAllocator(N_SEQ)
@@ -228,15 +228,17 @@ def test_coupled_batches_through_a_hybrid_memory_equal_recompute(batch, n_ubatch
     if ctx.status.is_fail:
         return
     out = {}
-    cache = mem.attn
+    iswa = kind == "iswa"
+    cache = mem.attn.swa if iswa else mem.attn
     while True:
         ub = ctx.get_ubatch()
         assert ctx.apply()
         toks = ub.token if ub.is_varlen else ub.token.reshape(ub.n_seqs, ub.n_seq_tokens)
         y_rec = run_layers(dev, ctx.recr.step(), tables, toks).reshape(ub.n_tokens, -1)
-        ctx.attn.cpy_k(ATTN, np.stack([emb(int(t), 1) for t in ub.token]))
-        ctx.attn.cpy_v(ATTN, np.stack([emb(int(t), 2) for t in ub.token]))
-        mask = ctx.attn.mask()
+        actx = ctx.attn.swa if iswa else ctx.attn
+        actx.cpy_k(ATTN, np.stack([emb(int(t), 1) for t in ub.token]))
+        actx.cpy_v(ATTN, np.stack([emb(int(t), 2) for t in ub.token]))
+        mask = actx.mask()
         k_all, v_all = cache.k[ATTN].numpy(), cache.v[ATTN].numpy()
         n_kv = mask.shape[1]
         for i in range(ub.n_tokens):
