@@ -15,13 +15,13 @@ the first ``--warmup`` rounds are not counted):
   the sequence transfer's payload bytes (metadata + rows; the target is >= 0.8 of
   its GB/s);
 * ``plain, N msgs``: the same bytes as the N messages a sequence transfer sends
-  (its header and metadata, then one per row block), all posted at once: what the
-  wire alone costs when split like a transfer (gloo moves a large payload faster
-  in pieces);
-* ``plain, gathered``: the same, with the row blocks under 512 KiB gathered into one
-  message (a copy in on the sender, out on the receiver): what that design would win;
+  (its header and metadata, the small row blocks coalesced into one, then one per
+  other row block), all posted at once: what the wire alone costs when split like a
+  transfer (gloo moves a large payload faster in pieces);
 * ``sequence``: ``send_sequence`` / ``recv_sequence`` until the state is installed
   in the receiver's memory;
+* ``seq, per block``: the same with no block coalesced (every row block its own
+  message, as protocol 4 sent them): what coalescing changes, in the same run;
 * ``state format``: the same with ``rows=False`` (``state_write`` blob,
   ``state_read``: the fallback between memories that cannot exchange rows).
 
@@ -77,34 +77,6 @@ def _plain_split(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
         work.wait()
 
 
-#: Row blocks under this many bytes travel gathered into one message in ``plain, gathered``.
-SMALL_BLOCK = 512 << 10
-
-
-@kind("plain, gathered")
-def _plain_gathered(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
-    """The transfer's messages with the row blocks under SMALL_BLOCK gathered into one
-    (copied in on the sender, out on the receiver): what gathering small blocks would
-    win on the wire and cost in copies (a design the transfer does not use yet)."""
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-
-    small = [p for p in ctx["parts"][1:] if p.numel() < SMALL_BLOCK]
-    big = [ctx["parts"][0], *(p for p in ctx["parts"][1:] if p.numel() >= SMALL_BLOCK)]
-    scratch = ctx.setdefault("scratch", np.empty(sum(p.numel() for p in small), dtype=np.uint8))
-    if rank == 0 and small:  # numpy copies: torch's would start its thread pool
-        np.concatenate([p.numpy() for p in small], out=scratch)
-    post = dist.isend if rank == 0 else dist.irecv
-    for work in [post(part, 1 - rank) for part in [*big, torch.from_numpy(scratch)] if part.numel()]:
-        work.wait()
-    if rank == 1 and small:
-        off = 0
-        for part in small:
-            part.numpy()[:] = scratch[off : off + part.numel()]
-            off += part.numel()
-
-
 @kind("sequence")
 def _sequence(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
     from statecache.distributed import recv_sequence, send_sequence
@@ -114,6 +86,20 @@ def _sequence(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
     else:
         recv_sequence(mem, 0, 0, timeout=300)
         assert mem.seq_pos_max(0) == ctx["tokens"] - 1
+
+
+@kind("seq, per block")
+def _sequence_per_block(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
+    """The transfer without coalescing: every row block its own message (protocol 4's
+    shape; the sender decides, the receiver follows the header)."""
+    from statecache.distributed import transfer as T
+
+    keep = T.SMALL_BLOCK
+    T.SMALL_BLOCK = 0
+    try:
+        _sequence(rank, mem, ctx)
+    finally:
+        T.SMALL_BLOCK = keep
 
 
 @kind("state format")
@@ -161,11 +147,15 @@ def fill(mem: Any, tokens: int) -> None:
 
 def message_sizes(mem: Any) -> list[int]:
     """The messages a sequence transfer of sequence 0 sends over gloo, in bytes: the
-    header with the metadata inline, then one per row block."""
+    header with the metadata inline, the small row blocks coalesced into one (when
+    there are any), then one per other row block."""
     from statecache.distributed import transfer as T
 
     out = T._Outgoing.of(mem, 0, 0)
-    return [8 * T._HEADER_WORDS + len(out.meta), *out.sizes]
+    picked = T._coalesced(out.sizes, T.SMALL_BLOCK, T.SMALL_TOTAL)
+    small = sum(n for n, p in zip(out.sizes, picked, strict=True) if p)
+    big = [n for n, p in zip(out.sizes, picked, strict=True) if not p]
+    return [8 * T._HEADER_WORDS + len(out.meta), *([small] if small else []), *big]
 
 
 def breakdown(mem: Any, other: Any, tokens: int, rounds: int) -> dict[str, list[float]]:

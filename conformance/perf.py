@@ -29,11 +29,13 @@ COLUMNS_EXPLAINED = (
     ("GB/s", "bytes the call must read plus bytes it must write, divided by its time"),
     (
         "x memcpy bound",
-        "the time this device's copy_buffer takes to move the same bytes, divided by the call's time: "
-        "1.00 is as fast as copying what the call reads and writes. A state update in place (decode reads a "
-        "state row and writes it back to the same row) can exceed 1: its writes land on cache lines it has "
-        "just read, while the copy reads one buffer and must also fetch or allocate the lines of another; "
-        "shapes that fit in cache can exceed it too",
+        "the time this device takes to move the same bytes, divided by the call's time: the faster of its "
+        "copy_buffer into another buffer and, on the C CPU device for a call that updates its state in place "
+        "(decode reads a state row and writes it back to the same row), an in-place pass over as many bytes, "
+        "each repeated on one buffer as the call repeats on one pool. 1.00 is as fast as moving what the call "
+        "reads and writes; a device without the in-place pass can exceed 1 on such calls: their writes land "
+        "on cache lines they have just read, while the copy must also fetch or allocate the lines of another "
+        "buffer",
     ),
     ("x BASELINE", "the C backend's time on the same shape divided by this device's (above 1: faster than it)"),
 )

@@ -580,7 +580,12 @@ class Device(abc.ABC):
         them at its new address (and keep no pointer of the validated call),
         or the backend returns None.  The launch returns True, or False when
         it did nothing (another thread is running it): the call then takes
-        the ordinary path.  None, the default: no relaunching."""
+        the ordinary path.  A backend whose ``_exchange_reader`` has a
+        ``launch`` (:class:`statecache.dlpack.ExchangeReader`) may give the
+        launch a ``block`` (int: the call prepared in that launch's layout,
+        owned by the launch's attributes) and ``threads`` (the thread count,
+        read per call): relaunches then match and launch in one call of it.
+        None, the default: no relaunching."""
         return None
 
     def _import_memory(self, memory: TensorMemory, dtype: DType) -> Buffer | None:
@@ -1045,9 +1050,15 @@ class Device(abc.ABC):
                 return
         given = (pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens)  # held until return: see _tensors_in
         site = ("ssm_conv", n_snap, plane_stride, silu)
-        coerced = self._tensors_or_relaunch(site, _CONV_NAMES, given)
-        if coerced is None:
-            return
+        relaunches = self._relaunches
+        if relaunches is not None and not isinstance(x, Buffer):  # a fresh tensor (the memo above missed)
+            if relaunches.relaunched(self, site, given, Buffer):
+                return
+            coerced = self._tensors_in(_CONV_NAMES, *given)
+        else:
+            coerced = self._tensors_or_relaunch(site, _CONV_NAMES, given)
+            if coerced is None:
+                return
         pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
@@ -1178,9 +1189,15 @@ class Device(abc.ABC):
                 return
         given = (pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias)  # held: see _tensors_in
         site = ("ssm_scan", n_snap, plane_stride, dt_limit)
-        coerced = self._tensors_or_relaunch(site, _SCAN_NAMES, given)
-        if coerced is None:
-            return
+        relaunches = self._relaunches
+        if relaunches is not None and not isinstance(x, Buffer):  # a fresh tensor (the memo above missed)
+            if relaunches.relaunched(self, site, given, Buffer):
+                return
+            coerced = self._tensors_in(_SCAN_NAMES, *given)
+        else:
+            coerced = self._tensors_or_relaunch(site, _SCAN_NAMES, given)
+            if coerced is None:
+                return
         pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
@@ -1334,9 +1351,15 @@ class Device(abc.ABC):
                 return
         given = (pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias)  # held: see _tensors_in
         site = ("gated_delta_net", n_snap, plane_stride, scale, head_map, qk_l2norm, beta_sigmoid)
-        coerced = self._tensors_or_relaunch(site, _DELTA_NAMES, given)
-        if coerced is None:
-            return
+        relaunches = self._relaunches
+        if relaunches is not None and not isinstance(q, Buffer):  # a fresh tensor (the memo above missed)
+            if relaunches.relaunched(self, site, given, Buffer):
+                return
+            coerced = self._tensors_in(_DELTA_NAMES, *given)
+        else:
+            coerced = self._tensors_or_relaunch(site, _DELTA_NAMES, given)
+            if coerced is None:
+                return
         pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.

@@ -541,13 +541,28 @@ _DTYPE_WORD = {
 class ExchangeReader:
     """Compiled readers of tensors through the DLPack C exchange API: a
     backend's ``read(obj, function)`` and ``match(given, plan)`` builtins
-    (see backends/cpu/sc_dlpack.c for what they take and return)."""
+    (see backends/cpu/sc_dlpack.c for what they take and return), and
+    optionally its ``launch(given, plan, fixed, shadows, block, n_threads)``:
+    the match, then the call prepared in ``block`` (a backend's own layout)
+    run with the addresses found, in one call (True, or match's None / False
+    with nothing done)."""
 
-    __slots__ = ("_match", "_read")
+    __slots__ = ("_launch", "_match", "_read")
 
-    def __init__(self, read: Callable[[Any, int], tuple[int, ...] | None], match: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        read: Callable[[Any, int], tuple[int, ...] | None],
+        match: Callable[..., Any],
+        launch: Callable[..., bool | None] | None = None,
+    ) -> None:
         self._read = read
         self._match = match
+        self._launch = launch
+
+    @property
+    def launches(self) -> bool:
+        """Whether the backend's ``launch`` is there (plans then carry it)."""
+        return self._launch is not None
 
     def reading(self, obj: Any) -> tuple[int, ...] | None:
         """``obj``'s reading (address, ndim, dtype word, device word, shape...,
@@ -591,18 +606,28 @@ class ExchangeReader:
             words += [pos, id(type(obj)), exchange_function(type(obj)), ndim, dtype, device, *shape, *strides]
         words += [align, len(tensor_pairs), *(w for pair in tensor_pairs for w in pair)]
         words += [len(fixed_pairs), *(w for pair in fixed_pairs for w in pair)]
-        return Plan(self._match, np.array(words, np.int64).tobytes(), [type(given[p]) for p in positions])
+        words_bytes = np.array(words, np.int64).tobytes()
+        return Plan(self._match, words_bytes, [type(given[p]) for p in positions], self._launch)
 
 
 class Plan:
     """One call's tensors to match in C (:meth:`ExchangeReader.plan`)."""
 
-    __slots__ = ("_keep", "match", "words")
+    __slots__ = ("_keep", "launch", "match", "words")
 
-    def __init__(self, match: Callable[..., Any], words: bytes, types: list[type]) -> None:
+    def __init__(
+        self,
+        match: Callable[..., Any],
+        words: bytes,
+        types: list[type],
+        launch: Callable[..., bool | None] | None = None,
+    ) -> None:
         # match(given, words[, fixed, shadows]): the tensors' addresses (a list), None (another
         # geometry, or a fixed position holding another object), or False (the geometry, but
         # misaligned, overlapping, or an index Buffer whose host copy changed)
         self.match = match
         self.words = words
+        # launch(given, words, fixed, shadows, block, n_threads): match, then run the call
+        # prepared in block (True); None or False as match, nothing done.  None: no launch.
+        self.launch = launch
         self._keep = types  # the plan holds their addresses: they must outlive it

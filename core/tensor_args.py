@@ -86,12 +86,19 @@ cpu device's: :class:`statecache.dlpack.ExchangeReader`) and every tensor's
 type publishes the DLPack C exchange API (torch 2.13 does), a remembered geometry
 also gets a *plan* (:class:`statecache.dlpack.Plan`): the tensors' positions,
 exact types and DLTensor geometries, then the alignment mask and overlap
-pairs above.  One C call reads every tensor through the producer's
-``dltensor_from_py_object_no_sync``, compares and checks, and returns the
-addresses, in a tenth of the time torch's accessors take.  A plan
-is made only when each tensor's C reading describes exactly the memory its
-validated Buffer covers (address, shape, strides on axes longer than one,
-dtype); the Buffer checks, index shadows and capabilities stay in Python.
+pairs above.  One C call checks the Buffers and None positions (weak
+references), reads every tensor through the producer's
+``dltensor_from_py_object_no_sync`` (and torch's negative bit), compares and
+checks, and checks the index Buffers by their storages' write counts, in a
+tenth of the time torch's accessors take.  Where the backend also prepared
+the launch as a block for that C call (the cpu device: the kernel's
+arguments as words, and where each tensor's address goes), the same call
+places the addresses and runs the kernel (``fused``): a relaunch is one call
+from Python.  Otherwise the addresses come back and the backend's launch
+runs.  A plan is made only when each tensor's C reading describes exactly
+the memory its validated Buffer covers (address, shape, strides on axes
+longer than one, dtype) and every index Buffer still holds the host copy
+it was validated with; the capabilities stay in Python.
 
 Index tensors and host tensors that are copied in never take this path
 (their values or copies are refreshed per call); nor does a call that
@@ -132,6 +139,8 @@ from statecache.dlpack import (
 )
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError
+from statecache.launch_memo import STORAGE_WRITES
+from statecache.launch_memo import _stamps as index_stamps  # the memo's probe makes the same test
 
 if TYPE_CHECKING:
     from statecache.backend import Buffer, Device
@@ -352,7 +361,7 @@ def _absent() -> None:
 class _Relaunch:
     """One call geometry remembered for relaunching: what to check, and the launch."""
 
-    __slots__ = ("align", "c_fixed", "c_shadows", "caps", "direct", "fixed", "native_pairs", "plan", "run",
+    __slots__ = ("align", "c_fixed", "c_shadows", "caps", "direct", "fixed", "fused", "native_pairs", "plan", "run",
                  "shadows", "signature", "tensor_pairs", "tensors")  # fmt: skip
 
     def __init__(
@@ -392,10 +401,18 @@ class _Relaunch:
         # The tensors read in C instead (statecache.dlpack.Plan), where the device has a reader
         # and every tensor's type publishes the DLPack C exchange API; None: read as above.
         self.plan: Plan | None = None
-        # fixed and shadows flattened for the plan's match (position, None or the weak
-        # reference, ...; position, host copy, ...): checked in the same C call
+        # fixed flattened for the plan's match (position, None or the weak reference, ...), and the
+        # index shadows as their storages' write counts (STORAGE_WRITES, id(storage), count, ...;
+        # see _index_stamps): checked in the same C call
         self.c_fixed = tuple(x for pos, expected in fixed for x in (pos, None if expected is _absent else expected))
-        self.c_shadows = tuple(x for pair in shadows for x in pair)
+        self.c_shadows: tuple[Any, ...] = ()
+        # The launch as a block the plan's launch runs (match, addresses placed and the kernel, in
+        # one C call: run's ``block``, with run's ``threads`` giving its thread count), as
+        # relaunched() calls it: (launch, words, c_fixed, c_shadows, block, threads, caps, run),
+        # read in one go.  run owns the block and the structs its words point into: the tuple
+        # held while the kernel runs keeps them alive should another thread drop this entry
+        # meanwhile (the kernel runs without the GIL).  None: the plan's match, then run.
+        self.fused: tuple[Any, ...] | None = None
 
 
 def _read_by_readers(tensors: tuple[tuple[Any, ...], ...], given: tuple[Any, ...], addresses: list[int]) -> bool:
@@ -411,6 +428,23 @@ def _read_by_readers(tensors: tuple[tuple[Any, ...], ...], given: tuple[Any, ...
             return False
         addresses.append(address)
     return True
+
+
+def _index_stamps(index_bufs: Sequence[Any], shadows: Sequence[Any]) -> tuple[Any, ...] | None:
+    """The index checks of a plan's match: ``(STORAGE_WRITES, id(storage),
+    count, ...)`` of each index Buffer, taken now, when each still holds the
+    host copy it was validated with (``shadows``); None otherwise.  The same
+    test as comparing the host copies later (a copy is replaced only through
+    ``Buffer.host_indices``' setter, which counts a write of its storage; the
+    launch memo's probe relies on it too), without reading the Buffers."""
+    if any(buf.host_indices is not shadow for buf, shadow in zip(index_bufs, shadows)):
+        return None
+    stamps = index_stamps(index_bufs)
+    if stamps is None:
+        return None
+    if not stamps:
+        return ()
+    return (STORAGE_WRITES, *(w for stamp in dict.fromkeys(stamps) for w in stamp))
 
 
 class Relaunches:
@@ -451,8 +485,17 @@ class Relaunches:
             return False
         if chain is None:
             return False
-        addresses: list[int] = []
         for entry in chain:
+            fused = entry.fused
+            if fused is not None:
+                # The plan's match below, then the addresses placed and the kernel run, in one C call
+                launch, words, fixed, shadows, block, threads, caps, _ = fused  # (fused holds run: see _Relaunch)
+                if caps is not dev.caps:
+                    return False
+                done = launch(given, words, fixed, shadows, block, threads())
+                if done is None:
+                    continue  # another geometry
+                return done  # type: ignore[no-any-return]  # (False: misaligned, overlapping, or running in another thread)
             plan = entry.plan
             if plan is not None:
                 # The fixed positions and every tensor read and compared, and the alignment,
@@ -609,10 +652,15 @@ class Relaunches:
             run,
         )
         in_c: ExchangeReader | None = getattr(dev, "_exchange_reader", None)
-        if in_c is not None and direct:
+        stamps = _index_stamps(index_bufs, shadows) if in_c is not None and direct else None
+        if in_c is not None and stamps is not None:
+            entry.c_shadows = stamps
             entry.plan = in_c.plan(
                 given, tensors, [coerced[pos] for pos in tensors], entry.align, entry.tensor_pairs, entry.native_pairs
             )
+            plan, block, threads = entry.plan, getattr(run, "block", 0), getattr(run, "threads", None)
+            if plan is not None and plan.launch is not None and block and callable(threads):
+                entry.fused = (plan.launch, plan.words, entry.c_fixed, entry.c_shadows, block, threads, entry.caps, run)
         chain = self._chains.get(anchor)
         if chain is None:
             if self._count >= RELAUNCH_LIMIT:

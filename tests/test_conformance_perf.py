@@ -39,3 +39,36 @@ def test_perf_reports_bandwidth_and_ratios(tiny_shapes):
     assert "x memcpy bound" in text
     if "opencl" in names:
         assert "x cpu:0" in text  # other backends are compared with the C backend
+
+
+def test_memcpy_floor_takes_the_in_place_pass_only_where_the_call_updates_in_place():
+    """The memcpy floor of a call that reads and writes its state at the same
+    rows includes an in-place pass (1 and N threads); a rotated decode, one
+    with snapshot planes or over many layers writes elsewhere and keeps the
+    copy.  Each row's floor is the fastest of the ways it printed."""
+    shapes = {s.name: s for s in benchmarks.SHAPES}
+    assert benchmarks.updates_in_place(shapes["rwkv7 decode n_s=1"])
+    assert benchmarks.updates_in_place(shapes["gdn prefill"])
+    for name in ("mamba2 prefill K=4", "gdn decode n_s=8 K=4 rotate", "gdn decode n_s=8 x layers"):
+        assert not benchmarks.updates_in_place(shapes[name]), name
+    assert not benchmarks.updates_in_place(shapes["gather 8 x 1 MiB"])
+
+    tiny = [
+        benchmarks.Shape("tiny rwkv7", "linear_attn", {"variant": "rwkv7", "H": 2, "S": 16, "n_t": 1, "n_s": 1}),
+        benchmarks.Shape(
+            "tiny gdn K=2", "gdn", {"H": 2, "S": 16, "n_t": 1, "n_s": 2, "kda": False, "K": 2, "rotate": True}
+        ),
+    ]
+    rows = benchmarks.run("cpu", shapes=tiny, reference=False, scalar=False, min_time=0.001, out=None)
+    in_place, rotated = rows
+    threads = benchmarks.settings.num_threads()
+    want = {"copy", "in place, 1 thread"} | ({f"in place, {threads} threads"} if threads > 1 else set())
+    assert set(in_place["memcpy_ways"]) == want
+    assert set(rotated["memcpy_ways"]) == {"copy"}
+    for row in rows:
+        # the bound is the copy (issue 18's memcpy floor); the in-place floor is the stricter column beside it
+        assert row["memcpy_how"] == "copy" and row["memcpy_seconds"] == row["memcpy_ways"]["copy"]
+        inplace = [v for w, v in row["memcpy_ways"].items() if w != "copy"]
+        assert row["inplace_seconds"] == (min(inplace) if inplace else None)
+    assert in_place["inplace_ratio"] == in_place["inplace_seconds"] / in_place["seconds"]
+    assert rotated["inplace_ratio"] is None

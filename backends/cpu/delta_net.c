@@ -831,6 +831,122 @@ static void gdn_gather_gates(const float *gs, int64_t ts, int64_t gi, int64_t pe
     }
 }
 
+/* What every thread of a delta_f32 call reads (delta_thread). */
+typedef struct {
+    const sc_state *st;
+    const sc_view *q, *k, *v, *g, *beta;
+    float *o;
+    const sc_delta_options *opt;
+    int64_t n_head_k, Hv, S, n_units, tile_rows, per;
+    size_t tmax;
+    float eps;
+    int kda, stream, rows_stream, may_chunk;
+    int need_tile; /* some unit runs its tokens through the tile (see delta_needs_tile) */
+} delta_call;
+
+/* Whether a unit of this call may use the tile: more than one token, none
+ * (its input state goes through the tile), a pool of another dtype, or a
+ * state written to no row.  A one-token f32 decode reads and writes the pool
+ * in place and allocates no 32 KiB tile per thread and call (see la_thread
+ * in linear_attn.c). */
+static int delta_needs_tile(const sc_state *st) {
+    if (st->max_tokens >= 2 || st->pool_dtype != SC_F32) return 1;
+    for (int64_t s = 0; s < st->n_seqs; s++)
+        if (st->cu_seqlens[s + 1] == st->cu_seqlens[s] || sc_snap_row(st, s, 0) < 0) return 1;
+    return 0;
+}
+
+/* The units [lo, hi) of thread tid of nt (sc_split). */
+static void delta_thread(void *arg, int tid, int nt) {
+    const delta_call *a = (const delta_call *)arg;
+    const sc_state *st = a->st;
+    const sc_view *q = a->q, *k = a->k, *v = a->v, *g = a->g, *beta = a->beta;
+    float *o = a->o;
+    const sc_delta_options *opt = a->opt;
+    const int64_t n_head_k = a->n_head_k, Hv = a->Hv, S = a->S, n_units = a->n_units, tile_rows = a->tile_rows;
+    const int64_t per = a->per;
+    const size_t tmax = a->tmax;
+    const float eps = a->eps;
+    const int kda = a->kda, stream = a->stream, rows_stream = a->rows_stream, may_chunk = a->may_chunk;
+    float *kpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
+    float *qpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
+    float *gbuf = (float *)sc_alloc(sizeof(float) * tmax * (size_t)per);
+    float *bt = (float *)sc_alloc(sizeof(float) * tmax);
+    float *tile = a->need_tile ? (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows * S)) : NULL;
+    float *mid = (float *)sc_alloc(sizeof(float) * (size_t)(4 * S));
+#ifdef SC_HAVE_AVX2
+    gdn_chunk_ws w = {0};
+    if (may_chunk) gdn_chunk_ws_alloc(&w, S, kda, st->n_cols);
+#endif
+    int64_t lo, hi;
+    sc_split(n_units, tid, nt, &lo, &hi);
+    for (int64_t un = lo; un < hi; un++) {
+        const int64_t s = un / Hv, h = un % Hv;
+        const int64_t hk = opt->grouped ? h / (Hv / n_head_k) : h % n_head_k;
+        const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
+        gdn_unit u = {S,      n_t,  per, NULL, NULL, 0, 0, v->data + t0 * v->strides[0] + h * v->strides[1],
+                      v->strides[0], v->strides[2], gbuf, per, bt, o + (t0 * Hv + h) * S, Hv * S, opt->scale,
+                      stream, k, q, v, t0, hk, h, eps, 0, g};
+        int64_t longest = 0, n_stops = 0;
+#ifdef SC_HAVE_AVX2
+        if (may_chunk && n_t >= SC_GDN_CHUNK_MIN) n_stops = sc_state_stops(st, s, n_t, w.stops, &longest);
+#endif
+        const int chunked = longest >= SC_GDN_CHUNK_MIN; /* which packs its own chunks */
+        const float *gs = g->data + t0 * g->strides[0] + h * g->strides[1];
+        const int64_t gi = kda ? g->strides[2] : 0;
+        u.gates_in_view = chunked && kda && gi == 1 && !opt->A_log;
+        if (u.gates_in_view) {
+            u.g = (float *)gs; /* read only: the chunked form does not write its gates */
+            u.gts = g->strides[0];
+        } else {
+            gdn_gather_gates(gs, g->strides[0], gi, per, n_t, gbuf);
+        }
+        if (opt->A_log) {
+            /* The raw gate: log-decay = -exp(A_log) * softplus(a + dt_bias). */
+            const float rate = -expf(opt->A_log[h]);
+            const float *bias = opt->dt_bias ? opt->dt_bias + h * per : NULL;
+            for (int64_t t = 0; t < n_t; t++) {
+                float *gt = gbuf + t * per;
+                if (bias)
+                    for (int64_t i = 0; i < per; i++) gt[i] += bias[i];
+#pragma omp simd
+                for (int64_t i = 0; i < per; i++) gt[i] = rate * sc_softplus(gt[i]);
+            }
+        }
+        for (int64_t t = 0; t < n_t; t++) bt[t] = beta->data[(t0 + t) * beta->strides[0] + h * beta->strides[1]];
+        if (opt->beta_sigmoid)
+            for (int64_t t = 0; t < n_t; t++) bt[t] = 1.0f / (1.0f + sc_exp(-bt[t]));
+        const int64_t head_off = h * S * S;
+#ifdef SC_HAVE_AVX2
+        if (chunked && gdn_chunked_unit(st, s, head_off, &u, &w, w.stops, n_stops)) continue;
+        if (u.gates_in_view) { /* the chunked form gave up before its first chunk: the token loop's copy */
+            gdn_gather_gates(gs, g->strides[0], gi, per, n_t, gbuf);
+            u.g = gbuf;
+            u.gts = per;
+            u.gates_in_view = 0;
+        }
+#else
+        (void)n_stops;
+        (void)chunked;
+#endif
+        u.k = pack_tokens(k, t0, hk, n_t, S, eps, 0, kpack, &u.kts);
+        u.q = pack_tokens(q, t0, hk, n_t, S, eps, 0, qpack, &u.qts);
+#pragma omp simd
+        for (int64_t i = 0; i < n_t * per; i++) gbuf[i] = sc_exp(gbuf[i]);
+        gdn_token_unit(st, s, head_off, &u, tile_rows, rows_stream, tile, mid);
+    }
+    free(kpack);
+    free(qpack);
+    free(gbuf);
+    free(bt);
+    free(tile);
+    free(mid);
+#ifdef SC_HAVE_AVX2
+    if (may_chunk) gdn_chunk_ws_free(&w);
+#endif
+    sc_stream_fence(); /* this thread's streamed rows are visible before it joins */
+}
+
 static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, const sc_view *v, const sc_view *g,
                       int kda, const sc_view *beta, float *o, const sc_delta_options *opt, int64_t n_head_k,
                       int64_t n_head_v, int64_t head_size, int n_threads) {
@@ -852,86 +968,11 @@ static void delta_f32(const sc_state *st, const sc_view *q, const sc_view *k, co
 #else
     const int may_chunk = 0;
 #endif
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-        float *kpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
-        float *qpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
-        float *gbuf = (float *)sc_alloc(sizeof(float) * tmax * (size_t)per);
-        float *bt = (float *)sc_alloc(sizeof(float) * tmax);
-        float *tile = (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows * S));
-        float *mid = (float *)sc_alloc(sizeof(float) * (size_t)(4 * S));
-#ifdef SC_HAVE_AVX2
-        gdn_chunk_ws w = {0};
-        if (may_chunk) gdn_chunk_ws_alloc(&w, S, kda, st->n_cols);
-#endif
-        int64_t lo, hi;
-        sc_split(n_units, sc_thread_id(), sc_team_size(), &lo, &hi);
-        for (int64_t un = lo; un < hi; un++) {
-            const int64_t s = un / Hv, h = un % Hv;
-            const int64_t hk = opt->grouped ? h / (Hv / n_head_k) : h % n_head_k;
-            const int64_t t0 = st->cu_seqlens[s], n_t = st->cu_seqlens[s + 1] - t0;
-            gdn_unit u = {S,      n_t,  per, NULL, NULL, 0, 0, v->data + t0 * v->strides[0] + h * v->strides[1],
-                          v->strides[0], v->strides[2], gbuf, per, bt, o + (t0 * Hv + h) * S, Hv * S, opt->scale,
-                          stream, k, q, v, t0, hk, h, eps, 0, g};
-            int64_t longest = 0, n_stops = 0;
-#ifdef SC_HAVE_AVX2
-            if (may_chunk && n_t >= SC_GDN_CHUNK_MIN) n_stops = sc_state_stops(st, s, n_t, w.stops, &longest);
-#endif
-            const int chunked = longest >= SC_GDN_CHUNK_MIN; /* which packs its own chunks */
-            const float *gs = g->data + t0 * g->strides[0] + h * g->strides[1];
-            const int64_t gi = kda ? g->strides[2] : 0;
-            u.gates_in_view = chunked && kda && gi == 1 && !opt->A_log;
-            if (u.gates_in_view) {
-                u.g = (float *)gs; /* read only: the chunked form does not write its gates */
-                u.gts = g->strides[0];
-            } else {
-                gdn_gather_gates(gs, g->strides[0], gi, per, n_t, gbuf);
-            }
-            if (opt->A_log) {
-                /* The raw gate: log-decay = -exp(A_log) * softplus(a + dt_bias). */
-                const float rate = -expf(opt->A_log[h]);
-                const float *bias = opt->dt_bias ? opt->dt_bias + h * per : NULL;
-                for (int64_t t = 0; t < n_t; t++) {
-                    float *gt = gbuf + t * per;
-                    if (bias)
-                        for (int64_t i = 0; i < per; i++) gt[i] += bias[i];
-#pragma omp simd
-                    for (int64_t i = 0; i < per; i++) gt[i] = rate * sc_softplus(gt[i]);
-                }
-            }
-            for (int64_t t = 0; t < n_t; t++) bt[t] = beta->data[(t0 + t) * beta->strides[0] + h * beta->strides[1]];
-            if (opt->beta_sigmoid)
-                for (int64_t t = 0; t < n_t; t++) bt[t] = 1.0f / (1.0f + sc_exp(-bt[t]));
-            const int64_t head_off = h * S * S;
-#ifdef SC_HAVE_AVX2
-            if (chunked && gdn_chunked_unit(st, s, head_off, &u, &w, w.stops, n_stops)) continue;
-            if (u.gates_in_view) { /* the chunked form gave up before its first chunk: the token loop's copy */
-                gdn_gather_gates(gs, g->strides[0], gi, per, n_t, gbuf);
-                u.g = gbuf;
-                u.gts = per;
-                u.gates_in_view = 0;
-            }
-#else
-            (void)n_stops;
-            (void)chunked;
-#endif
-            u.k = pack_tokens(k, t0, hk, n_t, S, eps, 0, kpack, &u.kts);
-            u.q = pack_tokens(q, t0, hk, n_t, S, eps, 0, qpack, &u.qts);
-#pragma omp simd
-            for (int64_t i = 0; i < n_t * per; i++) gbuf[i] = sc_exp(gbuf[i]);
-            gdn_token_unit(st, s, head_off, &u, tile_rows, rows_stream, tile, mid);
-        }
-        free(kpack);
-        free(qpack);
-        free(gbuf);
-        free(bt);
-        free(tile);
-        free(mid);
-#ifdef SC_HAVE_AVX2
-        if (may_chunk) gdn_chunk_ws_free(&w);
-#endif
-        sc_stream_fence(); /* this thread's streamed rows are visible before it joins */
-    }
+    const delta_call call = {.st = st, .q = q, .k = k, .v = v, .g = g, .beta = beta, .o = o, .opt = opt,
+                             .n_head_k = n_head_k, .Hv = Hv, .S = S, .n_units = n_units, .tile_rows = tile_rows,
+                             .per = per, .tmax = tmax, .eps = eps, .kda = kda, .stream = stream,
+                             .rows_stream = rows_stream, .may_chunk = may_chunk, .need_tile = delta_needs_tile(st)};
+    sc_team_run(team, delta_thread, (void *)&call);
 }
 
 void sc_gated_delta_net(const sc_state *st, const sc_view *q, const sc_view *k, const sc_view *v, const sc_view *g,

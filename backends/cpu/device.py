@@ -602,6 +602,15 @@ class CpuDevice(Device):
             return True
 
         relaunch.keep = (keep, args)  # type: ignore[attr-defined]  # the structs the aliases write into
+        reader = self._exchange_reader
+        if reader is not None and reader.launches:
+            # The same call as a block for the reader's launch (sc_dlpack.c), which matches the
+            # tensors, places their addresses and runs the kernel in one C call.
+            block = _launch_block(ffi, op, kernel, args, fields, pointers)
+            if block is not None:
+                relaunch.block = int(ffi.cast("uintptr_t", block))  # type: ignore[attr-defined]
+                relaunch.threads = num_threads  # type: ignore[attr-defined]
+                relaunch.keep = (keep, args, block)  # type: ignore[attr-defined]
         return relaunch
 
     def _launch(self, call: tuple[Any, tuple[Any, ...], Any]) -> None:
@@ -685,19 +694,68 @@ _RELAUNCH_SLOTS: dict[str, dict[int, tuple[Any, ...]]] = {
 }
 
 
+#: The kernels sc_dlpack.c's launch runs (its SC_LAUNCH_*), and its block's layout: a head of
+#: (busy, kernel, number of targets), the kernel's arguments but n_threads, then the targets.
+_LAUNCH_KERNELS = {"ssm_conv": 1, "ssm_scan": 2, "gated_delta_net": 3}
+_LAUNCH_HEAD = 3
+_LAUNCH_ARGS = 16
+#: Integer parameters a block word passes (as their C type: the compiler checks sc_dlpack.c's calls).
+_LAUNCH_INTEGERS = frozenset({"int", "int64_t", "sc_dtype"})
+
+
+def _launch_block(
+    ffi: Any,
+    op: str,
+    kernel: Any,
+    args: list[Any],
+    fields: list[tuple[int, int, Any]],
+    pointers: list[tuple[int, int, str, int]],
+) -> Any:
+    """A prepared call (``kernel(*args, n_threads)``, its tensors placed by
+    ``fields`` and ``pointers`` as CpuDevice._prepare_relaunch makes them) as
+    the block sc_dlpack.c's launch runs: an int64 array (the caller keeps it,
+    and the structs its words point into, alive), or None when the call has
+    an argument a word cannot carry (it is then relaunched by the closure)."""
+    kernel_id = _LAUNCH_KERNELS.get(op)
+    params = ffi.typeof(kernel).args
+    if kernel_id is None or len(params) != len(args) + 1 or len(args) > _LAUNCH_ARGS:
+        return None
+    words: list[int] = []
+    for arg, param in zip(args, params):
+        if param.kind == "pointer" and isinstance(arg, ffi.CData):
+            words.append(int(ffi.cast("uintptr_t", arg)))
+        elif param.kind in ("primitive", "enum") and param.cname in _LAUNCH_INTEGERS and type(arg) is int:
+            words.append(arg)
+        else:
+            return None
+    targets = [(k, delta, int(ffi.cast("uintptr_t", alias))) for k, delta, alias in fields]
+    block = ffi.new("int64_t[]", _LAUNCH_HEAD + _LAUNCH_ARGS + 3 * (len(targets) + len(pointers)))
+    base = int(ffi.cast("uintptr_t", block))
+    # A pointer argument is a word of the block itself: its address is the target.
+    targets += [(k, delta, base + 8 * (_LAUNCH_HEAD + arg)) for k, delta, _, arg in pointers]
+    block[1], block[2] = kernel_id, len(targets)
+    for i, word in enumerate(words):
+        block[_LAUNCH_HEAD + i] = word
+    for i, target in enumerate(targets):
+        for j, word in enumerate(target):
+            block[_LAUNCH_HEAD + _LAUNCH_ARGS + 3 * i + j] = word
+    return block
+
+
 def _helpers(ffi: Any, lib: Any) -> tuple[ExchangeReader | None, Any]:
-    """The library's Python builtins (sc_dlpack.c): the DLPack readers, and
-    ``place`` (pointer fields set from a list of addresses); fetched once
-    through ctypes (with the GIL held, unlike a cffi call).  Nones if that fails."""
+    """The library's Python builtins (sc_dlpack.c): the DLPack readers (with
+    ``launch``: match, place and run a prepared call), and ``place`` (pointer
+    fields set from a list of addresses); fetched once through ctypes (with
+    the GIL held, unlike a cffi call).  Nones if that fails."""
     try:
         address = int(ffi.cast("uintptr_t", ffi.addressof(lib, "sc_dlpack_functions")))
     except AttributeError:  # a hand-made build that does not declare them (tools/kernel_coverage.py)
         return None, None
     try:
-        read, match, place = ctypes.PYFUNCTYPE(ctypes.py_object)(address)()
-    except (ValueError, TypeError):  # NULL (no memory) or not the three
+        read, match, place, launch = ctypes.PYFUNCTYPE(ctypes.py_object)(address)()
+    except (ValueError, TypeError):  # NULL (no memory) or not the four
         return None, None
-    return ExchangeReader(read, match), place
+    return ExchangeReader(read, match, launch), place
 
 
 def _address(buf: Buffer) -> int:

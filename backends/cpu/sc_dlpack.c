@@ -17,7 +17,10 @@
  *   lo < address_k < hi).
  *
  * Only the geometry is compared, never the address: the address is what a
- * relaunch takes from each call. */
+ * relaunch takes from each call.
+ *
+ * launch's block (a prepared call: its layout is above py_launch) is the
+ * third layout shared, with statecache.backends.cpu.device. */
 /* The stable ABI of CPython 3.11 (setup.py's LIMITED_API): the module is
  * named and tagged abi3, so nothing here may depend on one CPython's layout. */
 #ifndef Py_LIMITED_API
@@ -27,6 +30,7 @@
 #include <string.h>
 
 #include "sc_dlpack.h"
+#include "statecache_cpu.h"
 
 /* dlpack.h, ABI 1.x: the structures are stable across minor versions. */
 typedef struct {
@@ -196,13 +200,113 @@ static PyObject *py_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return out;
 }
 
-/* match(given, plan[, fixed, shadows]): with fixed and shadows (see below), first
- * whether every position that is not a tensor holds what it held (else None).  Then
- * whether every tensor of the plan (bytes, layout above)
- * has its geometry in the tuple `given` and the checks pass: a new list of
- * the tensors' addresses; None: a position holds another type or another
- * geometry, a torch negative view, or a producer refused; False: the geometry matched and a check
- * failed (misaligned, or written memory overlapping other arguments). */
+/* What match_core found: the tensors' addresses (MATCHED), another geometry
+ * (match's None), or a failed check (match's False).  It leaves no Python error set. */
+enum { MATCHED = 1, OTHER = 0, REFUSED = -1 };
+
+/* Tensors a plan may hold (more: no match). */
+#define SC_PLAN_MAX 64
+
+/* match's work (see match below): fixed and shadows may be NULL (not
+ * checked); found gets the n (*n_found) addresses when MATCHED. */
+static int match_core(PyObject *given, const int64_t *p, PyObject *fixed, PyObject *shadows, int64_t *found,
+                      int64_t *n_found) {
+    if (fixed != NULL) {
+        /* The positions that are not tensors first (fixed: position, expected, ...): None where
+         * None was given, else a weak reference to the very Buffer validated there (dead: no
+         * match, its id may have been reused).  One Python call less per relaunch than
+         * checking them in Python before this one. */
+        Py_ssize_t n_fixed = PyTuple_Size(fixed);
+        for (Py_ssize_t i = 0; i + 1 < n_fixed; i += 2) {
+            Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GetItem(fixed, i));
+            PyObject *obj = pos < 0 ? NULL : PyTuple_GetItem(given, pos);
+            if (obj == NULL) {
+                PyErr_Clear();
+                return OTHER;
+            }
+            PyObject *ref = PyTuple_GetItem(fixed, i + 1);
+            if (ref == Py_None) {
+                if (obj != Py_None) return OTHER;
+                continue;
+            }
+            PyObject *expected = PyObject_CallNoArgs(ref); /* a new reference; None when dead */
+            if (expected == NULL) {
+                PyErr_Clear();
+                return OTHER;
+            }
+            int same = expected == obj && expected != Py_None;
+            Py_DECREF(expected);
+            if (!same) return OTHER;
+        }
+    }
+    int64_t n = *p++;
+    if (n < 0 || n > SC_PLAN_MAX) return OTHER;
+    for (int64_t k = 0; k < n; k++) {
+        PyObject *obj = PyTuple_GetItem(given, (Py_ssize_t)p[0]);
+        if (obj == NULL) {
+            PyErr_Clear();
+            return OTHER;
+        }
+        if ((int64_t)(uintptr_t)Py_TYPE(obj) != p[1]) return OTHER;
+        if (negative_view(obj) != 0) return OTHER;
+        sc_dl_tensor t;
+        if (fill(obj, (void *)(uintptr_t)p[2], &t) != 0) return OTHER;
+        int32_t ndim = t.ndim;
+        if (ndim != p[3] || dtype_word(&t) != p[4] || device_word(&t) != p[5]) return OTHER;
+        const int64_t *shape = p + 6, *strides = p + 6 + ndim;
+        for (int32_t i = 0; i < ndim; i++) {
+            if (t.shape[i] != shape[i] || stride_at(&t, i) != strides[i]) return OTHER;
+        }
+        found[k] = (int64_t)((uintptr_t)t.data + t.byte_offset);
+        p += 6 + 2 * (int64_t)ndim;
+    }
+    *n_found = n;
+    int64_t bits = 0;
+    for (int64_t k = 0; k < n; k++) bits |= found[k];
+    if (bits & p[0]) return REFUSED;
+    int64_t n_pairs = p[1];
+    p += 2;
+    for (int64_t i = 0; i < n_pairs; i++, p += 4) {
+        int64_t d = found[p[0]] - found[p[1]];
+        if (p[2] < d && d < p[3]) return REFUSED;
+    }
+    n_pairs = p[0];
+    p += 1;
+    for (int64_t i = 0; i < n_pairs; i++, p += 3) {
+        if (p[1] < found[p[0]] && found[p[0]] < p[2]) return REFUSED;
+    }
+    if (shadows != NULL) {
+        /* Index Buffers must still hold the host copy they were validated with: their storages'
+         * write counts (shadows: the counts dict, then id(storage), count, ...; the launch memo's
+         * stamps) are the ones taken then, else False, the ordinary path refreshes them.  A dict
+         * lookup each, where reading a Buffer's host copy runs a Python property. */
+        Py_ssize_t n_shadows = PyTuple_Size(shadows);
+        PyObject *writes = n_shadows > 0 ? PyTuple_GetItem(shadows, 0) : NULL;
+        if (n_shadows > 0 && (writes == NULL || !PyDict_Check(writes) || n_shadows % 2 == 0)) {
+            PyErr_Clear();
+            return REFUSED;
+        }
+        for (Py_ssize_t i = 1; i + 1 < n_shadows; i += 2) {
+            PyObject *now = PyDict_GetItemWithError(writes, PyTuple_GetItem(shadows, i)); /* borrowed */
+            int same = now == NULL ? 0 : PyObject_RichCompareBool(now, PyTuple_GetItem(shadows, i + 1), Py_EQ);
+            if (same != 1) {
+                PyErr_Clear();
+                return REFUSED;
+            }
+        }
+    }
+    return MATCHED;
+}
+
+/* match(given, plan[, fixed, shadows]): with fixed and shadows, first whether
+ * every position that is not a tensor holds what it held (else None).  Then
+ * whether every tensor of the plan (bytes, layout above) has its geometry in
+ * the tuple `given` and the checks pass: a new list of the tensors'
+ * addresses; None: a position holds another type or another geometry, a
+ * torch negative view, or a producer refused; False: the geometry matched and
+ * a check failed (misaligned, written memory overlapping other arguments, an
+ * index Buffer's storage written since: shadows is (write counts, id(storage),
+ * count, ...), an empty tuple when the call has no index Buffers). */
 static PyObject *py_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if ((nargs != 2 && nargs != 4) || !PyTuple_Check(args[0]) || !PyBytes_Check(args[1]) ||
@@ -210,97 +314,12 @@ static PyObject *py_match(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "match(given: tuple, plan: bytes[, fixed: tuple, shadows: tuple])");
         return NULL;
     }
-    PyObject *given = args[0];
     const int64_t *p = (const int64_t *)PyBytes_AsString(args[1]);
     if (p == NULL) return NULL;
-    if (nargs == 4) {
-        /* The positions that are not tensors first (fixed: position, expected, ...): None where
-         * None was given, else a weak reference to the very Buffer validated there (dead: no
-         * match, its id may have been reused).  One Python call less per relaunch than
-         * checking them in Python before this one. */
-        PyObject *fixed = args[2];
-        Py_ssize_t n_fixed = PyTuple_Size(fixed);
-        for (Py_ssize_t i = 0; i + 1 < n_fixed; i += 2) {
-            Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GetItem(fixed, i));
-            PyObject *obj = pos < 0 ? NULL : PyTuple_GetItem(given, pos);
-            if (obj == NULL) {
-                PyErr_Clear();
-                Py_RETURN_NONE;
-            }
-            PyObject *ref = PyTuple_GetItem(fixed, i + 1);
-            if (ref == Py_None) {
-                if (obj != Py_None) Py_RETURN_NONE;
-                continue;
-            }
-            PyObject *expected = PyObject_CallNoArgs(ref); /* a new reference; None when dead */
-            if (expected == NULL) {
-                PyErr_Clear();
-                Py_RETURN_NONE;
-            }
-            int same = expected == obj && expected != Py_None;
-            Py_DECREF(expected);
-            if (!same) Py_RETURN_NONE;
-        }
-    }
-    int64_t n = *p++;
-    int64_t found[64];
-    if (n < 0 || n > 64) Py_RETURN_NONE;
-    for (int64_t k = 0; k < n; k++) {
-        PyObject *obj = PyTuple_GetItem(given, (Py_ssize_t)p[0]);
-        if (obj == NULL) {
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
-        if ((int64_t)(uintptr_t)Py_TYPE(obj) != p[1]) Py_RETURN_NONE;
-        if (negative_view(obj) != 0) Py_RETURN_NONE;
-        sc_dl_tensor t;
-        if (fill(obj, (void *)(uintptr_t)p[2], &t) != 0) Py_RETURN_NONE;
-        int32_t ndim = t.ndim;
-        if (ndim != p[3] || dtype_word(&t) != p[4] || device_word(&t) != p[5]) Py_RETURN_NONE;
-        const int64_t *shape = p + 6, *strides = p + 6 + ndim;
-        for (int32_t i = 0; i < ndim; i++) {
-            if (t.shape[i] != shape[i] || stride_at(&t, i) != strides[i]) Py_RETURN_NONE;
-        }
-        found[k] = (int64_t)((uintptr_t)t.data + t.byte_offset);
-        p += 6 + 2 * (int64_t)ndim;
-    }
-    int64_t bits = 0;
-    for (int64_t k = 0; k < n; k++) bits |= found[k];
-    if (bits & p[0]) Py_RETURN_FALSE;
-    int64_t n_pairs = p[1];
-    p += 2;
-    for (int64_t i = 0; i < n_pairs; i++, p += 4) {
-        int64_t d = found[p[0]] - found[p[1]];
-        if (p[2] < d && d < p[3]) Py_RETURN_FALSE;
-    }
-    n_pairs = p[0];
-    p += 1;
-    for (int64_t i = 0; i < n_pairs; i++, p += 3) {
-        if (p[1] < found[p[0]] && found[p[0]] < p[2]) Py_RETURN_FALSE;
-    }
-    if (nargs == 4) {
-        /* Index Buffers (shadows: position, host copy, ...) must still hold the host copy they
-         * were validated with (host_indices): else False, the ordinary path refreshes them. */
-        static PyObject *host_indices = NULL;
-        if (host_indices == NULL && (host_indices = PyUnicode_InternFromString("host_indices")) == NULL) {
-            PyErr_Clear();
-            Py_RETURN_FALSE;
-        }
-        PyObject *shadows = args[3];
-        Py_ssize_t n_shadows = PyTuple_Size(shadows);
-        for (Py_ssize_t i = 0; i + 1 < n_shadows; i += 2) {
-            Py_ssize_t pos = PyLong_AsSsize_t(PyTuple_GetItem(shadows, i));
-            PyObject *obj = pos < 0 ? NULL : PyTuple_GetItem(given, pos);
-            PyObject *now = obj == NULL ? NULL : PyObject_GetAttr(obj, host_indices);
-            if (now == NULL) {
-                PyErr_Clear();
-                Py_RETURN_FALSE;
-            }
-            int same = now == PyTuple_GetItem(shadows, i + 1);
-            Py_DECREF(now);
-            if (!same) Py_RETURN_FALSE;
-        }
-    }
+    int64_t found[SC_PLAN_MAX], n = 0;
+    int how = match_core(args[0], p, nargs == 4 ? args[2] : NULL, nargs == 4 ? args[3] : NULL, found, &n);
+    if (how == OTHER) Py_RETURN_NONE;
+    if (how == REFUSED) Py_RETURN_FALSE;
     PyObject *out = PyList_New((Py_ssize_t)n);
     if (out == NULL) return NULL;
     for (int64_t k = 0; k < n; k++) {
@@ -341,13 +360,121 @@ static PyObject *py_place(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+/* A prepared call as launch() runs it (int64 words; made by
+ * statecache.backends.cpu.device, which keeps it and every struct its words
+ * point into alive as long as the relaunch):
+ *   [0] busy (set while its kernel runs without the GIL), [1] kernel
+ *   (SC_LAUNCH_*), [2] number of targets, [3 .. 3 + SC_LAUNCH_ARGS) the
+ *   kernel's arguments but n_threads (pointers as addresses, integers as
+ *   values), then per target (k, delta, address): store found[k] + delta at
+ *   address (a pointer field of a struct, or one of the argument words). */
+enum { SC_LAUNCH_SSM_CONV = 1, SC_LAUNCH_SSM_SCAN = 2, SC_LAUNCH_GATED_DELTA_NET = 3 };
+#define SC_LAUNCH_ARGS 16
+#define SC_LAUNCH_HEAD 3
+
+/* A call updating fewer state elements than this (tokens x a pool row's
+ * elements: a decode step of a small layer, a microsecond or two) runs with
+ * the GIL held, as NumPy runs small operations: releasing and taking it back
+ * costs about 0.1 us, a tenth of such a call, and another Python thread
+ * would get the GIL for no longer than the kernel runs.  Larger calls
+ * release it, as a cffi call does. */
+#define SC_LAUNCH_GIL_WORK ((int64_t)1 << 15)
+
+/* The kernel of a block, called with its argument words as its declared
+ * types (statecache_cpu.h: the compiler checks these calls against it). */
+static void run_kernel(int64_t kernel, const int64_t *a, int n_threads) {
+    switch (kernel) {
+    case SC_LAUNCH_SSM_CONV:
+        sc_ssm_conv((const sc_state *)(uintptr_t)a[0], (const sc_view *)(uintptr_t)a[1], (const float *)(uintptr_t)a[2],
+                    (const float *)(uintptr_t)a[3], (void *)(uintptr_t)a[4], (sc_dtype)a[5], a[6], a[7], (int)a[8],
+                    n_threads);
+        break;
+    case SC_LAUNCH_SSM_SCAN:
+        sc_ssm_scan((const sc_state *)(uintptr_t)a[0], (const sc_view *)(uintptr_t)a[1], (const sc_view *)(uintptr_t)a[2],
+                    (const float *)(uintptr_t)a[3], (int)a[4], (const sc_view *)(uintptr_t)a[5],
+                    (const sc_view *)(uintptr_t)a[6], (void *)(uintptr_t)a[7], (sc_dtype)a[8],
+                    (const sc_scan_options *)(uintptr_t)a[9], a[10], a[11], a[12], a[13], n_threads);
+        break;
+    case SC_LAUNCH_GATED_DELTA_NET:
+        sc_gated_delta_net((const sc_state *)(uintptr_t)a[0], (const sc_view *)(uintptr_t)a[1],
+                           (const sc_view *)(uintptr_t)a[2], (const sc_view *)(uintptr_t)a[3],
+                           (const sc_view *)(uintptr_t)a[4], (int)a[5], (const sc_view *)(uintptr_t)a[6],
+                           (void *)(uintptr_t)a[7], (sc_dtype)a[8], (const sc_delta_options *)(uintptr_t)a[9], a[10],
+                           a[11], a[12], n_threads);
+        break;
+    }
+}
+
+/* launch(given, plan, fixed, shadows, block, n_threads): match (above) and,
+ * when the tensors match and every check passes, place their addresses into
+ * the block's call and run its kernel (the GIL released, as a cffi call
+ * does, unless the call is small: SC_LAUNCH_GIL_WORK): True.  None: another geometry; False: a check failed, or the block
+ * is running in another thread (its pointers are in use): nothing done, the
+ * ordinary path decides.  One call from Python per relaunch, where match,
+ * then place and a cffi call were three (and a Python closure). */
+static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6 || !PyTuple_Check(args[0]) || !PyBytes_Check(args[1]) || !PyTuple_Check(args[2]) ||
+        !PyTuple_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "launch(given: tuple, plan: bytes, fixed: tuple, shadows: tuple, block: int, n_threads: int)");
+        return NULL;
+    }
+    const int64_t *p = (const int64_t *)PyBytes_AsString(args[1]);
+    if (p == NULL) return NULL;
+    int64_t *block = (int64_t *)PyLong_AsVoidPtr(args[4]);
+    if (block == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "launch: no block");
+        return NULL;
+    }
+    long n_threads = PyLong_AsLong(args[5]);
+    if (n_threads == -1 && PyErr_Occurred()) return NULL;
+    if (n_threads < 1 || n_threads > 1 << 20) {
+        PyErr_SetString(PyExc_ValueError, "launch: n_threads must be a positive count");
+        return NULL;
+    }
+    if (block[1] < SC_LAUNCH_SSM_CONV || block[1] > SC_LAUNCH_GATED_DELTA_NET) {
+        PyErr_SetString(PyExc_ValueError, "launch: the block names no kernel");
+        return NULL;
+    }
+    int64_t found[SC_PLAN_MAX], n = 0;
+    int how = match_core(args[0], p, args[2], args[3], found, &n);
+    if (how == OTHER) Py_RETURN_NONE;
+    if (how == REFUSED || block[0] != 0) Py_RETURN_FALSE;
+    const int64_t *target = block + SC_LAUNCH_HEAD + SC_LAUNCH_ARGS;
+    for (int64_t i = 0; i < block[2]; i++, target += 3) { /* all checked first: nothing written on an error */
+        if (target[0] < 0 || target[0] >= n) {
+            PyErr_SetString(PyExc_IndexError, "launch: a target names no tensor of the plan");
+            return NULL;
+        }
+    }
+    target = block + SC_LAUNCH_HEAD + SC_LAUNCH_ARGS;
+    for (int64_t i = 0; i < block[2]; i++, target += 3) {
+        *(uintptr_t *)(uintptr_t)target[2] = (uintptr_t)(found[target[0]] + target[1]);
+    }
+    /* The GIL is held from the check of busy to here, so no other thread can be between them. */
+    block[0] = 1;
+    const sc_state *st = (const sc_state *)(uintptr_t)block[SC_LAUNCH_HEAD]; /* every kernel's first argument */
+    if (st->n_tokens * st->row_elems < SC_LAUNCH_GIL_WORK) {
+        run_kernel(block[1], block + SC_LAUNCH_HEAD, (int)n_threads);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        run_kernel(block[1], block + SC_LAUNCH_HEAD, (int)n_threads);
+        Py_END_ALLOW_THREADS
+    }
+    block[0] = 0;
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef sc_dlpack_defs[] = {
     {"read", (PyCFunction)(void (*)(void))py_read, METH_FASTCALL, "read(obj, from_py): a tensor's reading"},
     {"match", (PyCFunction)(void (*)(void))py_match, METH_FASTCALL, "match(given, plan): addresses, None or False"},
     {"place", (PyCFunction)(void (*)(void))py_place, METH_FASTCALL, "place(addresses, targets): set pointer fields"},
+    {"launch", (PyCFunction)(void (*)(void))py_launch, METH_FASTCALL, "launch(given, plan, fixed, shadows, block, "
+     "n_threads): match, place and run a prepared call"},
 };
 
-/* (read, match, place) as Python builtins (called like any builtin: the GIL held,
+/* (read, match, place, launch) as Python builtins (called like any builtin: the GIL held,
  * no ctypes conversions per call); made once, kept for the process.  Returns
  * a new reference (ctypes takes a py_object result as one), NULL on failure. */
 void *sc_dlpack_functions(void) {
@@ -356,10 +483,13 @@ void *sc_dlpack_functions(void) {
         PyObject *read = PyCFunction_NewEx(&sc_dlpack_defs[0], NULL, NULL);
         PyObject *match = PyCFunction_NewEx(&sc_dlpack_defs[1], NULL, NULL);
         PyObject *place = PyCFunction_NewEx(&sc_dlpack_defs[2], NULL, NULL);
-        if (read != NULL && match != NULL && place != NULL) functions = PyTuple_Pack(3, read, match, place);
+        PyObject *launch = PyCFunction_NewEx(&sc_dlpack_defs[3], NULL, NULL);
+        if (read != NULL && match != NULL && place != NULL && launch != NULL)
+            functions = PyTuple_Pack(4, read, match, place, launch);
         Py_XDECREF(read);
         Py_XDECREF(match);
         Py_XDECREF(place);
+        Py_XDECREF(launch);
         if (functions == NULL) return NULL;
     }
     Py_INCREF(functions);

@@ -9,10 +9,11 @@ and its book entries.
 The payload is the metadata of ``memory.state_write(seq)`` (positions,
 owners, layers, dtype codes, row sizes: everything but the row data, see
 :func:`statecache.state_io.rows_apart`), then every row block of the
-sequence, each its own message (host tensors over gloo, CUDA tensors over
-NCCL): a block whose rows are one run of a host-visible pool is sent from
-the pool itself, any other is gathered by its rows alone (only the
-sequence's cells and planes cross to the host).  The receiver reads the
+sequence (host tensors over gloo, CUDA tensors over NCCL): over gloo the
+blocks of at most :data:`SMALL_BLOCK` bytes copied back to back into one
+message, every other block its own message; a block whose rows are one run
+of a host-visible pool is sent from the pool itself, any other is gathered by
+its rows alone (only the sequence's cells and planes cross to the host).  The receiver reads the
 metadata with the memory's own ``state_read``, so sizes, dtypes, layers,
 positions and room are checked exactly as for a blob, before anything is
 written.  Memories of different sizes, stream layouts and backends exchange
@@ -20,22 +21,27 @@ sequences this way; ``rows=False`` sends the whole state-format blob instead
 (the fallback: any memory whose ``state_write`` writes its rows inline still
 works with ``rows=True``, its blob simply carries them).
 
-The protocol (version 4) keeps the receiver safe:
+The protocol (version 5) keeps the receiver safe:
 
 1. the sender sends a header: magic, protocol version, payload bytes, the
    sequence's first and last position, the state flags, an optional CRC-32
-   of the payload, where the metadata ends, the number of row messages and a
-   hash of their sizes, and a hash of the header itself; over gloo the
-   metadata (up to :data:`INLINE_BYTES`) travels in the same message;
+   of the payload, where the metadata ends, the number of row messages, a
+   hash of the row blocks' sizes, the two limits that pick the coalesced
+   blocks (:func:`_coalesced`) and their total, and a hash of the header
+   itself; over gloo the metadata (up to :data:`INLINE_BYTES`) travels in the
+   same message;
 2. the receiver checks the header (a corrupt one, or a payload larger than
    its memory could ever hold, is refused before it allocates anything) and
    answers *go* or *refused*, without waiting for the answer to leave (it goes
-   on checking while the sender hears it); on *go* the sender posts the row
-   messages (after the metadata's own message over NCCL), which it read from
-   its pool while the receiver worked;
+   on checking while the sender hears it) and posts the receive of the
+   coalesced message, which then crosses while it validates; on *go* the
+   sender posts the coalesced message, then the metadata's own message (over
+   NCCL), then the other row messages, all of which it read from its pool
+   while the receiver worked;
 3. the receiver checks that every part of the metadata ends at the header's
-   last position and that its row blocks are the announced messages (a scan
-   of the metadata, :func:`statecache.distributed.sections.scan_apart`), saves
+   last position and that its row blocks are the announced messages and
+   coalesced bytes (a scan of the metadata,
+   :func:`statecache.distributed.sections.scan_apart`), saves
    what the destination sequence held, and runs the memory's ``state_read``:
    it validates everything from the metadata, then names the row writes its
    commit will make into rows that nothing references
@@ -43,9 +49,10 @@ The protocol (version 4) keeps the receiver safe:
    cell; never a shared row, the zero row or the destination's own rows).
    Those messages are received straight there (gloo, host-visible pools),
    the others into a staging buffer; then it waits for every row
-   (:func:`statecache.state_io.rows_ready`: within ``timeout`` seconds, the
-   CRC checked when one was sent) and commits: the book, plus a copy of the
-   staged rows only;
+   (:func:`statecache.state_io.rows_ready`: within ``timeout`` seconds),
+   copying each coalesced block to where its write would go (such a free
+   row, or the staging buffer) while the others arrive, checks the CRC when
+   one was sent, and commits: the book, plus a copy of the staged rows only;
 4. the receiver answers *accepted* or why not; the sender raises if not.
 
 Before the commit the memory's book and every sequence's rows are as they
@@ -88,12 +95,18 @@ from statecache.memory import StateFlags
 from statecache.state_io import RowSink, RowSource, RowWrite, rows_apart, unpack_sections
 
 MAGIC = 0x5343_5351  # "SCSQ"
-PROTOCOL = 4  # 3: the metadata travels in its own message, ahead of the rows; 4: one message per row block
+#: 3: the metadata travels in its own message, ahead of the rows; 4: one message per row
+#: block; 5: the small row blocks travel together in one message, received while the
+#: memory validates (the header says which: :func:`_coalesced`)
+PROTOCOL = 5
 ANSWER = 0x5343_4F4B  # "SCOK": the magic of every answer
-_HEADER_WORDS = 11
+_HEADER_WORDS = 14
 _CRC_PRESENT = 1 << 16  # in the header's flags word, above the state flags
 _ROWS_APART = 1 << 17  # the payload is metadata, then the rows (see statecache.state_io.rows_apart)
 _MAX_MESSAGES = 1 << 20
+#: The largest coalesced message a receiver accepts (it posts its receive, or drains it
+#: after refusing the payload, before it knows more than the header).
+_MAX_SMALL = 64 << 20
 
 OK = 0
 BAD_HEADER = 1
@@ -137,13 +150,33 @@ def _header(
     crc: int | None,
     meta_bytes: int | None = None,
     sizes: list[int] | None = None,
+    small: tuple[int, int] = (0, 0),
 ) -> list[int]:
-    """The header words; ``meta_bytes``: the payload is that much metadata, then rows in
-    messages of ``sizes`` bytes (their number and a hash of the sizes travel)."""
+    """The header words; ``meta_bytes``: the payload is that much metadata, then row
+    blocks of ``sizes`` bytes (a hash of the sizes travels); ``small``: the blocks that
+    :func:`_coalesced` picks with these (block, total) limits travel in one message
+    (their total travels), each other block in its own (their number travels)."""
     word = flags | (_CRC_PRESENT if crc is not None else 0) | (_ROWS_APART if meta_bytes is not None else 0)
-    cut = list(sizes or [])
-    words = [MAGIC, PROTOCOL, nbytes, pos_min, pos_max, word, crc or 0, meta_bytes or 0, len(cut), _cut_digest(cut)]
+    cut = [n for n in sizes or [] if n]
+    picked = _coalesced(cut, *small)
+    small_bytes = sum(n for n, p in zip(cut, picked, strict=True) if p)
+    n_messages = len(cut) - sum(picked)
+    words = [MAGIC, PROTOCOL, nbytes, pos_min, pos_max, word, crc or 0, meta_bytes or 0, n_messages, _cut_digest(cut),
+             small[0], small[1], small_bytes]  # fmt: skip
     return [*words, _header_hash(words)]
+
+
+def _coalesced(sizes: list[int], block: int, total: int) -> list[bool]:
+    """Which row blocks (of these byte sizes, in order) travel together in the coalesced
+    message: each of at most ``block`` bytes, in order, while their sum stays within
+    ``total``.  Sender and receiver both derive it from the sizes the metadata names
+    and the two limits the header carries."""
+    picked, run = [], 0
+    for n in sizes:
+        take = 0 < n <= block and run + n <= total
+        run += n if take else 0
+        picked.append(take)
+    return picked
 
 
 def _check_header(words: list[int]) -> str | None:
@@ -160,6 +193,10 @@ def _check_header(words: list[int]) -> str | None:
         return f"metadata of {words[7]} bytes in a payload of {words[2]}"
     if not 0 <= words[8] <= min(_MAX_MESSAGES, max(words[2] - words[7], 0)):
         return f"{words[8]} row messages for a payload of {words[2]} bytes"
+    if words[10] < 0 or not 0 <= words[12] <= min(words[11], _MAX_SMALL, max(words[2] - words[7], 0)):
+        return f"coalesced rows of {words[12]} bytes (limits {words[10]}, {words[11]}) in a payload of {words[2]}"
+    if words[12] and not words[5] & _ROWS_APART:
+        return "coalesced rows in a payload without rows apart"
     return None
 
 
@@ -281,8 +318,9 @@ def send_sequence(
 class _Outgoing:
     """A sequence as the sender puts it on the wire: the metadata of its state (the
     state format's, with the valid snapshot planes; see
-    :func:`statecache.state_io.rows_apart`), then one message per row block (only the
-    sequence's rows), in the order the metadata names them."""
+    :func:`statecache.state_io.rows_apart`), then its row blocks (only the sequence's
+    rows), in the order the metadata names them; :func:`_offer` sends the small ones
+    coalesced (:meth:`part_into`), each other one as a message of its own (:meth:`part`)."""
 
     meta: bytes
     blocks: list[tuple[Any, Any, np.ndarray]]  # (device, buffer, rows): the non-empty blocks
@@ -314,6 +352,35 @@ class _Outgoing:
             self.synced = True
         return view.view(np.uint8).reshape(-1)
 
+    def part_into(self, k: int, dst: np.ndarray) -> None:
+        """Block ``k``'s bytes into ``dst`` (one copy, or ``get_rows`` and one download)."""
+        device, buf, idx = self.blocks[k]
+        view = row_run(device, buf, idx)
+        if view is None:
+            gather_rows(device, buf, idx, dst)
+            return
+        if not self.synced:
+            device.synchronize()
+            self.synced = True
+        np.copyto(dst, view.view(np.uint8).reshape(-1))
+
+
+#: Row blocks of at most this many bytes travel together in one message (protocol 5),
+#: up to :data:`SMALL_TOTAL` bytes of them, over gloo: the sender copies them back to
+#: back while the receiver checks the header, the receiver posts that message's
+#: receive with its *go* (it crosses while the memory validates the metadata) and
+#: copies each block to its destination while the large blocks arrive.  Measured on
+#: the 2-core host this was written on: a message costs each side about 20-40 us of
+#: CPU (posting it, gloo's ready notification, waiting for it, the landing's
+#: bookkeeping), a copy 5-20 us per 64 KiB and 18-36 us per 256 KiB (more from a pool
+#: that is not in cache); so blocks up to 128 KiB are clearly cheaper copied than sent
+#: alone (a layer's conv state, the K/V rows of a short sequence), and near 256 KiB the
+#: two cost the same (a limit of 256 KiB, which also coalesced the K/V rows of 256
+#: tokens, measured no better).  Larger blocks are sent from the pool.  Under CPU
+#: contention the transfer's wall time follows its CPU time (see docs/distributed.md).
+SMALL_BLOCK = 128 << 10
+SMALL_TOTAL = 4 << 20
+
 
 def _rows_payload(memory: Any, seq_id: int, flags: int) -> tuple[np.ndarray, int, list[int]]:
     """The sequence as one contiguous host buffer (metadata, then every row block), the
@@ -336,9 +403,10 @@ def _offer(
 ) -> None:
     """The sender's side of the protocol for one payload (see the module docstring):
     ``blob`` alone in one message, or, with ``out``, ``blob`` (its metadata) and then
-    one message per row block.  The row blocks are read (and, on the host, wrapped as
-    tensors) while the receiver checks the header and validates the metadata, so that
-    its *go* finds every send ready to post."""
+    the row messages: the small blocks coalesced into one (:func:`_coalesced`), then one
+    per other block.  The row blocks are read (the small ones copied together, the
+    others wrapped as tensors over the pool) while the receiver checks the header and
+    validates the metadata, so that its *go* finds every send ready to post."""
     n_parts = len(out.sizes) if out is not None else 0
     parts: list[np.ndarray | None] = [None] * n_parts
     crc = None
@@ -350,27 +418,40 @@ def _offer(
             crc = zlib.crc32(parts[k].data, crc)  # type: ignore[union-attr]
     nbytes = len(blob) + (out.nbytes if out is not None else 0)
     meta_bytes, sizes = (None, None) if out is None else (len(blob), out.sizes)
-    header = _header(nbytes, pos_min, pos_max, flags, crc, meta_bytes, sizes)
     host = on_host(ch.device)
+    # over a device every block is staged on both sides anyway: nothing to coalesce
+    small = (SMALL_BLOCK, SMALL_TOTAL) if out is not None and host else (0, 0)
+    picked = _coalesced(list(sizes or []), *small)
+    header = _header(nbytes, pos_min, pos_max, flags, crc, meta_bytes, sizes, small)
     inline = out is not None and host and len(blob) <= INLINE_BYTES
     sent = ch.send(_header_message(ch, header, blob if inline else b""), "sending the header")
     heard = ch.listen("waiting for the answer to the header")
-    tensors = []
-    if host:  # while the receiver works: tensors over pool views (no copy) or over gathered rows
+    tensors: list[Any] = []  # kept alive until sent
+    coalesced = None
+    if any(picked):  # the small blocks back to back, in order
+        assert out is not None
+        buf = _send_buffer(header[12])
+        off = 0
+        for k in (k for k in range(n_parts) if picked[k]):
+            out.part_into(k, buf[off : off + out.sizes[k]])
+            off += out.sizes[k]
+        coalesced = as_tensor(buf, ch.device)
+    if host:  # tensors over pool views (no copy) or over gathered rows
         assert out is not None or not n_parts
         for k in range(n_parts):
-            if parts[k] is None:
-                parts[k] = out.part(k)  # type: ignore[union-attr]
-            tensors.append(as_tensor(parts[k], ch.device))  # type: ignore[arg-type]  # kept alive until sent
+            if not picked[k]:
+                if parts[k] is None:
+                    parts[k] = out.part(k)  # type: ignore[union-attr]
+                tensors.append(as_tensor(parts[k], ch.device))  # type: ignore[arg-type]
     code = ch.hear("waiting for the answer to the header", heard)
     if code != OK:
         raise TransferError(ch.peer, f"rank {ch.peer} refused {what}: {REASONS[code]}")
-    works = (
-        []
-        if inline
-        else [ch.send(as_tensor(blob, ch.device), "sending the metadata" if out else "sending the payload")]
-    )
-    for k in range(n_parts):  # posted now, received once the receiver's memory named their destinations
+    works = []
+    if coalesced is not None:  # first: the receiver posted its receive with its go
+        works.append(ch.send(coalesced, "sending the small rows"))
+    if not inline:
+        works.append(ch.send(as_tensor(blob, ch.device), "sending the metadata" if out else "sending the payload"))
+    for k in range(n_parts - sum(picked)):  # received once the receiver's memory named their destinations
         if not host:  # a device: each block gathered, uploaded, then sent (the gathers overlap the sends)
             assert out is not None
             part = parts[k]
@@ -506,10 +587,12 @@ EARLY_BYTES = 0
 class _Arrival:
     """A payload whose header the receiver accepted: its metadata is here (a whole blob,
     for ``rows=False``), its rows (``rows``, the staging array) may still be arriving.
-    Once :meth:`cut` knows the row messages, :meth:`post_early` receives the first ones
-    into ``rows``, :meth:`land` the others straight into the memory's free rows (or into
-    ``rows``); :meth:`arrive` waits for them all (and checks the CRC), raising
-    TransferError."""
+    The coalesced message of the small blocks (``small``, protocol 5) is received as
+    soon as the header passed.  Once :meth:`cut` knows the row messages,
+    :meth:`post_early` receives the first ones into ``rows``, :meth:`land` the others
+    straight into the memory's free rows (or into ``rows``) and names where each small
+    block goes; :meth:`arrive` waits for them all, copies the small blocks out (while
+    the large ones arrive) and checks the CRC, raising TransferError."""
 
     ch: _Channel
     nbytes: int
@@ -523,21 +606,33 @@ class _Arrival:
     n_messages: int = 0
     digest: int = 0
     crc: int | None = None
+    limits: tuple[int, int] = (0, 0)  # the coalesced blocks' (block, total) limits
+    small: tuple[Any, Any] | None = None  # the coalesced message: its tensor and its posted receive
     messages: list[tuple[int, int]] | None = None  # [lo, hi) of each row message, in rows
+    smalls: list[tuple[int, int]] | None = None  # [lo, hi) of each coalesced block, in rows
+    small_into: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # by lo: where a small block lands
     pending: list[Any] = dataclasses.field(default_factory=list)
-    into: list[Any] = dataclasses.field(default_factory=list)  # where each posted message goes, in order
+    into: dict[int, Any] = dataclasses.field(default_factory=dict)  # by lo: where each posted message goes
+    posted: int = 0  # row messages posted, in order
     finish: Callable[[], None] = lambda: None
     waited: bool = False
 
     def cut(self, sizes: list[int]) -> None:
         """The row messages the metadata implies; refused unless the sender announced them."""
         sizes = [n for n in sizes if n]
-        if len(sizes) != self.n_messages or _cut_digest(sizes) != self.digest:
+        picked = _coalesced(sizes, *self.limits)
+        small_bytes = sum(n for n, p in zip(sizes, picked, strict=True) if p)
+        announced = int(self.small[0].numel()) if self.small is not None else 0
+        if len(sizes) - sum(picked) != self.n_messages or _cut_digest(sizes) != self.digest or small_bytes != announced:
             raise StateError(
-                "rows", f"the metadata names {len(sizes)} row blocks; the sender announced {self.n_messages} others"
+                "rows",
+                f"the metadata names {len(sizes)} row blocks ({small_bytes} bytes of them coalesced); the sender "
+                f"announced {self.n_messages} row messages and {announced} coalesced bytes of others",
             )
         ends = list(itertools.accumulate(sizes))
-        self.messages = [(hi - n, hi) for n, hi in zip(sizes, ends, strict=True)]
+        spans = [(hi - n, hi) for n, hi in zip(sizes, ends, strict=True)]
+        self.messages = [m for m, p in zip(spans, picked, strict=True) if not p]
+        self.smalls = [m for m, p in zip(spans, picked, strict=True) if p]
 
     def _post(self, k: int, into: Any = None) -> None:
         """Post the receive of row message ``k`` (in order), into the staging buffer or ``into``."""
@@ -549,7 +644,8 @@ class _Arrival:
         else:
             tensor = self.ch.torch.from_numpy(into)
         self.pending.append(self.ch.post_recv(tensor, "receiving the rows"))
-        self.into.append(into)
+        self.into[lo] = into
+        self.posted = k + 1
 
     def post_early(self) -> None:
         """Receive the messages that start within :data:`EARLY_BYTES` into the staging
@@ -565,44 +661,64 @@ class _Arrival:
         """Post the receives still to post: a message that is exactly one of ``writes``
         (a block the memory is about to write into rows free now) whose destination is
         one run of a host buffer goes straight there; any other into the staging buffer.
-        Returns the writes that land."""
-        assert self.messages is not None and self.rows is not None
+        A coalesced block that is exactly one of ``writes`` will be copied there by
+        :meth:`arrive`.  Returns the writes that land."""
+        assert self.messages is not None and self.rows is not None and self.smalls is not None
         base = int(self.rows.__array_interface__["data"][0])
         by_offset = {int(w.rows.__array_interface__["data"][0]) - base: w for w in writes}
         landed = []
         synced: set[int] = set()
-        for k in range(len(self.into), len(self.messages)):
-            lo, hi = self.messages[k]
+
+        def destination(lo: int, hi: int) -> tuple[RowWrite, np.ndarray] | None:
             w = by_offset.get(lo)
             dest = None if w is None or w.rows.nbytes != hi - lo else row_run(w.device, w.buf, w.idx)
-            if dest is None or dest.nbytes != hi - lo:
-                self._post(k)
-                continue
-            assert w is not None
+            if w is None or dest is None or dest.nbytes != hi - lo:
+                return None
             if id(w.device) not in synced:  # kernels that may still touch the pool finish first
                 w.device.synchronize()
                 synced.add(id(w.device))
-            self._post(k, dest.view(np.uint8).reshape(-1))
             landed.append(w)
+            return w, dest.view(np.uint8).reshape(-1)
+
+        for k in range(self.posted, len(self.messages)):  # first: the wire waits for these
+            found = destination(*self.messages[k])
+            self._post(k, None if found is None else found[1])
+        for lo, hi in self.smalls:
+            found = destination(lo, hi)
+            if found is not None:
+                self.small_into[lo] = found[1]
         return landed
 
     def arrive(self, check: bool = True) -> None:
         """Wait for every row message (posting those not posted yet into the staging
-        buffer); ``check``: then check the CRC, when one was sent."""
+        buffer), copying the coalesced blocks to where they go while the others arrive;
+        ``check``: then check the CRC, when one was sent."""
         if self.waited:
             return
         self.waited = True
         if self.messages is not None:
-            for k in range(len(self.into), len(self.messages)):  # not landed: into the staging buffer
+            for k in range(self.posted, len(self.messages)):  # not landed: into the staging buffer
                 self._post(k)
         what = "receiving the rows"
+        if self.small is not None:
+            small_t, work = self.small
+            wait(work, self.ch.timeout, self.ch.peer, "receiving the small rows")
+            small = np.frombuffer(host_view(small_t), dtype=np.uint8)
+            off = 0
+            for lo, hi in self.smalls or []:  # landed, or into the staging buffer
+                assert self.rows is not None
+                dest = self.small_into.get(lo)
+                if dest is None:
+                    dest = self.small_into[lo] = self.rows[lo:hi]
+                np.copyto(dest, small[off : off + hi - lo])
+                off += hi - lo
         for work in self.pending:
             wait(work, self.ch.timeout, self.ch.peer, what)
         self.pending = []
         self.finish()
         if check and self.crc is not None:
             crc = zlib.crc32(self.meta)
-            for part in self.into:
+            for _, part in sorted([*self.into.items(), *self.small_into.items()], key=lambda kv: kv[0]):
                 crc = zlib.crc32(part.data if isinstance(part, np.ndarray) else _host_bytes(part), crc)
             if crc != self.crc:
                 self.ch.answer(BAD_CHECKSUM)
@@ -617,6 +733,7 @@ class _Arrival:
             return
         if self.messages is None:  # the metadata was not understood: n messages of at most all the rows
             self.messages = [(0, self.rows.size)] * self.n_messages
+            self.smalls = []  # the coalesced message is received, not copied anywhere
         with contextlib.suppress(TransferError):
             self.arrive(check=False)  # refused anyway: no second answer
 
@@ -648,11 +765,18 @@ def _take(ch: _Channel, limit: int) -> _Arrival:
         ch.answer(BAD_HEADER)
         raise TransferError(src, f"corrupt header from rank {src}: {bad}; nothing was received")
     nbytes, pos_min, pos_max, flags_word, crc, meta_bytes, n_messages, digest = words[2:10]
+    small_block, small_total, small_bytes = words[10:13]
     if nbytes == -1:
         raise TransferError(src, f"rank {src} could not write the sequence it was to send; nothing was received")
     if nbytes > limit:
         ch.answer(TOO_LARGE)
         raise TransferError(src, f"rank {src} announced {nbytes} bytes, more than max_bytes={limit}; refused")
+    small = None
+    if small_bytes:  # the sender's first message after the go: it crosses while the memory validates
+        small_t = _buffer(f"small:{ch.device}", ch.torch, small_bytes, ch.device)
+        # posted before the go, so that gloo's ready notification reaches the sender first
+        # and its send, posted on the go, is written at once
+        small = (small_t, ch.post_recv(small_t, "receiving the small rows"))
     ch.tell(OK)  # go: the receiver checks the metadata while the sender hears it
     payload = _receive_buffer(ch, nbytes)
     flags = flags_word & 0xFFFF
@@ -680,7 +804,7 @@ def _take(ch: _Channel, limit: int) -> _Arrival:
             ch.torch.from_numpy(rows).copy_(payload[meta_bytes:])
 
     return _Arrival(ch, nbytes, pos_min, pos_max, flags, meta, rows, host, payload, n_messages, digest, crc,
-                    finish=finish)  # fmt: skip
+                    (small_block, small_total), small, finish=finish)  # fmt: skip
 
 
 _BUFFERS = threading.local()
@@ -705,9 +829,19 @@ def _buffer(key: str, lib: Any, nbytes: int, device: Any = None) -> Any:
     return buf[:nbytes]
 
 
+def _send_buffer(nbytes: int) -> np.ndarray:
+    """``nbytes`` of a host buffer kept for the next coalesced message (per thread): the
+    sender waits for its sends before it returns, so reuse is safe."""
+    buf = getattr(_BUFFERS, "send", None)
+    if buf is None or buf.size < nbytes:
+        buf = _BUFFERS.send = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]
+
+
 def release_buffers() -> None:
-    """Free the receive buffers this thread keeps for its next transfer."""
+    """Free the buffers this thread keeps for its next transfer."""
     _BUFFERS.by_device = {}
+    _BUFFERS.send = None
 
 
 def _check_positions(data: Any, pos_max: int, rows: np.ndarray | None = None) -> list[int]:

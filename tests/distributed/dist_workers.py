@@ -167,6 +167,13 @@ def transfer(rank: int, world: int) -> Any:
         decode(mem, w, {2: PROMPT})
         sent = send_sequence(mem, 2, 1, tag=1)  # to a cpu memory of another size, into sequence 0
         send_sequence(mem, 2, 1, tag=2, rows=False)  # the state format, to a reference-backend memory
+        # the tiny model's row blocks all travel in the coalesced message; again with none coalesced
+        out["coalesced"] = all(T._coalesced(T._Outgoing.of(mem, 2, 0).sizes, T.SMALL_BLOCK, T.SMALL_TOTAL))
+        keep, T.SMALL_BLOCK = T.SMALL_BLOCK, 0
+        try:
+            send_sequence(mem, 2, 1, tag=14)
+        finally:
+            T.SMALL_BLOCK = keep
         # with rollback planes: the receiver rolls back like the sender
         deep = make_memory(cpu, spec, n_seq_max=1, n_rs_seq=ROLLBACK)
         decode(deep, w, {0: PROMPT})
@@ -222,12 +229,15 @@ def transfer(rank: int, world: int) -> Any:
     mem_ref = make_memory(ref, spec, n_seq_max=1, n_ctx=32)
     recv_sequence(mem_ref, 0, 0, tag=2)
     out["ref_blob"] = mem_ref.state_write(0)
+    per_block = make_memory(cpu, spec, n_seq_max=1, n_ctx=32)
+    recv_sequence(per_block, 0, 0, tag=14)
     deep = make_memory(cpu, spec, n_seq_max=2, n_ctx=64, n_rs_seq=ROLLBACK)
     decode(deep, w, {0: [2, 2, 2]})  # the receiving sequence is another one, with a state of its own
     recv_sequence(deep, 1, 0, tag=12)
     out["rolled"] = _rollback_and_decode(deep, 1, w)
     out["logits"] = [decode(mem, w, s)[0] for s in DECODE]
     out["ref_logits"] = [decode(mem_ref, w, s)[0] for s in DECODE]
+    out["per_block_logits"] = [decode(per_block, w, s)[0] for s in DECODE]
     out["other_untouched"] = mem.state_write(1) == other_before
     for name, tag in (("bad_magic", 3), ("bad_hash", 4), ("too_large", 5), ("bad_crc", 6), ("bad_pos", 7)):
         out[name] = _expect_failure(mem, lambda tag=tag: recv_sequence(mem, 0, 0, tag=tag))

@@ -91,6 +91,10 @@ def test_prefill_transfer_decode_is_bitwise_equal_to_decoding_on_the_sender(two_
     assert len(s["logits"]) == len(r["logits"]) == len(workers.DECODE)
     assert all(np.array_equal(a, b) for a, b in zip(s["logits"], r["logits"], strict=True))
     assert r["other_untouched"]  # the receiver's other sequence kept its state
+    # that transfer sent every row block in the coalesced message (protocol 5); the same
+    # sequence with every block in its own message decodes bit for bit the same
+    assert s["coalesced"]
+    assert all(np.array_equal(a, b) for a, b in zip(s["logits"], r["per_block_logits"], strict=True))
 
 
 def test_transfer_to_another_backend_carries_the_same_rows_and_positions(two_ranks):

@@ -71,3 +71,38 @@ def test_prefill_reads_element_strided_inputs_as_it_reads_contiguous_ones(op: V.
     want, got = run_on(dev, tensors, 5, call), run_on(dev, strided, 5, call)
     for name in ("pool", "out"):
         assert_bitwise(name, got[name][1], want[name][1])
+
+
+#: Decode-only calls (every sequence one token or none), where the kernels allocate
+#: no tile and pack the token on the stack unless a state goes to no row or the pool
+#: is not float32: RWKV-6 / RWKV-7 / GLA at model head sizes (RWKV-7 at both sizes its rows are
+#: compiled for), and the gated delta rule.
+DECODE_OPS = [L.rwkv6_op(64, 3), L.rwkv7_op(64, 3), L.rwkv7_op(128, 2), L.gla_op(128, 2), V.delta_op(False, 128, 2, 2)]
+
+
+@pytest.mark.parametrize("op", DECODE_OPS, ids=lambda op: op.label)
+@pytest.mark.parametrize("dtype", [DType.F32, DType.F16])
+def test_decode_only_calls_with_states_written_nowhere(op: V.Op, dtype: DType) -> None:
+    """A decode-only call whose sparse table leaves some sequence's column 0
+    unwritten (its new state goes to no row, the input state to a snapshot)
+    next to sequences that write it: every path of the decode units (in place,
+    through the tile, dropped) against the reference."""
+    dev = cpu_device()
+    lengths = (1, 0, 1, 1, 1)
+    seen_dropped = seen_written = False
+    for seed in range(4):
+        params = V.VarlenParams(op, lengths, 3, "sparse", dtype)
+        tensors, rows, _ = V.varlen_tensors(params, seed=seed)
+        col0 = np.asarray(rows.table)[:, 0][np.asarray(lengths) == 1]
+        seen_dropped |= bool((col0 < 0).any())
+        seen_written |= bool((col0 >= 0).any())
+        call = V.varlen_call(params, rows)
+        with np.errstate(all="ignore"):
+            compare_with_reference(dev, tensors, seed, call, {"pool": NMSE[dtype], "out": NMSE[DType.F32]})
+    assert seen_dropped and seen_written  # both kinds of decode unit ran
+
+
+@pytest.mark.usefixtures("split_small_calls")
+@pytest.mark.parametrize("op", DECODE_OPS, ids=lambda op: op.label)
+def test_decode_only_calls_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyPatch, op: V.Op) -> None:
+    assert_packed_call_thread_invariant(monkeypatch, op, (1, 0, 1, 1, 1), n_cols=3)
