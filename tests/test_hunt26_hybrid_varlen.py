@@ -8,7 +8,7 @@ rollbacks (``seq_rm`` of the last tokens: accepted exactly when
 copy-on-write of both parts) and whole-sequence removals; after every batch
 each sequence's last output equals the toy's oracle (recurrent recompute +
 attention over exactly the cells the sequence can see).
-``STATECACHE_HUNT26_HYBRID_EXAMPLES`` (default 10).
+``STATECACHE_HUNT26_HYBRID_EXAMPLES`` (default 40).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_HYBRID_EXAMPLES", "10")), deadline=None)
+@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_HYBRID_EXAMPLES", "40")), deadline=None)
 @given(ops, st.sampled_from([("hybrid", True), ("hybrid", False), ("iswa", True), ("idx", True)]),
        st.sampled_from([5, 64]), st.sampled_from([3, 64]))  # fmt: skip
 def test_random_walks_of_packed_batches_equal_the_oracle(program, kind, n_ubatch, n_swa) -> None:  # type: ignore[no-untyped-def]

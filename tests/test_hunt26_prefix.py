@@ -10,7 +10,7 @@ nothing: the cache's entries, counters and the memory's bytes stay as they were.
 Every served request is held to its cold run (bitwise) and a one-call
 recompute (NMSE) by :class:`ColdOracle`; the invariants P1-P6 after every step.
 
-Examples: ``STATECACHE_HUNT26_PREFIX_EXAMPLES`` (default 6) traces of 8 steps.
+Examples: ``STATECACHE_HUNT26_PREFIX_EXAMPLES`` (default 12) traces of 8 steps.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ class Hunt26PrefixMachine(RuleBasedStateMachine):
 
 
 Hunt26PrefixMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("STATECACHE_HUNT26_PREFIX_EXAMPLES", "6")),
+    max_examples=int(os.environ.get("STATECACHE_HUNT26_PREFIX_EXAMPLES", "12")),
     stateful_step_count=8,
     deadline=None,
     # STATECACHE_HUNT26_NO_SHRINK=1: a long hunt reports failures as drawn (shrinking one trace takes minutes)

@@ -6,7 +6,7 @@ offsets.  Here the same kernels run per sequence set of a *packed* ubatch
 (``rows.cu_seqlens``: set ``i`` owns tokens ``cu[i] .. cu[i + 1] - 1``, its own
 length, so its own snapshot columns) over random walks of mixed batches,
 rollbacks, forks and undone batches; the memory, book and outputs must match the primitive
-path (packed too).  ``STATECACHE_HUNT26_SLOT_EXAMPLES`` (default 10).
+path (packed too).  ``STATECACHE_HUNT26_SLOT_EXAMPLES`` (default 25).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ _OPS = st.lists(
 )  # fmt: skip
 
 
-@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_SLOT_EXAMPLES", "10")), deadline=None)
+@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_SLOT_EXAMPLES", "25")), deadline=None)
 @given(ops=_OPS, device=st.sampled_from(["reference", "cpu"]), n_ubatch=st.sampled_from([5, 8, 512]))
 def test_packed_walks_through_slot_rows_match_the_packed_primitives(ops, device: str, n_ubatch: int) -> None:  # type: ignore[no-untyped-def]
     dev = statecache.get_device(device)

@@ -153,7 +153,7 @@ def test_a_varlen_recurrent_batch_with_a_coupled_token_between_own_tokens_equals
     assert t.mem.seq_pos_max(0) == 7
 
 
-@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_COUPLED_EXAMPLES", "15")), deadline=None)
+@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_COUPLED_EXAMPLES", "40")), deadline=None)
 @given(coupled_batches(), st.sampled_from([4, 6, 64]), st.sampled_from([0, 2]))
 def test_coupled_varlen_batches_through_a_recurrent_memory_equal_recompute(batch, n_ubatch, n_rs_seq) -> None:  # type: ignore[no-untyped-def]
     """Every planned coupled batch computes what each sequence's history gives from zeros: a
@@ -202,7 +202,7 @@ def test_coupled_varlen_batches_through_a_recurrent_memory_equal_recompute(batch
                     np.testing.assert_allclose(row, states[L][name], atol=2e-5, err_msg=f"seq {q} {L} {name}")
 
 
-@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_COUPLED_EXAMPLES", "15")), deadline=None)
+@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_COUPLED_EXAMPLES", "40")), deadline=None)
 @given(coupled_batches(), st.sampled_from([4, 64]), st.booleans(), st.sampled_from(["hybrid", "iswa", "idx"]))
 def test_coupled_batches_through_a_hybrid_memory_equal_recompute(batch, n_ubatch, varlen, kind) -> None:  # type: ignore[no-untyped-def]
     """A unified hybrid splits coupled batches with ``split_equal`` (not sequential) or

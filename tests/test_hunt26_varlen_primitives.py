@@ -8,7 +8,7 @@ powers of two), sequence lengths (0, 1, lengths past a chunk), snapshot
 columns, the rows mode (planes, sparse, rotate, shared starts), the pool and
 activation dtypes, and holds every device to: one packed call == one call per
 sequence, bitwise; cpu and opencl == the reference within the conformance
-tolerances.  ``STATECACHE_HUNT26_VARLEN_EXAMPLES`` (default 8).
+tolerances.  ``STATECACHE_HUNT26_VARLEN_EXAMPLES`` (default 25).
 """
 
 from __future__ import annotations
@@ -67,14 +67,14 @@ def params(draw):  # type: ignore[no-untyped-def]
     return op, lengths, K, mode, dtype, act
 
 
-@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_VARLEN_EXAMPLES", "8")), deadline=None)
+@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_VARLEN_EXAMPLES", "25")), deadline=None)
 @given(params(), st.sampled_from(DEVICES))
 def test_packed_equals_per_sequence_bitwise(p, name) -> None:  # type: ignore[no-untyped-def]
     op, lengths, K, mode, dtype, act = p
     vc.packed_split_case(vc.VarlenParams(op, lengths, K, mode, dtype, tag="packed_split", act=act)).run(_device(name))
 
 
-@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_VARLEN_EXAMPLES", "8")), deadline=None)
+@settings(max_examples=int(os.environ.get("STATECACHE_HUNT26_VARLEN_EXAMPLES", "25")), deadline=None)
 @given(params(), st.sampled_from(["cpu", "opencl"]), st.integers(0, 1000))
 def test_packed_call_matches_the_reference(p, name, seed) -> None:  # type: ignore[no-untyped-def]
     op, lengths, K, mode, dtype, act = p
