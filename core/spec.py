@@ -109,16 +109,30 @@ class RecurrentLayerSpec:
         )
 
     @classmethod
-    def gdn(cls, *, n_head: int, head_dim: int, d_conv: int, n_head_k: int | None = None) -> RecurrentLayerSpec:
+    def gdn(
+        cls, *, n_head: int, head_dim: int, d_conv: int, n_head_k: int | None = None, head_map: str = "tiled"
+    ) -> RecurrentLayerSpec:
         """Gated delta net (Qwen3-Next style): q, k, v convolved (3 * n_head * head_dim
-        channels when q/k have as many heads as v), state head_dim^2 per value head."""
+        channels when q/k have as many heads as v), state head_dim^2 per value head.
+
+        ``head_map`` is the runtime's q/k head mapping (the ``head_map`` its
+        ``gated_delta_net`` calls pass): ``"tiled"`` (value head h reads key
+        head ``h % n_head_k``, llama.cpp) or ``"grouped"`` (``h // (n_head /
+        n_head_k)``, transformers, flash-linear-attention, vLLM).  Rows are the
+        same either way; only a tensor-parallel split depends on it (which
+        value heads go with a rank's key heads, see :meth:`shard`)."""
         hk = n_head if n_head_k is None else n_head_k
         _check_sizes("gdn", ("d_conv", d_conv), n_head=n_head, head_dim=head_dim, n_head_k=hk)
+        if head_map not in ("tiled", "grouped"):
+            raise ArgumentError("head_map", f"must be 'tiled' or 'grouped', got {head_map!r}")
         channels = (2 * hk + n_head) * head_dim
+        params = {"d_conv": d_conv, "channels": channels, "n_head": n_head, "n_head_k": hk, "head_dim": head_dim}
+        if head_map == "grouped" and hk not in (1, n_head):  # else grouped is the tiled map: one spec for both
+            params["grouped_heads"] = 1
         return cls(
             "gdn",
             (StateTensor("r", (d_conv - 1) * channels), StateTensor("s", head_dim * head_dim * n_head)),
-            {"d_conv": d_conv, "channels": channels, "n_head": n_head, "n_head_k": hk, "head_dim": head_dim},
+            params,
         )
 
     @classmethod
@@ -506,10 +520,17 @@ def _shard_layer(spec: RecurrentLayerSpec, rank: int, world: int) -> tuple[Recur
         _split("n_head", Hv, world, "value heads")
         hk = _split("n_head_k", Hk, world, "key heads")
         k_heads = np.arange(rank * hk, (rank + 1) * hk)
-        # value head h reads key head h % Hk (the primitive tiles key heads over value
-        # heads): a rank holds the value heads of its key heads, in increasing order,
-        # which the local tiling h' % hk maps onto the same key heads
-        v_heads = np.flatnonzero(np.isin(np.arange(Hv) % Hk, k_heads))
+        grouped = bool(p.get("grouped_heads", 0))
+        if grouped:
+            # value head h reads key head h // (Hv / Hk): a rank's key heads are read by
+            # one contiguous run of value heads (vLLM's split), which the local grouped
+            # map h' // (hv / hk) sends to the same key heads
+            v_heads = np.arange(rank * (Hv // world), (rank + 1) * (Hv // world))
+        else:
+            # value head h reads key head h % Hk (tiled): a rank holds the value heads
+            # of its key heads, in increasing order, which the local tiling h' % hk
+            # maps onto the same key heads
+            v_heads = np.flatnonzero(np.isin(np.arange(Hv) % Hk, k_heads))
         index = {
             "r": np.concatenate(
                 [_blocks(k_heads * S, S), _blocks((Hk + k_heads) * S, S), _blocks((2 * Hk + v_heads) * S, S)]
@@ -517,7 +538,10 @@ def _shard_layer(spec: RecurrentLayerSpec, rank: int, world: int) -> tuple[Recur
             "s": _blocks(v_heads * S * S, S * S),
         }
         if fam == "gdn":
-            local = RecurrentLayerSpec.gdn(n_head=v_heads.size, head_dim=S, d_conv=p["d_conv"], n_head_k=hk)
+            local = RecurrentLayerSpec.gdn(
+                n_head=v_heads.size, head_dim=S, d_conv=p["d_conv"], n_head_k=hk,
+                head_map="grouped" if grouped else "tiled",
+            )  # fmt: skip
         else:
             local = RecurrentLayerSpec.kda(n_head=v_heads.size, head_dim=S, d_conv=p["d_conv"])
     elif fam in ("rwkv6", "rwkv7"):
