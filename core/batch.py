@@ -775,7 +775,7 @@ class BatchAllocator:
             _, first = np.unique(sets, return_index=True)
             ch = sets[np.sort(first)[:n_ubatch]].astype(np.int64)
         else:
-            taken = 0
+            before = 0  # the sequences of every set met so far, chosen or not
             seen: set[int] = set()
             for i in range(start, self.n_tokens):
                 if self._used[i]:
@@ -785,20 +785,27 @@ class BatchAllocator:
                     continue
                 seen.add(k)
                 m = self._masks[k]
-                if m & taken:
+                blocked, before = m & before, before | m
+                if blocked:
+                    # shares a sequence with a chosen set, or with one whose unused token comes
+                    # first (taking k would run that sequence out of batch order)
                     continue
                 if sequential and chosen and self._set_ids[k][0] != self._set_ids[chosen[-1]][0] + 1:
                     continue
                 chosen.append(k)
-                taken |= m
                 if len(chosen) >= n_ubatch:
                     break
 
             ch = np.asarray(chosen, dtype=np.int64)
 
-        # 2. lock-step expansion
+        # 2. lock-step expansion (coupled: no set past a token of another set of its sequences)
         count = self._remaining_count(ch)
         n_len = int(min(count.min(), n_ubatch // ch.size))
+        lim = count
+        if self.has_coupled and ch.size:
+            limits = self._coupled_limits(ch.tolist())
+            lim = np.asarray([limits[k] for k in ch.tolist()], dtype=np.int64)
+            n_len = min(n_len, int(lim.min()))
 
         # 3. keep-tail rule: a set may be cut only where n_keep_tail tokens remain after the cut
         if n_keep_tail > 0:
@@ -809,6 +816,10 @@ class BatchAllocator:
                 c0 = int(count[0])
                 # the whole remainder if it fits, else cut where n_keep_tail tokens stay behind
                 n_len = c0 if c0 <= n_ubatch else min(n_ubatch, c0 - n_keep_tail)
+                if n_len > int(lim[0]):  # coupled: stop before another set of its sequences
+                    n_len = int(lim[0])
+                    if c0 - n_len < n_keep_tail:
+                        return UBatch.empty()  # its tail cannot stay whole: left unplaced, the plan fails
                 keep = 1
             ch = ch[:keep]
 
@@ -845,12 +856,13 @@ class BatchAllocator:
         chosen: list[int] = []
         takes: list[int] = []
         budget, taken = n_ubatch, 0
+        limits = self._coupled_limits(order.tolist()) if self.has_coupled else None
         for k, count in zip(order.tolist(), self._remaining_count(order).tolist(), strict=True):
-            if self.has_coupled:
+            if limits is not None:
                 m = self._masks[k]
                 if m & taken:
                     continue  # shares a sequence with a set already in this ubatch
-            take = min(count, budget)
+            take = min(count, budget) if limits is None else min(count, budget, limits[k])
             if 0 < count - take < n_keep_tail:
                 take = count - n_keep_tail  # leave a whole tail behind for the next ubatch
             if take <= 0:
@@ -862,6 +874,8 @@ class BatchAllocator:
             budget -= take
             if budget == 0:
                 break
+        if not chosen:
+            return UBatch.empty()  # coupled sets that cannot keep their order and tails: the plan fails
         ch = np.asarray(chosen, dtype=np.int64)
         lens = np.asarray(takes, dtype=np.int64)
         cu = np.zeros(ch.size + 1, dtype=np.int32)
@@ -879,6 +893,32 @@ class BatchAllocator:
     def _remaining_count(self, sets: np.ndarray) -> np.ndarray:
         count: np.ndarray = self._bounds[sets + 1] - self._bounds[sets] - self._set_cursor[sets]
         return count
+
+    def _coupled_limits(self, sets: Sequence[int]) -> dict[int, int]:
+        """Per set, how many of its remaining tokens precede the first unused token of
+        another set sharing a sequence with it.  Taking more would run that sequence out
+        of batch order: with ``(0,) (0, 1) (0,)`` set ``(0,)`` may not take its second
+        token before the coupled one.  Only batches that couple sequences need this."""
+        n_sets = len(self._bounds) - 1
+        live = np.flatnonzero(self._remaining_count(np.arange(n_sets)) > 0)
+        first = self._order[self._bounds[live] + self._set_cursor[live]].tolist()
+        # per sequence, the two earliest first-unused tokens of the live sets holding it (and
+        # whose): a set's stop is then found from its own ids, not by comparing every pair
+        best: dict[int, list[tuple[int, int]]] = {}
+        for j, f in zip(live.tolist(), first, strict=True):
+            for q in self._set_ids[j]:
+                b = best.setdefault(q, [])
+                b.append((f, j))
+                if len(b) > 2:
+                    b.sort()
+                    del b[2:]
+        out: dict[int, int] = {}
+        for k in sets:
+            stop = self.n_tokens
+            for q in self._set_ids[k]:
+                stop = min([stop, *(f for f, j in best.get(q, ()) if j != k)])
+            out[k] = int(np.searchsorted(self._set_remaining(k), stop))
+        return out
 
     def split_seq(self, n_ubatch: int) -> UBatch:
         """One set per ubatch: from the first unused token, following unused tokens
@@ -899,6 +939,8 @@ class BatchAllocator:
             if m & cur == m:
                 idx.append(i)
                 cur = m
+            elif m & cur:
+                break  # a token of one of the set's sequences that this ubatch cannot take comes first
         return self._emit(np.asarray(idx), True, len(idx), [first_ids])
 
 

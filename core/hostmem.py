@@ -38,7 +38,22 @@ def aligned_empty(n_elements: int, dtype: DType) -> np.ndarray:
 
 
 def as_array(buf: Buffer) -> np.ndarray:
-    """A NumPy view (no copy) of a host buffer with its shape and strides."""
+    """A NumPy view (no copy) of a host buffer with its shape and strides.
+
+    The caller may write through it, so an index buffer is marked exported
+    (:meth:`Buffer.mark_exported`), as ``np.asarray`` and DLPack exports mark
+    it: its next validation reads the rows back instead of trusting the host
+    copy of what statecache last wrote (a row rewritten here was once used
+    unvalidated, out of range included).  Backends read and write their own
+    buffers through :func:`host_view`, which marks nothing."""
+    if buf.dtype is DType.I32:
+        buf.mark_exported()
+    return host_view(buf)
+
+
+def host_view(buf: Buffer) -> np.ndarray:
+    """:func:`as_array` for a backend's own reads and writes (their index
+    buffers' host copies stay valid: :meth:`Device.write` keeps them)."""
     flat: np.ndarray = buf.storage
     if buf.is_contiguous:
         return flat[buf.offset : buf.offset + buf.size].reshape(buf.shape)
@@ -66,9 +81,9 @@ def gather_rows(device: Any, buf: Buffer, idx: np.ndarray, out: np.ndarray | Non
         device.synchronize()
         run = _as_run(idx)
         if run is not None:  # a sequence's cells are often one run: a plain copy
-            np.copyto(dst, as_array(buf)[run])
+            np.copyto(dst, host_view(buf)[run])
         else:
-            np.take(as_array(buf), idx, axis=0, out=dst, mode="clip")  # "raise" would buffer the whole output
+            np.take(host_view(buf), idx, axis=0, out=dst, mode="clip")  # "raise" would buffer the whole output
         return out
     tmp = device.alloc((n_rows, width), buf.dtype)
     device.get_rows(buf, device.indices(idx), tmp)

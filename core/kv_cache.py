@@ -102,6 +102,9 @@ class KVLayer:
     n_embd_v: int
 
     def __post_init__(self) -> None:
+        widths = (self.il, self.n_embd_k, self.n_embd_v)
+        if any(isinstance(v, bool) or not isinstance(v, int | np.integer) for v in widths):
+            raise ArgumentError("layers", f"layer {self.il}: index and widths must be integers, got {widths}")
         if self.n_embd_k <= 0 or self.n_embd_v < 0:
             raise ArgumentError("layers", f"layer {self.il}: K width must be > 0 and V width >= 0")
 
@@ -241,6 +244,9 @@ class KVCache(Memory):
         swa_evict: bool = True,
         rollback_depth: int = 0,
     ) -> None:
+        for arg, value in (("size", size), ("n_seq_max", n_seq_max), ("n_swa", n_swa), ("n_pad", n_pad),
+                           ("rollback_depth", rollback_depth)):  # fmt: skip
+            check_int32(value, arg)  # int() would take 10.5 cells as 10
         if size <= 0:
             raise ArgumentError("size", f"must be > 0, got {size}")
         if n_pad <= 0:

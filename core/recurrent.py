@@ -566,6 +566,8 @@ class RecurrentMemory(Memory):
             spec = MemorySpec(tuple(spec), DType.parse(dtype) if dtype is not None else DType.F32)
         elif dtype is not None:
             spec = dataclasses.replace(spec, dtype=DType.parse(dtype))
+        for arg, value in (("n_seq_max", n_seq_max), ("n_rs_seq", n_rs_seq), ("size", -1 if size is None else size)):
+            check_int32(value, arg)  # int() would take 1.5 planes as 1
         if not 1 <= n_seq_max <= 256:
             raise ArgumentError("n_seq_max", f"must be in [1, 256], got {n_seq_max}")
         size = max(1, n_seq_max) if size is None else int(size)

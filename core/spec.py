@@ -35,9 +35,10 @@ def _check_sizes(family: str, d_conv: tuple[str, int] | None = None, **sizes: in
     or negative size surfaced as "state tensor 'r' needs a positive row size", or not
     at all until the first step.  ``d_conv`` (its name and value) is a conv window,
     which keeps ``d_conv - 1`` columns of state, so it must be at least 2."""
-    for name, value in sizes.items():
-        if int(value) < 1:
-            raise ArgumentError(name, f"{family}: must be a positive integer, got {value}")
+    for name, value in (*sizes.items(), *([d_conv] if d_conv is not None else [])):
+        # int(8.5) would pass as 8 and a fractional size reach the row sizes
+        if not _whole(value) or int(value) < 1:
+            raise ArgumentError(name, f"{family}: must be a positive integer, got {value!r}")
     if d_conv is not None and int(d_conv[1]) < 2:
         raise ArgumentError(
             d_conv[0], f"{family}: must be >= 2 (the conv state keeps {d_conv[0]} - 1 columns), got {d_conv[1]}"
@@ -108,16 +109,30 @@ class RecurrentLayerSpec:
         )
 
     @classmethod
-    def gdn(cls, *, n_head: int, head_dim: int, d_conv: int, n_head_k: int | None = None) -> RecurrentLayerSpec:
+    def gdn(
+        cls, *, n_head: int, head_dim: int, d_conv: int, n_head_k: int | None = None, head_map: str = "tiled"
+    ) -> RecurrentLayerSpec:
         """Gated delta net (Qwen3-Next style): q, k, v convolved (3 * n_head * head_dim
-        channels when q/k have as many heads as v), state head_dim^2 per value head."""
+        channels when q/k have as many heads as v), state head_dim^2 per value head.
+
+        ``head_map`` is the runtime's q/k head mapping (the ``head_map`` its
+        ``gated_delta_net`` calls pass): ``"tiled"`` (value head h reads key
+        head ``h % n_head_k``, llama.cpp) or ``"grouped"`` (``h // (n_head /
+        n_head_k)``, transformers, flash-linear-attention, vLLM).  Rows are the
+        same either way; only a tensor-parallel split depends on it (which
+        value heads go with a rank's key heads, see :meth:`shard`)."""
         hk = n_head if n_head_k is None else n_head_k
         _check_sizes("gdn", ("d_conv", d_conv), n_head=n_head, head_dim=head_dim, n_head_k=hk)
+        if head_map not in ("tiled", "grouped"):
+            raise ArgumentError("head_map", f"must be 'tiled' or 'grouped', got {head_map!r}")
         channels = (2 * hk + n_head) * head_dim
+        params = {"d_conv": d_conv, "channels": channels, "n_head": n_head, "n_head_k": hk, "head_dim": head_dim}
+        if head_map == "grouped" and hk not in (1, n_head):  # else grouped is the tiled map: one spec for both
+            params["grouped_heads"] = 1
         return cls(
             "gdn",
             (StateTensor("r", (d_conv - 1) * channels), StateTensor("s", head_dim * head_dim * n_head)),
-            {"d_conv": d_conv, "channels": channels, "n_head": n_head, "n_head_k": hk, "head_dim": head_dim},
+            params,
         )
 
     @classmethod
@@ -289,6 +304,9 @@ class AttentionLayerSpec:
     swa: bool = False
 
     def __post_init__(self) -> None:
+        sizes = (self.n_head_kv, self.head_dim_k, *(() if self.head_dim_v is None else (self.head_dim_v,)))
+        if not all(_whole(v) for v in sizes):
+            raise ArgumentError("attention", f"heads and head sizes must be integers, got {sizes}")
         if self.n_head_kv <= 0 or self.head_dim_k <= 0 or (self.head_dim_v is not None and self.head_dim_v <= 0):
             raise ArgumentError("attention", "heads and head sizes must be positive")
 
@@ -303,7 +321,7 @@ class AttentionLayerSpec:
     def shard(self, rank: int, world: int) -> AttentionLayerSpec:
         """Rank ``rank`` of ``world`` holds ``n_head_kv / world`` whole K/V heads (its
         query heads' groups); a count that does not divide is refused, not replicated."""
-        _check_rank(rank, world)
+        check_rank(rank, world)
         return dataclasses.replace(self, n_head_kv=_split("n_head_kv", self.n_head_kv, world, "K/V heads"))
 
     def shard_index(self, rank: int, world: int) -> dict[str, np.ndarray]:
@@ -427,7 +445,17 @@ class ModelSpec:
 # -- tensor-parallel shards (Megatron / vLLM: whole heads per rank) -----------------------
 
 
-def _check_rank(rank: int, world: int) -> None:
+def _whole(value: object) -> bool:
+    """An integer (a NumPy one too), not a bool or a float."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def check_rank(rank: int, world: int) -> None:
+    """Refuse (:class:`ArgumentError` naming it) a rank or world that is not an
+    integer, or a rank outside ``[0, world)``."""
+    for name, value in (("world", world), ("rank", rank)):
+        if not _whole(value):  # a fractional rank made fractional element maps
+            raise ArgumentError(name, f"must be an integer, got {value!r}")
     if world < 1:
         raise ArgumentError("world", f"needs at least one rank, got {world}")
     if not 0 <= rank < world:
@@ -461,7 +489,7 @@ def _shard_layer(spec: RecurrentLayerSpec, rank: int, world: int) -> tuple[Recur
     is ``[head, head_dim, head_dim]``.  So a rank's rows are its channels' and heads'
     blocks of the full rows, in increasing order.
     """
-    _check_rank(rank, world)
+    check_rank(rank, world)
     p = spec.params
     full = {t.name: np.arange(t.row_size, dtype=np.int64) for t in spec.tensors}
     if p.get("tp_world", 1) != 1:
@@ -492,10 +520,17 @@ def _shard_layer(spec: RecurrentLayerSpec, rank: int, world: int) -> tuple[Recur
         _split("n_head", Hv, world, "value heads")
         hk = _split("n_head_k", Hk, world, "key heads")
         k_heads = np.arange(rank * hk, (rank + 1) * hk)
-        # value head h reads key head h % Hk (the primitive tiles key heads over value
-        # heads): a rank holds the value heads of its key heads, in increasing order,
-        # which the local tiling h' % hk maps onto the same key heads
-        v_heads = np.flatnonzero(np.isin(np.arange(Hv) % Hk, k_heads))
+        grouped = bool(p.get("grouped_heads", 0))
+        if grouped:
+            # value head h reads key head h // (Hv / Hk): a rank's key heads are read by
+            # one contiguous run of value heads (vLLM's split), which the local grouped
+            # map h' // (hv / hk) sends to the same key heads
+            v_heads = np.arange(rank * (Hv // world), (rank + 1) * (Hv // world))
+        else:
+            # value head h reads key head h % Hk (tiled): a rank holds the value heads
+            # of its key heads, in increasing order, which the local tiling h' % hk
+            # maps onto the same key heads
+            v_heads = np.flatnonzero(np.isin(np.arange(Hv) % Hk, k_heads))
         index = {
             "r": np.concatenate(
                 [_blocks(k_heads * S, S), _blocks((Hk + k_heads) * S, S), _blocks((2 * Hk + v_heads) * S, S)]
@@ -503,7 +538,10 @@ def _shard_layer(spec: RecurrentLayerSpec, rank: int, world: int) -> tuple[Recur
             "s": _blocks(v_heads * S * S, S * S),
         }
         if fam == "gdn":
-            local = RecurrentLayerSpec.gdn(n_head=v_heads.size, head_dim=S, d_conv=p["d_conv"], n_head_k=hk)
+            local = RecurrentLayerSpec.gdn(
+                n_head=v_heads.size, head_dim=S, d_conv=p["d_conv"], n_head_k=hk,
+                head_map="grouped" if grouped else "tiled",
+            )  # fmt: skip
         else:
             local = RecurrentLayerSpec.kda(n_head=v_heads.size, head_dim=S, d_conv=p["d_conv"])
     elif fam in ("rwkv6", "rwkv7"):

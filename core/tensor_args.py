@@ -280,7 +280,12 @@ class TensorWraps:
 def _float_wrap(dev: Device, memory: TensorMemory, name: str) -> _Wrap:
     dtype = memory.dtype
     if dtype is None or dtype is DType.I32:
-        raise ArgumentError(name, f"dtype {memory.type_name()} must be float32, float16 or bfloat16")
+        # This wrap does not know whether the argument is data or an index
+        # (an integer tensor would have gone to _index_wrap), so name both.
+        raise ArgumentError(
+            name,
+            f"dtype {memory.type_name()} must be float32, float16 or bfloat16 (data) or int32/int64 (row indices)",
+        )
     if any(s < 0 for s in memory.strides):
         raise ArgumentError(name, f"has negative strides {memory.strides}: pass a copy (.contiguous())")
     if memory.address % memory.itemsize:

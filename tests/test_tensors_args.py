@@ -408,6 +408,9 @@ def test_bad_tensors_are_named(dev) -> None:  # type: ignore[no-untyped-def]
     rows = dev.indices([0, 1])
     with pytest.raises(ArgumentError, match="dst: dtype float64 must be float32, float16 or bfloat16"):
         dev.get_rows(src, rows, torch.zeros(2, 3, dtype=torch.float64))
+    # a float index tensor: the message also names the index dtypes
+    with pytest.raises(ArgumentError, match=r"rows: dtype float64 must be .* or int32/int64 \(row indices\)"):
+        dev.get_rows(src, torch.zeros(2, dtype=torch.float64), dev.alloc((2, 3)))
     with pytest.raises(ArgumentError, match="dst: expected a Buffer, got list"):
         dev.get_rows(src, rows, [[0.0] * 3] * 2)
     frozen = np.zeros((2, 3), np.float32)

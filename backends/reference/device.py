@@ -13,7 +13,7 @@ from statecache.backend import PRIMITIVES, PROTOCOL_VERSION, Backend, Buffer, Ca
 from statecache.backends.reference import delta_net, linear_attn, rows, ssm_conv, ssm_scan
 from statecache.dlpack import TensorMemory, host_flat
 from statecache.dtypes import STORAGE_DTYPES, DType
-from statecache.hostmem import aligned_empty, as_array, physical_memory_bytes
+from statecache.hostmem import aligned_empty, host_view, physical_memory_bytes
 from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES
 
 
@@ -42,10 +42,10 @@ class ReferenceDevice(Device):
         return Buffer(self, aligned_empty(n, dtype), dtype, shape)
 
     def _write(self, buffer: Buffer, host: np.ndarray) -> None:
-        as_array(buffer)[...] = host
+        host_view(buffer)[...] = host
 
     def _read(self, buffer: Buffer) -> np.ndarray:
-        return np.array(as_array(buffer), copy=True)
+        return np.array(host_view(buffer), copy=True)
 
     def _import_memory(self, memory: TensorMemory, dtype: DType) -> Buffer | None:
         """Host tensors: a buffer over their memory, no copy."""
@@ -56,39 +56,39 @@ class ReferenceDevice(Device):
 
     # primitives
     def _get_rows(self, src, rows_buf, dst, rows_host):  # type: ignore[no-untyped-def]
-        rows.get_rows(as_array(src), rows_host, as_array(dst))
+        rows.get_rows(host_view(src), rows_host, host_view(dst))
 
     def _set_rows(self, dst, rows_buf, src, rows_host):  # type: ignore[no-untyped-def]
-        rows.set_rows(as_array(dst), rows_host, as_array(src))
+        rows.set_rows(host_view(dst), rows_host, host_view(src))
 
     def _zero_rows(self, dst, rows_buf, rows_host):  # type: ignore[no-untyped-def]
-        rows.zero_rows(as_array(dst), rows_host)
+        rows.zero_rows(host_view(dst), rows_host)
 
     def _copy_rows(self, src, src_rows, dst, dst_rows, src_host, dst_host):  # type: ignore[no-untyped-def]
-        rows.copy_rows(as_array(src), src_host, as_array(dst), dst_host)
+        rows.copy_rows(host_view(src), src_host, host_view(dst), dst_host)
 
     def _ssm_conv(self, shp, pool, start_rows, snap_rows, cu_seqlens, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
         ssm_conv.ssm_conv(
             shp,
-            as_array(pool),
+            host_view(pool),
             self.index_values(start_rows),
             self.index_values(snap_rows),
             self.index_values(cu_seqlens),
-            as_array(x),
-            as_array(weight),
+            host_view(x),
+            host_view(weight),
             _opt(bias),
-            as_array(y),
+            host_view(y),
             apply_silu,
         )
 
     def _ssm_scan(self, shp, pool, start_rows, snap_rows, cu_seqlens, x, dt, A, B, C, y, D, z, dt_bias):  # type: ignore[no-untyped-def]
         ssm_scan.ssm_scan(
             shp,
-            as_array(pool),
+            host_view(pool),
             self.index_values(start_rows),
             self.index_values(snap_rows),
             self.index_values(cu_seqlens),
-            *(as_array(t) for t in (x, dt, A, B, C, y)),
+            *(host_view(t) for t in (x, dt, A, B, C, y)),
             _opt(D),
             _opt(z),
             _opt(dt_bias),
@@ -97,33 +97,33 @@ class ReferenceDevice(Device):
     def _gated_delta_net(self, shp, pool, start_rows, snap_rows, cu_seqlens, q, k, v, g, beta, o, A_log, dt_bias):  # type: ignore[no-untyped-def]
         delta_net.gated_delta_net(
             shp,
-            as_array(pool),
+            host_view(pool),
             self.index_values(start_rows),
             self.index_values(snap_rows),
             self.index_values(cu_seqlens),
-            *(as_array(t) for t in (q, k, v, g, beta, o)),
+            *(host_view(t) for t in (q, k, v, g, beta, o)),
             _opt(A_log),
             _opt(dt_bias),
         )
 
     def _rwkv_wkv6(self, shp, pool, start_rows, snap_rows, cu_seqlens, r, k, v, w, u, o):  # type: ignore[no-untyped-def]
-        linear_attn.rwkv_wkv6(shp, as_array(pool), *self._rows(start_rows, snap_rows, cu_seqlens),
-                              *(as_array(t) for t in (r, k, v, w, u, o)))  # fmt: skip
+        linear_attn.rwkv_wkv6(shp, host_view(pool), *self._rows(start_rows, snap_rows, cu_seqlens),
+                              *(host_view(t) for t in (r, k, v, w, u, o)))  # fmt: skip
 
     def _rwkv_wkv7(self, shp, pool, start_rows, snap_rows, cu_seqlens, r, w, k, v, a, b, o):  # type: ignore[no-untyped-def]
-        linear_attn.rwkv_wkv7(shp, as_array(pool), *self._rows(start_rows, snap_rows, cu_seqlens),
-                              *(as_array(t) for t in (r, w, k, v, a, b, o)))  # fmt: skip
+        linear_attn.rwkv_wkv7(shp, host_view(pool), *self._rows(start_rows, snap_rows, cu_seqlens),
+                              *(host_view(t) for t in (r, w, k, v, a, b, o)))  # fmt: skip
 
     def _gated_linear_attn(self, shp, pool, start_rows, snap_rows, cu_seqlens, q, k, v, g, o):  # type: ignore[no-untyped-def]
-        linear_attn.gated_linear_attn(shp, as_array(pool), *self._rows(start_rows, snap_rows, cu_seqlens),
-                                      *(as_array(t) for t in (q, k, v, g, o)))  # fmt: skip
+        linear_attn.gated_linear_attn(shp, host_view(pool), *self._rows(start_rows, snap_rows, cu_seqlens),
+                                      *(host_view(t) for t in (q, k, v, g, o)))  # fmt: skip
 
     def _rows(self, *index_bufs: Buffer) -> tuple[np.ndarray, ...]:
         return tuple(self.index_values(b) for b in index_bufs)
 
 
 def _opt(buf: Buffer | None) -> np.ndarray | None:
-    return None if buf is None else as_array(buf)
+    return None if buf is None else host_view(buf)
 
 
 class ReferenceBackend(Backend):

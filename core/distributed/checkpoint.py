@@ -36,7 +36,7 @@ from statecache.distributed.sections import RowBlock, Section, parse_section
 from statecache.errors import StateError
 from statecache.hybrid_idx import TAG_IDX
 from statecache.memory import StateFlags
-from statecache.spec import MemorySpec, ModelSpec
+from statecache.spec import MemorySpec, ModelSpec, check_rank
 from statecache.state_io import pack_sections, unpack_sections
 
 SHARD_TAG = b"SHRD"
@@ -44,6 +44,7 @@ _SHARD = struct.Struct("<II")
 
 
 def _shard_section(rank: int, world: int) -> tuple[bytes, bytes]:
+    check_rank(rank, world)  # a rank outside the world (or 0.5) was packed as it came, or failed in struct
     return SHARD_TAG, _SHARD.pack(rank, world)
 
 

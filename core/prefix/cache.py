@@ -40,6 +40,8 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, BinaryIO
 
+import numpy as np
+
 from statecache.errors import ArgumentError, StateError
 from statecache.prefix.key import ExtraKey, check_tokens, namespace
 from statecache.prefix.metrics import Metrics, PrefixCacheNoOpWarning
@@ -102,6 +104,10 @@ class PrefixConfig:
     salt: bytes = b""
 
     def __post_init__(self) -> None:
+        for name in ("chunk", "interval", "before_end"):  # token counts: 4.5 would shift the piece grid
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                raise ArgumentError(name, f"must be a whole number of tokens, got {v!r}")
         if self.chunk < 1:
             raise ArgumentError("chunk", f"must be >= 1, got {self.chunk}")
         if self.interval < 0 or self.interval % self.chunk:
@@ -200,7 +206,11 @@ class PrefixCache:
         self.config = config = config if config is not None else PrefixConfig()
         self.layout: Layout = describe(memory)
         self.memory = memory
-        res = tuple(int(r) for r in reserved)
+        res = tuple(reserved)
+        odd = [r for r in res if isinstance(r, bool) or not isinstance(r, int | np.integer)]
+        if odd:  # int() would truncate 2.5 to 2, silently reserving a sequence the runtime may use
+            raise ArgumentError("reserved", f"sequence ids must be integers, got {odd}")
+        res = tuple(int(r) for r in res)
         n_seq_max = int(memory.n_seq_max)
         if len(set(res)) != len(res):
             raise ArgumentError("reserved", f"duplicate sequence ids in {res}")
@@ -666,7 +676,7 @@ class PrefixCache:
         cells (a runtime calls it when a batch finds no room in the memory).
         Returns whether that was reached."""
         if device_bytes < 0 or attention_tokens < 0:
-            raise ArgumentError("device_bytes", "amounts must be >= 0")
+            raise ArgumentError("device_bytes" if device_bytes < 0 else "attention_tokens", "amounts must be >= 0")
         goal = self.tree.held_tokens - attention_tokens
         while not self.device.fits(device_bytes) or self.tree.held_tokens > goal:
             victims = self._evictable("device")

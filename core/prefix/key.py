@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
+
 from statecache.errors import ArgumentError
 from statecache.state_io import FORMAT_VERSION
 
@@ -49,12 +51,33 @@ def namespace(fingerprint: str, extra: ExtraKey = None, salt: bytes = b"") -> by
     return h.digest()[:16]
 
 
+#: The largest token id: a batch holds ids that fit int32 (and the cache file writes them as u32).
+TOKEN_MAX = 2**31 - 1
+
+
 def check_tokens(tokens: object, argument: str = "tokens") -> tuple[int, ...]:
-    """Token ids as a tuple of non-negative ints; a clear error otherwise."""
+    """Token ids as a tuple of ints in ``[0, TOKEN_MAX]``; a clear error otherwise.
+
+    The batch's rule: integer ids that fit int32.  A float id is refused, not
+    truncated (``1.5`` keyed as ``1`` would hit another prompt's checkpoint),
+    and so is an id no batch can hold (``save`` could not write it either)."""
+    if not hasattr(tokens, "__len__"):
+        try:
+            tokens = list(tokens)  # type: ignore[call-overload]
+        except TypeError as exc:
+            raise ArgumentError(argument, f"must be a sequence of token ids ({exc})") from exc
     try:
-        out = tuple(int(t) for t in tokens)  # type: ignore[attr-defined]
+        arr = np.asarray(tokens)
     except (TypeError, ValueError) as exc:
         raise ArgumentError(argument, f"must be a sequence of token ids ({exc})") from exc
-    if any(t < 0 for t in out):
+    if arr.size == 0 and arr.ndim == 1:
+        return ()
+    if arr.ndim != 1:
+        raise ArgumentError(argument, f"must be a 1-D sequence of token ids, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ArgumentError(argument, f"token ids must be integers that fit int32, got {arr.dtype} values")
+    if int(arr.min()) < 0:
         raise ArgumentError(argument, "token ids must be >= 0")
-    return out
+    if int(arr.max()) > TOKEN_MAX:
+        raise ArgumentError(argument, f"token ids must fit int32 (<= {TOKEN_MAX}), got {int(arr.max())}")
+    return tuple(arr.tolist())

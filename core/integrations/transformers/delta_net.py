@@ -57,9 +57,12 @@ class GdnLayout:
     @property
     def spec(self) -> RecurrentLayerSpec:
         # the conv runs on the model's own [q | k | v] channels (H_k heads for q and k)
+        # grouped: the head map this integration's gated_delta_net calls pass (transformers' order), which a
+        # tensor-parallel split of the spec must follow
         return RecurrentLayerSpec.gdn(
-            n_head=self.n_head_v, head_dim=self.head_dim, d_conv=self.d_conv, n_head_k=self.n_head_k
-        )
+            n_head=self.n_head_v, head_dim=self.head_dim, d_conv=self.d_conv, n_head_k=self.n_head_k,
+            head_map="grouped",
+        )  # fmt: skip
 
 
 def gdn_layout(mixer: Any, il: int, bridge: Bridge) -> GdnLayout:
