@@ -362,8 +362,8 @@ class Reader:
         """``n`` bytes of row data as a ``uint8`` view (from the :class:`RowSource`
         inside :func:`rows_apart`)."""
         where = _ROWS.get()
-        if isinstance(where, RowSource):
-            return where.take(n, self._f(field))
+        if isinstance(where, RowSource):  # the field's full name only for the error it raises
+            return where.take(n, self._f(field) if where.offset + n > where.data.size else field)
         return np.frombuffer(self._take(n, field), dtype=np.uint8)
 
     def name(self, field: str) -> str:
