@@ -241,8 +241,10 @@ def interleaved(steps: int = 400) -> str:
 
 def threads_table() -> None:
     """The thread-default measurement behind settings.num_threads: every
-    combination of torch's and statecache's thread counts, with OpenMP's
-    default (passive, statecache's) and a spinning wait policy."""
+    combination of torch's and statecache's thread counts, with no wait
+    policy set (statecache's default: its kernels load with a short spin,
+    torch keeps its own), passive (every idle thread sleeps at once) and
+    active (every idle thread spins for milliseconds)."""
     import os
     import subprocess
     import sys
@@ -250,10 +252,13 @@ def threads_table() -> None:
     cores = len(os.sched_getaffinity(0))
     print(f"{cores} cores; a small nn.Linear and a 4-sequence Mamba-2 scan alternated, us (median, p90)")
     print(f"{'wait':<8} {'torch':>6} {'sc':>6} {'linear':>8} {'p90':>9} {'scan':>8} {'p90':>9}")
-    for policy in ("passive", "active"):
+    for policy in ("default", "passive", "active"):
         for torch_threads in sorted({cores, 1}, reverse=True):
             for sc_threads in ("", *sorted({str(cores), "1"}, reverse=True)):
-                env = {**os.environ, "OMP_WAIT_POLICY": policy, "STATECACHE_NUM_THREADS": sc_threads}
+                env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+                env["STATECACHE_NUM_THREADS"] = sc_threads
+                if policy != "default":
+                    env["OMP_WAIT_POLICY"] = policy
                 code = (
                     f"import torch; torch.set_num_threads({torch_threads}); import sys; sys.path.insert(0, 'bench'); "
                     "import tensor_calls; print(tensor_calls.interleaved())"

@@ -15,6 +15,10 @@ from typing import Any
 
 from statecache.errors import SettingsError
 
+#: libgomp spin iterations before an idle CPU-backend worker sleeps, when the
+#: user sets no wait policy (see :func:`openmp_defaults`).
+SHORT_SPIN = 1000
+
 
 @dataclasses.dataclass(frozen=True)
 class Variable:
@@ -60,13 +64,16 @@ VARIABLES: tuple[Variable, ...] = (
         "OMP_WAIT_POLICY",
         None,
         "OpenMP wait policy of the C CPU backend's threads; when neither it nor `GOMP_SPINCOUNT` is set, "
-        "the kernels load with `passive` (idle threads sleep instead of spinning, which on a busy machine "
-        "costs a scheduler slice per call).",
+        "the kernels load with a short spin (`GOMP_SPINCOUNT` "
+        f"{SHORT_SPIN}: an idle worker spins about 10-50 us, then sleeps). `passive` sleeps at once (a futex "
+        "wake per call, 10-15 us in a VM), `active` spins for milliseconds (holds a core torch's next op "
+        "wants).",
     ),
     Variable(
         "GOMP_SPINCOUNT",
         None,
-        "libgomp's spin count before an idle thread sleeps; setting it keeps libgomp's own wait policy.",
+        "libgomp's spin count before an idle thread sleeps; setting it (or `OMP_WAIT_POLICY`) replaces "
+        "statecache's short-spin default.",
     ),
 )
 
@@ -219,19 +226,27 @@ def openmp_defaults() -> Iterator[None]:
     """Load OpenMP code inside this block to get statecache's wait policy.
 
     libgomp reads its settings once, when it is loaded.  Its default spins
-    idle threads for a while after each parallel region; with other jobs on
-    the cores the spinning thread holds a core the caller's next kernel
-    waits for.  Passive waiting costs a futex wake per call instead.  The
-    environment is restored afterwards so that nothing else the process or
-    its children load sees a changed variable."""
+    idle threads for milliseconds (300000 iterations) after each parallel
+    region, so the spinning thread holds a core that torch's next op, or
+    another job, wants.  Passive waiting sleeps at once, but then every call
+    pays a futex wake of its workers: in a VM (this project's 2-core host)
+    that was 10-15 us, more than a one-sequence decode kernel itself (conv
+    decode 20.6 us passive against 4.9 us with a short spin; RWKV-7 27.8
+    against 11.9).  A short spin (``SHORT_SPIN`` iterations, about 10-50 us
+    by the CPU's pause) keeps the workers awake between the calls of one
+    decode step, whose layers follow each other within microseconds, and
+    lets them sleep while the runtime does anything longer; a small
+    ``nn.Linear`` between scans was not slowed by it (``bench/tensor_calls.py
+    --threads``).  The environment is restored afterwards so that nothing
+    else the process or its children load sees a changed variable."""
     if get("OMP_WAIT_POLICY") is not None or get("GOMP_SPINCOUNT") is not None:
         yield
         return
-    os.environ["OMP_WAIT_POLICY"] = "passive"
+    os.environ["GOMP_SPINCOUNT"] = str(SHORT_SPIN)
     try:
         yield
     finally:
-        os.environ.pop("OMP_WAIT_POLICY", None)
+        os.environ.pop("GOMP_SPINCOUNT", None)
 
 
 def cache_dir() -> str:

@@ -289,19 +289,22 @@ def test_registered_through_the_entry_point_with_priority() -> None:
     assert props["host_visible"] if "host_visible" in props else props["caps"]["host_visible"]
 
 
-def test_openmp_kernels_load_passive_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_openmp_kernels_load_with_a_short_spin_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
     # libgomp reads its wait policy when it loads: the kernels are imported
-    # inside settings.openmp_defaults(), which must set passive only for that
-    # import and never override a user's choice.
+    # inside settings.openmp_defaults(), which must set the short spin only
+    # for that import and never override a user's choice.
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     with settings.openmp_defaults():
-        assert os.environ["OMP_WAIT_POLICY"] == "passive"
-    assert "OMP_WAIT_POLICY" not in os.environ
-    for name, value in (("OMP_WAIT_POLICY", "active"), ("GOMP_SPINCOUNT", "1000")):
+        assert os.environ["GOMP_SPINCOUNT"] == str(settings.SHORT_SPIN)
+        assert "OMP_WAIT_POLICY" not in os.environ
+    assert "GOMP_SPINCOUNT" not in os.environ
+    for name, value in (("OMP_WAIT_POLICY", "passive"), ("GOMP_SPINCOUNT", "50")):
         monkeypatch.setenv(name, value)
         with settings.openmp_defaults():
-            assert os.environ.get("OMP_WAIT_POLICY") == ("active" if name == "OMP_WAIT_POLICY" else None)
+            # the user's variable alone, as given: neither the other one nor the short spin is added
+            other = "GOMP_SPINCOUNT" if name == "OMP_WAIT_POLICY" else "OMP_WAIT_POLICY"
+            assert other not in os.environ
             assert os.environ[name] == value
         monkeypatch.delenv(name)
 
