@@ -63,9 +63,10 @@ from statecache.kv_cache import (
     KVCacheContext,
     KVCacheISWA,
     KVStatePlan,
+    last_kept,
     plan_positions,
+    window_positions,
 )
-from statecache.kv_mask import is_masked_swa
 from statecache.memory import (
     ContextError,
     KVSeqCells,
@@ -439,11 +440,11 @@ class HybridMemory(Memory):
         P = self.recr.seq_pos_max(seq)
         end = p0 - 1 if p0 <= P < p1 else P
         for cache in self.kv_caches:
-            if _last_kept(cache.cells[cache.stream_of(seq)].seq_pos[seq], p0, p1) != end:
+            if last_kept(cache.cells[cache.stream_of(seq)].seq_pos[seq], p0, p1) != end:
                 return False
         if isinstance(self.attn, KVCacheISWA) and p0 <= P < p1 and end >= 0:  # a rollback
             base, swa = self.attn.base, self.attn.swa
-            need = _window_positions(base.cells[base.stream_of(seq)].seq_pos[seq], swa, end)
+            need = window_positions(base.cells[base.stream_of(seq)].seq_pos[seq], swa, end)
             if need:
                 pairs = swa.cells[swa.stream_of(seq)].seq_pos[seq]
                 lo = bisect.bisect_left(pairs, (min(need), -1))
@@ -767,27 +768,6 @@ class HybridMemory(Memory):
         except BaseException:
             self._drop_read_parts(seq, flags)
             raise
-
-
-def _last_kept(pairs: Sequence[tuple[int, int]], p0: int, p1: int) -> int:
-    """The last position of a sorted ``(pos, cell)`` list outside [p0, p1) (-1: none); O(log n)."""
-    if not pairs:
-        return -1
-    if pairs[-1][0] >= p1:
-        return pairs[-1][0]
-    k = bisect.bisect_left(pairs, (p0, -1))
-    return pairs[k - 1][0] if k > 0 else -1
-
-
-def _window_positions(pairs: Sequence[tuple[int, int]], swa: KVCache, end: int) -> set[int]:
-    """Positions up to ``end`` of a sorted ``(pos, cell)`` list that the window of a token at
-    ``end + 1`` reads (every window type hides more the further back a position is)."""
-    out: set[int] = set()
-    k = bisect.bisect_right(pairs, (end, 2**62)) - 1
-    while k >= 0 and not is_masked_swa(swa.n_swa, swa.swa_type, pairs[k][0], end + 1):
-        out.add(pairs[k][0])
-        k -= 1
-    return out
 
 
 class HybridISWAMemory(HybridMemory):

@@ -20,6 +20,7 @@ parse every part before committing any.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from collections.abc import Callable, Hashable, Sequence
@@ -33,7 +34,15 @@ from statecache.dtypes import DType
 from statecache.errors import ArgumentError, StateError
 from statecache.hostmem import gather_rows, scatter_rows
 from statecache.kv_cells import EMPTY, CellJournal, KVCells, last_positions, pos_key
-from statecache.kv_mask import SWAType, build_mask_seqs, n_kv_for, round_up, swa_visible_from, swa_visible_from_many
+from statecache.kv_mask import (
+    SWAType,
+    build_mask_seqs,
+    is_masked_swa,
+    n_kv_for,
+    round_up,
+    swa_visible_from,
+    swa_visible_from_many,
+)
 from statecache.memory import (
     POS_LAST,
     POS_MAX,
@@ -1636,6 +1645,27 @@ class ISWAPlan:
     swa: KVStatePlan
 
 
+def last_kept(pairs: Sequence[tuple[int, int]], p0: int, p1: int) -> int:
+    """The last position of a sorted ``(pos, cell)`` list outside [p0, p1) (-1: none); O(log n)."""
+    if not pairs:
+        return -1
+    if pairs[-1][0] >= p1:
+        return pairs[-1][0]
+    k = bisect.bisect_left(pairs, (p0, -1))
+    return pairs[k - 1][0] if k > 0 else -1
+
+
+def window_positions(pairs: Sequence[tuple[int, int]], swa: KVCache, end: int) -> set[int]:
+    """Positions up to ``end`` of a sorted ``(pos, cell)`` list that the window of a token at
+    ``end + 1`` reads (every window type hides more the further back a position is)."""
+    out: set[int] = set()
+    k = bisect.bisect_right(pairs, (end, 2**62)) - 1
+    while k >= 0 and not is_masked_swa(swa.n_swa, swa.swa_type, pairs[k][0], end + 1):
+        out.add(pairs[k][0])
+        k -= 1
+    return out
+
+
 class KVCacheISWA(Memory):
     """iSWA pair (docs/memory-semantics.md#iswa): a base cache for the full-attention layers and a
     window cache, ``iswa_sizes`` big, for the sliding-window layers.  Both are
@@ -1757,10 +1787,43 @@ class KVCacheISWA(Memory):
         self.swa.clear(data)
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
-        self.check_seq_rm(seq, p0, p1)  # validated before either cache changes
+        self.base.check_seq_rm(seq, p0, p1)  # validated before either cache changes
+        if self._window_refusal(seq, *normalize_range(p0, p1)) is not None:
+            return False  # refused before either cache changed
         self.base.seq_rm(seq, p0, p1)
         self.swa.seq_rm(seq, p0, p1)
         return True
+
+    def _window_refusal(self, seq: int, p0: int, p1: int) -> str | None:
+        """Why ``seq_rm(seq, p0, p1)`` must be refused, or None ([REC]: upstream accepts
+        it).  A removal that reaches a sequence's last position returns it to the last
+        position the base cache keeps (``end``); the window cache must still hold
+        ``end`` and every position the base cache holds that the window of the next
+        token (at ``end + 1``) reads.  Positions the window cache already gave up
+        below a later token's window (evicted during decode) are not there, so a
+        rollback that deep would leave the two caches ending the sequence at
+        different positions (the reported ``seq_pos_max`` from the window cache
+        behind the base cache's) and the next token's window layers reading nothing
+        where the model reads those positions.  ``seq`` -1 asks it of every sequence."""
+        seqs = range(self.n_seq_max) if seq < 0 else (seq,)
+        for s in seqs:
+            pairs = self.base.cells[self.base.stream_of(s)].seq_pos[s]
+            if not pairs or not (p0 <= pairs[-1][0] < p1):
+                continue  # the removal leaves this sequence's end where it is
+            end = last_kept(pairs, p0, p1)
+            if end < 0:
+                continue  # the whole sequence goes
+            swa_pairs = self.swa.cells[self.swa.stream_of(s)].seq_pos[s]
+            need = window_positions(pairs, self.swa, end) | {end}
+            lo = bisect.bisect_left(swa_pairs, (min(need), -1))
+            hi = bisect.bisect_right(swa_pairs, (end, 2**62))
+            if not need <= {p for p, _ in swa_pairs[lo:hi]}:
+                return (
+                    f"removing [{p0}, {p1}) would return sequence {s} to position {end}, but the window cache "
+                    "gave up positions the next token's window reads (evicted below a later token's window): "
+                    "roll back less far (rollback_reach), or remove the whole sequence"
+                )
+        return None
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         self.check_seq_cp(src, dst, p0, p1)  # on both before touching either
@@ -1770,6 +1833,9 @@ class KVCacheISWA(Memory):
     # -- questions before actions (docs/memory-semantics.md#queries): both caches ------
     def check_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
         self.base.check_seq_rm(seq, p0, p1)
+        why = self._window_refusal(seq, *normalize_range(p0, p1))
+        if why is not None:
+            raise ArgumentError("p0/p1", why)
 
     def check_seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         for c in self.caches:
@@ -1788,7 +1854,21 @@ class KVCacheISWA(Memory):
             c.check_context_shift(seq, p0, p1)
 
     def rollback_reach(self, seq: int) -> RollbackReach:
-        return RollbackReach(int(seq), self.seq_pos_max(seq), 0)  # neither cache refuses a removal
+        check_seq_id(seq, self.n_seq_max)
+        P = self.seq_pos_max(seq)
+        if P < 0 or self._window_refusal(seq, 1, POS_MAX) is None:
+            return RollbackReach(int(seq), P, 0)  # everything back to the first token is held
+        # A deeper rollback only needs more of what the window cache may have given up
+        # (every window type reads further back from an earlier token), so the accepted
+        # p form [floor, P + 1]: bisect for the lowest with the refusal rule itself.
+        lo, hi = 2, P + 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._window_refusal(seq, mid, POS_MAX) is None:
+                hi = mid
+            else:
+                lo = mid + 1
+        return RollbackReach(int(seq), P, hi)
 
     def seq_state(self, seq: int) -> SeqState:
         rr = self.rollback_reach(seq)

@@ -464,3 +464,35 @@ def test_no_restore_into_a_stream_a_copy_waits_for(kind: str, target: int) -> No
     mem.state_read(blob, target)
     assert mem.state_write(target) == blob
     assert mem.state_write(1 - target) == other
+
+
+# -- a window cache that gave up positions cannot be rolled back past them -------------------
+
+
+@pytest.mark.parametrize("kind", ["kv_iswa", "hybrid_iswa"])
+def test_rollback_past_what_the_window_cache_gave_up_is_refused(kind: str) -> None:
+    """Regression (found by the stress profile): decoding far past the window evicts the
+    window cache's old positions; ``seq_rm(0, 1, -1)`` on a pure iSWA cache then left the
+    base cache ending sequence 0 at position 0 and the window cache holding nothing, so
+    ``seq_pos_max`` (the window cache's, as upstream) said -1 and the next token's window
+    layers read nothing.  Now it is refused (nothing changed), ``rollback_reach`` names the
+    lowest accepted position, and a removal there leaves both caches ending together."""
+    mem = build(kind)
+    decode(mem, {0: 6, 1: 4, 2: 5})
+    for _ in range(5):  # every sequence decodes: the window cache must evict old positions
+        assert _decode(mem, {0: 2, 1: 1, 2: 1})
+    reach = mem.rollback_reach(0)
+    assert reach.pos_max == 15 and reach.floor > 1
+    gone = min(min(c.positions.tolist()) for c in mem.seq_state(0).kv)
+    assert gone == 0  # the base cache holds it all; the window cache does not:
+    assert min(mem.seq_state(0).kv[-1].positions.tolist()) > 1 or kind != "kv_iswa"
+    before = fingerprint(mem)
+    assert not mem.can_seq_rm(0, 1, -1)
+    assert mem.seq_rm(0, 1, -1) is False
+    assert fingerprint(mem) == before
+    assert mem.can_seq_rm(0, reach.floor, -1) and not mem.can_seq_rm(0, reach.floor - 1, -1)
+    assert mem.seq_rm(0, reach.floor, -1)
+    view = mem.seq_state(0)
+    assert view.pos_max == reach.floor - 1
+    assert {max(c.positions.tolist()) for c in view.kv} == {reach.floor - 1}
+    assert mem.seq_rm(0, 0, -1) and mem.seq_pos_max(0) == -1  # dropping it all is always accepted
