@@ -458,6 +458,9 @@ static void conv_worker(const conv_job *job, int tid, int n_team) {
     }
 }
 
+/* conv_worker as sc_team_run calls it. */
+static void conv_thread(void *job, int tid, int n_team) { conv_worker((const conv_job *)job, tid, n_team); }
+
 static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, const float *bias, float *y,
                      int64_t channels, int64_t d_conv, int apply_silu, int n_threads) {
     const int64_t W = d_conv - 1, n_s = st->n_seqs;
@@ -506,14 +509,7 @@ static void conv_f32(const sc_state *st, const sc_view *x, const float *weight, 
     const int all_decode4 = has_avx2 && d_conv == 4 && st->max_tokens == 1 && st->n_tokens == n_s;
     const conv_job job = {st, x, weight, bias, y, channels, d_conv, width, n_blocks, n_units,
                           apply_silu, stream, rows_stream, all_decode4};
-    /* One thread runs the body directly: an OpenMP region, even with its
-     * `if` false, cost ~0.2 us a call (a 5376-channel decode is ~5 us). */
-    if (team > 1) {
-#pragma omp parallel num_threads(team)
-        conv_worker(&job, sc_thread_id(), sc_team_size());
-    } else {
-        conv_worker(&job, 0, 1);
-    }
+    sc_team_run(team, conv_thread, (void *)&job); /* one thread: the body on this thread, no region */
 }
 
 void sc_ssm_conv(const sc_state *st, const sc_view *x, const float *weight, const float *bias, void *y,

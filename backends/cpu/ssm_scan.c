@@ -772,6 +772,29 @@ static void scan_mamba2_worker(const scan_call *c, int need_pack, int may_chunk,
 #endif
 }
 
+/* The two workers as sc_team_run calls them: their arguments in one struct. */
+typedef struct {
+    const scan_call *c;
+    int64_t n_blocks, n_units;
+    int rows_path;
+} mamba1_job;
+
+static void mamba1_thread(void *arg, int tid, int n_team) {
+    const mamba1_job *j = (const mamba1_job *)arg;
+    scan_mamba1_worker(j->c, j->n_blocks, j->n_units, j->rows_path, tid, n_team);
+}
+
+typedef struct {
+    const scan_call *c;
+    int need_pack, may_chunk;
+    int64_t Hg, per_block, blocks, n_units;
+} mamba2_job;
+
+static void mamba2_thread(void *arg, int tid, int n_team) {
+    const mamba2_job *j = (const mamba2_job *)arg;
+    scan_mamba2_worker(j->c, j->need_pack, j->may_chunk, j->Hg, j->per_block, j->blocks, j->n_units, tid, n_team);
+}
+
 static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, const float *A, int a_per_state,
                      const sc_view *B, const sc_view *C, float *y, const sc_scan_options *opt, int64_t n_head,
                      int64_t head_dim, int64_t d_state, int64_t n_group, int n_threads) {
@@ -788,14 +811,8 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
 #else
         const int rows_path = 0;
 #endif
-        /* One thread runs the body directly: an OpenMP region, even with its
-         * `if` false, costs ~0.2 us a call. */
-        if (team > 1) {
-#pragma omp parallel num_threads(team)
-            scan_mamba1_worker(&c, n_blocks, n_units, rows_path, sc_thread_id(), sc_team_size());
-        } else {
-            scan_mamba1_worker(&c, n_blocks, n_units, rows_path, 0, 1);
-        }
+        mamba1_job job = {&c, n_blocks, n_units, rows_path};
+        sc_team_run(team, mamba1_thread, &job); /* one thread: the body on this thread, no region */
         return;
     }
     const int need_pack = B->strides[2] != 1 || C->strides[2] != 1;
@@ -811,12 +828,8 @@ static void scan_f32(const sc_state *st, const sc_view *x, const sc_view *dt, co
     const int64_t Hg = H / n_group, per_block = may_chunk ? SC_M2_HEADS : 1;
     const int64_t blocks = (Hg + per_block - 1) / per_block, n_units = n_s * n_group * blocks;
     const int team = sc_state_team(n_units, work_bytes, n_threads);
-    if (team > 1) {
-#pragma omp parallel num_threads(team)
-        scan_mamba2_worker(&c, need_pack, may_chunk, Hg, per_block, blocks, n_units, sc_thread_id(), sc_team_size());
-    } else {
-        scan_mamba2_worker(&c, need_pack, may_chunk, Hg, per_block, blocks, n_units, 0, 1);
-    }
+    mamba2_job job = {&c, need_pack, may_chunk, Hg, per_block, blocks, n_units};
+    sc_team_run(team, mamba2_thread, &job);
 }
 
 void sc_ssm_scan(const sc_state *st, const sc_view *x, const sc_view *dt, const float *A, int a_per_state,
