@@ -532,17 +532,22 @@ class Device(abc.ABC):
     #: calls matched by geometry, relaunched with new tensor addresses (statecache.tensor_args.Relaunches)
     _relaunches: Relaunches | None = None
 
-    def _tensors_or_relaunch(self, site: tuple[Any, ...], names: str, given: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    def _tensors_or_relaunch(
+        self, site: tuple[Any, ...], names: str, given: tuple[Any, ...], fresh: bool = False
+    ) -> tuple[Any, ...] | None:
         """:meth:`_tensors_in` for a primitive that can be relaunched by
         geometry (:class:`statecache.tensor_args.Relaunches`; ``site``: the
         primitive and its scalars): None when the call was launched that way,
         else the arguments as Buffers.  A call with Buffers only pays for one
-        type check per argument, as with :meth:`_tensors_in`."""
-        for arg in given:
-            if arg is not None and not isinstance(arg, Buffer):
-                break
-        else:
-            return given
+        type check per argument, as with :meth:`_tensors_in`; ``fresh``: the
+        caller saw that its activation is not a Buffer (a fresh tensor, which
+        the launch memo never holds), so that loop is skipped."""
+        if not fresh:
+            for arg in given:
+                if arg is not None and not isinstance(arg, Buffer):
+                    break
+            else:
+                return given
         relaunches = self._relaunches
         if relaunches is not None and relaunches.relaunched(self, site, given, Buffer):
             return None
@@ -1050,15 +1055,9 @@ class Device(abc.ABC):
                 return
         given = (pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens)  # held until return: see _tensors_in
         site = ("ssm_conv", n_snap, plane_stride, silu)
-        relaunches = self._relaunches
-        if relaunches is not None and not isinstance(x, Buffer):  # a fresh tensor (the memo above missed)
-            if relaunches.relaunched(self, site, given, Buffer):
-                return
-            coerced = self._tensors_in(_CONV_NAMES, *given)
-        else:
-            coerced = self._tensors_or_relaunch(site, _CONV_NAMES, given)
-            if coerced is None:
-                return
+        coerced = self._tensors_or_relaunch(site, _CONV_NAMES, given, not isinstance(x, Buffer))
+        if coerced is None:
+            return
         pool, start_rows, dst_rows, x, weight, y, bias, cu_seqlens = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
@@ -1189,15 +1188,9 @@ class Device(abc.ABC):
                 return
         given = (pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias)  # held: see _tensors_in
         site = ("ssm_scan", n_snap, plane_stride, dt_limit)
-        relaunches = self._relaunches
-        if relaunches is not None and not isinstance(x, Buffer):  # a fresh tensor (the memo above missed)
-            if relaunches.relaunched(self, site, given, Buffer):
-                return
-            coerced = self._tensors_in(_SCAN_NAMES, *given)
-        else:
-            coerced = self._tensors_or_relaunch(site, _SCAN_NAMES, given)
-            if coerced is None:
-                return
+        coerced = self._tensors_or_relaunch(site, _SCAN_NAMES, given, not isinstance(x, Buffer))
+        if coerced is None:
+            return
         pool, start_rows, dst_rows, x, dt, A, B, C, y, cu_seqlens, D, z, dt_bias = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
@@ -1351,15 +1344,9 @@ class Device(abc.ABC):
                 return
         given = (pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias)  # held: see _tensors_in
         site = ("gated_delta_net", n_snap, plane_stride, scale, head_map, qk_l2norm, beta_sigmoid)
-        relaunches = self._relaunches
-        if relaunches is not None and not isinstance(q, Buffer):  # a fresh tensor (the memo above missed)
-            if relaunches.relaunched(self, site, given, Buffer):
-                return
-            coerced = self._tensors_in(_DELTA_NAMES, *given)
-        else:
-            coerced = self._tensors_or_relaunch(site, _DELTA_NAMES, given)
-            if coerced is None:
-                return
+        coerced = self._tensors_or_relaunch(site, _DELTA_NAMES, given, not isinstance(q, Buffer))
+        if coerced is None:
+            return
         pool, start_rows, dst_rows, q, k, v, g, beta, o, cu_seqlens, A_log, dt_bias = coerced
         # The key and the buffers the memo checks hold only the arguments given:
         # a decode call without the optional ones pays for no more than before.
