@@ -192,7 +192,7 @@ class LaunchMemo:
             refs = tuple([None if buf is None else ref(buf, died) for buf in bufs])
             entry = Remembered(caps, refs, tuple(shadows), shape, launch)
             entry.live = live
-            entry.stamps = _stamps(index_bufs)
+            entry.stamps = index_stamps(index_bufs)
         else:
             refs = tuple([None if buf is None or free else ref(buf) for buf, free in zip(bufs, loose)])
             entry = Remembered(caps, refs, tuple(shadows), shape, launch, loose=True)
@@ -216,9 +216,11 @@ class LaunchMemo:
         return len(self._entries)
 
 
-def _stamps(index_bufs: Sequence[Buffer]) -> tuple[tuple[int, int], ...] | None:
+def index_stamps(index_bufs: Sequence[Buffer]) -> tuple[tuple[int, int], ...] | None:
     """(id(storage), write count) of each int32 index buffer whose host copy
-    is current (see :data:`STORAGE_WRITES`); None if one is not such a Buffer."""
+    is current (see :data:`STORAGE_WRITES`); None if one is not such a Buffer.
+    The memo's probe and the relaunch's C match (statecache.tensor_args) test
+    index Buffers by these."""
     stamps = []
     writes = STORAGE_WRITES
     for buf in index_bufs:

@@ -139,8 +139,10 @@ from statecache.dlpack import (
 )
 from statecache.dtypes import DType
 from statecache.errors import ArgumentError
-from statecache.launch_memo import STORAGE_WRITES
-from statecache.launch_memo import _stamps as index_stamps  # the memo's probe makes the same test
+from statecache.launch_memo import (
+    STORAGE_WRITES,
+    index_stamps,  # the memo's probe makes the same test
+)
 
 if TYPE_CHECKING:
     from statecache.backend import Buffer, Device
