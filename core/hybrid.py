@@ -48,7 +48,6 @@ Where we differ from upstream, on purpose:
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +64,6 @@ from statecache.kv_cache import (
     KVStatePlan,
     last_kept,
     plan_positions,
-    window_positions,
 )
 from statecache.memory import (
     ContextError,
@@ -443,14 +441,8 @@ class HybridMemory(Memory):
             if last_kept(cache.cells[cache.stream_of(seq)].seq_pos[seq], p0, p1) != end:
                 return False
         if isinstance(self.attn, KVCacheISWA) and p0 <= P < p1 and end >= 0:  # a rollback
-            base, swa = self.attn.base, self.attn.swa
-            need = window_positions(base.cells[base.stream_of(seq)].seq_pos[seq], swa, end)
-            if need:
-                pairs = swa.cells[swa.stream_of(seq)].seq_pos[seq]
-                lo = bisect.bisect_left(pairs, (min(need), -1))
-                hi = bisect.bisect_right(pairs, (end, 2**62))
-                if not need <= {p for p, _ in pairs[lo:hi]}:
-                    return False
+            # the window cache's own rule (the caches end together here, checked above)
+            return self.attn.window_refusal(seq, p0, p1) is None
         return True
 
     def _seq_rm_rest(self, seq: int, p0: int, p1: int) -> bool:

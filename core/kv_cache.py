@@ -1788,13 +1788,13 @@ class KVCacheISWA(Memory):
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> bool:
         self.base.check_seq_rm(seq, p0, p1)  # validated before either cache changes
-        if self._window_refusal(seq, *normalize_range(p0, p1)) is not None:
+        if self.window_refusal(seq, *normalize_range(p0, p1)) is not None:
             return False  # refused before either cache changed
         self.base.seq_rm(seq, p0, p1)
         self.swa.seq_rm(seq, p0, p1)
         return True
 
-    def _window_refusal(self, seq: int, p0: int, p1: int) -> str | None:
+    def window_refusal(self, seq: int, p0: int, p1: int) -> str | None:
         """Why ``seq_rm(seq, p0, p1)`` must be refused, or None ([REC]: upstream accepts
         it).  A removal that reaches a sequence's last position returns it to the last
         position the base cache keeps (``end``); the window cache must still hold
@@ -1833,7 +1833,7 @@ class KVCacheISWA(Memory):
     # -- questions before actions (docs/memory-semantics.md#queries): both caches ------
     def check_seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
         self.base.check_seq_rm(seq, p0, p1)
-        why = self._window_refusal(seq, *normalize_range(p0, p1))
+        why = self.window_refusal(seq, *normalize_range(p0, p1))
         if why is not None:
             raise ArgumentError("p0/p1", why)
 
@@ -1856,7 +1856,7 @@ class KVCacheISWA(Memory):
     def rollback_reach(self, seq: int) -> RollbackReach:
         check_seq_id(seq, self.n_seq_max)
         P = self.seq_pos_max(seq)
-        if P < 0 or self._window_refusal(seq, 1, POS_MAX) is None:
+        if P < 0 or self.window_refusal(seq, 1, POS_MAX) is None:
             return RollbackReach(int(seq), P, 0)  # everything back to the first token is held
         # A deeper rollback only needs more of what the window cache may have given up
         # (every window type reads further back from an earlier token), so the accepted
@@ -1864,7 +1864,7 @@ class KVCacheISWA(Memory):
         lo, hi = 2, P + 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if self._window_refusal(seq, mid, POS_MAX) is None:
+            if self.window_refusal(seq, mid, POS_MAX) is None:
                 hi = mid
             else:
                 lo = mid + 1
