@@ -1955,6 +1955,22 @@ class KVCacheISWA(Memory):
                         f"sequence {s}: the window cache holds positions {sorted(w - b)[:4] or sorted(w)[-4:]} "
                         f"that disagree with the base cache (up to {max(b, default=-1)})",
                     )
+                # ... and every position of the base cache that this memory's window of the
+                # next token reads: a blob written with a narrower window (another n_swa or
+                # window type) holds fewer, and its next token would attend over less than
+                # the model reads, silently.
+                end = max(b, default=-1)
+                missing = []
+                for p in sorted(b - w, reverse=True):  # every window type hides more the further back
+                    if is_masked_swa(self.swa.n_swa, self.swa.swa_type, p, end + 1):
+                        break
+                    missing.append(p)
+                if missing:
+                    raise StateError(
+                        "kv_swa.pos",
+                        f"sequence {s}: the window cache lacks positions {sorted(missing)[:4]} that the window of "
+                        f"the next token (at {end + 1}, n_swa {self.swa.n_swa}) reads: a blob of a narrower window",
+                    )
         return ISWAPlan(base, swa)
 
     def state_commit(self, plan: ISWAPlan) -> None:
