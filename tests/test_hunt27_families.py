@@ -17,15 +17,18 @@ from test_recurrent_families import (
     VOCAB,
     Family,
     Model,
+    StepOps,
     _compiled_backends,
     _compiled_device,
     _delta,
     _linear,
     _mamba,
+    _nmse,
     _shortconv,
 )
 
-from statecache.backend import Device
+from statecache.backend import Buffer, Device
+from statecache.batch import Batch, BatchAllocator
 from statecache.spec import RecurrentLayerSpec as L
 
 SHAPES = [
@@ -87,3 +90,83 @@ def test_unusual_shapes_match_a_recompute(hunt_device: Device, fam: Family) -> N
     cont = toks(3)
     other.decode({1: list(cont), 0: toks(1)})
     m.decode({2: list(cont)})
+
+
+class PackedOps(StepOps):
+    """The step of a varlen ubatch for the family forwards, which see every packed token
+    as one sequence ``[1, T, ...]``: per-token Buffers go to the step as ``[T, ...]``."""
+
+    def __init__(self, dev: Device, step: object, n_tokens: int) -> None:
+        super().__init__(dev, step)
+        self.T = n_tokens
+
+    def _flat(self, b: Buffer) -> Buffer:
+        return b.view(b.shape[1:]) if b.shape[:2] == (1, self.T) else b
+
+    def conv(self, x: Buffer, w: Buffer, y: Buffer) -> None:
+        super().conv(self._flat(x), w, self._flat(y))
+
+    def call(self, op: str, *args: Buffer) -> None:
+        super().call(op, *(self._flat(a) for a in args))
+
+    def shift(self, x: np.ndarray, part: int) -> np.ndarray:
+        return super().shift(np.ascontiguousarray(x[0]), part)[None]
+
+
+class PackedModel(Model):
+    """:class:`Model` planning varlen ubatches (``init_batch(varlen=True)``): the sequences
+    of a ubatch packed along one axis, each with its own token count."""
+
+    def decode(self, batch: dict[int, list[int]], n_ubatch: int = 512) -> None:
+        balloc = BatchAllocator(self.mem.n_seq_max)
+        balloc.init(Batch.for_sequences(batch, output_all=True), self.mem)
+        ctx = self.mem.init_batch(balloc, n_ubatch, varlen=True)
+        assert not ctx.status.is_fail, ctx.status
+        got: dict[tuple[int, int], np.ndarray] = {}
+        while True:
+            ub = ctx.get_ubatch()
+            assert ctx.apply()
+            step = ctx.step()
+            y = self.fam.forward(self.dev, PackedOps(self.dev, step, ub.n_tokens), ub.token[None], self.tables)[0]
+            for i in range(ub.n_tokens):
+                for q in ub.seq_id[i]:
+                    got[(q, int(ub.pos[i]))] = y[i]
+            if not ctx.next():
+                break
+        for seq, toks in batch.items():
+            hist = self.history.setdefault(seq, [])
+            first = len(hist)
+            hist += toks
+            want = self.recompute(hist)
+            for j in range(first, len(hist)):
+                err = _nmse(got[(seq, j)], want[j])
+                assert err < self.nmse, f"{self.fam.name}: sequence {seq} position {j}: NMSE {err:.2e} (varlen)"
+
+
+#: one shape per family for the packed form (the 32768-element RWKV-7, three token-shift vectors, d_conv 5)
+PACKED = [SHAPES[i] for i in (1, 3, 5, 6, 9, 11, 12, 15)]
+
+
+@pytest.mark.parametrize("fam", PACKED, ids=_id)
+def test_unusual_shapes_packed_match_a_recompute(hunt_device: Device, fam: Family) -> None:
+    """The same with varlen ubatches: a prompt, a one-token step and a draft of another
+    length in one packed call, a rollback, a fork, save/restore into a dirty memory."""
+    rng = np.random.default_rng(28)
+
+    def toks(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(0, VOCAB, n)]
+
+    m = PackedModel(hunt_device, fam, seed=1)
+    m.decode({0: toks(6), 1: toks(1), 2: toks(3)})
+    m.decode({0: toks(1), 1: toks(4), 2: toks(2)})
+    m.seq_rm(1, len(m.history[1]) - 2)
+    m.seq_cp(2, 3)
+    m.decode({1: toks(1), 2: toks(2), 3: toks(5)})
+    blob = m.mem.state_write(3)
+    other = PackedModel(hunt_device, fam, seed=2)
+    other.decode({0: toks(2), 2: toks(3)})
+    other.mem.state_read(blob, 0)
+    other.history[0] = list(m.history[3])
+    cont = toks(3)
+    other.decode({0: list(cont), 2: toks(1)})
+    m.decode({3: list(cont), 0: toks(1)})
