@@ -195,3 +195,57 @@ def test_long_prefill_with_snapshots_through_tensors(op: str, H: int, S: int) ->
     _call(CPU, op, args, dict(kw, cu_seqlens=torch.from_numpy(cu)))
     np.testing.assert_allclose(args["pool"].numpy(), REF.download(ref["pool"]), rtol=2e-4, atol=2e-5)
     np.testing.assert_allclose(args["o"].numpy(), REF.download(ref["o"]), rtol=2e-4, atol=2e-5)
+
+
+@given(
+    op=st.sampled_from(sorted(INPUTS)),
+    plan=st.lists(st.sampled_from(["fresh", "same", "rewritten"]), min_size=6, max_size=14),
+    rows=st.lists(st.sampled_from(["fresh", "same", "rewritten"]), min_size=14, max_size=14),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_decode_loop_of_tensors_relaunched_gives_the_buffer_result(
+    op: str, plan: list[str], rows: list[str], index_dtype: Any, seed: int
+) -> None:
+    """A decode loop on the cpu device whose activations are fresh tensors, the same
+    tensors again, or the same tensors rewritten in place (torch ``copy_``), and whose
+    row tensors rotate through the planes (new tensors, or one tensor rewritten in place,
+    or the same rows again): every step's pool and output equal the same loop with
+    Buffers, bitwise (the launch memo and the C relaunch must never replay a stale call)."""
+    rng = np.random.default_rng(seed)
+    H, S, n_s, size, n_snap = 2, 8, 2, 3, 3
+    pool_host = rng.uniform(-1, 1, (size * n_snap, H * S * S)).astype(np.float32) / 4
+    t_pool, b_pool = torch.from_numpy(pool_host.copy()), CPU.upload(pool_host)
+    cells = np.array([2, 0])
+    live = 0
+    t_in: dict[str, Any] = {}
+    t_start = t_dst = None
+    for step, how in enumerate(plan):
+        hosts = _inputs(op, np.random.default_rng([seed, step]), (n_s, 1), H, S)
+        if how == "fresh" or not t_in:
+            t_in = {n: torch.from_numpy(h.copy()) for n, h in hosts.items()}
+        elif how == "rewritten":
+            for n, h in hosts.items():
+                t_in[n].copy_(torch.from_numpy(h))
+        else:  # the same tensors, unchanged
+            hosts = {n: t.numpy().copy() for n, t in t_in.items()}
+        nxt = (live + 1) % n_snap
+        start, dst = cells + live * size, cells + nxt * size
+        if rows[step] == "same" and t_start is not None:
+            nxt = live  # decode in place: the same rows as before
+            start = dst = cells + live * size
+            t_start = t_dst = torch.from_numpy(start.copy()).to(index_dtype)
+        elif rows[step] == "rewritten" and t_start is not None and t_start is not t_dst:
+            t_start.copy_(torch.from_numpy(start))
+            t_dst.copy_(torch.from_numpy(dst))
+        else:
+            t_start = torch.from_numpy(start.copy()).to(index_dtype)
+            t_dst = torch.from_numpy(dst.copy()).to(index_dtype)
+        t_o = torch.zeros((n_s, 1, H, S))
+        _call(CPU, op, {"pool": t_pool, "start_rows": t_start, "dst_rows": t_dst, **t_in, "o": t_o}, {})
+        b = {n: CPU.upload(h) for n, h in hosts.items()}
+        b.update(pool=b_pool, start_rows=CPU.indices(start), dst_rows=CPU.indices(dst), o=CPU.alloc((n_s, 1, H, S)))
+        _call(CPU, op, b, {})
+        np.testing.assert_array_equal(t_o.numpy(), CPU.download(b["o"]), err_msg=f"{op} step {step} o")
+        np.testing.assert_array_equal(t_pool.numpy(), CPU.download(b_pool), err_msg=f"{op} step {step} pool")
+        live = nxt
