@@ -34,7 +34,7 @@ def test_equal_values_are_written_again_after_another_shape_wrote_the_storage() 
 
 
 def test_a_rejected_draft_decoded_again_reads_a_fresh_mask() -> None:
-    for kind in ("kv", "hybrid", "kv-iswa"):
+    for kind in ("kv", "hybrid", "kv-iswa", "hybrid-iswa", "hybrid-idx"):
         tables = Tables()
         mem = make_memory(DEV, kind)
         decode_loop(mem, tables, {0: [1, 2, 3], 1: [4]})
