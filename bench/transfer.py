@@ -27,7 +27,9 @@ the first ``--warmup`` rounds are not counted):
 
 Prints each kind's GB/s of the sequence's payload (``--stat``: median or min
 over the rounds), the ratio to ``plain`` of that statistic and the median of the
-per-round ratios (a round's kinds ran back to back), then where a transfer's
+per-round ratios (a round's kinds ran back to back), the median CPU time of both
+processes together (every thread) and its ratio to ``plain``'s (on a loaded host
+the wall time follows it), then where a transfer's
 fixed cost goes, timed in one process: the sender's metadata, the receiver's
 checks, validation + book commit with every row landed, and the state format's
 ``state_write`` / ``state_read``.  A transfer is a wall-clock matter between two
@@ -306,6 +308,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
         plain = torch.ones(n, dtype=torch.uint8) if rank == 0 else torch.empty(n, dtype=torch.uint8)
         ctx = {"plain": plain, "parts": list(torch.split(plain, msgs)), "checksum": args.checksum, "tokens": tokens}
         times: dict[str, list[float]] = {k: [] for k in kinds}
+        cpu: dict[str, list[float]] = {k: [] for k in kinds}  # this process's CPU (every thread)
         traces: list[dict[str, tuple[float, float]]] = []
         for r in range(args.warmup + args.rounds):
             for k in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
@@ -313,18 +316,19 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
                     mem.seq_rm(0, -1, -1)  # a decode instance receives into a free sequence
                 dist.barrier()
                 log.clear()
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 log.append(("start", t0, time.thread_time()))
                 KINDS[k](rank, mem, ctx)
                 log.append(("end", time.perf_counter(), time.thread_time()))
                 if r >= args.warmup:
                     times[k].append(log[-1][1] - t0)
+                    cpu[k].append(time.process_time() - c0)
                     if args.trace and k == "sequence":
                         traces.append(trace_steps(log))
         if rank == 0:
-            results[tokens] = {"local": breakdown(mem, other, tokens, args.rounds), "trace": traces}
+            results[tokens] = {"local": breakdown(mem, other, tokens, args.rounds), "trace": traces, "cpu": cpu}
         else:
-            results[tokens] = {"wire": times, "n": n, "msgs": len(msgs), "trace": traces}
+            results[tokens] = {"wire": times, "n": n, "msgs": len(msgs), "trace": traces, "cpu": cpu}
     out.put((rank, results))
     dist.barrier()
     dist.destroy_process_group()
@@ -397,10 +401,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{tokens} tokens: payload {n} bytes ({n / 2**20:.2f} MiB) in {wire['msgs']} messages; device "
               f"{args.device}, checksum {'on' if args.checksum else 'off'}; {args.stat} of {args.rounds} rounds "
               f"after {args.warmup} warm-up")  # fmt: skip
+        cpu = {k: statistics.median(map(sum, zip(got[0][tokens]["cpu"][k], c, strict=True)))
+               for k, c in wire["cpu"].items()}  # fmt: skip
         for k, t in stat.items():
             per_round = statistics.median(a / b for a, b in zip(times["plain"], times[k], strict=True))
             print(f"  {k:16s}{n / t / 1e9:7.2f} GB/s  ({t * 1e3:8.2f} ms)  ratio {stat['plain'] / t:5.2f}"
-                  f"  (per round: median {per_round:5.2f})")  # fmt: skip
+                  f"  (per round: median {per_round:5.2f})"
+                  f"  CPU {cpu[k] * 1e3:6.2f} ms ({cpu[k] / cpu['plain']:4.2f}x)")  # fmt: skip
         print("  fixed costs, one process:  " + "  ".join(f"{k} {pick(v) * 1e3:.2f} ms" for k, v in local.items()))
         if args.trace:
             print_trace(got[0][tokens]["trace"], wire["trace"])
