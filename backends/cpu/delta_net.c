@@ -275,8 +275,12 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
     const int kda = u->per > 1;
     const sc_dtype pool_dtype = (sc_dtype)st->pool_dtype;
     const int64_t r0 = sc_snap_row(st, s, 0);
-    for (int64_t j0 = 0; j0 < S; j0 += tile_rows) {
-        const int64_t jr = S - j0 < tile_rows ? S - j0 : tile_rows;
+    /* One token from an f32 pool reads and writes pool rows and never the
+     * tile: the whole head is one span (one pipeline in gdn_rows_pipe, not
+     * one per tile). */
+    const int64_t span = n_t == 1 && pool_dtype == SC_F32 && r0 >= 0 ? S : tile_rows;
+    for (int64_t j0 = 0; j0 < S; j0 += span) {
+        const int64_t jr = S - j0 < span ? S - j0 : span;
         const int64_t off = head_off + j0 * S;
         /* f32 pools: the first token reads the start row and the last
          * writes column 0 in place, as in ssm_scan.c. */
@@ -960,6 +964,9 @@ static int delta_needs_tile(const sc_state *st) {
     return 0;
 }
 
+/* Floats of decode scratch a thread keeps on the stack (6 S + 1 at most). */
+#define SC_GDN_DECODE_STACK 1600
+
 /* The units [lo, hi) of thread tid of nt (sc_split). */
 static void delta_thread(void *arg, int tid, int nt) {
     const delta_call *a = (const delta_call *)arg;
@@ -972,12 +979,27 @@ static void delta_thread(void *arg, int tid, int nt) {
     const size_t tmax = a->tmax;
     const float eps = a->eps;
     const int kda = a->kda, stream = a->stream, rows_stream = a->rows_stream, may_chunk = a->may_chunk;
-    float *kpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
-    float *qpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
-    float *gbuf = (float *)sc_alloc(sizeof(float) * tmax * (size_t)per);
-    float *bt = (float *)sc_alloc(sizeof(float) * tmax);
+    /* A decode (one token per sequence) keeps its scratch on the stack:
+     * six allocations per thread and call were a few percent of a one-head
+     * call (see la_thread in linear_attn.c). */
+    float stack_buf[SC_GDN_DECODE_STACK] __attribute__((aligned(SC_ALIGN)));
+    const size_t scratch = tmax * (size_t)(2 * S + per + 1) + (size_t)(4 * S);
+    const int on_stack = tmax == 1 && scratch <= SC_GDN_DECODE_STACK;
+    float *kpack, *qpack, *gbuf, *bt, *mid;
+    if (on_stack) {
+        kpack = stack_buf;
+        qpack = kpack + S;
+        mid = qpack + S;
+        gbuf = mid + 4 * S;
+        bt = gbuf + per;
+    } else {
+        kpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
+        qpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
+        gbuf = (float *)sc_alloc(sizeof(float) * tmax * (size_t)per);
+        bt = (float *)sc_alloc(sizeof(float) * tmax);
+        mid = (float *)sc_alloc(sizeof(float) * (size_t)(4 * S));
+    }
     float *tile = a->need_tile ? (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows * S)) : NULL;
-    float *mid = (float *)sc_alloc(sizeof(float) * (size_t)(4 * S));
 #ifdef SC_HAVE_AVX2
     gdn_chunk_ws w = {0};
     if (may_chunk) gdn_chunk_ws_alloc(&w, S, kda, st->n_cols);
@@ -1039,12 +1061,14 @@ static void delta_thread(void *arg, int tid, int nt) {
         for (int64_t i = 0; i < n_t * per; i++) gbuf[i] = sc_exp(gbuf[i]);
         gdn_token_unit(st, s, head_off, &u, tile_rows, rows_stream, tile, mid);
     }
-    free(kpack);
-    free(qpack);
-    free(gbuf);
-    free(bt);
+    if (!on_stack) {
+        free(kpack);
+        free(qpack);
+        free(gbuf);
+        free(bt);
+        free(mid);
+    }
     free(tile);
-    free(mid);
 #ifdef SC_HAVE_AVX2
     if (may_chunk) gdn_chunk_ws_free(&w);
 #endif
