@@ -433,8 +433,12 @@ static void decode_unit(const la_call *c, int64_t s, int64_t h, float *buf, floa
     const float *p[6];
     for (int m = 0; m < c->n_in; m++) {
         const sc_view *v = &c->in[m];
-        pack_row(v->data + t0 * v->strides[0] + h * v->strides[1], v->strides[2], S, m == 0 ? c->scale : 1.0f,
-                 m == c->exp_in, buf + m * S);
+        const float *row = v->data + t0 * v->strides[0] + h * v->strides[1];
+        if (m != 0 && m != c->exp_in && v->strides[2] == 1) {
+            p[m] = row; /* read in place: a packed copy would hold the same values */
+            continue;
+        }
+        pack_row(row, v->strides[2], S, m == 0 ? c->scale : 1.0f, m == c->exp_in, buf + m * S);
         p[m] = buf + m * S;
     }
     const float bonus = c->kind == LA_RWKV6 ? la_bonus(p[0], c->u + h * S, p[1], 1.0f, S) : 0.0f;
