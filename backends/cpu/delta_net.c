@@ -178,6 +178,40 @@ static inline __attribute__((always_inline)) void gdn_pass2_step(float *r0, floa
     *o1 = _mm256_fmadd_ps(m1, q, *o1);
 }
 
+/* gdn_pass1_step and gdn_pass2_step over 16 keys (i, i + 8): each row's two
+ * stores to one 64-byte line leave back to back, which the L1 takes about
+ * twice as fast as stores that alternate between lines (a loop of stores
+ * alone: 0.6 against 1.0 cycles per store).  Each sum still takes key i
+ * before key i + 8, so the bits are those of two 8-key steps (16 heads of
+ * 128, one thread: 26 -> 25 us per call). */
+static inline __attribute__((always_inline)) void gdn_pass1_step16(const float *i0, const float *i1, float *w0,
+                                                                   float *w1, int64_t i, __m256 g, __m256 g8,
+                                                                   __m256 k, __m256 k8, __m256 *d0, __m256 *d1) {
+    const __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(i0 + i), g), a8 = _mm256_mul_ps(_mm256_loadu_ps(i0 + i + 8), g8);
+    _mm256_storeu_ps(w0 + i, a0);
+    _mm256_storeu_ps(w0 + i + 8, a8);
+    const __m256 b0 = _mm256_mul_ps(_mm256_loadu_ps(i1 + i), g), b8 = _mm256_mul_ps(_mm256_loadu_ps(i1 + i + 8), g8);
+    _mm256_storeu_ps(w1 + i, b0);
+    _mm256_storeu_ps(w1 + i + 8, b8);
+    *d0 = _mm256_fmadd_ps(a8, k8, _mm256_fmadd_ps(a0, k, *d0));
+    *d1 = _mm256_fmadd_ps(b8, k8, _mm256_fmadd_ps(b0, k, *d1));
+}
+
+static inline __attribute__((always_inline)) void gdn_pass2_step16(float *r0, float *r1, int64_t i, __m256 k,
+                                                                   __m256 k8, __m256 q, __m256 q8, __m256 e0,
+                                                                   __m256 e1, __m256 *o0, __m256 *o1) {
+    const __m256 a0 = _mm256_fmadd_ps(k, e0, _mm256_loadu_ps(r0 + i));
+    const __m256 a8 = _mm256_fmadd_ps(k8, e0, _mm256_loadu_ps(r0 + i + 8));
+    _mm256_storeu_ps(r0 + i, a0);
+    _mm256_storeu_ps(r0 + i + 8, a8);
+    const __m256 b0 = _mm256_fmadd_ps(k, e1, _mm256_loadu_ps(r1 + i));
+    const __m256 b8 = _mm256_fmadd_ps(k8, e1, _mm256_loadu_ps(r1 + i + 8));
+    _mm256_storeu_ps(r1 + i, b0);
+    _mm256_storeu_ps(r1 + i + 8, b8);
+    *o0 = _mm256_fmadd_ps(a8, q8, _mm256_fmadd_ps(a0, q, *o0));
+    *o1 = _mm256_fmadd_ps(b8, q8, _mm256_fmadd_ps(b0, q, *o1));
+}
+
 static inline __attribute__((always_inline)) void gdn_rows_pipe_impl(const float *in, float *out, int64_t n,
                                                                      int64_t S, const float *kt, const float *qt,
                                                                      const float *et, float es, const float *vt,
@@ -203,8 +237,17 @@ static inline __attribute__((always_inline)) void gdn_rows_pipe_impl(const float
         if (p < n) {
             const float *i0 = in + p * S, *i1 = i0 + S;
             float *w0 = out + p * S, *w1 = w0 + S;
+            int64_t i = 0;
+#pragma GCC unroll 8
+            for (; i + 16 <= S; i += 16) {
+                const __m256 k = _mm256_loadu_ps(kt + i), k8 = _mm256_loadu_ps(kt + i + 8);
+                gdn_pass2_step16(r0, r1, i, k, k8, _mm256_loadu_ps(qt + i), _mm256_loadu_ps(qt + i + 8), e0, e1, &o0,
+                                 &o1);
+                gdn_pass1_step16(i0, i1, w0, w1, i, et ? _mm256_loadu_ps(et + i) : gs,
+                                 et ? _mm256_loadu_ps(et + i + 8) : gs, k, k8, &d0, &d1);
+            }
 #pragma GCC unroll 16
-            for (int64_t i = 0; i < S; i += 8) {
+            for (; i < S; i += 8) {
                 const __m256 k = _mm256_loadu_ps(kt + i);
                 gdn_pass2_step(r0, r1, i, k, _mm256_loadu_ps(qt + i), e0, e1, &o0, &o1);
                 gdn_pass1_step(i0, i1, w0, w1, i, et ? _mm256_loadu_ps(et + i) : gs, k, &d0, &d1);
