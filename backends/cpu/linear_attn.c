@@ -226,8 +226,8 @@ static inline __attribute__((always_inline)) __m256 wkv7_bcast(const float *p) {
  * scalars come from memory at each use (wkv7_bcast): four rows' broadcasts,
  * shared vectors and sums held in registers need 20 of the 16.  Against two
  * rows per pass (the shared vectors loaded twice as often, a horizontal sum
- * per pair): RWKV-7, 32 heads of 64, one thread, state in L2, 18.2 -> 16.5
- * us per call, the same bits (every row's operations, in the same order). */
+ * per pair): RWKV-7, 32 heads of 64, one thread, state in L2, 18.1 -> 17.0-
+ * 17.5 us per call, the same bits (every row's operations, in the same order). */
 static inline __attribute__((always_inline)) void wkv7_update4(const float *s, float *d, int64_t S, const float *sv,
                                                                const float *r, const float *e, const float *k,
                                                                const float *b, float *o, const float *pf) {
