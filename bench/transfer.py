@@ -27,12 +27,21 @@ the first ``--warmup`` rounds are not counted):
 
 Prints each kind's GB/s of the sequence's payload (``--stat``: median or min
 over the rounds), the ratio to ``plain`` of that statistic and the median of the
-per-round ratios (a round's kinds ran back to back), then where a transfer's
+per-round ratios (a round's kinds ran back to back), the median CPU time of both
+processes together (every thread) and its ratio to ``plain``'s (on a loaded host
+the wall time follows it), then where a transfer's
 fixed cost goes, timed in one process: the sender's metadata, the receiver's
 checks, validation + book commit with every row landed, and the state format's
 ``state_write`` / ``state_read``.  A transfer is a wall-clock matter between two
 processes: there is no CPU clock to use; on a loaded machine repeat the run and
 compare ratios from one run.  The rows hold garbage (nothing is computed).
+
+``--trace`` also times, for the ``sequence`` kind, each side's steps (the spans
+between stamps taken where the transfer's internal functions start and end;
+``SENDER_STEPS``, ``RECEIVER_STEPS``) as wall / CPU of the transfer's thread, and
+the hand-overs between the processes (``perf_counter`` is one clock for both): a
+step whose wall time is far above its CPU time waited, for the peer or, on a
+loaded host, for a core.
 """
 
 from __future__ import annotations
@@ -193,6 +202,82 @@ def breakdown(mem: Any, other: Any, tokens: int, rounds: int) -> dict[str, list[
     return times
 
 
+#: ``--trace``: each side's steps of a ``sequence`` transfer, as spans between stamps taken where
+#: the transfer's internal functions start and end (the bench wraps them; the library is unchanged).
+#: A step is (name, first stamp, last stamp); ``#2`` is a label's second occurrence in a transfer.
+SENDER_STEPS = [
+    ("setup", "start", "of>"),
+    ("metadata", "of>", "of<"),
+    ("header", "of<", "send:sending the header<"),
+    ("reads", "send:sending the header<", "hear>"),
+    ("wait go", "hear>", "hear<"),
+    ("post sends", "hear<", "hear>#2"),
+    ("wait verdict", "hear>#2", "hear<#2"),
+    ("finish", "hear<#2", "end"),
+]
+RECEIVER_STEPS = [
+    ("wait header", "start", "wait:receiving the header<"),
+    ("header, go", "wait:receiving the header<", "tell<"),
+    ("checks", "tell<", "cut<"),
+    ("validate", "cut<", "land>"),
+    ("land", "land>", "arrive>"),
+    ("small rows", "arrive>", "wait:receiving the rows>"),
+    ("rows", "wait:receiving the rows>", "arrive<"),
+    ("commit", "arrive<", "_read<"),
+    ("answer", "_read<", "end"),
+]
+#: Hand-overs between the processes (one shared clock: perf_counter is CLOCK_MONOTONIC):
+#: (name, sender's stamp, receiver's stamp, +1 when the sender's comes first, else -1).
+HANDOVERS = [
+    ("header posted -> received", "send:sending the header<", "wait:receiving the header<", 1),
+    ("go told -> heard", "hear<", "tell<", -1),
+    ("receives posted -> sends posted", "hear>#2", "land<", -1),
+]
+
+
+def install_trace(stamp: Callable[[str], None], patch: Callable[[Any, str, Any], None] = setattr) -> None:
+    """Wrap the transfer's steps (with ``patch``: ``setattr``, or a test's monkeypatch) so that
+    each start and end calls ``stamp(label + ">")`` / ``stamp(label + "<")``."""
+    from statecache.distributed import transfer as T
+
+    def wrap(owner: Any, name: str, label: Callable[..., str]) -> None:
+        fn = getattr(owner, name)
+
+        def traced(*a: Any, **k: Any) -> Any:
+            tag = label(*a, **k)
+            stamp(tag + ">")
+            try:
+                return fn(*a, **k)
+            finally:
+                stamp(tag + "<")
+
+        patch(owner, name, traced)
+
+    wrap(T._Outgoing, "of", lambda *a, **k: "of")
+    wrap(T, "_read", lambda *a, **k: "_read")
+    for name in ("cut", "land", "arrive"):
+        wrap(T._Arrival, name, lambda *a, _n=name, **k: _n)
+    for name in ("hear", "tell"):
+        wrap(T._Channel, name, lambda *a, _n=name, **k: _n)
+    wrap(T._Channel, "send", lambda ch, t, what: f"send:{what}")
+    wrap(T, "wait", lambda work, timeout, peer, what: f"wait:{what}")
+
+
+def trace_steps(log: list[tuple[str, float, float]]) -> dict[str, tuple[float, float]]:
+    """Each label's stamp (the first of its n-th occurrence named ``label#n``): (wall, CPU)."""
+    seen: dict[str, int] = {}
+    at: dict[str, tuple[float, float]] = {}
+    for label, wall, cpu in log:
+        seen[label] = seen.get(label, 0) + 1
+        at[label if seen[label] == 1 else f"{label}#{seen[label]}"] = (wall, cpu)
+    return at
+
+
+def spans(at: dict[str, tuple[float, float]], steps: list[tuple[str, str, str]]) -> dict[str, tuple[float, float]]:
+    """Each step's (wall, CPU) seconds, for the steps whose two stamps are there."""
+    return {name: (at[b][0] - at[a][0], at[b][1] - at[a][1]) for name, a, b in steps if a in at and b in at}
+
+
 def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch
@@ -205,6 +290,9 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     other = spec_and_memory(args.device, max(sizes))[1] if rank == 0 else None
     kinds = list(KINDS)
     results = {}
+    log: list[tuple[str, float, float]] = []
+    if args.trace:
+        install_trace(lambda label: log.append((label, time.perf_counter(), time.thread_time())))
     for tokens in sizes:
         if rank == 0:
             mem.seq_rm(0, -1, -1)
@@ -220,22 +308,54 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
         plain = torch.ones(n, dtype=torch.uint8) if rank == 0 else torch.empty(n, dtype=torch.uint8)
         ctx = {"plain": plain, "parts": list(torch.split(plain, msgs)), "checksum": args.checksum, "tokens": tokens}
         times: dict[str, list[float]] = {k: [] for k in kinds}
+        cpu: dict[str, list[float]] = {k: [] for k in kinds}  # this process's CPU (every thread)
+        traces: list[dict[str, tuple[float, float]]] = []
         for r in range(args.warmup + args.rounds):
             for k in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
                 if rank == 1:
                     mem.seq_rm(0, -1, -1)  # a decode instance receives into a free sequence
                 dist.barrier()
-                t0 = time.perf_counter()
+                log.clear()
+                c0, t0 = time.process_time(), time.perf_counter()
+                log.append(("start", t0, time.thread_time()))
                 KINDS[k](rank, mem, ctx)
+                log.append(("end", time.perf_counter(), time.thread_time()))
                 if r >= args.warmup:
-                    times[k].append(time.perf_counter() - t0)
+                    times[k].append(log[-1][1] - t0)
+                    cpu[k].append(time.process_time() - c0)
+                    if args.trace and k == "sequence":
+                        traces.append(trace_steps(log))
         if rank == 0:
-            results[tokens] = {"local": breakdown(mem, other, tokens, args.rounds)}
+            results[tokens] = {"local": breakdown(mem, other, tokens, args.rounds), "trace": traces, "cpu": cpu}
         else:
-            results[tokens] = {"wire": times, "n": n, "msgs": len(msgs)}
+            results[tokens] = {"wire": times, "n": n, "msgs": len(msgs), "trace": traces, "cpu": cpu}
     out.put((rank, results))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def print_trace(sender: list[dict[str, tuple[float, float]]], receiver: list[dict[str, tuple[float, float]]]) -> None:
+    """The medians over the rounds of each side's steps (wall / CPU of the transfer's
+    thread, ms) and of the hand-overs (how long the other side took to see a message)."""
+    for side, steps, rounds in (("sender", SENDER_STEPS, sender), ("receiver", RECEIVER_STEPS, receiver)):
+        per = [spans(at, steps) for at in rounds]
+        cells = []
+        for name, _, _ in steps:
+            got = [p[name] for p in per if name in p]
+            if got:
+                wall = statistics.median(w for w, _ in got)
+                cpu = statistics.median(c for _, c in got)
+                cells.append(f"{name} {wall * 1e3:.2f}/{cpu * 1e3:.2f}")
+        total = [(at["end"][0] - at["start"][0], at["end"][1] - at["start"][1]) for at in rounds]
+        wall, cpu = (statistics.median(x[i] for x in total) for i in (0, 1))
+        print(f"  trace {side:8s} (ms, wall/CPU): total {wall * 1e3:.2f}/{cpu * 1e3:.2f}: " + ", ".join(cells))
+    cells = []
+    for name, s_label, r_label, sign in HANDOVERS:
+        got = [sign * (r[r_label][0] - s[s_label][0]) for s, r in zip(sender, receiver, strict=True)
+               if s_label in s and r_label in r]  # fmt: skip
+        if got:
+            cells.append(f"{name} {statistics.median(got) * 1e3:.2f}")
+    print("  trace hand-overs (ms, median): " + ", ".join(cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="rounds run first and not counted")
     ap.add_argument("--device", default="cpu", help="statecache device of both memories")
     ap.add_argument("--checksum", action="store_true", help="send a CRC-32 of the payload (checked on receipt)")
+    ap.add_argument("--trace", action="store_true",
+                    help="time each side's steps of the sequence transfer and the hand-overs between them")  # fmt: skip
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="min: each kind's fastest round (less sensitive to a loaded machine's stalls)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -279,11 +401,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{tokens} tokens: payload {n} bytes ({n / 2**20:.2f} MiB) in {wire['msgs']} messages; device "
               f"{args.device}, checksum {'on' if args.checksum else 'off'}; {args.stat} of {args.rounds} rounds "
               f"after {args.warmup} warm-up")  # fmt: skip
+        cpu = {k: statistics.median(map(sum, zip(got[0][tokens]["cpu"][k], c, strict=True)))
+               for k, c in wire["cpu"].items()}  # fmt: skip
         for k, t in stat.items():
             per_round = statistics.median(a / b for a, b in zip(times["plain"], times[k], strict=True))
             print(f"  {k:16s}{n / t / 1e9:7.2f} GB/s  ({t * 1e3:8.2f} ms)  ratio {stat['plain'] / t:5.2f}"
-                  f"  (per round: median {per_round:5.2f})")  # fmt: skip
+                  f"  (per round: median {per_round:5.2f})"
+                  f"  CPU {cpu[k] * 1e3:6.2f} ms ({cpu[k] / cpu['plain']:4.2f}x)")  # fmt: skip
         print("  fixed costs, one process:  " + "  ".join(f"{k} {pick(v) * 1e3:.2f} ms" for k, v in local.items()))
+        if args.trace:
+            print_trace(got[0][tokens]["trace"], wire["trace"])
         seq = stat["plain"] / stat["sequence"]
         per_round = statistics.median(a / b for a, b in zip(times["plain"], times["sequence"], strict=True))
         summary.append((tokens, n, stat["plain"], stat["sequence"], seq, per_round))

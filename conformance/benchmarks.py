@@ -17,7 +17,9 @@ to the one that applies (a roofline):
   issue 18 states its decode targets against this copy).  It repeats on one
   buffer kept for every round, as the call repeats on one pool, so the floor
   sees the cache the call sees (a small shape's state stays in L2 or L3 from
-  one call to the next, and so does the floor's buffer).  Beside it, column
+  one call to the next, and so does the floor's buffer); a row over many
+  layers' pools (the rollback rows) copies over as many pairs of buffers in
+  turn, so its floor runs from memory as the row does (:func:`floor_key`).  Beside it, column
   ``x inplace``, a stricter floor for a call that updates its state in place
   (a plain decode or prefill loop: start row = destination row, no snapshot
   planes) on the C CPU device: the fastest in-place pass over as many bytes
@@ -338,12 +340,28 @@ def memcpy_seconds(
     clock: Callable[[], float] = time.perf_counter,
     keep: dict[Any, Any] | None = None,
     min_time: float = 0.25,
+    layers: int = 1,
 ) -> float:
     """Seconds for ``device.copy_buffer`` of ``nbytes`` (f32 elements) into
     another buffer.  ``keep``: a dict that holds the two buffers for later
     measurements of the same size (the same pages, so the same cache
-    conflicts, every round)."""
+    conflicts, every round).  ``layers`` > 1: each copy takes the next of
+    that many pairs of buffers, in turn, as a row over many layers calls the
+    next layer's pool, so the floor runs from memory where the row does
+    (those pairs, hundreds of MiB, are freed after and never kept)."""
     n = max(nbytes // 4, 1)
+    if layers > 1:
+        pairs = [(device.upload(np.ones(n, np.float32)), device.alloc((n,), "f32")) for _ in range(layers)]
+        turn = [0]
+
+        def walk() -> None:
+            src, dst = pairs[turn[0]]
+            turn[0] = (turn[0] + 1) % layers
+            device.copy_buffer(src, dst)
+
+        for _ in range(layers):  # every pair touched once, as the rows' warm-up does
+            walk()
+        return time_call(walk, device, min_time=min_time, clock=clock)
     pair = keep.get(("copy", n)) if keep is not None else None
     if pair is None:
         pair = (device.upload(np.ones(n, np.float32)), device.alloc((n,), "f32"))
@@ -386,6 +404,19 @@ def updates_in_place(shape: Shape) -> bool:
     return stateful and int(p.get("layers", 1)) == 1 and not p.get("rotate") and int(p.get("K", 1)) == 1
 
 
+def floor_key(shape: Shape, case: Case) -> tuple[int, bool, int]:
+    """What a shape's memcpy floor depends on: the bytes one call moves each
+    way, whether it updates in place, and over how many layers' pools its
+    calls walk.  A row over many layers runs from memory (its state is 4x the
+    L3), so its floor walks as many buffers: a floor measured on one buffer
+    kept in cache had those rows read 0.2-0.7 of a copy that no call over
+    that state could reach.  A ``memory`` row's call is a whole step over
+    every layer (its bytes are all the layers'), so one buffer of them is
+    already out of cache."""
+    layers = 1 if shape.op == "memory" else int(shape.params.get("layers", 1))
+    return case.traffic // 2, updates_in_place(shape), layers
+
+
 def floor_seconds(
     device: Device,
     nbytes: int,
@@ -394,13 +425,14 @@ def floor_seconds(
     clock: Callable[[], float] = time.perf_counter,
     keep: dict[Any, Any] | None = None,
     min_time: float = 0.25,
+    layers: int = 1,
 ) -> dict[str, float]:
     """The ways of moving ``nbytes`` once each way that the memcpy floor
     takes the fastest of (see the module docstring), in seconds by name:
-    ``"copy"`` (``device.copy_buffer`` into another buffer), and with
-    ``in_place`` on the C CPU device ``"in place, 1 thread"`` and ``"in place,
-    N threads"``."""
-    out = {"copy": memcpy_seconds(device, nbytes, clock, keep, min_time)}
+    ``"copy"`` (``device.copy_buffer`` into another buffer; over ``layers``
+    pairs in turn for a row over many layers), and with ``in_place`` on the
+    C CPU device ``"in place, 1 thread"`` and ``"in place, N threads"``."""
+    out = {"copy": memcpy_seconds(device, nbytes, clock, keep, min_time, layers)}
     if in_place and device.backend_name == "cpu":
         for t in sorted({1, max(threads, 1)}):
             out[f"in place, {t} thread{'s' if t > 1 else ''}"] = host_inplace_seconds(nbytes, t, clock, keep, min_time)
@@ -1060,11 +1092,13 @@ def run(
             b["t"] = min(b["t"], time_call(case.call, device, min_time, clock=tick))
             if many_layers(shape):  # keep its sizes, free its buffers
                 cases[shape.name] = case = Case(lambda: None, case.traffic, case.fma_ops, None, case.exp_ops)
-            key = (case.traffic // 2, updates_in_place(shape))
+            key = floor_key(shape, case)
             # Measured again for every shape, right after it, and the fastest
             # kept: the bound must not inherit a moment when another job held a core.
             ways = floor_best.setdefault(key, {})
-            for how, seconds in floor_seconds(device, *key, threads, tick, floor_keep, min_time).items():
+            nbytes, in_place, layers = key
+            measured = floor_seconds(device, nbytes, in_place, threads, tick, floor_keep, min_time, layers)
+            for how, seconds in measured.items():
                 ways[how] = min(ways.get(how, inf), seconds)
             if case.scalar is not None:
                 b["scalar"] = min(b["scalar"], time_call(case.scalar, None, min_time, clock=tick))
@@ -1097,7 +1131,7 @@ def run(
     rows = []
     for shape in shapes:
         case, b = cases[shape.name], best[shape.name]
-        t, ways = b["t"], floor_best[(case.traffic // 2, updates_in_place(shape))]
+        t, ways = b["t"], floor_best[floor_key(shape, case)]
         # The bound is the copy (the memcpy floor issue 18 states its targets
         # against); an in-place pass, where one applies, is printed beside it
         # as a stricter floor (x in-place), not folded into the bound.
@@ -1144,7 +1178,8 @@ def run(
             say(f"  {row['shape']:28} {row['why']}")
     say(
         "memcpy floor: a copy of the shape's bytes into another buffer, repeated on one buffer kept for every "
-        "round as the call repeats on one pool; x inplace: the ratio to a stricter floor, for calls that update "
+        "round as the call repeats on one pool (rows over many layers: over as many pairs of buffers in turn, "
+        "from memory as those rows run); x inplace: the ratio to a stricter floor, for calls that update "
         f"their state in place (host), an in-place pass over as many bytes (read, written back) on 1 and {threads} "
         "threads (the fastest), which moves what such a call must move with the footprint of its state"
     )

@@ -62,6 +62,7 @@ from statecache.kv_cache import (
     KVCacheContext,
     KVCacheISWA,
     KVStatePlan,
+    check_partial_under_full,
     last_kept,
     plan_positions,
 )
@@ -669,6 +670,13 @@ class HybridMemory(Memory):
             ),
         }
         self._check_blob_parts_agree(plans, seq)
+        if flags & StateFlags.PARTIAL_ONLY:
+            # the recurrent state must not run ahead of the full-attention cells a partial read keeps
+            full = self.attn.base if isinstance(self.attn, KVCacheISWA) else self.attn
+            for p, ids in plans["recr"]["cells"]:
+                for q in ids if seq < 0 else [seq]:
+                    if p >= 0:
+                        check_partial_under_full(full, q, p, "recr.pos")
         return plans
 
     def _check_blob_parts_agree(self, plans: dict[str, Any], seq: int) -> None:

@@ -1603,6 +1603,26 @@ def _plain_composite(p: MemoryContext) -> bool:
     return isinstance(p, CompositeContext) and type(p).apply is CompositeContext.apply and "apply" not in vars(p)
 
 
+def check_partial_under_full(full: Any, seq: int, end: int, field: str) -> None:
+    """A ``PARTIAL_ONLY`` read restores the parts a truncation cannot rebuild
+    (window caches, recurrent states) up to position ``end`` of ``seq`` and
+    keeps the full-attention cells the memory holds, to be cut back to the
+    checkpoint by ``seq_rm`` (upstream's server does exactly that with its
+    context checkpoints).  Those cells must therefore already reach ``end``:
+    read into a sequence whose full attention ends earlier, the next token
+    would attend after a hole (positions up to ``end`` never written there)
+    and the parts would disagree silently.  Upstream accepts that read; we
+    refuse it [REC], with the memory unchanged."""
+    held = int(full.seq_pos_max(seq))
+    if held < end:
+        raise StateError(
+            field,
+            f"sequence {seq}: a PARTIAL_ONLY read restores state up to position {end}, but this memory's "
+            f"full-attention cells of that sequence end at {held}; a partial read keeps those cells, so they "
+            "must reach the checkpoint (decode or restore the full state first, then seq_rm past the checkpoint)",
+        )
+
+
 def plan_positions(plan: KVStatePlan) -> dict[int, set[int]]:
     """Per sequence, the positions a validated KV section restores (cross-part checks)."""
     out: dict[int, set[int]] = {}
@@ -1955,6 +1975,25 @@ class KVCacheISWA(Memory):
                         f"sequence {s}: the window cache holds positions {sorted(w - b)[:4] or sorted(w)[-4:]} "
                         f"that disagree with the base cache (up to {max(b, default=-1)})",
                     )
+                # ... and every position of the base cache that this memory's window of the
+                # next token reads: a blob written with a narrower window (another n_swa or
+                # window type) holds fewer, and its next token would attend over less than
+                # the model reads, silently.
+                end = max(b, default=-1)
+                missing = []
+                for p in sorted(b - w, reverse=True):  # every window type hides more the further back
+                    if is_masked_swa(self.swa.n_swa, self.swa.swa_type, p, end + 1):
+                        break
+                    missing.append(p)
+                if missing:
+                    raise StateError(
+                        "kv_swa.pos",
+                        f"sequence {s}: the window cache lacks positions {sorted(missing)[:4]} that the window of "
+                        f"the next token (at {end + 1}, n_swa {self.swa.n_swa}) reads: a blob of a narrower window",
+                    )
+        else:
+            for s, held in plan_positions(swa).items():
+                check_partial_under_full(self.base, s, max(held), "kv_swa.pos")
         return ISWAPlan(base, swa)
 
     def state_commit(self, plan: ISWAPlan) -> None:

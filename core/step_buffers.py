@@ -36,7 +36,12 @@ class StepBuffers:
         self.device = device
         self._storage: dict[str, Buffer] = {}
         self._views: dict[str, dict[tuple[int, ...], Buffer]] = {}
-        self._source: dict[tuple[str, tuple[int, ...]], Any] = {}  # the host array a view last received
+        # Per role: the shape and host array of the last write to its storage.  Keyed by role,
+        # not by shape: every shape of a role is a view of one storage, so a write through
+        # one view changes what the others hold (a one-token mask overwrites the first row
+        # of a two-token one), and equal values are only "already there" when the last
+        # write to the storage was of this very shape.
+        self._source: dict[str, tuple[tuple[int, ...], Any]] = {}
 
     def _view(self, role: str, shape: tuple[int, ...], dtype: DType, capacity: int) -> Buffer:
         views = self._views.setdefault(role, {})
@@ -50,7 +55,7 @@ class StepBuffers:
             # prefill, or a mask whose n_kv grows with the context, fits without another alloc)
             store = self._storage[role] = self.device.alloc((max(need, capacity, 1),), dtype)
             views.clear()  # views of the old storage stay valid for whoever holds them
-            self._source = {k: v for k, v in self._source.items() if k[0] != role}
+            self._source.pop(role, None)
         if len(views) >= _VIEWS_PER_ROLE:
             views.pop(next(iter(views)))
         view = views[shape] = store.view(shape)
@@ -69,10 +74,10 @@ class StepBuffers:
         """An f32 buffer holding ``values`` (rewritten only when they changed: the same host
         array, by identity, or one equal to the last is not written again).  The host
         arrays are kept, not copied: pass arrays that are not edited afterwards."""
-        buf = self._view(role, tuple(values.shape), DType.F32, capacity)
-        key = (role, tuple(values.shape))
-        last = self._source.get(key)
-        if last is not values and not (last is not None and np.array_equal(last, values)):
+        shape = tuple(values.shape)
+        buf = self._view(role, shape, DType.F32, capacity)
+        last_shape, last = self._source.get(role, ((), None))
+        if last_shape != shape or (last is not values and not (last is not None and np.array_equal(last, values))):
             self.device.write(buf, values)
-        self._source[key] = values
+        self._source[role] = (shape, values)
         return buf

@@ -155,13 +155,25 @@ def test_item38_partial_only(dev, kind):
     full = src.mem.state_write(0)
     part = src.mem.state_write(0, StateFlags.PARTIAL_ONLY)
     assert len(part) < len(full)
+    # Into a sequence whose full attention does not reach the checkpoint: the next token would
+    # attend after a hole.  Upstream accepts it; we refuse it, the memory unchanged [REC].
     dst = HybridToy(dev, make_hybrid(dev, kind))
-    dst.mem.state_read(part, 0, StateFlags.PARTIAL_ONLY)
-    assert dst.mem.recr.seq_pos_max(0) == 3
-    if isinstance(dst.mem.attn, KVCacheISWA):
-        assert dst.mem.attn.swa.seq_pos_max(0) == 3 and dst.mem.attn.base.seq_pos_max(0) == -1
-    else:
-        assert dst.mem.attn.seq_pos_max(0) == -1
+    before, blob = books(dst.mem), dst.mem.state_write()
+    with pytest.raises(StateError, match=r"restores state up to position 3.*end at -1"):
+        dst.mem.state_read(part, 0, StateFlags.PARTIAL_ONLY)
+    assert same_books(before, books(dst.mem)) and dst.mem.state_write() == blob
+    # The checkpoint flow (upstream's server): the sequence went on past the checkpoint; the
+    # partial read takes the parts a truncation cannot rebuild back to position 3, seq_rm cuts
+    # the full attention back, and decoding continues as if 7 and 8 had never been decoded.
+    src.decode({0: [7, 8]})
+    src.mem.state_read(part, 0, StateFlags.PARTIAL_ONLY)
+    assert src.mem.recr.seq_pos_max(0) == 3
+    if isinstance(src.mem.attn, KVCacheISWA):
+        assert src.mem.attn.swa.seq_pos_max(0) == 3 and src.mem.attn.base.seq_pos_max(0) == 5
+    assert src.mem.seq_rm(0, 4, -1) and src.mem.seq_pos_max(0) == 3
+    src.recr_tokens[0], src.attn_hist[0] = src.recr_tokens[0][:4], src.attn_hist[0][:4]
+    out = src.decode({0: [9]})
+    np.testing.assert_allclose(out[(0, 4)], src.expected(0), rtol=1e-5, atol=1e-6)
 
 
 def test_item48_idx_cells_follow_attention_and_partial_cp_refused(dev):

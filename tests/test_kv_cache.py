@@ -399,10 +399,16 @@ def test_iswa_sizes_and_partial_state(dev):
         dev, [KVLayer(il, E, E) for il in range(3)], [1], size=64, n_seq_max=2, n_ubatch=4, n_swa=4, dtype="f32",
         n_pad=8,
     )  # fmt: skip
-    other.state_read(part, 1, StateFlags.PARTIAL_ONLY)
-    assert other.base.seq_pos_max(1) == -1 and other.swa.seq_pos_max(1) == 23
+    # a partial read keeps the base cache's cells, which here do not reach the window's 23:
+    # refused, nothing changed (upstream accepts it and leaves a hole before the next token) [REC]
+    blob = other.state_write()
+    with pytest.raises(StateError, match=r"up to position 23.*end at -1"):
+        other.state_read(part, 1, StateFlags.PARTIAL_ONLY)
+    assert other.state_write() == blob
     other.state_read(full, 1)
     assert other.base.seq_pos_min(1) == 0 and other.base.seq_pos_max(1) == 23
+    other.state_read(part, 1, StateFlags.PARTIAL_ONLY)  # the base cells reach it now
+    assert other.base.seq_pos_max(1) == 23 and other.swa.seq_pos_max(1) == 23
 
 
 def test_memory_breakdown_seed_example(dev):

@@ -138,6 +138,149 @@ static void gdn_rows4(const float *in, float *out, float *mid, int64_t S, const 
 }
 #endif
 
+#ifdef SC_HAVE_AVX2
+/* Rows ahead of the update pass that the decay pass runs (see gdn_rows_pipe). */
+#ifndef SC_GDN_LAG
+#define SC_GDN_LAG 4
+#endif
+
+/* One token over rows [0, n) (n % 2 == 0, S % 8 == 0; in and out the same
+ * memory or disjoint), the same operations in the same order per row as
+ * gdn_rows4 without `mid` (so the same bits), software-pipelined: one loop
+ * over the keys runs the update and q-dot of rows r, r + 1 (from the decayed
+ * rows already in `out`, in L1) together with the decay and k-dot of rows
+ * r + SC_GDN_LAG, r + SC_GDN_LAG + 1 (from `in`), and one horizontal sum
+ * gives the two outputs and the two k-dots.  As two passes per group of
+ * rows, every group's update waited for its k-dot (a horizontal sum, the
+ * delta, a broadcast); here the delta a pair of rows needs was formed
+ * SC_GDN_LAG / 2 iterations earlier.  The loops unroll (#pragma): rolled,
+ * GCC indexed every row with one register (base + index * 4), and such
+ * loads and stores split into two micro-ops each, which the 6-wide rename
+ * could not keep up with.  One thread, 16 heads of 128 (1 MiB in L2), one
+ * token: 29-30 -> 28 us per call (an in-place pass over the same bytes: 18). */
+static inline __attribute__((always_inline)) void gdn_pass1_step(const float *i0, const float *i1, float *w0,
+                                                                 float *w1, int64_t i, __m256 g, __m256 k,
+                                                                 __m256 *d0, __m256 *d1) {
+    const __m256 m0 = _mm256_mul_ps(_mm256_loadu_ps(i0 + i), g), m1 = _mm256_mul_ps(_mm256_loadu_ps(i1 + i), g);
+    _mm256_storeu_ps(w0 + i, m0);
+    _mm256_storeu_ps(w1 + i, m1);
+    *d0 = _mm256_fmadd_ps(m0, k, *d0);
+    *d1 = _mm256_fmadd_ps(m1, k, *d1);
+}
+
+static inline __attribute__((always_inline)) void gdn_pass2_step(float *r0, float *r1, int64_t i, __m256 k, __m256 q,
+                                                                 __m256 e0, __m256 e1, __m256 *o0, __m256 *o1) {
+    const __m256 m0 = _mm256_fmadd_ps(k, e0, _mm256_loadu_ps(r0 + i));
+    const __m256 m1 = _mm256_fmadd_ps(k, e1, _mm256_loadu_ps(r1 + i));
+    _mm256_storeu_ps(r0 + i, m0);
+    _mm256_storeu_ps(r1 + i, m1);
+    *o0 = _mm256_fmadd_ps(m0, q, *o0);
+    *o1 = _mm256_fmadd_ps(m1, q, *o1);
+}
+
+/* gdn_pass1_step and gdn_pass2_step over 16 keys (i, i + 8): each row's two
+ * stores to one 64-byte line leave back to back, which the L1 takes about
+ * twice as fast as stores that alternate between lines (a loop of stores
+ * alone: 0.6 against 1.0 cycles per store).  Each sum still takes key i
+ * before key i + 8, so the bits are those of two 8-key steps (16 heads of
+ * 128, one thread: 26 -> 25 us per call). */
+static inline __attribute__((always_inline)) void gdn_pass1_step16(const float *i0, const float *i1, float *w0,
+                                                                   float *w1, int64_t i, __m256 g, __m256 g8,
+                                                                   __m256 k, __m256 k8, __m256 *d0, __m256 *d1) {
+    const __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(i0 + i), g), a8 = _mm256_mul_ps(_mm256_loadu_ps(i0 + i + 8), g8);
+    _mm256_storeu_ps(w0 + i, a0);
+    _mm256_storeu_ps(w0 + i + 8, a8);
+    const __m256 b0 = _mm256_mul_ps(_mm256_loadu_ps(i1 + i), g), b8 = _mm256_mul_ps(_mm256_loadu_ps(i1 + i + 8), g8);
+    _mm256_storeu_ps(w1 + i, b0);
+    _mm256_storeu_ps(w1 + i + 8, b8);
+    *d0 = _mm256_fmadd_ps(a8, k8, _mm256_fmadd_ps(a0, k, *d0));
+    *d1 = _mm256_fmadd_ps(b8, k8, _mm256_fmadd_ps(b0, k, *d1));
+}
+
+static inline __attribute__((always_inline)) void gdn_pass2_step16(float *r0, float *r1, int64_t i, __m256 k,
+                                                                   __m256 k8, __m256 q, __m256 q8, __m256 e0,
+                                                                   __m256 e1, __m256 *o0, __m256 *o1) {
+    const __m256 a0 = _mm256_fmadd_ps(k, e0, _mm256_loadu_ps(r0 + i));
+    const __m256 a8 = _mm256_fmadd_ps(k8, e0, _mm256_loadu_ps(r0 + i + 8));
+    _mm256_storeu_ps(r0 + i, a0);
+    _mm256_storeu_ps(r0 + i + 8, a8);
+    const __m256 b0 = _mm256_fmadd_ps(k, e1, _mm256_loadu_ps(r1 + i));
+    const __m256 b8 = _mm256_fmadd_ps(k8, e1, _mm256_loadu_ps(r1 + i + 8));
+    _mm256_storeu_ps(r1 + i, b0);
+    _mm256_storeu_ps(r1 + i + 8, b8);
+    *o0 = _mm256_fmadd_ps(a8, q8, _mm256_fmadd_ps(a0, q, *o0));
+    *o1 = _mm256_fmadd_ps(b8, q8, _mm256_fmadd_ps(b0, q, *o1));
+}
+
+static inline __attribute__((always_inline)) void gdn_rows_pipe_impl(const float *in, float *out, int64_t n,
+                                                                     int64_t S, const float *kt, const float *qt,
+                                                                     const float *et, float es, const float *vt,
+                                                                     int64_t vstride, float beta, float scale,
+                                                                     float *ot) {
+    const __m256 gs = _mm256_set1_ps(es);
+    float delta[16]; /* the delta of row r at delta[r % 16]: rows r .. r + SC_GDN_LAG + 1 are live */
+    float sums[4];
+    for (int64_t p = 0; p < SC_GDN_LAG && p < n; p += 2) {
+        __m256 d0 = _mm256_setzero_ps(), d1 = d0;
+        for (int64_t i = 0; i < S; i += 8)
+            gdn_pass1_step(in + p * S, in + (p + 1) * S, out + p * S, out + (p + 1) * S, i,
+                           et ? _mm256_loadu_ps(et + i) : gs, _mm256_loadu_ps(kt + i), &d0, &d1);
+        _mm_storeu_ps(sums, sc_hsum4x8(d0, d1, d0, d1));
+        delta[p % 16] = (vt[p * vstride] - sums[0]) * beta;
+        delta[(p + 1) % 16] = (vt[(p + 1) * vstride] - sums[1]) * beta;
+    }
+    for (int64_t r = 0; r < n; r += 2) {
+        const int64_t p = r + SC_GDN_LAG;
+        float *r0 = out + r * S, *r1 = r0 + S;
+        const __m256 e0 = _mm256_set1_ps(delta[r % 16]), e1 = _mm256_set1_ps(delta[(r + 1) % 16]);
+        __m256 o0 = _mm256_setzero_ps(), o1 = o0, d0 = o0, d1 = o0;
+        if (p < n) {
+            const float *i0 = in + p * S, *i1 = i0 + S;
+            float *w0 = out + p * S, *w1 = w0 + S;
+            int64_t i = 0;
+#pragma GCC unroll 8
+            for (; i + 16 <= S; i += 16) {
+                const __m256 k = _mm256_loadu_ps(kt + i), k8 = _mm256_loadu_ps(kt + i + 8);
+                gdn_pass2_step16(r0, r1, i, k, k8, _mm256_loadu_ps(qt + i), _mm256_loadu_ps(qt + i + 8), e0, e1, &o0,
+                                 &o1);
+                gdn_pass1_step16(i0, i1, w0, w1, i, et ? _mm256_loadu_ps(et + i) : gs,
+                                 et ? _mm256_loadu_ps(et + i + 8) : gs, k, k8, &d0, &d1);
+            }
+#pragma GCC unroll 16
+            for (; i < S; i += 8) {
+                const __m256 k = _mm256_loadu_ps(kt + i);
+                gdn_pass2_step(r0, r1, i, k, _mm256_loadu_ps(qt + i), e0, e1, &o0, &o1);
+                gdn_pass1_step(i0, i1, w0, w1, i, et ? _mm256_loadu_ps(et + i) : gs, k, &d0, &d1);
+            }
+        } else {
+#pragma GCC unroll 16
+            for (int64_t i = 0; i < S; i += 8)
+                gdn_pass2_step(r0, r1, i, _mm256_loadu_ps(kt + i), _mm256_loadu_ps(qt + i), e0, e1, &o0, &o1);
+        }
+        _mm_storeu_ps(sums, sc_hsum4x8(o0, o1, d0, d1));
+        ot[r] = scale * sums[0];
+        ot[r + 1] = scale * sums[1];
+        if (p < n) {
+            delta[p % 16] = (vt[p * vstride] - sums[2]) * beta;
+            delta[(p + 1) % 16] = (vt[(p + 1) * vstride] - sums[3]) * beta;
+        }
+    }
+}
+
+/* gdn_rows_pipe_impl with the model head sizes compiled apart (their loops
+ * unroll; see wkv7_rows in linear_attn.c). */
+static void gdn_rows_pipe(const float *in, float *out, int64_t n, int64_t S, const float *kt, const float *qt,
+                          const float *et, float es, const float *vt, int64_t vstride, float beta, float scale,
+                          float *ot) {
+    if (S == 128)
+        gdn_rows_pipe_impl(in, out, n, 128, kt, qt, et, es, vt, vstride, beta, scale, ot);
+    else if (S == 64)
+        gdn_rows_pipe_impl(in, out, n, 64, kt, qt, et, es, vt, vstride, beta, scale, ot);
+    else
+        gdn_rows_pipe_impl(in, out, n, S, kt, qt, et, es, vt, vstride, beta, scale, ot);
+}
+#endif
+
 /* What a unit needs of its (sequence, value head): per-token vectors after
  * the options were applied (k and q normalised when asked, the log decay
  * after the raw-gate map, beta after its sigmoid). */
@@ -175,8 +318,12 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
     const int kda = u->per > 1;
     const sc_dtype pool_dtype = (sc_dtype)st->pool_dtype;
     const int64_t r0 = sc_snap_row(st, s, 0);
-    for (int64_t j0 = 0; j0 < S; j0 += tile_rows) {
-        const int64_t jr = S - j0 < tile_rows ? S - j0 : tile_rows;
+    /* One token from an f32 pool reads and writes pool rows and never the
+     * tile: the whole head is one span (one pipeline in gdn_rows_pipe, not
+     * one per tile). */
+    const int64_t span = n_t == 1 && pool_dtype == SC_F32 && r0 >= 0 ? S : tile_rows;
+    for (int64_t j0 = 0; j0 < S; j0 += span) {
+        const int64_t jr = S - j0 < span ? S - j0 : span;
         const int64_t off = head_off + j0 * S;
         /* f32 pools: the first token reads the start row and the last
          * writes column 0 in place, as in ssm_scan.c. */
@@ -201,8 +348,12 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
             if (S % 8 == 0) {
                 /* a disjoint, aligned pool row of a large call or decode (sc_stream_rows): streamed */
                 float *via = stream && out != tile && out != in && ((uintptr_t)out & 31) == 0 ? mid : NULL;
-                for (; r + 4 <= jr; r += 4) {
-                    if (via) sc_prefetch_ahead(in + r * S, 4 * S * (int64_t)sizeof(float));
+                if (!via) {
+                    r = jr - jr % 4;
+                    gdn_rows_pipe(in, out, r, S, kt, qt, et, es_t, vt, u->ves, b, u->scale, ot);
+                }
+                for (; via && r + 4 <= jr; r += 4) {
+                    sc_prefetch_ahead(in + r * S, 4 * S * (int64_t)sizeof(float));
                     gdn_rows4(in + r * S, out + r * S, via, S, kt, qt, et, es_t, vt + r * u->ves, u->ves, b, u->scale,
                               ot + r);
                 }
@@ -856,6 +1007,9 @@ static int delta_needs_tile(const sc_state *st) {
     return 0;
 }
 
+/* Floats of decode scratch a thread keeps on the stack (6 S + 1 at most). */
+#define SC_GDN_DECODE_STACK 1600
+
 /* The units [lo, hi) of thread tid of nt (sc_split). */
 static void delta_thread(void *arg, int tid, int nt) {
     const delta_call *a = (const delta_call *)arg;
@@ -868,12 +1022,27 @@ static void delta_thread(void *arg, int tid, int nt) {
     const size_t tmax = a->tmax;
     const float eps = a->eps;
     const int kda = a->kda, stream = a->stream, rows_stream = a->rows_stream, may_chunk = a->may_chunk;
-    float *kpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
-    float *qpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
-    float *gbuf = (float *)sc_alloc(sizeof(float) * tmax * (size_t)per);
-    float *bt = (float *)sc_alloc(sizeof(float) * tmax);
+    /* A decode (one token per sequence) keeps its scratch on the stack:
+     * six allocations per thread and call were a few percent of a one-head
+     * call (see la_thread in linear_attn.c). */
+    float stack_buf[SC_GDN_DECODE_STACK] __attribute__((aligned(SC_ALIGN)));
+    const size_t scratch = tmax * (size_t)(2 * S + per + 1) + (size_t)(4 * S);
+    const int on_stack = tmax == 1 && scratch <= SC_GDN_DECODE_STACK;
+    float *kpack, *qpack, *gbuf, *bt, *mid;
+    if (on_stack) {
+        kpack = stack_buf;
+        qpack = kpack + S;
+        mid = qpack + S;
+        gbuf = mid + 4 * S;
+        bt = gbuf + per;
+    } else {
+        kpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
+        qpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
+        gbuf = (float *)sc_alloc(sizeof(float) * tmax * (size_t)per);
+        bt = (float *)sc_alloc(sizeof(float) * tmax);
+        mid = (float *)sc_alloc(sizeof(float) * (size_t)(4 * S));
+    }
     float *tile = a->need_tile ? (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows * S)) : NULL;
-    float *mid = (float *)sc_alloc(sizeof(float) * (size_t)(4 * S));
 #ifdef SC_HAVE_AVX2
     gdn_chunk_ws w = {0};
     if (may_chunk) gdn_chunk_ws_alloc(&w, S, kda, st->n_cols);
@@ -935,12 +1104,14 @@ static void delta_thread(void *arg, int tid, int nt) {
         for (int64_t i = 0; i < n_t * per; i++) gbuf[i] = sc_exp(gbuf[i]);
         gdn_token_unit(st, s, head_off, &u, tile_rows, rows_stream, tile, mid);
     }
-    free(kpack);
-    free(qpack);
-    free(gbuf);
-    free(bt);
+    if (!on_stack) {
+        free(kpack);
+        free(qpack);
+        free(gbuf);
+        free(bt);
+        free(mid);
+    }
     free(tile);
-    free(mid);
 #ifdef SC_HAVE_AVX2
     if (may_chunk) gdn_chunk_ws_free(&w);
 #endif
