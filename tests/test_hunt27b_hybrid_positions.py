@@ -1,0 +1,205 @@
+"""Position edits on hybrid memories against a recompute (hunt27b).
+
+The hybrid toy (tests/hybrid_toy.py: recurrent layers plus one attention layer) decodes
+between ``seq_add``, ``seq_div``, ``context_shift`` and whole-sequence copies.  A position
+edit moves the recurrent state's position and the attention cells' positions and nothing
+else, so every output must equal the recurrent oracle over the tokens absorbed plus
+attention over the moved ``(position, token)`` history (window applied for hybrid-iSWA); the
+next token lands right after the highest position both parts agree on; a refused edit
+changes nothing (full fingerprint).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hybrid_toy import HybridToy, attention, emb, make_hybrid
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from recurrent_toy import oracle
+from test_adversarial_traces import fingerprint
+
+import statecache
+from statecache.errors import ArgumentError
+from statecache.kv_mask import is_masked_swa
+from statecache.memory import MemoryStatus
+
+DEV = statecache.get_device("reference")
+EXAMPLES = 15 if settings.default.max_examples <= 40 else settings.default.max_examples
+N = 3
+
+OPS = st.one_of(
+    st.tuples(st.just("decode"), st.dictionaries(st.integers(0, N - 1), st.integers(1, 3), min_size=1)),
+    st.tuples(st.just("seq_add"), st.integers(0, N - 1), st.integers(-1, 8), st.integers(-1, 10), st.integers(-4, 4)),
+    st.tuples(st.just("seq_div"), st.integers(0, N - 1), st.integers(-1, 8), st.integers(-1, 10), st.integers(1, 3)),
+    st.tuples(st.just("context_shift"), st.integers(0, N - 1), st.integers(0, 6), st.integers(1, 9)),
+    st.tuples(st.just("seq_cp"), st.integers(0, N - 1), st.integers(0, N - 1), st.just(-1), st.just(-1)),
+    st.tuples(st.just("seq_keep"), st.integers(0, N - 1)),
+)
+
+
+def norm(p0: int, p1: int) -> tuple[int, int]:
+    return (0 if p0 < 0 else p0), (2**31 - 1 if p1 < 0 else p1)
+
+
+def edit(hist: list[tuple[int, int]], op: tuple[Any, ...]) -> list[tuple[int, int]]:
+    """The same edit on a plain (position, token) history."""
+    name = op[0]
+    if name == "context_shift":
+        _, _, p0, p1 = op
+        if p0 >= p1:
+            return hist  # an empty range: a no-op
+        return [(p - (p1 - p0) if p >= p1 else p, t) for p, t in hist if not p0 <= p < p1]
+    q0, q1 = norm(op[2], op[3])
+    if name == "seq_add":
+        moved = [(p + op[4] if q0 <= p < q1 else p, t) for p, t in hist]
+        return [(p, t) for p, t in moved if p >= 0]
+    return [(p // op[4] if q0 <= p < q1 else p, t) for p, t in hist]
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "hybrid_streams", "iswa_full", "idx"])
+@settings(max_examples=EXAMPLES)
+@given(program=st.lists(OPS, min_size=2, max_size=12))
+def test_hybrid_position_edits_match_a_recompute(kind: str, program: list[Any]) -> None:
+    base = {"hybrid_streams": "hybrid", "iswa_full": "iswa"}.get(kind, kind)
+    mem = make_hybrid(DEV, base, size=40, unified=kind != "hybrid_streams", swa_full=True, n_swa=3)
+    for cache in mem.kv_caches:
+        cache.can_shift = False  # the toy's attention has no RoPE: a shift only moves positions
+    toy = HybridToy(DEV, mem)
+    window = toy.window
+    hist: dict[int, list[tuple[int, int]]] = {s: [] for s in range(N)}
+    rec: dict[int, list[int]] = {s: [] for s in range(N)}
+    tok = iter(1 + k % 31 for k in range(10**6))  # the toy vocabulary: 32 tokens
+
+    def run(tokens: dict[int, list[int]]) -> None:
+        ctx = mem.init_update()
+        if ctx.status is MemoryStatus.SUCCESS:
+            assert ctx.apply()
+        out = toy.decode(tokens)
+        assert out is not None
+        for s, ts in tokens.items():
+            p = max((q for q, _ in hist[s]), default=-1) + 1
+            for k, t in enumerate(ts):
+                hist[s].append((p + k, t))
+                rec[s].append(t)
+                vis = [
+                    (q, u)
+                    for q, u in hist[s]
+                    if q <= p + k and not (window and is_masked_swa(window[1], window[0], q, p + k))
+                ]
+                y_rec, _ = oracle(DEV, toy.tables, rec[s])
+                kk = np.stack([emb(u, 1) for _, u in vis])
+                vv = np.stack([emb(u, 2) for _, u in vis])
+                a = attention(emb(t, 3), kk, vv, np.zeros(len(vis), dtype=np.float32))
+                np.testing.assert_allclose(out[(s, p + k)], np.concatenate([y_rec[-1], a]), atol=2e-4)
+
+    run({0: [next(tok) for _ in range(4)], 1: [next(tok) for _ in range(2)]})
+    for op in program:
+        if op[0] == "decode":
+            if sum(len(h) for h in hist.values()) + sum(op[1].values()) > 30:
+                continue
+            run({s: [next(tok) for _ in range(n)] for s, n in op[1].items()})
+            continue
+        before = fingerprint(mem)
+        try:
+            getattr(mem, op[0])(*op[1:])
+        except ArgumentError:
+            assert fingerprint(mem) == before, op
+            continue
+        if op[0] == "seq_cp":
+            if op[1] != op[2]:
+                hist[op[2]], rec[op[2]] = list(hist[op[1]]), list(rec[op[1]])
+        elif op[0] == "seq_keep":
+            for s in range(N):
+                if s != op[1]:
+                    hist[s], rec[s] = [], []
+        else:
+            s = op[1]
+            hist[s] = edit(hist[s], op)
+            if not hist[s]:
+                rec[s] = []  # every position gone: the state goes with them
+        for s in range(N):
+            top = max((q for q, _ in hist[s]), default=-1)
+            assert mem.seq_pos_max(s) == top, (op, s, mem.seq_pos_max(s), top)
+    run({s: [next(tok)] for s in range(N)})
+
+
+ROLL_OPS = st.one_of(
+    st.tuples(st.just("decode"), st.dictionaries(st.integers(0, 1), st.integers(1, 2), min_size=1)),
+    st.tuples(st.just("seq_add"), st.integers(0, 1), st.integers(-1, 8), st.just(-1), st.integers(-3, 4)),
+    st.tuples(st.just("seq_div"), st.integers(0, 1), st.integers(-1, 8), st.just(-1), st.integers(2, 3)),
+    st.tuples(st.just("rollback"), st.integers(0, 1), st.integers(0, 12)),
+)
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "iswa_full", "idx"])
+@settings(max_examples=EXAMPLES)
+@given(program=st.lists(ROLL_OPS, min_size=2, max_size=12))
+def test_rollback_after_position_edits_keeps_the_parts_in_step(kind: str, program: list[Any]) -> None:
+    """A rollback ``seq_rm(s, p, -1)`` after position edits: when accepted, the recurrent
+    state left must be the one of exactly the tokens attention keeps (those now below ``p``,
+    a prefix of the decode order), and the next output must match a recompute."""
+    base = {"iswa_full": "iswa"}.get(kind, kind)
+    mem = make_hybrid(DEV, base, size=40, n_seq_max=2, n_rs_seq=3, swa_full=True, n_swa=3)
+    for cache in mem.kv_caches:
+        cache.can_shift = False
+    toy = HybridToy(DEV, mem)
+    window = toy.window
+    hist: dict[int, list[tuple[int, int]]] = {0: [], 1: []}  # decode order
+    rec: dict[int, list[int]] = {0: [], 1: []}
+    tok = iter(1 + k % 31 for k in range(10**6))
+
+    def run(tokens: dict[int, list[int]]) -> None:
+        out = toy.decode(tokens)
+        assert out is not None
+        for s, ts in tokens.items():
+            p = max((q for q, _ in hist[s]), default=-1) + 1
+            for k, t in enumerate(ts):
+                hist[s].append((p + k, t))
+                rec[s].append(t)
+                vis = [
+                    (q, u)
+                    for q, u in hist[s]
+                    if q <= p + k and not (window and is_masked_swa(window[1], window[0], q, p + k))
+                ]
+                y_rec, _ = oracle(DEV, toy.tables, rec[s])
+                kk = np.stack([emb(u, 1) for _, u in vis])
+                vv = np.stack([emb(u, 2) for _, u in vis])
+                a = attention(emb(t, 3), kk, vv, np.zeros(len(vis), dtype=np.float32))
+                np.testing.assert_allclose(out[(s, p + k)], np.concatenate([y_rec[-1], a]), atol=2e-4)
+
+    run({0: [next(tok) for _ in range(3)], 1: [next(tok)]})
+    run({0: [next(tok)], 1: [next(tok)]})
+    for op in program:
+        if op[0] == "decode":
+            if sum(len(h) for h in hist.values()) + sum(op[1].values()) > 24:
+                continue
+            run({s: [next(tok) for _ in range(n)] for s, n in op[1].items()})
+        elif op[0] == "rollback":
+            s, p = op[1:]
+            before = fingerprint(mem)
+            can = mem.can_seq_rm(s, p, -1)
+            if not mem.seq_rm(s, p, -1):
+                assert not can and fingerprint(mem) == before, op
+                continue
+            assert can, op
+            kept = [(q, t) for q, t in hist[s] if q < p]
+            if len(kept) < len(hist[s]):
+                # the recurrent state can only be the one after a prefix of the decode order
+                assert hist[s][: len(kept)] == kept, f"rollback {op} keeps a non-prefix {kept} of {hist[s]}"
+                # the state drops the tokens rolled back (it keeps any a shift pushed below 0)
+                hist[s], rec[s] = kept, rec[s][: len(rec[s]) - (len(hist[s]) - len(kept))]
+        else:
+            try:
+                getattr(mem, op[0])(*op[1:])
+            except ArgumentError:
+                continue
+            s = op[1]
+            hist[s] = edit(hist[s], op)
+            if not hist[s]:
+                rec[s] = []
+        for s in range(2):
+            assert mem.seq_pos_max(s) == max((q for q, _ in hist[s]), default=-1), (op, s)
+    run({s: [next(tok)] for s in range(2)})
