@@ -1872,6 +1872,42 @@ class KVCacheISWA(Memory):
     def check_context_shift(self, seq: int, p0: int, p1: int) -> None:
         for c in self.caches:
             c.check_context_shift(seq, p0, p1)
+        q0, q1 = normalize_range(p0, p1)
+        if q0 < q1:
+            why = self.shift_window_refusal(seq, q0, q1)
+            if why is not None:
+                raise ArgumentError("p0/p1", why)
+
+    def shift_window_refusal(self, seq: int, q0: int, q1: int) -> str | None:
+        """Why :meth:`context_shift` of ``[q0, q1)`` must be refused for the window cache,
+        or None: as :meth:`window_refusal` for a removal, on the positions as the shift
+        leaves them.  The move brings positions below ``q0`` closer to the sequence's
+        end, so the window of the next token may reach positions the window cache
+        already gave up (evicted below a later token's window); the next token's
+        window layers would then read less than the model reads, silently.  A removal
+        to the end (no move) is :meth:`window_refusal`'s case."""
+        if q1 >= POS_MAX:
+            return self.window_refusal(seq, q0, q1)
+        delta = q1 - q0
+
+        def shifted(cache: KVCache) -> list[tuple[int, int]]:
+            # monotone: kept positions below q0 stay, those from q1 on move down by delta
+            pairs = cache.cells[cache.stream_of(seq)].seq_pos[seq]
+            return [(p if p < q0 else p - delta, c) for p, c in pairs if not q0 <= p < q1]
+
+        base = shifted(self.base)
+        if not base:
+            return None
+        end = base[-1][0]
+        need = window_positions(base, self.swa, end) | {end}
+        held = {p for p, _ in shifted(self.swa)}
+        if need <= held:
+            return None
+        return (
+            f"shifting sequence {seq}'s positions from {q1} down to {q0} brings positions "
+            f"{sorted(need - held)[:4]} into the next token's window, which the window cache already gave up "
+            "(evicted below a later token's window): shift a range that ends before the window, or use swa_full"
+        )
 
     def rollback_reach(self, seq: int) -> RollbackReach:
         check_seq_id(seq, self.n_seq_max)
