@@ -1864,10 +1864,12 @@ class KVCacheISWA(Memory):
     def check_seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         for c in self.caches:
             c.check_seq_add(seq, p0, p1, delta)
+        self._check_move_window(seq, p0, p1, "seq_add", int(delta), 1)
 
     def check_seq_div(self, seq: int, p0: int, p1: int, d: int) -> None:
         for c in self.caches:
             c.check_seq_div(seq, p0, p1, d)
+        self._check_move_window(seq, p0, p1, "seq_div", 0, int(d))
 
     def check_context_shift(self, seq: int, p0: int, p1: int) -> None:
         for c in self.caches:
@@ -1881,32 +1883,46 @@ class KVCacheISWA(Memory):
     def shift_window_refusal(self, seq: int, q0: int, q1: int) -> str | None:
         """Why :meth:`context_shift` of ``[q0, q1)`` must be refused for the window cache,
         or None: as :meth:`window_refusal` for a removal, on the positions as the shift
-        leaves them.  The move brings positions below ``q0`` closer to the sequence's
-        end, so the window of the next token may reach positions the window cache
-        already gave up (evicted below a later token's window); the next token's
-        window layers would then read less than the model reads, silently.  A removal
-        to the end (no move) is :meth:`window_refusal`'s case."""
+        leaves them (:meth:`moved_window_refusal`).  A removal to the end (no move) is
+        :meth:`window_refusal`'s case."""
         if q1 >= POS_MAX:
             return self.window_refusal(seq, q0, q1)
         delta = q1 - q0
+        return self.moved_window_refusal(
+            seq,
+            lambda p: None if q0 <= p < q1 else (p if p < q0 else p - delta),
+            f"shifting sequence {seq}'s positions from {q1} down to {q0}",
+        )
 
-        def shifted(cache: KVCache) -> list[tuple[int, int]]:
-            # monotone: kept positions below q0 stay, those from q1 on move down by delta
+    def moved_window_refusal(self, seq: int, move: Callable[[int], int | None], what: str) -> str | None:
+        """Why a move of ``seq``'s positions (``move``: old position -> new one, None or
+        negative: removed) must be refused for the window cache, or None.  A move that
+        brings earlier positions closer to the sequence's end (a context shift, a
+        negative ``seq_add`` of the tail, a ``seq_div``) widens what the next token's
+        window reads over them, and the window cache may already have given them up
+        (evicted below a later token's window): the next token's window layers would
+        read less than the model reads, silently ([REC]: upstream moves them; its
+        server refuses context shifts where ``get_can_shift`` is false).  With
+        ``swa_full`` nothing is given up."""
+        if seq < 0:
+            return None
+
+        def moved(cache: KVCache) -> list[tuple[int, int]]:
             pairs = cache.cells[cache.stream_of(seq)].seq_pos[seq]
-            return [(p if p < q0 else p - delta, c) for p, c in pairs if not q0 <= p < q1]
+            return sorted((q, c) for p, c in pairs if (q := move(p)) is not None and q >= 0)
 
-        base = shifted(self.base)
+        base = moved(self.base)
         if not base:
             return None
         end = base[-1][0]
         need = window_positions(base, self.swa, end) | {end}
-        held = {p for p, _ in shifted(self.swa)}
+        held = {p for p, _ in moved(self.swa)}
         if need <= held:
             return None
         return (
-            f"shifting sequence {seq}'s positions from {q1} down to {q0} brings positions "
-            f"{sorted(need - held)[:4]} into the next token's window, which the window cache already gave up "
-            "(evicted below a later token's window): shift a range that ends before the window, or use swa_full"
+            f"{what} brings positions {sorted(need - held)[:4]} into the next token's window, which the window "
+            "cache already gave up (evicted below a later token's window): move a range that keeps them out "
+            "of the window, or use swa_full"
         )
 
     def rollback_reach(self, seq: int) -> RollbackReach:
@@ -1937,9 +1953,23 @@ class KVCacheISWA(Memory):
         self.swa.seq_keep(seq)
 
     def check_position_move(self, seq: int, p0: int, p1: int, op: str = "seq_add", delta: int = 0, d: int = 1) -> None:
-        """Raise (changing nothing) if the move would be refused by either cache."""
+        """Raise (changing nothing) if the move would be refused by either cache, or would
+        bring positions the window cache gave up into the next token's window."""
         for c in self.caches:
             c.check_position_move(seq, p0, p1, op, delta, d)
+        self._check_move_window(seq, p0, p1, op, delta, d)
+
+    def _check_move_window(self, seq: int, p0: int, p1: int, op: str, delta: int, d: int) -> None:
+        q0, q1 = normalize_range(p0, p1)
+        if q0 >= q1 or (delta == 0 and d == 1):
+            return
+        why = self.moved_window_refusal(
+            seq,
+            lambda p: (p + delta if delta else p // d) if q0 <= p < q1 else p,
+            f"{op} over [{q0}, {q1}) of sequence {seq}",
+        )
+        if why is not None:
+            raise ArgumentError("delta" if delta else "d", why)
 
     def seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
         # both caches' refusals first; delta == 0 is a no-op (it used to refuse a shared cell)

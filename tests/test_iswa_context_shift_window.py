@@ -95,3 +95,31 @@ def test_a_tail_removal_seq_rm_refuses_is_refused_by_context_shift_too():
             mem.context_shift(0, p, -1)
     assert mem.state_write() == before
     assert np.array_equal(positions(mem.base), np.arange(24))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n_tokens=st.integers(2, 30),
+    n_swa=st.integers(1, 6),
+    swa_type=st.sampled_from([SWAType.STANDARD, SWAType.SYMMETRIC, SWAType.CHUNKED]),
+    chunk=st.integers(1, 5),
+    data=st.data(),
+)
+def test_a_position_move_never_leaves_the_window_short(n_tokens, n_swa, swa_type, chunk, data):  # type: ignore[no-untyped-def]
+    """seq_add (negative: the tail moved down onto earlier positions) and seq_div (self-extend)
+    widen what the next token's window reads over earlier positions, as a context shift does."""
+    mem = decoded(n_tokens, n_swa, swa_type, chunk)
+    end = mem.base.seq_pos_max(0)
+    q0 = data.draw(st.integers(0, end), label="p0")
+    q1 = data.draw(st.sampled_from([-1, *range(q0 + 1, end + 2)]), label="p1")
+    op = data.draw(st.sampled_from(["seq_add", "seq_div"]), label="op")
+    arg = data.draw(st.integers(-end - 2, 5) if op == "seq_add" else st.integers(1, 4), label="delta/d")
+    before = mem.state_write()
+    refusal = (mem.seq_add_refusal if op == "seq_add" else mem.seq_div_refusal)(0, q0, q1, arg)
+    if refusal is not None:
+        with pytest.raises(ArgumentError):
+            getattr(mem, op)(0, q0, q1, arg)
+        assert mem.state_write() == before  # refused: nothing changed
+        return
+    getattr(mem, op)(0, q0, q1, arg)
+    assert window_holds_what_the_next_token_reads(mem)
