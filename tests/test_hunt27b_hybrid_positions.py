@@ -60,6 +60,29 @@ def edit(hist: list[tuple[int, int]], op: tuple[Any, ...]) -> list[tuple[int, in
     return [(p // op[4] if q0 <= p < q1 else p, t) for p, t in hist]
 
 
+def check_against_oracle(toy: HybridToy, out: dict[Any, Any], tokens: dict[int, list[int]],
+                         hist: dict[int, list[tuple[int, int]]], rec: dict[int, list[int]]) -> None:  # fmt: skip
+    """Append ``tokens`` to each sequence's history (``hist``: (position, token) in decode
+    order; ``rec``: the recurrent state's tokens) and compare every output of the decode with
+    the recurrent oracle plus (windowed) attention over the history's positions."""
+    window = toy.window
+    for s, ts in tokens.items():
+        p = max((q for q, _ in hist[s]), default=-1) + 1
+        for k, t in enumerate(ts):
+            hist[s].append((p + k, t))
+            rec[s].append(t)
+            vis = [
+                (q, u)
+                for q, u in hist[s]
+                if q <= p + k and not (window and is_masked_swa(window[1], window[0], q, p + k))
+            ]
+            y_rec, _ = oracle(DEV, toy.tables, rec[s])
+            kk = np.stack([emb(u, 1) for _, u in vis])
+            vv = np.stack([emb(u, 2) for _, u in vis])
+            a = attention(emb(t, 3), kk, vv, np.zeros(len(vis), dtype=np.float32))
+            np.testing.assert_allclose(out[(s, p + k)], np.concatenate([y_rec[-1], a]), atol=2e-4)
+
+
 @pytest.mark.parametrize("kind", ["hybrid", "hybrid_streams", "iswa_full", "idx"])
 @settings(max_examples=EXAMPLES)
 @given(program=st.lists(OPS, min_size=2, max_size=12))
@@ -69,7 +92,6 @@ def test_hybrid_position_edits_match_a_recompute(kind: str, program: list[Any]) 
     for cache in mem.kv_caches:
         cache.can_shift = False  # the toy's attention has no RoPE: a shift only moves positions
     toy = HybridToy(DEV, mem)
-    window = toy.window
     hist: dict[int, list[tuple[int, int]]] = {s: [] for s in range(N)}
     rec: dict[int, list[int]] = {s: [] for s in range(N)}
     tok = iter(1 + k % 31 for k in range(10**6))  # the toy vocabulary: 32 tokens
@@ -80,21 +102,7 @@ def test_hybrid_position_edits_match_a_recompute(kind: str, program: list[Any]) 
             assert ctx.apply()
         out = toy.decode(tokens)
         assert out is not None
-        for s, ts in tokens.items():
-            p = max((q for q, _ in hist[s]), default=-1) + 1
-            for k, t in enumerate(ts):
-                hist[s].append((p + k, t))
-                rec[s].append(t)
-                vis = [
-                    (q, u)
-                    for q, u in hist[s]
-                    if q <= p + k and not (window and is_masked_swa(window[1], window[0], q, p + k))
-                ]
-                y_rec, _ = oracle(DEV, toy.tables, rec[s])
-                kk = np.stack([emb(u, 1) for _, u in vis])
-                vv = np.stack([emb(u, 2) for _, u in vis])
-                a = attention(emb(t, 3), kk, vv, np.zeros(len(vis), dtype=np.float32))
-                np.testing.assert_allclose(out[(s, p + k)], np.concatenate([y_rec[-1], a]), atol=2e-4)
+        check_against_oracle(toy, out, tokens, hist, rec)
 
     run({0: [next(tok) for _ in range(4)], 1: [next(tok) for _ in range(2)]})
     for op in program:
@@ -147,7 +155,6 @@ def test_rollback_after_position_edits_keeps_the_parts_in_step(kind: str, progra
     for cache in mem.kv_caches:
         cache.can_shift = False
     toy = HybridToy(DEV, mem)
-    window = toy.window
     hist: dict[int, list[tuple[int, int]]] = {0: [], 1: []}  # decode order
     rec: dict[int, list[int]] = {0: [], 1: []}
     tok = iter(1 + k % 31 for k in range(10**6))
@@ -155,21 +162,7 @@ def test_rollback_after_position_edits_keeps_the_parts_in_step(kind: str, progra
     def run(tokens: dict[int, list[int]]) -> None:
         out = toy.decode(tokens)
         assert out is not None
-        for s, ts in tokens.items():
-            p = max((q for q, _ in hist[s]), default=-1) + 1
-            for k, t in enumerate(ts):
-                hist[s].append((p + k, t))
-                rec[s].append(t)
-                vis = [
-                    (q, u)
-                    for q, u in hist[s]
-                    if q <= p + k and not (window and is_masked_swa(window[1], window[0], q, p + k))
-                ]
-                y_rec, _ = oracle(DEV, toy.tables, rec[s])
-                kk = np.stack([emb(u, 1) for _, u in vis])
-                vv = np.stack([emb(u, 2) for _, u in vis])
-                a = attention(emb(t, 3), kk, vv, np.zeros(len(vis), dtype=np.float32))
-                np.testing.assert_allclose(out[(s, p + k)], np.concatenate([y_rec[-1], a]), atol=2e-4)
+        check_against_oracle(toy, out, tokens, hist, rec)
 
     run({0: [next(tok) for _ in range(3)], 1: [next(tok)]})
     run({0: [next(tok)], 1: [next(tok)]})

@@ -47,6 +47,15 @@ def positions(cache) -> list[int]:  # type: ignore[no-untyped-def]
     return [p for p, _ in cache.cells[cache.stream_of(0)].seq_pos[0]]
 
 
+#: An evicting iSWA pair decoded ``n_tokens`` tokens ``chunk`` at a time (see :func:`decoded`).
+EVICTING_PAIRS = {
+    "n_tokens": st.integers(2, 30),
+    "n_swa": st.integers(1, 6),
+    "swa_type": st.sampled_from([SWAType.STANDARD, SWAType.SYMMETRIC, SWAType.CHUNKED]),
+    "chunk": st.integers(1, 5),
+}
+
+
 def window_holds_what_the_next_token_reads(mem: KVCacheISWA) -> bool:
     base, held = positions(mem.base), set(positions(mem.swa))
     if not base:
@@ -57,13 +66,7 @@ def window_holds_what_the_next_token_reads(mem: KVCacheISWA) -> bool:
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    n_tokens=st.integers(2, 30),
-    n_swa=st.integers(1, 6),
-    swa_type=st.sampled_from([SWAType.STANDARD, SWAType.SYMMETRIC, SWAType.CHUNKED]),
-    chunk=st.integers(1, 5),
-    data=st.data(),
-)
+@given(**EVICTING_PAIRS, data=st.data())
 def test_a_context_shift_never_leaves_the_window_short(n_tokens, n_swa, swa_type, chunk, data):  # type: ignore[no-untyped-def]
     mem = decoded(n_tokens, n_swa, swa_type, chunk)
     assert window_holds_what_the_next_token_reads(mem)
@@ -98,13 +101,7 @@ def test_a_tail_removal_seq_rm_refuses_is_refused_by_context_shift_too():
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    n_tokens=st.integers(2, 30),
-    n_swa=st.integers(1, 6),
-    swa_type=st.sampled_from([SWAType.STANDARD, SWAType.SYMMETRIC, SWAType.CHUNKED]),
-    chunk=st.integers(1, 5),
-    data=st.data(),
-)
+@given(**EVICTING_PAIRS, data=st.data())
 def test_a_position_move_never_leaves_the_window_short(n_tokens, n_swa, swa_type, chunk, data):  # type: ignore[no-untyped-def]
     """seq_add (negative: the tail moved down onto earlier positions) and seq_div (self-extend)
     widen what the next token's window reads over earlier positions, as a context shift does."""
