@@ -444,14 +444,14 @@ class HybridMemory(Memory):
         them without moving the state shrinks the planes, see
         :meth:`RecurrentMemory._forget_moved_planes`, so those labels are the tokens'
         positions now).  Those ``k`` tokens sit at ``k`` distinct positions in
-        ``[p0, P]`` in every full attention cache, so the cache cuts exactly them when it
+        ``[p0, P]`` in every attention cache (a window cache keeps the last
+        ``rollback_depth >= n_rs_seq`` positions), so a cache cuts exactly them when it
         holds ``k`` cells of ``seq`` in ``[p0, p1)``, and more when a move reordered the
         positions against the decode order (a block folded onto or below positions it
         came after, a ``seq_div`` making tokens share a position): a removal by position
         would then cut tokens the state keeps, so it is refused.  Needs no book of its
         own: the count is read from the cells, whatever seq_cp, seq_keep, a context shift
-        or a state read did before.  A window cache holds a subset of the base cache's
-        cells (the same tokens, the same positions), so the base cache decides."""
+        or a state read did before."""
         if not self.recr.has_layers:
             return True  # positions only: nothing is undone but the position itself
         P = self.recr.seq_pos_max(seq)
