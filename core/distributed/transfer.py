@@ -692,28 +692,33 @@ class _Arrival:
         self.messages = [m for m, p in zip(spans, picked, strict=True) if not p]
         self.smalls = [m for m, p in zip(spans, picked, strict=True) if p]
 
-    def _post(self, k: int, into: Any = None) -> None:
-        """Post the receive of row message ``k`` (in order), into the staging buffer or ``into``."""
+    def _receive_into(self, k: int, into: Any = None) -> tuple[Any, Any]:
+        """Row message ``k``'s receive tensor and where its bytes end up: the staging
+        buffer, or ``into`` (a host array)."""
         assert self.messages is not None and self.rows is not None
         lo, hi = self.messages[k]
         base = self.nbytes - self.rows.size  # the metadata's length
         if into is None:
-            tensor, into = self.payload[base + lo : base + hi], self.rows[lo:hi]
-        else:
-            tensor = self.ch.torch.from_numpy(into)
-        self.pending.append(self.ch.post_recv(tensor, "receiving the rows"))
-        self.into[lo] = into
-        self.posted = k + 1
+            return self.payload[base + lo : base + hi], self.rows[lo:hi]
+        return self.ch.torch.from_numpy(into), into
+
+    def _post_all(self, targets: list[tuple[Any, Any]]) -> None:
+        """Post the receives of the next row messages, in order, back to back: once the
+        first is posted its message streams in, and each later post takes gloo's
+        per-connection lock from the thread reading it (so nothing else runs between them)."""
+        assert self.messages is not None
+        for tensor, into in targets:
+            self.pending.append(self.ch.post_recv(tensor, "receiving the rows"))
+            self.into[self.messages[self.posted][0]] = into
+            self.posted += 1
 
     def post_early(self) -> None:
         """Receive the messages that start within :data:`EARLY_BYTES` into the staging
         buffer now (every message, on a device: it lands nowhere else)."""
         if self.messages is None:
             return
-        for k, (lo, _) in enumerate(self.messages):
-            if self.host and lo >= EARLY_BYTES:
-                break
-            self._post(k)
+        early = [k for k, (lo, _) in enumerate(self.messages) if not self.host or lo < EARLY_BYTES]  # a prefix
+        self._post_all([self._receive_into(k) for k in early])
 
     def land(self, writes: list[RowWrite]) -> list[RowWrite]:
         """Post the receives still to post: a message that is exactly one of ``writes``
@@ -738,9 +743,11 @@ class _Arrival:
             landed.append(w)
             return w, dest.view(np.uint8).reshape(-1)
 
+        targets = []
         for k in range(self.posted, len(self.messages)):  # first: the wire waits for these
             found = destination(*self.messages[k])
-            self._post(k, None if found is None else found[1])
+            targets.append(self._receive_into(k, None if found is None else found[1]))
+        self._post_all(targets)
         for lo, hi in self.smalls:
             found = destination(lo, hi)
             if found is not None:
@@ -755,8 +762,8 @@ class _Arrival:
             return
         self.waited = True
         if self.messages is not None:
-            for k in range(self.posted, len(self.messages)):  # not landed: into the staging buffer
-                self._post(k)
+            # not landed: into the staging buffer
+            self._post_all([self._receive_into(k) for k in range(self.posted, len(self.messages))])
         what = "receiving the rows"
         if self.small is not None:
             small_t, work = self.small
