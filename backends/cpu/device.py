@@ -16,8 +16,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from statecache.dlpack import (
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError
 from statecache.hostmem import aligned_empty, physical_memory_bytes
+from statecache.launch_memo import LaunchMemo
 from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES, L2NORM_EPS
 
 #: The C ABI this Python code was written against (SC_CPU_ABI_VERSION).
@@ -221,6 +223,11 @@ class CpuDevice(Device):
         # Relaunches read torch tensors through the DLPack C exchange API in one C call
         # (statecache.dlpack.ExchangeReader; sc_dlpack.c).
         self._exchange_reader, self._place = _helpers(ffi, lib)
+        # A remembered call's probe and launch in C (sc_dlpack.c): the launch memo's probe, and
+        # each prepared launch a builtin running its kernel's block (no Python frame, no cffi
+        # argument conversions).  None in a hand-made build without them.
+        self._runner, prober, self._threads = _memo_helpers(ffi, lib)
+        self._launches = LaunchMemo(prober)
         self.name = f"{_cpu_name()} (C kernels, {self.isa})"
         self.memory_bytes = physical_memory_bytes()
         self.caps = Caps(
@@ -565,7 +572,7 @@ class CpuDevice(Device):
         if placed != set(tensors.values()):
             return None  # a tensor the call does not pass as a pointer: nothing to relaunch safely
         cast = ffi.cast
-        num_threads = settings.num_threads
+        num_threads = self._threads
         field_steps = tuple(fields)
         place = self._place
         if place is not None:  # the fields set in one C call (sc_dlpack.c): their addresses
@@ -606,7 +613,7 @@ class CpuDevice(Device):
         if reader is not None and reader.launches:
             # The same call as a block for the reader's launch (sc_dlpack.c), which matches the
             # tensors, places their addresses and runs the kernel in one C call.
-            block = _launch_block(ffi, op, kernel, args, fields, pointers)
+            block = _launch_block(ffi, kernel, args, fields, pointers)
             if block is not None:
                 relaunch.block = int(ffi.cast("uintptr_t", block))  # type: ignore[attr-defined]
                 relaunch.threads = num_threads  # type: ignore[attr-defined]
@@ -652,7 +659,11 @@ class CpuDevice(Device):
         if any(call_args[i] is not None and not call_args[i].is_contiguous for i in weights):
             return None  # A, D, dt_bias, A_log are packed per call: a kept copy would miss the caller's updates
         kernel, args, keep = getattr(self, f"_{op}_call")(*call_args)
-        num_threads = settings.num_threads
+        num_threads = self._threads
+        if self._runner is not None:
+            block = _launch_block(self._ffi, kernel, list(args), [], [])
+            if block is not None:  # a builtin: its kernel, thread count read at every call
+                return self._runner(int(self._ffi.cast("uintptr_t", block)), num_threads, (keep, args, block))
 
         def launch() -> None:
             kernel(*args, num_threads())
@@ -694,18 +705,33 @@ _RELAUNCH_SLOTS: dict[str, dict[int, tuple[Any, ...]]] = {
 }
 
 
-#: The kernels sc_dlpack.c's launch runs (its SC_LAUNCH_*), and its block's layout: a head of
-#: (busy, kernel, number of targets), the kernel's arguments but n_threads, then the targets.
-_LAUNCH_KERNELS = {"ssm_conv": 1, "ssm_scan": 2, "gated_delta_net": 3}
+#: The kernels sc_dlpack.c's launch and run call (its SC_LAUNCH_*, by C name), and its block's
+#: layout: a head of (busy, kernel, number of targets), the kernel's arguments but n_threads,
+#: then the targets.
+_LAUNCH_KERNELS = {
+    "sc_ssm_conv": 1,
+    "sc_ssm_scan": 2,
+    "sc_gated_delta_net": 3,
+    "sc_rwkv_wkv6": 4,
+    "sc_rwkv_wkv7": 5,
+    "sc_gated_linear_attn": 6,
+    "sc_copy_rows": 7,
+    "sc_zero_rows": 8,
+}
 _LAUNCH_HEAD = 3
 _LAUNCH_ARGS = 16
 #: Integer parameters a block word passes (as their C type: the compiler checks sc_dlpack.c's calls).
 _LAUNCH_INTEGERS = frozenset({"int", "int64_t", "sc_dtype"})
 
 
+def _float_word(value: float) -> int:
+    """The bits of ``value`` as the C float a cffi call would pass (the same
+    double-to-float conversion), in a block word's low 32 (sc_dlpack.c's word_float)."""
+    return int(np.array(value, np.float32).view(np.uint32))
+
+
 def _launch_block(
     ffi: Any,
-    op: str,
     kernel: Any,
     args: list[Any],
     fields: list[tuple[int, int, Any]],
@@ -716,7 +742,7 @@ def _launch_block(
     the block sc_dlpack.c's launch runs: an int64 array (the caller keeps it,
     and the structs its words point into, alive), or None when the call has
     an argument a word cannot carry (it is then relaunched by the closure)."""
-    kernel_id = _LAUNCH_KERNELS.get(op)
+    kernel_id = _LAUNCH_KERNELS.get(getattr(kernel, "__name__", ""))
     params = ffi.typeof(kernel).args
     if kernel_id is None or len(params) != len(args) + 1 or len(args) > _LAUNCH_ARGS:
         return None
@@ -726,6 +752,8 @@ def _launch_block(
             words.append(int(ffi.cast("uintptr_t", arg)))
         elif param.kind in ("primitive", "enum") and param.cname in _LAUNCH_INTEGERS and type(arg) is int:
             words.append(arg)
+        elif param.kind == "primitive" and param.cname == "float" and type(arg) is float:
+            words.append(_float_word(arg))
         else:
             return None
     targets = [(k, delta, int(ffi.cast("uintptr_t", alias))) for k, delta, alias in fields]
@@ -752,10 +780,32 @@ def _helpers(ffi: Any, lib: Any) -> tuple[ExchangeReader | None, Any]:
     except AttributeError:  # a hand-made build that does not declare them (tools/kernel_coverage.py)
         return None, None
     try:
-        read, match, place, launch = ctypes.PYFUNCTYPE(ctypes.py_object)(address)()
+        read, match, place, launch = _builtins(address)[:4]
     except (ValueError, TypeError):  # NULL (no memory) or not the four
         return None, None
     return ExchangeReader(read, match, launch), place
+
+
+def _memo_helpers(ffi: Any, lib: Any) -> tuple[Any, Any, Callable[[], int]]:
+    """The library's builtins for the launch memo (sc_dlpack.c): ``runner``
+    (a prepared launch as a builtin), ``prober`` (LaunchMemo.probe in C) and
+    the thread count (settings.num_threads in C, itself where the library
+    lacks them, as are the others then: None)."""
+    try:
+        address = int(ffi.cast("uintptr_t", ffi.addressof(lib, "sc_dlpack_functions")))
+    except AttributeError:
+        return None, None, settings.num_threads
+    try:
+        _, _, _, _, runner, prober, threader = _builtins(address)
+        threads = threader(vars(settings), vars(os), settings.num_threads, settings._threads_from(None))
+    except (ValueError, TypeError):  # NULL (no memory), or a library without them
+        return None, None, settings.num_threads
+    return runner, prober, threads
+
+
+def _builtins(address: int) -> tuple[Any, ...]:
+    """What sc_dlpack_functions at ``address`` returns (a tuple of builtins)."""
+    return tuple(ctypes.PYFUNCTYPE(ctypes.py_object)(address)())
 
 
 def _address(buf: Buffer) -> int:
