@@ -17,6 +17,7 @@ import ctypes
 import functools
 import math
 import os
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -661,9 +662,9 @@ class CpuDevice(Device):
         kernel, args, keep = getattr(self, f"_{op}_call")(*call_args)
         num_threads = self._threads
         if self._runner is not None:
-            block = _launch_block(self._ffi, kernel, list(args), [], [])
+            block = _launch_block(self._ffi, kernel, args, [], [], as_bytes=True)
             if block is not None:  # a builtin: its kernel, thread count read at every call
-                return self._runner(int(self._ffi.cast("uintptr_t", block)), num_threads, (keep, args, block))
+                return self._runner(block, num_threads, (keep, args))
 
         def launch() -> None:
             kernel(*args, num_threads())
@@ -720,6 +721,7 @@ _LAUNCH_KERNELS = {
 }
 _LAUNCH_HEAD = 3
 _LAUNCH_ARGS = 16
+_BLOCK_WORDS = struct.Struct(f"={_LAUNCH_HEAD + _LAUNCH_ARGS}q")
 #: Integer parameters a block word passes (as their C type: the compiler checks sc_dlpack.c's calls).
 _LAUNCH_INTEGERS = frozenset({"int", "int64_t", "sc_dtype"})
 
@@ -736,38 +738,73 @@ def _launch_block(
     args: list[Any],
     fields: list[tuple[int, int, Any]],
     pointers: list[tuple[int, int, str, int]],
+    as_bytes: bool = False,
 ) -> Any:
     """A prepared call (``kernel(*args, n_threads)``, its tensors placed by
     ``fields`` and ``pointers`` as CpuDevice._prepare_relaunch makes them) as
     the block sc_dlpack.c's launch runs: an int64 array (the caller keeps it,
     and the structs its words point into, alive), or None when the call has
-    an argument a word cannot carry (it is then relaunched by the closure)."""
-    kernel_id = _LAUNCH_KERNELS.get(getattr(kernel, "__name__", ""))
-    params = ffi.typeof(kernel).args
-    if kernel_id is None or len(params) != len(args) + 1 or len(args) > _LAUNCH_ARGS:
+    an argument a word cannot carry (it is then relaunched by the closure).
+    ``as_bytes``: the block of a call without targets (no ``fields`` nor
+    ``pointers``) as bytes, which sc_dlpack.c's run reads in place."""
+    kinds = _launch_kinds(ffi, kernel)
+    if kinds is None or len(kinds) != len(args):
         return None
+    kernel_id = _LAUNCH_KERNELS[kernel.__name__]
     words: list[int] = []
-    for arg, param in zip(args, params):
-        if param.kind == "pointer" and isinstance(arg, ffi.CData):
-            words.append(int(ffi.cast("uintptr_t", arg)))
-        elif param.kind in ("primitive", "enum") and param.cname in _LAUNCH_INTEGERS and type(arg) is int:
+    cdata, cast = ffi.CData, ffi.cast
+    for arg, kind in zip(args, kinds):
+        if kind == "pointer" and isinstance(arg, cdata):
+            words.append(int(cast("uintptr_t", arg)))
+        elif kind == "int" and type(arg) is int:
             words.append(arg)
-        elif param.kind == "primitive" and param.cname == "float" and type(arg) is float:
+        elif kind == "float" and type(arg) is float:
             words.append(_float_word(arg))
         else:
             return None
-    targets = [(k, delta, int(ffi.cast("uintptr_t", alias))) for k, delta, alias in fields]
+    words += [0] * (_LAUNCH_ARGS - len(words))
+    if as_bytes:  # a remembered launch (CpuDevice._prepare_launch): never written, made in one go
+        return _BLOCK_WORDS.pack(0, kernel_id, 0, *words)
+    targets = [(k, delta, int(cast("uintptr_t", alias))) for k, delta, alias in fields]
     block = ffi.new("int64_t[]", _LAUNCH_HEAD + _LAUNCH_ARGS + 3 * (len(targets) + len(pointers)))
-    base = int(ffi.cast("uintptr_t", block))
+    base = int(cast("uintptr_t", block))
     # A pointer argument is a word of the block itself: its address is the target.
     targets += [(k, delta, base + 8 * (_LAUNCH_HEAD + arg)) for k, delta, _, arg in pointers]
-    block[1], block[2] = kernel_id, len(targets)
-    for i, word in enumerate(words):
-        block[_LAUNCH_HEAD + i] = word
+    block[0 : _LAUNCH_HEAD + _LAUNCH_ARGS] = [0, kernel_id, len(targets), *words]
     for i, target in enumerate(targets):
-        for j, word in enumerate(target):
-            block[_LAUNCH_HEAD + _LAUNCH_ARGS + 3 * i + j] = word
+        block[_LAUNCH_HEAD + _LAUNCH_ARGS + 3 * i : _LAUNCH_HEAD + _LAUNCH_ARGS + 3 * i + 3] = list(target)
     return block
+
+
+#: kernel -> how each of its parameters but n_threads travels in a block word
+#: ("pointer", "int", "float"), or None: a kernel no block runs (_launch_kinds).
+_KINDS: dict[Any, tuple[str, ...] | None] = {}
+
+
+def _launch_kinds(ffi: Any, kernel: Any) -> tuple[str, ...] | None:
+    """How ``kernel``'s arguments travel in a block (asked once per kernel:
+    cffi's type reflection costs microseconds per validated call)."""
+    try:
+        return _KINDS[kernel]
+    except KeyError:
+        pass
+    kinds: tuple[str, ...] | None = None
+    params = ffi.typeof(kernel).args
+    if _LAUNCH_KERNELS.get(getattr(kernel, "__name__", "")) is not None and len(params) - 1 <= _LAUNCH_ARGS:
+        made = []
+        for param in params[:-1]:
+            if param.kind == "pointer":
+                made.append("pointer")
+            elif param.kind in ("primitive", "enum") and param.cname in _LAUNCH_INTEGERS:
+                made.append("int")
+            elif param.kind == "primitive" and param.cname == "float":
+                made.append("float")
+            else:
+                made = []
+                break
+        kinds = tuple(made) if made else None
+    _KINDS[kernel] = kinds
+    return kinds
 
 
 def _helpers(ffi: Any, lib: Any) -> tuple[ExchangeReader | None, Any]:

@@ -645,16 +645,15 @@ static PyObject *py_threader(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 /* run(): the prepared call of a block (the layout above: no targets, busy unused) with the
  * thread count threads() returns, the GIL released unless the call is small (SC_LAUNCH_GIL_WORK).
- * self is (block address, threads, keep): keep holds the block and everything its words point
- * into.  The block is never written after it is made, so two threads may run it at once (as two
- * cffi calls of the same arguments could). */
+ * self is (block, threads, keep): the block is bytes (never written, so two threads may run it
+ * at once, as two cffi calls of the same arguments could), keep holds everything its words
+ * point into. */
 static PyObject *py_run(PyObject *self, PyObject *unused) {
     (void)unused;
-    int64_t *block = (int64_t *)PyLong_AsVoidPtr(PyTuple_GetItem(self, 0));
-    if (block == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "run: no block");
-        return NULL;
-    }
+    const char *bytes = PyBytes_AsString(PyTuple_GetItem(self, 0)); /* its size checked by runner() */
+    if (bytes == NULL) return NULL;
+    int64_t block[SC_LAUNCH_HEAD + SC_LAUNCH_ARGS]; /* copied: bytes promise no alignment */
+    memcpy(block, bytes, sizeof block);
     PyObject *count = PyObject_CallNoArgs(PyTuple_GetItem(self, 1));
     if (count == NULL) return NULL; /* the thread count's own error (a bad STATECACHE_NUM_THREADS) */
     long n_threads = PyLong_AsLong(count);
@@ -677,19 +676,20 @@ static PyObject *py_run(PyObject *self, PyObject *unused) {
 
 static PyMethodDef sc_run_def = {"run", (PyCFunction)py_run, METH_NOARGS, "run the prepared call of a block"};
 
-/* runner(block, threads, keep): the run() of a block (an int64 array's address, made by
+/* runner(block, threads, keep): the run() of a block (bytes: the words, made by
  * statecache.backends.cpu.device._launch_block with no targets), a builtin taking no arguments. */
 static PyObject *py_runner(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3 || !PyCallable_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "runner(block: int, threads: callable, keep)");
+    if (nargs != 3 || !PyBytes_Check(args[0]) || !PyCallable_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "runner(block: bytes, threads: callable, keep)");
         return NULL;
     }
-    int64_t *block = (int64_t *)PyLong_AsVoidPtr(args[0]);
-    if (block == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "runner: no block");
+    if (PyBytes_Size(args[0]) != (Py_ssize_t)sizeof(int64_t) * (SC_LAUNCH_HEAD + SC_LAUNCH_ARGS)) {
+        PyErr_SetString(PyExc_ValueError, "runner: a block is its head and arguments, no targets");
         return NULL;
     }
+    int64_t block[SC_LAUNCH_HEAD];
+    memcpy(block, PyBytes_AsString(args[0]), sizeof block);
     if (block[1] < SC_LAUNCH_SSM_CONV || block[1] > SC_LAUNCH_LAST || block[2] != 0) {
         PyErr_SetString(PyExc_ValueError, "runner: the block names no kernel, or has targets");
         return NULL;
