@@ -7,7 +7,8 @@ and the thread count they read, each against the Python it replaces.
   index rewritten, buffer dead, matched by geometry, unhashable key).
 * A prepared launch gives bitwise what the cffi call it replaces gives (a
   device without the builtins), for every primitive and both token forms,
-  with a scale that float32 rounds.
+  with a scale that float32 rounds; its block is made when the call is met
+  again (the validated call itself goes through cffi).
 * A call differing from a remembered one in any argument (another Buffer
   with the same contents, another scalar) is validated, not launched.
 * The thread count is ``settings.num_threads()`` in every case that
@@ -55,6 +56,30 @@ def test_prepared_launches_are_builtins_for_every_primitive() -> None:
         call(fast, _upload(fast, arrays))
     launches = [e.launch for e in fast._launches._entries.values()]
     assert launches and all(type(launch).__name__ == "builtin_function_or_method" for launch in launches), launches
+
+
+def test_a_block_is_made_when_a_call_is_met_again_and_a_call_none_carries_stays_on_cffi() -> None:
+    """The validated call runs through cffi (a call validated every time never
+    builds a block); the first remembered one makes the block and runs it."""
+    fast, plain = _devices()
+    arrays, written, _, call = CASES["rwkv_wkv7"]
+    bufs = _upload(fast, arrays)
+    call(fast, bufs)
+    (entry,) = fast._launches._entries.values()
+    state = entry.launch.__self__  # [block, threads, keep, kernel, args, build]
+    assert state[0] is True  # run once, through cffi
+    call(fast, bufs)
+    assert isinstance(state[0], bytes)
+    # A build that declines (a call no block carries): cffi from then on, the same bits.
+    state[0], state[5] = True, lambda: None
+    call(fast, bufs)
+    assert state[0] is False
+    call(fast, bufs)
+    pbufs = _upload(plain, arrays)
+    for _ in range(4):
+        call(plain, pbufs)
+    for k in written:
+        np.testing.assert_array_equal(fast.download(bufs[k]), plain.download(pbufs[k]))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -661,10 +661,13 @@ class CpuDevice(Device):
             return None  # A, D, dt_bias, A_log are packed per call: a kept copy would miss the caller's updates
         kernel, args, keep = getattr(self, f"_{op}_call")(*call_args)
         num_threads = self._threads
-        if self._runner is not None:
-            block = _launch_block(self._ffi, kernel, args, [], [], as_bytes=True)
-            if block is not None:  # a builtin: its kernel, thread count read at every call
-                return self._runner(block, num_threads, (keep, args))
+        ffi = self._ffi
+        if self._runner is not None and _launch_kinds(ffi, kernel) is not None:
+            # A builtin (sc_dlpack.c's run): the first call through cffi, then its block is
+            # made and the kernel called directly, the thread count read at every call.
+            return self._runner(
+                kernel, tuple(args), num_threads, keep, lambda: _launch_block(ffi, kernel, args, [], [], as_bytes=True)
+            )
 
         def launch() -> None:
             kernel(*args, num_threads())

@@ -643,24 +643,84 @@ static PyObject *py_threader(PyObject *self, PyObject *const *args, Py_ssize_t n
     return threads;
 }
 
-/* run(): the prepared call of a block (the layout above: no targets, busy unused) with the
- * thread count threads() returns, the GIL released unless the call is small (SC_LAUNCH_GIL_WORK).
- * self is (block, threads, keep): the block is bytes (never written, so two threads may run it
- * at once, as two cffi calls of the same arguments could), keep holds everything its words
- * point into. */
+/* run(): a prepared call, with the thread count threads() returns.  self is the list
+ * [block, threads, keep, kernel, args, build]: kernel(*args, n_threads) is the call through
+ * cffi, build() makes its block (bytes: the layout above without targets) or None, keep holds
+ * everything the words point into.  The first run (the validated call) goes through cffi and
+ * leaves the block to be made by the next one (block None, then True): a call validated every
+ * time never pays for it.  With a block (bytes, never written: two threads may run it at once,
+ * as two cffi calls of the same arguments could) the kernel is called here, the GIL released
+ * unless the call is small (SC_LAUNCH_GIL_WORK); without one (False: build said None) through
+ * cffi. */
+enum { RUN_BLOCK, RUN_THREADS, RUN_KEEP, RUN_KERNEL, RUN_ARGS, RUN_BUILD, RUN_SLOTS };
+#define SC_BLOCK_BYTES ((Py_ssize_t)sizeof(int64_t) * (SC_LAUNCH_HEAD + SC_LAUNCH_ARGS))
+
+static PyObject *run_through_cffi(PyObject *self, PyObject *count) {
+    PyObject *args = PyList_GetItem(self, RUN_ARGS);
+    if (args == NULL || !PyTuple_Check(args)) return NULL;
+    Py_ssize_t n = PyTuple_Size(args);
+    PyObject *full = PyTuple_New(n + 1);
+    if (full == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GetItem(args, i);
+        Py_INCREF(item);
+        PyTuple_SetItem(full, i, item); /* steals the reference just taken */
+    }
+    Py_INCREF(count);
+    PyTuple_SetItem(full, n, count);
+    PyObject *r = PyObject_Call(PyList_GetItem(self, RUN_KERNEL), full, NULL);
+    Py_DECREF(full);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_run(PyObject *self, PyObject *unused) {
     (void)unused;
-    const char *bytes = PyBytes_AsString(PyTuple_GetItem(self, 0)); /* its size checked by runner() */
-    if (bytes == NULL) return NULL;
-    int64_t block[SC_LAUNCH_HEAD + SC_LAUNCH_ARGS]; /* copied: bytes promise no alignment */
-    memcpy(block, bytes, sizeof block);
-    PyObject *count = PyObject_CallNoArgs(PyTuple_GetItem(self, 1));
+    PyObject *made = PyList_GetItem(self, RUN_BLOCK); /* borrowed */
+    if (made == NULL) return NULL;
+    PyObject *count = PyObject_CallNoArgs(PyList_GetItem(self, RUN_THREADS));
     if (count == NULL) return NULL; /* the thread count's own error (a bad STATECACHE_NUM_THREADS) */
     long n_threads = PyLong_AsLong(count);
+    if ((n_threads == -1 && PyErr_Occurred()) || n_threads < 1 || n_threads > 1 << 20) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "run: the thread count must be a positive count");
+        Py_DECREF(count);
+        return NULL;
+    }
+    if (made == Py_True) { /* met again: worth a block */
+        PyObject *block = PyObject_CallNoArgs(PyList_GetItem(self, RUN_BUILD));
+        if (block == NULL) {
+            Py_DECREF(count);
+            return NULL;
+        }
+        if (!PyBytes_Check(block) || PyBytes_Size(block) != SC_BLOCK_BYTES) {
+            Py_DECREF(block);
+            block = Py_False; /* a call no block carries: cffi from now on */
+            Py_INCREF(block);
+        }
+        if (PyList_SetItem(self, RUN_BLOCK, block) != 0) { /* steals block */
+            Py_DECREF(count);
+            return NULL;
+        }
+        made = block;
+    }
+    if (!PyBytes_Check(made)) {
+        if (made == Py_None) { /* the first run: the next one makes the block */
+            Py_INCREF(Py_True);
+            if (PyList_SetItem(self, RUN_BLOCK, Py_True) != 0) {
+                Py_DECREF(count);
+                return NULL;
+            }
+        }
+        PyObject *r = run_through_cffi(self, count);
+        Py_DECREF(count);
+        return r;
+    }
     Py_DECREF(count);
-    if (n_threads == -1 && PyErr_Occurred()) return NULL;
-    if (n_threads < 1 || n_threads > 1 << 20) {
-        PyErr_SetString(PyExc_ValueError, "run: the thread count must be a positive count");
+    int64_t block[SC_LAUNCH_HEAD + SC_LAUNCH_ARGS]; /* copied: bytes promise no alignment */
+    memcpy(block, PyBytes_AsString(made), sizeof block);
+    if (block[1] < SC_LAUNCH_SSM_CONV || block[1] > SC_LAUNCH_LAST || block[2] != 0) {
+        PyErr_SetString(PyExc_ValueError, "run: the block names no kernel, or has targets");
         return NULL;
     }
     const int64_t *a = block + SC_LAUNCH_HEAD;
@@ -674,28 +734,24 @@ static PyObject *py_run(PyObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyMethodDef sc_run_def = {"run", (PyCFunction)py_run, METH_NOARGS, "run the prepared call of a block"};
+static PyMethodDef sc_run_def = {"run", (PyCFunction)py_run, METH_NOARGS, "run a prepared call"};
 
-/* runner(block, threads, keep): the run() of a block (bytes: the words, made by
- * statecache.backends.cpu.device._launch_block with no targets), a builtin taking no arguments. */
+/* runner(kernel, args, threads, keep, build): the run() of kernel(*args, n_threads) (above), a
+ * builtin taking no arguments. */
 static PyObject *py_runner(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3 || !PyBytes_Check(args[0]) || !PyCallable_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "runner(block: bytes, threads: callable, keep)");
+    if (nargs != 5 || !PyCallable_Check(args[0]) || !PyTuple_Check(args[1]) || !PyCallable_Check(args[2]) ||
+        !PyCallable_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "runner(kernel, args: tuple, threads: callable, keep, build: callable)");
         return NULL;
     }
-    if (PyBytes_Size(args[0]) != (Py_ssize_t)sizeof(int64_t) * (SC_LAUNCH_HEAD + SC_LAUNCH_ARGS)) {
-        PyErr_SetString(PyExc_ValueError, "runner: a block is its head and arguments, no targets");
-        return NULL;
-    }
-    int64_t block[SC_LAUNCH_HEAD];
-    memcpy(block, PyBytes_AsString(args[0]), sizeof block);
-    if (block[1] < SC_LAUNCH_SSM_CONV || block[1] > SC_LAUNCH_LAST || block[2] != 0) {
-        PyErr_SetString(PyExc_ValueError, "runner: the block names no kernel, or has targets");
-        return NULL;
-    }
-    PyObject *bound = PyTuple_Pack(3, args[0], args[1], args[2]);
+    PyObject *bound = PyList_New(RUN_SLOTS);
     if (bound == NULL) return NULL;
+    PyObject *items[RUN_SLOTS] = {Py_None, args[2], args[3], args[0], args[1], args[4]};
+    for (int i = 0; i < RUN_SLOTS; i++) {
+        Py_INCREF(items[i]);
+        PyList_SetItem(bound, i, items[i]); /* steals the reference just taken */
+    }
     PyObject *run = PyCFunction_NewEx(&sc_run_def, bound, NULL);
     Py_DECREF(bound);
     return run;
@@ -798,7 +854,7 @@ static PyMethodDef sc_dlpack_defs[] = {
     {"place", (PyCFunction)(void (*)(void))py_place, METH_FASTCALL, "place(addresses, targets): set pointer fields"},
     {"launch", (PyCFunction)(void (*)(void))py_launch, METH_FASTCALL, "launch(given, plan, fixed, shadows, block, "
      "n_threads): match, place and run a prepared call"},
-    {"runner", (PyCFunction)(void (*)(void))py_runner, METH_FASTCALL, "runner(block, threads, keep): a block's run()"},
+    {"runner", (PyCFunction)(void (*)(void))py_runner, METH_FASTCALL, "runner(kernel, args, threads, keep, build): a prepared call's run()"},
     {"prober", (PyCFunction)(void (*)(void))py_prober, METH_FASTCALL, "prober(entries, writes): a memo's probe()"},
     {"threader", (PyCFunction)(void (*)(void))py_threader, METH_FASTCALL,
      "threader(settings_dict, os_dict, num_threads, cores): num_threads() in C"},
