@@ -358,7 +358,8 @@ class CpuDevice(Device):
     # Each ``_<op>_call`` turns validated arguments into (kernel, arguments
     # without the thread count, arrays to keep alive).  ``_<op>`` launches it
     # at once; :meth:`_prepare_launch` keeps it for the launch memo, so that
-    # a repeated decode call costs one cffi call.  Pointers are plain
+    # a repeated decode call costs one builtin call (sc_dlpack.c's run, which
+    # calls the kernel without cffi's argument conversions).  Pointers are plain
     # addresses (no reference to a Buffer): the memo checks that the buffers
     # are alive before it launches.
     def _copy_call(
