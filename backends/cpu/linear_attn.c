@@ -218,6 +218,18 @@ static inline __attribute__((always_inline)) __m256 wkv7_bcast(const float *p) {
     return r;
 }
 
+/* One row's step over columns [j, j + 8): d[j..] = s[j..] * e + (sa * b + v * k),
+ * acc += d[j..] * r, the row's a-dot at *sa and value at *v (read at each
+ * use, wkv7_bcast). */
+static inline __attribute__((always_inline)) __m256 wkv7_row_step(const float *s, float *d, const float *sa,
+                                                                  const float *v, __m256 ej, __m256 bj, __m256 kj,
+                                                                  __m256 rj, __m256 acc) {
+    const __m256 n = _mm256_fmadd_ps(_mm256_loadu_ps(s), ej,
+                                     _mm256_fmadd_ps(wkv7_bcast(sa), bj, _mm256_mul_ps(wkv7_bcast(v), kj)));
+    _mm256_storeu_ps(d, n);
+    return _mm256_fmadd_ps(n, rj, acc);
+}
+
 /* The update and r-dot of four rows (rows S apart from s and d, S % 8 ==
  * 0) whose a-dots are sv[0..4) and values sv[4..8):
  * d[j] = s[j] * e[j] + (sa * b[j] + v * k[j]), o = d . r; pf: 4 S floats
@@ -227,7 +239,9 @@ static inline __attribute__((always_inline)) __m256 wkv7_bcast(const float *p) {
  * shared vectors and sums held in registers need 20 of the 16.  Against two
  * rows per pass (the shared vectors loaded twice as often, a horizontal sum
  * per pair): RWKV-7, 32 heads of 64, one thread, state in L2, 18.1 -> 17.0-
- * 17.5 us per call, the same bits (every row's operations, in the same order). */
+ * 17.5 us per call, the same bits (every row's operations, in the same order).
+ * wkv7_rows takes eight rows at a time (wkv7_update8) and this for a last
+ * group of four. */
 static inline __attribute__((always_inline)) void wkv7_update4(const float *s, float *d, int64_t S, const float *sv,
                                                                const float *r, const float *e, const float *k,
                                                                const float *b, float *o, const float *pf) {
@@ -238,24 +252,43 @@ static inline __attribute__((always_inline)) void wkv7_update4(const float *s, f
         _mm_prefetch((const char *)(pf + 4 * j + 16), _MM_HINT_T0);
         const __m256 ej = _mm256_loadu_ps(e + j), bj = _mm256_loadu_ps(b + j);
         const __m256 kj = _mm256_loadu_ps(k + j), rj = _mm256_loadu_ps(r + j);
-        const __m256 n0 = _mm256_fmadd_ps(_mm256_loadu_ps(s + j), ej,
-                                          _mm256_fmadd_ps(wkv7_bcast(sv), bj, _mm256_mul_ps(wkv7_bcast(sv + 4), kj)));
-        _mm256_storeu_ps(d + j, n0);
-        acc0 = _mm256_fmadd_ps(n0, rj, acc0);
-        const __m256 n1 = _mm256_fmadd_ps(_mm256_loadu_ps(s + S + j), ej,
-                                          _mm256_fmadd_ps(wkv7_bcast(sv + 1), bj, _mm256_mul_ps(wkv7_bcast(sv + 5), kj)));
-        _mm256_storeu_ps(d + S + j, n1);
-        acc1 = _mm256_fmadd_ps(n1, rj, acc1);
-        const __m256 n2 = _mm256_fmadd_ps(_mm256_loadu_ps(s + 2 * S + j), ej,
-                                          _mm256_fmadd_ps(wkv7_bcast(sv + 2), bj, _mm256_mul_ps(wkv7_bcast(sv + 6), kj)));
-        _mm256_storeu_ps(d + 2 * S + j, n2);
-        acc2 = _mm256_fmadd_ps(n2, rj, acc2);
-        const __m256 n3 = _mm256_fmadd_ps(_mm256_loadu_ps(s + 3 * S + j), ej,
-                                          _mm256_fmadd_ps(wkv7_bcast(sv + 3), bj, _mm256_mul_ps(wkv7_bcast(sv + 7), kj)));
-        _mm256_storeu_ps(d + 3 * S + j, n3);
-        acc3 = _mm256_fmadd_ps(n3, rj, acc3);
+        acc0 = wkv7_row_step(s + j, d + j, sv, sv + 4, ej, bj, kj, rj, acc0);
+        acc1 = wkv7_row_step(s + S + j, d + S + j, sv + 1, sv + 5, ej, bj, kj, rj, acc1);
+        acc2 = wkv7_row_step(s + 2 * S + j, d + 2 * S + j, sv + 2, sv + 6, ej, bj, kj, rj, acc2);
+        acc3 = wkv7_row_step(s + 3 * S + j, d + 3 * S + j, sv + 3, sv + 7, ej, bj, kj, rj, acc3);
     }
     _mm_storeu_ps(o, sc_hsum4x8(acc0, acc1, acc2, acc3));
+}
+
+/* The same for eight rows, a-dots sv[0..8) and values sv[8..16); pf: 8 S
+ * floats.  The shared vectors e, b, k, r load once per eight rows instead of
+ * four (eight sums and four shared vectors take 12 registers, the scalars
+ * still come from memory).  Each row's operations are wkv7_update4's, in the
+ * same order (two four-row horizontal sums), so the same bits. */
+static inline __attribute__((always_inline)) void wkv7_update8(const float *s, float *d, int64_t S, const float *sv,
+                                                               const float *r, const float *e, const float *k,
+                                                               const float *b, float *o, const float *pf) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    __m256 acc4 = acc0, acc5 = acc0, acc6 = acc0, acc7 = acc0;
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < S; j += 8) {
+        _mm_prefetch((const char *)(pf + 8 * j), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pf + 8 * j + 16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pf + 8 * j + 32), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pf + 8 * j + 48), _MM_HINT_T0);
+        const __m256 ej = _mm256_loadu_ps(e + j), bj = _mm256_loadu_ps(b + j);
+        const __m256 kj = _mm256_loadu_ps(k + j), rj = _mm256_loadu_ps(r + j);
+        acc0 = wkv7_row_step(s + j, d + j, sv, sv + 8, ej, bj, kj, rj, acc0);
+        acc1 = wkv7_row_step(s + S + j, d + S + j, sv + 1, sv + 9, ej, bj, kj, rj, acc1);
+        acc2 = wkv7_row_step(s + 2 * S + j, d + 2 * S + j, sv + 2, sv + 10, ej, bj, kj, rj, acc2);
+        acc3 = wkv7_row_step(s + 3 * S + j, d + 3 * S + j, sv + 3, sv + 11, ej, bj, kj, rj, acc3);
+        acc4 = wkv7_row_step(s + 4 * S + j, d + 4 * S + j, sv + 4, sv + 12, ej, bj, kj, rj, acc4);
+        acc5 = wkv7_row_step(s + 5 * S + j, d + 5 * S + j, sv + 5, sv + 13, ej, bj, kj, rj, acc5);
+        acc6 = wkv7_row_step(s + 6 * S + j, d + 6 * S + j, sv + 6, sv + 14, ej, bj, kj, rj, acc6);
+        acc7 = wkv7_row_step(s + 7 * S + j, d + 7 * S + j, sv + 7, sv + 15, ej, bj, kj, rj, acc7);
+    }
+    _mm_storeu_ps(o, sc_hsum4x8(acc0, acc1, acc2, acc3));
+    _mm_storeu_ps(o + 4, sc_hsum4x8(acc4, acc5, acc6, acc7));
 }
 
 /* The a-dots sa[0..4) = a . S[i] of four rows (S % 8 == 0): two accumulators
@@ -289,15 +322,16 @@ static inline __attribute__((always_inline)) void wkv7_adot4(const float *in, in
 #endif
 
 #ifndef SC_WKV7_AHEAD
-#define SC_WKV7_AHEAD 8
+#define SC_WKV7_AHEAD 16
 #endif
 
 /* One token over rows [0, n) (row stride S, in and out the same memory or
  * disjoint): sa = a . S[i]; S[i][j] = S[i][j] * e[j] + (sa * b[j] + v[i] * k[j]);
  * o[i] = S[i] . r (r already scaled).
  *
- * The AVX2 path takes four rows at a time, with the a-dots of the next four
- * computed before this group's updates: each update waits for its row's
+ * The AVX2 path takes rows in groups (of four when the figures here were
+ * measured, of eight now: below), the next group's a-dots computed before
+ * this group's updates: each update waits for its row's
  * a-dot (a horizontal sum, then a broadcast), and with the a-dots just
  * before their own updates every group stalled on that chain.  The rows
  * SC_WKV7_AHEAD on (past n too: in decode they are the next head's, which
@@ -306,7 +340,15 @@ static inline __attribute__((always_inline)) void wkv7_adot4(const float *in, in
  * a-dots (16 prefetches at once wait for free fill buffers).  Every value is computed by the same operations in the
  * same order as when each group's a-dots came just before its updates: the
  * schedule changed, not the bits (RWKV-7, 32 heads of 64, one thread, state
- * in L2: 0.34 -> 0.27 us per head, fastest of 8 runs alternated). */
+ * in L2: 0.34 -> 0.27 us per head, fastest of 8 runs alternated).
+ *
+ * The groups are now of eight rows (wkv7_update8; a last group of four when
+ * n % 8 >= 4, as in row tiles of 84 at S = 96), the a-dots of the next eight
+ * computed as two four-row a-dots, so each row's bits are what four-row
+ * groups gave; the fetches run 16 rows (two groups) on.  Rows alone, state
+ * in L2, one thread, fastest of 3000 calls, builds alternated: 32 heads of
+ * 64 17.0 -> 14.4 us, 8 heads of 128 15.5 -> 13.5 us; the whole call (one
+ * sequence, one thread) 17.1 -> 16.3 us (noisy shared host). */
 static inline __attribute__((always_inline)) void wkv7_rows_impl(const float *in, float *out, int64_t n, int64_t S,
                                                                  const float *r, const float *e, const float *k,
                                                                  const float *v, const float *a, const float *b,
@@ -314,16 +356,26 @@ static inline __attribute__((always_inline)) void wkv7_rows_impl(const float *in
     int64_t i = 0;
 #ifdef SC_HAVE_AVX2
     if (S % 8 == 0 && n >= 4) {
-        float sa[8];
+        float sa[16]; /* the a-dots of this group and the next: halves by (i & 8) */
         wkv7_adot4(in, S, a, sa);
-        for (; i + 4 <= n; i += 4) {
-            float *cur = sa + (i & 4), *next = sa + ((i + 4) & 4);
-            if (i + 8 <= n) wkv7_adot4(in + (i + 4) * S, S, a, next);
-            const float *pf = in + (i + SC_WKV7_AHEAD) * S;
-            const float *s0 = in + i * S;
-            float *d0 = out + i * S;
+        if (n >= 8) wkv7_adot4(in + 4 * S, S, a, sa + 4);
+        for (; i + 8 <= n; i += 8) {
+            const float *cur = sa + (i & 8);
+            float *next = sa + ((i + 8) & 8);
+            if (i + 12 <= n) wkv7_adot4(in + (i + 8) * S, S, a, next);
+            if (i + 16 <= n) wkv7_adot4(in + (i + 12) * S, S, a, next + 4);
+            float sv[16];
+            for (int q = 0; q < 8; q++) {
+                sv[q] = cur[q];
+                sv[8 + q] = v[i + q];
+            }
+            wkv7_update8(in + i * S, out + i * S, S, sv, r, e, k, b, o + i, in + (i + SC_WKV7_AHEAD) * S);
+        }
+        if (i + 4 <= n) { /* a last group of four, its a-dots computed above */
+            const float *cur = sa + (i & 8);
             const float sv[8] = {cur[0], cur[1], cur[2], cur[3], v[i], v[i + 1], v[i + 2], v[i + 3]};
-            wkv7_update4(s0, d0, S, sv, r, e, k, b, o + i, pf);
+            wkv7_update4(in + i * S, out + i * S, S, sv, r, e, k, b, o + i, in + (i + SC_WKV7_AHEAD) * S);
+            i += 4;
         }
     }
 #endif

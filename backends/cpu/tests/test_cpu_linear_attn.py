@@ -1,7 +1,8 @@
 """The C kernels of rwkv_wkv6, rwkv_wkv7 and gated_linear_attn beyond the
 conformance cases: the same bits for any thread count (the thread split
 lifted to every call, and as shipped), at the conformance sizes and at model
-head sizes (64, 128: the AVX2 column and row tiles), and every path of the
+head sizes (64, 128: the AVX2 column and row tiles; RWKV-7 at 96, row tiles
+of 84 rows: groups of eight, then one of four), and every path of the
 kernels (f32 pools in place, other dtypes through the tile) against the
 reference."""
 
@@ -18,7 +19,15 @@ from statecache.conformance import varlen_cases as V
 from statecache.conformance.cases import NMSE, compare_with_reference
 from statecache.dtypes import DType
 
-OPS = [*L.ops(), L.rwkv6_op(64, 3), L.rwkv7_op(64, 3), L.gla_op(128, 2), L.rwkv7_op(24, 2), L.gla_op(40, 2)]
+OPS = [
+    *L.ops(),
+    L.rwkv6_op(64, 3),
+    L.rwkv7_op(64, 3),
+    L.gla_op(128, 2),
+    L.rwkv7_op(24, 2),
+    L.gla_op(40, 2),
+    L.rwkv7_op(96, 2),
+]
 
 
 @pytest.mark.usefixtures("split_small_calls")
