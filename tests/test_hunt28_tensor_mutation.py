@@ -114,10 +114,11 @@ def test_tensors_changed_in_place_between_calls_equal_fresh_calls(name: str, ste
             t = args[k]
             shape = tuple(t.shape)
             before = {w: current(w) for w in written}
+            bigger = (shape[0], shape[1] + 1, *shape[2:]) if len(shape) > 1 else (shape[0] + 1,)
             try:
-                t.resize_(shape[0], shape[1] + 1, *shape[2:]) if len(shape) > 1 else t.resize_(shape[0] + 1)
-            except RuntimeError:  # torch keeps an exported storage from being resized: the same shape, new memory
-                t.set_(torch.zeros(*shape[:1], shape[1] + 1, *shape[2:]) if len(shape) > 1 else torch.zeros(shape[0] + 1))
+                t.resize_(bigger)
+            except RuntimeError:  # torch keeps an exported storage from being resized: new memory, that shape
+                t.set_(torch.zeros(bigger))
             with pytest.raises(ArgumentError):
                 call(dev, args)
             for w in written:
