@@ -144,13 +144,12 @@ static inline __attribute__((always_inline)) void conv4_decode_loop(const float 
                                                                     const float *xr, const float *weight,
                                                                     const float *wT, const float *bias, float *yr,
                                                                     int64_t c_vec, const int transposed,
-                                                                    const int stream, const int silu) {
+                                                                    const int stream) {
     /* After the blends, tap k of channel j sits in lane perm_k[j]. */
     const __m256i perm0 = _mm256_setr_epi32(0, 3, 6, 1, 4, 7, 2, 5);
     const __m256i perm1 = _mm256_setr_epi32(1, 4, 7, 2, 5, 0, 3, 6);
     const __m256i perm2 = _mm256_setr_epi32(2, 5, 0, 3, 6, 1, 4, 7);
     const __m256i shift1 = _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 7);
-    __m256 pend = _mm256_setzero_ps(); /* the previous group's taps, before their SiLU */
     for (int64_t c = 0; c < c_vec; c += 8) {
         const float *wc = win + c * 3;
         const __m256 va = _mm256_loadu_ps(wc), vb = _mm256_loadu_ps(wc + 8), vc = _mm256_loadu_ps(wc + 16);
@@ -182,17 +181,8 @@ static inline __attribute__((always_inline)) void conv4_decode_loop(const float 
         conv_store8(nwin + c * 3, _mm256_blend_ps(na, xs, 0x24), stream);
         conv_store8(nwin + c * 3 + 8, _mm256_blend_ps(nb, xs, 0x49), stream);
         conv_store8(nwin + c * 3 + 16, _mm256_blend_ps(_mm256_permutevar8x32_ps(vc, shift1), xs, 0x92), stream);
-        if (silu) {
-            /* The SiLU of the previous group: its input is long ready, so its
-             * ~90-cycle chain runs on the FMA ports alongside this group's
-             * shuffles (see conv4_decode_block). */
-            if (c > 0) _mm256_storeu_ps(yr + c - 8, conv_silu8(pend));
-            pend = acc;
-        } else {
-            _mm256_storeu_ps(yr + c, acc);
-        }
+        _mm256_storeu_ps(yr + c, acc);
     }
-    if (silu && c_vec > 0) _mm256_storeu_ps(yr + c_vec - 8, conv_silu8(pend));
 }
 
 /* `stream`: nwin and old are pool rows other than win, 32-byte aligned, in a
@@ -210,31 +200,23 @@ static void conv4_decode_block(const float *win, float *nwin, float *old, const 
     }
     /* Copies of the loop, so that none tests the weights' source or the stores per group. */
     const float *b = bias ? bias + c0 : NULL;
-    /* The SiLU runs in the loop a group behind the taps: applied to the same
-     * group's taps, its ~90-cycle dependency chain per vector left the
-     * out-of-order window room for only two or three groups at a time (one
-     * 5376-channel decode: 9.8 us, 6.4 us in a second pass over the outputs);
-     * a group behind, it needs nothing of the group in flight, and the taps'
-     * shuffles and the SiLU's FMAs share the time instead of taking turns
-     * (the kernel alone, 5376 channels, 2 threads: 8 sequences 22-24 -> 18-20
-     * us, 32 sequences 80-82 -> 73 us than in a second pass). */
-    if (apply_silu) {
-        if (wT && stream)
-            conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 1, 1);
-        else if (wT)
-            conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 0, 1);
-        else if (stream)
-            conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 1, 1);
-        else
-            conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 0, 1);
-    } else if (wT && stream)
-        conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 1, 0);
+    if (wT && stream)
+        conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 1);
     else if (wT)
-        conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 0, 0);
+        conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 0);
     else if (stream)
-        conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 1, 0);
+        conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 1);
     else
-        conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 0, 0);
+        conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 0);
+    /* The SiLU in a second pass over the block's outputs (in L1).  In the tap
+     * loop, even a group behind the taps, its dependency chain (~50 cycles)
+     * on top of the group's loads and shuffles left the reorder buffer room
+     * for only a few groups, so the loop ran at the latency of that chain;
+     * here every vector is independent and the pass runs at the FMA ports'
+     * rate.  Kernel alone, one thread, CPU clock, Zen 4: 5376 channels, one
+     * sequence 5.58 -> 4.88 us, 32 sequences 131 -> 122 us. */
+    if (apply_silu)
+        for (int64_t c = 0; c < c_vec; c += 8) _mm256_storeu_ps(yr + c, conv_silu8(_mm256_loadu_ps(yr + c)));
     for (int64_t c = c_vec; c < cb; c++) {
         const float *kc = weight + (c0 + c) * 4;
         const float w0 = win[c * 3], w1 = win[c * 3 + 1], w2 = win[c * 3 + 2], xt = xr[c * xs2];
