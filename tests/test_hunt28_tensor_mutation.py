@@ -29,6 +29,7 @@ _step = st.one_of(
     st.tuples(st.just("set_"), st.integers(0, 2**31)),  # an input to new memory, same geometry, new values
     st.tuples(st.just("copy_"), st.integers(0, 2**31)),  # an input rewritten in place
     st.tuples(st.just("strided"), st.integers(0, 2**31)),  # an input re-strided over a bigger storage
+    st.tuples(st.just("offset"), st.integers(0, 2**31)),  # an input moved to an offset in a bigger storage
     st.just(("out_set_",)),  # an output moved to new memory: results must land there
     st.tuples(st.just("rows"), st.permutations(range(R))),  # an index tensor rewritten in place
     st.tuples(st.just("resize"), st.integers(0, 1)),  # an input of another size: refused, nothing written
@@ -91,14 +92,24 @@ def test_tensors_changed_in_place_between_calls_equal_fresh_calls(name: str, ste
                 t.set_(new.clone())
             elif kind == "copy_":
                 t.copy_(new)
-            else:  # the same shape and values, every other element of a storage twice as big
-                big = torch.zeros(2 * t.numel())
-                big[::2] = new.reshape(-1)
-                t.set_(big.untyped_storage(), 0, tuple(t.shape), tuple(2 * s for s in new.stride()))
+            else:  # the same shape and values, every other element of a bigger storage, from an offset
+                offset = step[1] % 3
+                big = torch.zeros(2 * t.numel() + offset)
+                big[offset::2][: t.numel()] = new.reshape(-1)
+                t.set_(big.untyped_storage(), offset, tuple(t.shape), tuple(2 * s for s in new.stride()))
+        elif kind == "offset" and inputs:  # contiguous again, at an offset into a bigger storage
+            k = inputs[step[1] % len(inputs)]
+            t = args[k]
+            offset = 1 + step[1] % 5
+            big = torch.zeros(t.numel() + offset)
+            big[offset:] = t.reshape(-1)
+            t.set_(big.untyped_storage(), offset, tuple(t.shape), tuple(t.contiguous().stride()))
         elif kind == "out_set_":
             k = [w for w in written if w not in state]
             if k:
-                args[k[0]].set_(torch.full(tuple(args[k[0]].shape), 7.0))
+                out = args[k[0]]  # new memory, at an offset into its storage
+                big = torch.full((out.numel() + 3,), 7.0)
+                out.set_(big.untyped_storage(), 3, tuple(out.shape), tuple(out.contiguous().stride()))
         elif kind == "rows":
             perm = np.array(step[1], np.int64)
             if "dst" in index_names:
