@@ -76,3 +76,37 @@ def test_thread_count_changed_between_remembered_calls(name: str, monkeypatch: p
     assert seen[:4] == [1, 2, 3, 1] and seen[5] == 2
     for k in written:
         np.testing.assert_array_equal(dev.download(bufs[k]), want[k], err_msg=f"{name}: {k}")
+
+
+def test_remembered_row_copies_big_enough_to_release_the_gil_from_two_threads() -> None:
+    """Calls of at least SC_LAUNCH_GIL_WORK elements run without the GIL: two threads
+    running their remembered blocks at once, each into its own pool, copy exactly."""
+    rng = np.random.default_rng(3)
+    rows, width = 6, 1 << 15
+    dev = CpuDevice(ffi, lib)
+    src = dev.upload(rng.standard_normal((rows, width)).astype(np.float32))
+    pools = [dev.upload(np.zeros((rows, width), np.float32)) for _ in range(2)]
+    picks = [(dev.indices([0, 5, 2]), dev.indices([1, 3, 4])), (dev.indices([4, 1]), dev.indices([0, 2]))]
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(30):
+                dev.copy_rows(src, picks[k][0], pools[k], picks[k][1])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    host = dev.download(src)
+    for k in range(2):
+        want = np.zeros((rows, width), np.float32)
+        want[dev.index_values(picks[k][1])] = host[dev.index_values(picks[k][0])]
+        np.testing.assert_array_equal(dev.download(pools[k]), want)
+    assert any(isinstance(e.launch.__self__[0], bytes) for e in dev._launches._entries.values() if e.launch)
