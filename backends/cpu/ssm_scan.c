@@ -188,10 +188,20 @@ static inline __attribute__((always_inline)) void update_rows4(const float *i0, 
  * the loads and the stores in separate bursts); otherwise the four rows go to
  * `scratch` (4 * N floats, L1) and from there to `out` as one contiguous run
  * of streamed stores (sc_store_state).  The caller fences (sc_stream_fence)
- * before the kernel returns. */
+ * before the kernel returns.
+ *
+ * `in_pool`: `in` is a pool row (the first token of a decode or prefill), so
+ * in a model it comes from memory: a decode's state is every layer's, far
+ * more than the L3.  Updated in place, its rows are then fetched 4 KiB ahead
+ * too.  Four rows read 32 bytes at a time are four interleaved streams, and
+ * on Zen 4 the hardware prefetchers fed them at less than half the rate of
+ * one sequential pass: 32 MiB of state from memory (Mamba-2, 32 sequences,
+ * one thread) took 4.2-4.5 ms against 1.2-1.3 ms for an in-place pass over the
+ * same bytes, and 2.0-2.9 ms fetched ahead; with the state in L3 (8 MiB) the
+ * prefetches cost 0-5%. */
 static inline void update_rows(const float *in, float *out, int64_t ir, int64_t N, const float *SC_RESTRICT Bt,
                                const float *SC_RESTRICT Ct, float a, const float *xd, float *yt, int to_pool,
-                               float *scratch) {
+                               float *scratch, int in_pool) {
     int64_t r = 0;
 #ifdef SC_HAVE_AVX2
     if (N % 8 == 0) {
@@ -202,6 +212,11 @@ static inline void update_rows(const float *in, float *out, int64_t ir, int64_t 
             for (; r + 4 <= ir; r += 4) {
                 update_rows4(in + r * N, scratch, N, Bt, Ct, av, xd + r, yt + r, 0);
                 sc_store_state(scratch, out + r * N, SC_F32, 4 * N, 1);
+            }
+        } else if (in_pool) {
+            for (; r + 4 <= ir; r += 4) {
+                sc_prefetch_ahead(in + r * N, 4 * N * (int64_t)sizeof(float));
+                update_rows4(in + r * N, out + r * N, N, Bt, Ct, av, xd + r, yt + r, 0);
             }
         } else {
             for (; r + 4 <= ir; r += 4) update_rows4(in + r * N, out + r * N, N, Bt, Ct, av, xd + r, yt + r, 0);
@@ -261,7 +276,8 @@ static void scan_mamba2_unit(const scan_call *c, int64_t s, int64_t h, float *db
             const int64_t j = n_t - 1 - t;
             const float *in = t == 0 && direct ? (const float *)sc_pool_at(st, start_row, off) : tile;
             float *out = j == 0 && direct && r0 >= 0 ? (float *)sc_pool_at(st, r0, off) : tile;
-            update_rows(in, out, ir, N, Bs + t * bts, Cs + t * cts, a, xd, yt, c->stream && out != tile, quad);
+            update_rows(in, out, ir, N, Bs + t * bts, Cs + t * cts, a, xd, yt, c->stream && out != tile, quad,
+                        in != tile);
             const int64_t rj = sc_snap_row(st, s, j);
             if (out == tile && rj >= 0) sc_store_f32(tile, sc_pool_at(st, rj, off), pdt, ir * N);
         }
@@ -602,7 +618,7 @@ static void mamba2_tokens_from(const scan_call *c, m2_chunk_ws *w, int64_t s, in
             for (int64_t p = 0; p < P; p++) w->xdT[p] = xr[p * x->strides[2]] * d;
             float *S = w->S + hh * P * N;
             update_rows(S, S, P, N, w->Bc, w->Cc, sc_exp(w->dA[hh * n_t + t]), w->xdT,
-                        c->y + (tt * H + h0 + hh) * P, 0, NULL);
+                        c->y + (tt * H + h0 + hh) * P, 0, NULL, 0);
         }
         for (; i < n_stops && stops[i] <= t + 1; i++) {
             const int64_t r = sc_snap_row(st, s, n_t - stops[i]);
