@@ -37,7 +37,12 @@
 /* Rows of a Mamba-2 tile: as many as fit 32 KiB of f32 (L1), at most this. */
 #define SC_SCAN_TILE 256
 #define SC_SCAN_TILE_BYTES 32768
-#define SC_M1_HEADS 256
+/* Heads of a Mamba-1 unit: a prefill walks them token by token with their
+ * state (heads x 16 floats) and A (as many) in L1.  At 256 heads the two
+ * filled Zen 4's whole 32 KiB L1d and every token's x, dt, y, B and C lines
+ * evicted some of them: 128 heads ran a 512-token prefill 2-10% faster (one
+ * thread, alternating calls), decode the same. */
+#define SC_M1_HEADS 128
 
 /* Everything a unit needs to know about the call. */
 typedef struct {
