@@ -2,6 +2,7 @@
 
     python bench/transfer.py                               # 64, 256 and 4096 tokens, gloo on 127.0.0.1
     python bench/transfer.py --tokens 256,4096 --rounds 9 --checksum
+    python bench/transfer.py --rounds 61 --tokens 64,256 --kinds "sequence;seq, protocol 5"
 
 Two processes join a gloo group on 127.0.0.1.  Rank 0 holds a hybrid memory
 (Qwen3-Next-like proportions: 12 gated-delta-net layers of 16 heads of 128 in
@@ -22,6 +23,9 @@ the first ``--warmup`` rounds are not counted):
   in the receiver's memory;
 * ``seq, per block``: the same with no block coalesced (every row block its own
   message, as protocol 4 sent them): what coalescing changes, in the same run;
+* ``seq, protocol 5``: the same with the sender waiting for the receiver's *go*
+  before it posts the rows (``transfer.EAGER = False``): what posting them right
+  behind the header (protocol 6) changes, in the same run;
 * ``state format``: the same with ``rows=False`` (``state_write`` blob,
   ``state_read``: the fallback between memories that cannot exchange rows).
 
@@ -109,6 +113,19 @@ def _sequence_per_block(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
         _sequence(rank, mem, ctx)
     finally:
         T.SMALL_BLOCK = keep
+
+
+@kind("seq, protocol 5")
+def _sequence_go(rank: int, mem: Any, ctx: dict[str, Any]) -> None:
+    """The transfer with the sender waiting for the receiver's *go* before it posts the
+    rows (protocol 5's shape; the sender decides, the receiver follows the header)."""
+    from statecache.distributed import transfer as T
+
+    T.EAGER = False
+    try:
+        _sequence(rank, mem, ctx)
+    finally:
+        T.EAGER = True
 
 
 @kind("state format")
@@ -209,16 +226,15 @@ SENDER_STEPS = [
     ("setup", "start", "of>"),
     ("metadata", "of>", "of<"),
     ("header", "of<", "send:sending the header<"),
-    ("reads", "send:sending the header<", "hear>"),
-    ("wait go", "hear>", "hear<"),
-    ("post sends", "hear<", "hear>#2"),
-    ("wait verdict", "hear>#2", "hear<#2"),
-    ("finish", "hear<#2", "end"),
+    ("reads", "send:sending the header<", "_post_payload>"),
+    ("post sends", "_post_payload>", "_post_payload<"),
+    ("wait verdict", "_post_payload<", "hear<"),
+    ("finish", "hear<", "end"),
 ]
 RECEIVER_STEPS = [
     ("wait header", "start", "wait:receiving the header<"),
-    ("header, go", "wait:receiving the header<", "tell<"),
-    ("checks", "tell<", "cut<"),
+    ("header", "wait:receiving the header<", "_check_positions>"),
+    ("checks", "_check_positions>", "cut<"),
     ("validate", "cut<", "land>"),
     ("land", "land>", "arrive>"),
     ("small rows", "arrive>", "wait:receiving the rows>"),
@@ -230,8 +246,7 @@ RECEIVER_STEPS = [
 #: (name, sender's stamp, receiver's stamp, +1 when the sender's comes first, else -1).
 HANDOVERS = [
     ("header posted -> received", "send:sending the header<", "wait:receiving the header<", 1),
-    ("go told -> heard", "hear<", "tell<", -1),
-    ("receives posted -> sends posted", "hear>#2", "land<", -1),
+    ("sends posted -> landing receives posted", "_post_payload<", "land<", 1),
 ]
 
 
@@ -254,6 +269,8 @@ def install_trace(stamp: Callable[[str], None], patch: Callable[[Any, str, Any],
         patch(owner, name, traced)
 
     wrap(T._Outgoing, "of", lambda *a, **k: "of")
+    wrap(T, "_post_payload", lambda *a, **k: "_post_payload")
+    wrap(T, "_check_positions", lambda *a, **k: "_check_positions")
     wrap(T, "_read", lambda *a, **k: "_read")
     for name in ("cut", "land", "arrive"):
         wrap(T._Arrival, name, lambda *a, _n=name, **k: _n)
@@ -288,7 +305,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     sizes = args.tokens
     _, mem = spec_and_memory(args.device, max(sizes))
     other = spec_and_memory(args.device, max(sizes))[1] if rank == 0 else None
-    kinds = list(KINDS)
+    kinds = [k for k in KINDS if k == "plain" or not args.kinds or k in args.kinds.split(";")]
     results = {}
     log: list[tuple[str, float, float]] = []
     if args.trace:
@@ -367,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checksum", action="store_true", help="send a CRC-32 of the payload (checked on receipt)")
     ap.add_argument("--trace", action="store_true",
                     help="time each side's steps of the sequence transfer and the hand-overs between them")  # fmt: skip
+    ap.add_argument("--kinds", default="",
+                    help="kinds to run besides plain, separated by semicolons (default: every kind)")  # fmt: skip
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="min: each kind's fastest round (less sensitive to a loaded machine's stalls)")  # fmt: skip
     args = ap.parse_args(argv)

@@ -66,7 +66,10 @@ repeats one call with the same buffers, as a decode loop does, so after the
 first call the device's launch memo skips validation.  A last line gives each
 op's fixed cost per call outside the kernels, timed on tiny shapes, both
 remembered and validated (memo emptied before every call): the first is what
-holds small decode calls below the memcpy bound.  Decode with rollback
+holds small decode calls below the memcpy bound.  The line after it is that
+cost's floor (:func:`call_floor`), timed the same way: a bare cffi call of an
+empty C function, and one starting an empty team of the kernels' threads, with
+each remembered cost as a multiple of the bare call.  Decode with rollback
 planes is timed both ways (the 1-D form, which also copies the input state
 into plane 1, and plane rotation, which writes only the next plane) and its
 time printed as a ratio to decode without rollback; so is a whole decode step
@@ -560,6 +563,15 @@ void scalar_conv(float *win, const float *x, const float *w, const float *bias, 
         for (int64_t m = 0; m < W; m++) win[c * W + m] = ext[n_t + m];
     }
 }
+
+/* The floor of a primitive call's fixed cost (call_floor): a function doing
+ * nothing, and one starting a team of `threads` that does nothing. */
+void bench_empty(void) {}
+
+void bench_team(int threads) {
+#pragma omp parallel num_threads(threads)
+    { __asm__ volatile("" ::: "memory"); }
+}
 """
 
 _BENCH_CDEF = """
@@ -571,6 +583,8 @@ void scalar_mamba1(float *state, const float *x, const float *dt, const float *A
                    float *y, int64_t n_t, int64_t H, int64_t N, int threads);
 void scalar_conv(float *win, const float *x, const float *w, const float *bias, float *y, int64_t n_t, int64_t ch,
                  int64_t d_conv, int threads);
+void bench_empty(void);
+void bench_team(int threads);
 """
 
 
@@ -1226,12 +1240,19 @@ def run(
                 f"{t_rot / t_in:.2f}x"
             )
     if full_run:
+        remembered = {op: call_overhead(device, op, clock=tick) for op in _TINY}
         costs = ", ".join(
-            f"{op} {call_overhead(device, op, clock=tick) * 1e6:.0f} / "
-            f"{call_overhead(device, op, remembered=False, clock=tick) * 1e6:.0f} us"
+            f"{op} {remembered[op] * 1e6:.1f} / {call_overhead(device, op, remembered=False, clock=tick) * 1e6:.0f} us"
             for op in _TINY
         )
         say(f"fixed cost per call on tiny shapes, remembered / validated: {costs}")
+        if host:
+            empty, team = call_floor(threads, tick)
+            say(
+                f"floor of that fixed cost: a bare cffi call of an empty C function {empty * 1e6:.2f} us, "
+                f"the same starting an empty {threads}-thread team {team * 1e6:.2f} us; remembered calls "
+                "are " + ", ".join(f"{op} {remembered[op] / empty:.0f}x" for op in _TINY) + " the bare call"
+            )
     return rows
 
 
@@ -1265,6 +1286,17 @@ def call_overhead(
             inner()
 
     return time_call(call, device, min_time=0.05, clock=clock)
+
+
+def call_floor(threads: int, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+    """Seconds per call, from Python, of an empty C function through cffi
+    (what any primitive call pays at the least) and of one that starts an
+    empty OpenMP team of ``threads`` (what a call split over the team pays
+    at the least), both compiled with the CPU backend's flags."""
+    _, lib = bench_lib()
+    empty = time_call(lib.bench_empty, None, min_time=0.05, clock=clock)
+    team = time_call(lambda: lib.bench_team(threads), None, min_time=0.05, clock=clock)
+    return empty, team
 
 
 def main(argv: list[str] | None = None) -> int:

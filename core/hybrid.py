@@ -18,6 +18,12 @@ Where we differ from upstream, on purpose:
   attention part no longer holds: a head removal before it, or a window
   cache that gave the cell up).  So is ``seq_cp`` of a range that leaves out
   part of the source (a recurrent state cannot be copied in part).
+* A rollback (``seq_rm(s, p0, p1)`` reaching the end) must cut from the
+  attention part exactly the tokens the recurrent part undoes, the last
+  ``seq_pos_max - p0 + 1`` decoded: after a position move that reordered the
+  sequence against its decode order (accepted, as upstream does) the cells
+  at ``[p0, p1)`` may be other tokens, and the removal is refused instead of
+  letting the parts disagree (:meth:`_rollback_cuts_what_it_undoes`).
 * The parts never disagree: after every operation each part holds the
   same sequences and ends them at the same position (a window cache may
   start later).  A stale plan (:meth:`MemoryContext.check_version`: the
@@ -48,6 +54,7 @@ Where we differ from upstream, on purpose:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -426,7 +433,38 @@ class HybridMemory(Memory):
     def _seq_rm_allowed(self, seq: int, p0: int, p1: int) -> bool:
         """Checks a subclass may extend: whether ``seq_rm`` may go ahead (asked before
         any part changes; ``p0``/``p1`` normalised)."""
-        return self._parts_would_agree(seq, p0, p1)
+        return self._parts_would_agree(seq, p0, p1) and self._rollback_cuts_what_it_undoes(seq, p0, p1)
+
+    def _rollback_cuts_what_it_undoes(self, seq: int, p0: int, p1: int) -> bool:
+        """Whether a rollback (``0 < p0 <= P < p1``, ``P`` the recurrent position) would cut
+        from the attention part exactly the tokens the recurrent part undoes.
+
+        The recurrent part undoes by count, in decode order: the last ``k = P - p0 + 1``
+        tokens, which its planes label ``P, P - 1, ..., p0`` (every move that relabels
+        them without moving the state shrinks the planes, see
+        :meth:`RecurrentMemory._forget_moved_planes`, so those labels are the tokens'
+        positions now).  Those ``k`` tokens sit at ``k`` distinct positions in
+        ``[p0, P]`` in every attention cache (a window cache keeps the last
+        ``rollback_depth >= n_rs_seq`` positions), so a cache cuts exactly them when it
+        holds ``k`` cells of ``seq`` in ``[p0, p1)``, and more when a move reordered the
+        positions against the decode order (a block folded onto or below positions it
+        came after, a ``seq_div`` making tokens share a position): a removal by position
+        would then cut tokens the state keeps, so it is refused.  Needs no book of its
+        own: the count is read from the cells, whatever seq_cp, seq_keep, a context shift
+        or a state read did before."""
+        if not self.recr.has_layers:
+            return True  # positions only: nothing is undone but the position itself
+        P = self.recr.seq_pos_max(seq)
+        if not 0 < p0 <= P < p1:
+            return True  # not a rollback: the whole state goes, or none of it
+        k = P - p0 + 1
+        for cache in self.kv_caches:
+            pairs = cache.cells[cache.stream_of(seq)].seq_pos[seq]
+            lo = bisect.bisect_left(pairs, (p0, -1))
+            hi = bisect.bisect_left(pairs, (p1, -1))
+            if hi - lo != k:
+                return False
+        return True
 
     def _parts_would_agree(self, seq: int, p0: int, p1: int) -> bool:
         """Whether after ``seq_rm(seq, p0, p1)`` every part would end ``seq`` at the
@@ -510,6 +548,14 @@ class HybridMemory(Memory):
                     "(the attention part no longer holds the position a rollback returns to, or the window "
                     "cache gave up a position the next token reads)"
                 )
+            elif not self._rollback_cuts_what_it_undoes(seq, q0, q1):
+                P = self.recr.seq_pos_max(seq)
+                why = (
+                    f"the recurrent state of sequence {seq} would undo its last {P - q0 + 1} decoded tokens, but the "
+                    f"attention part holds a different number of its tokens at positions [{q0}, {q1}): a position "
+                    "move reordered them against the decode order (seq_add / seq_div), so a removal by position "
+                    "would cut other tokens than the rollback undoes; remove the whole sequence instead"
+                )
             else:
                 why = f"removing [{q0}, {q1}) would regroup k-pools that sequence {seq} shares with another"
             raise ArgumentError("p0/p1", why)
@@ -565,8 +611,15 @@ class HybridMemory(Memory):
             gaps = np.flatnonzero(np.diff(held) > 1)
             start = int(held[gaps[-1] + 1]) if gaps.size else int(held[0]) if held.size else P + 1
             lo = max(lo, start + 1)
-        hi = P + 1  # accepted: every p >= hi; bisect in [lo, hi)
-        while lo < hi:
+        hi = P + 1  # accepted: every p >= hi
+        if self.recr.has_layers:
+            # A rollback must also cut what it undoes (_rollback_cuts_what_it_undoes): walk
+            # down from the top, at most the recurrent part's planes deep, and stop at the
+            # first refusal, so the reach never claims a p that seq_rm refuses.
+            while hi > lo and self.can_seq_rm(seq, hi - 1, -1):
+                hi -= 1
+            return RollbackReach(seq, P, hi if hi > 1 else 0)
+        while lo < hi:  # positions only: the accepted p form [floor, P]; bisect in [lo, hi)
             mid = (lo + hi) // 2
             if self.can_seq_rm(seq, mid, -1):
                 hi = mid

@@ -1114,6 +1114,7 @@ class RecurrentMemory(Memory):
         b = self._book
         c = int(b.tail[seq])
         if c < 0 or not p0 <= b.pos[c] < p1:
+            self._forget_moved_planes(c, p1)
             return
         self._refuse_shared_move(seq, c, "seq_add")
         check_shifted(int(b.pos[c]), delta)
@@ -1128,6 +1129,21 @@ class RecurrentMemory(Memory):
         b.pos[c] += delta
         b.snap_end[c] += delta
         self._version += 1
+
+    def _forget_moved_planes(self, c: int, p1: int) -> None:
+        """A move of [p0, p1) that leaves cell ``c``'s position where it is (``p1 <= pos``)
+        still relabels the tokens it covers, and plane ``j`` is only offered as "the state
+        after position ``snap_end - j``" while the tokens it would undo keep those labels.
+        A rollback to a plane below ``p1`` would undo a token that now sits elsewhere (and
+        keep its label as the state's position), so only planes that end at ``p1`` or later
+        stay, as after a removal of [p0, p1) (:meth:`seq_rm`).  ``c < 0``: no state."""
+        b = self._book
+        if c < 0 or p1 > int(b.pos[c]):
+            return  # no state, or the range lies above it: no plane's tokens move
+        keep = max(1, int(b.snap_end[c]) - p1 + 1)
+        if keep < int(b.snap_valid[c]):
+            b.snap_valid[c] = keep
+            self._version += 1
 
     def check_position_move(self, seq: int, p0: int, p1: int, op: str = "seq_add", delta: int = 0) -> None:
         """Raise (changing nothing) if ``seq_add``/``seq_div`` over [p0, p1) would be
@@ -1165,6 +1181,7 @@ class RecurrentMemory(Memory):
         b = self._book
         c = int(b.tail[seq])
         if c < 0 or not p0 <= b.pos[c] < p1:
+            self._forget_moved_planes(c, p1)
             return
         self._refuse_shared_move(seq, c, "seq_div")
         pending = int(b.snap_end[c] - b.pos[c])

@@ -16,8 +16,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
+import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +39,7 @@ from statecache.dlpack import (
 from statecache.dtypes import STORAGE_DTYPES, DType
 from statecache.errors import ArgumentError
 from statecache.hostmem import aligned_empty, physical_memory_bytes
+from statecache.launch_memo import LaunchMemo
 from statecache.primitives import ACTIVATION_DTYPES, EPILOGUES, L2NORM_EPS
 
 #: The C ABI this Python code was written against (SC_CPU_ABI_VERSION).
@@ -221,6 +224,11 @@ class CpuDevice(Device):
         # Relaunches read torch tensors through the DLPack C exchange API in one C call
         # (statecache.dlpack.ExchangeReader; sc_dlpack.c).
         self._exchange_reader, self._place = _helpers(ffi, lib)
+        # A remembered call's probe and launch in C (sc_dlpack.c): the launch memo's probe, and
+        # each prepared launch a builtin running its kernel's block (no Python frame, no cffi
+        # argument conversions).  None in a hand-made build without them.
+        self._runner, prober, self._threads = _memo_helpers(ffi, lib)
+        self._launches = LaunchMemo(prober)
         self.name = f"{_cpu_name()} (C kernels, {self.isa})"
         self.memory_bytes = physical_memory_bytes()
         self.caps = Caps(
@@ -350,7 +358,8 @@ class CpuDevice(Device):
     # Each ``_<op>_call`` turns validated arguments into (kernel, arguments
     # without the thread count, arrays to keep alive).  ``_<op>`` launches it
     # at once; :meth:`_prepare_launch` keeps it for the launch memo, so that
-    # a repeated decode call costs one cffi call.  Pointers are plain
+    # a repeated decode call costs one builtin call (sc_dlpack.c's run, which
+    # calls the kernel without cffi's argument conversions).  Pointers are plain
     # addresses (no reference to a Buffer): the memo checks that the buffers
     # are alive before it launches.
     def _copy_call(
@@ -565,7 +574,7 @@ class CpuDevice(Device):
         if placed != set(tensors.values()):
             return None  # a tensor the call does not pass as a pointer: nothing to relaunch safely
         cast = ffi.cast
-        num_threads = settings.num_threads
+        num_threads = self._threads
         field_steps = tuple(fields)
         place = self._place
         if place is not None:  # the fields set in one C call (sc_dlpack.c): their addresses
@@ -606,7 +615,7 @@ class CpuDevice(Device):
         if reader is not None and reader.launches:
             # The same call as a block for the reader's launch (sc_dlpack.c), which matches the
             # tensors, places their addresses and runs the kernel in one C call.
-            block = _launch_block(ffi, op, kernel, args, fields, pointers)
+            block = _launch_block(ffi, kernel, args, fields, pointers)
             if block is not None:
                 relaunch.block = int(ffi.cast("uintptr_t", block))  # type: ignore[attr-defined]
                 relaunch.threads = num_threads  # type: ignore[attr-defined]
@@ -652,7 +661,14 @@ class CpuDevice(Device):
         if any(call_args[i] is not None and not call_args[i].is_contiguous for i in weights):
             return None  # A, D, dt_bias, A_log are packed per call: a kept copy would miss the caller's updates
         kernel, args, keep = getattr(self, f"_{op}_call")(*call_args)
-        num_threads = settings.num_threads
+        num_threads = self._threads
+        ffi = self._ffi
+        if self._runner is not None and _launch_kinds(ffi, kernel) is not None:
+            # A builtin (sc_dlpack.c's run): the first call through cffi, then its block is
+            # made and the kernel called directly, the thread count read at every call.
+            return self._runner(
+                kernel, tuple(args), num_threads, keep, lambda: _launch_block(ffi, kernel, args, [], [], as_bytes=True)
+            )
 
         def launch() -> None:
             kernel(*args, num_threads())
@@ -694,52 +710,105 @@ _RELAUNCH_SLOTS: dict[str, dict[int, tuple[Any, ...]]] = {
 }
 
 
-#: The kernels sc_dlpack.c's launch runs (its SC_LAUNCH_*), and its block's layout: a head of
-#: (busy, kernel, number of targets), the kernel's arguments but n_threads, then the targets.
-_LAUNCH_KERNELS = {"ssm_conv": 1, "ssm_scan": 2, "gated_delta_net": 3}
+#: The kernels sc_dlpack.c's launch and run call (its SC_LAUNCH_*, by C name), and its block's
+#: layout: a head of (busy, kernel, number of targets), the kernel's arguments but n_threads,
+#: then the targets.
+_LAUNCH_KERNELS = {
+    "sc_ssm_conv": 1,
+    "sc_ssm_scan": 2,
+    "sc_gated_delta_net": 3,
+    "sc_rwkv_wkv6": 4,
+    "sc_rwkv_wkv7": 5,
+    "sc_gated_linear_attn": 6,
+    "sc_copy_rows": 7,
+    "sc_zero_rows": 8,
+}
 _LAUNCH_HEAD = 3
 _LAUNCH_ARGS = 16
+_BLOCK_WORDS = struct.Struct(f"={_LAUNCH_HEAD + _LAUNCH_ARGS}q")
 #: Integer parameters a block word passes (as their C type: the compiler checks sc_dlpack.c's calls).
 _LAUNCH_INTEGERS = frozenset({"int", "int64_t", "sc_dtype"})
 
 
+def _float_word(value: float) -> int:
+    """The bits of ``value`` as the C float a cffi call would pass (the same
+    double-to-float conversion), in a block word's low 32 (sc_dlpack.c's word_float)."""
+    return int(np.array(value, np.float32).view(np.uint32))
+
+
 def _launch_block(
     ffi: Any,
-    op: str,
     kernel: Any,
     args: list[Any],
     fields: list[tuple[int, int, Any]],
     pointers: list[tuple[int, int, str, int]],
+    as_bytes: bool = False,
 ) -> Any:
     """A prepared call (``kernel(*args, n_threads)``, its tensors placed by
     ``fields`` and ``pointers`` as CpuDevice._prepare_relaunch makes them) as
     the block sc_dlpack.c's launch runs: an int64 array (the caller keeps it,
     and the structs its words point into, alive), or None when the call has
-    an argument a word cannot carry (it is then relaunched by the closure)."""
-    kernel_id = _LAUNCH_KERNELS.get(op)
-    params = ffi.typeof(kernel).args
-    if kernel_id is None or len(params) != len(args) + 1 or len(args) > _LAUNCH_ARGS:
+    an argument a word cannot carry (it is then relaunched by the closure).
+    ``as_bytes``: the block of a call without targets (no ``fields`` nor
+    ``pointers``) as bytes, which sc_dlpack.c's run reads in place."""
+    kinds = _launch_kinds(ffi, kernel)
+    if kinds is None or len(kinds) != len(args):
         return None
+    kernel_id = _LAUNCH_KERNELS[kernel.__name__]
     words: list[int] = []
-    for arg, param in zip(args, params):
-        if param.kind == "pointer" and isinstance(arg, ffi.CData):
-            words.append(int(ffi.cast("uintptr_t", arg)))
-        elif param.kind in ("primitive", "enum") and param.cname in _LAUNCH_INTEGERS and type(arg) is int:
+    cdata, cast = ffi.CData, ffi.cast
+    for arg, kind in zip(args, kinds):
+        if kind == "pointer" and isinstance(arg, cdata):
+            words.append(int(cast("uintptr_t", arg)))
+        elif kind == "int" and type(arg) is int:
             words.append(arg)
+        elif kind == "float" and type(arg) is float:
+            words.append(_float_word(arg))
         else:
             return None
-    targets = [(k, delta, int(ffi.cast("uintptr_t", alias))) for k, delta, alias in fields]
+    words += [0] * (_LAUNCH_ARGS - len(words))
+    if as_bytes:  # a remembered launch (CpuDevice._prepare_launch): never written, made in one go
+        return _BLOCK_WORDS.pack(0, kernel_id, 0, *words)
+    targets = [(k, delta, int(cast("uintptr_t", alias))) for k, delta, alias in fields]
     block = ffi.new("int64_t[]", _LAUNCH_HEAD + _LAUNCH_ARGS + 3 * (len(targets) + len(pointers)))
-    base = int(ffi.cast("uintptr_t", block))
+    base = int(cast("uintptr_t", block))
     # A pointer argument is a word of the block itself: its address is the target.
     targets += [(k, delta, base + 8 * (_LAUNCH_HEAD + arg)) for k, delta, _, arg in pointers]
-    block[1], block[2] = kernel_id, len(targets)
-    for i, word in enumerate(words):
-        block[_LAUNCH_HEAD + i] = word
+    block[0 : _LAUNCH_HEAD + _LAUNCH_ARGS] = [0, kernel_id, len(targets), *words]
     for i, target in enumerate(targets):
-        for j, word in enumerate(target):
-            block[_LAUNCH_HEAD + _LAUNCH_ARGS + 3 * i + j] = word
+        block[_LAUNCH_HEAD + _LAUNCH_ARGS + 3 * i : _LAUNCH_HEAD + _LAUNCH_ARGS + 3 * i + 3] = list(target)
     return block
+
+
+#: kernel -> how each of its parameters but n_threads travels in a block word
+#: ("pointer", "int", "float"), or None: a kernel no block runs (_launch_kinds).
+_KINDS: dict[Any, tuple[str, ...] | None] = {}
+
+
+def _launch_kinds(ffi: Any, kernel: Any) -> tuple[str, ...] | None:
+    """How ``kernel``'s arguments travel in a block (asked once per kernel:
+    cffi's type reflection costs microseconds per validated call)."""
+    try:
+        return _KINDS[kernel]
+    except KeyError:
+        pass
+    kinds: tuple[str, ...] | None = None
+    params = ffi.typeof(kernel).args
+    if _LAUNCH_KERNELS.get(getattr(kernel, "__name__", "")) is not None and len(params) - 1 <= _LAUNCH_ARGS:
+        made = []
+        for param in params[:-1]:
+            if param.kind == "pointer":
+                made.append("pointer")
+            elif param.kind in ("primitive", "enum") and param.cname in _LAUNCH_INTEGERS:
+                made.append("int")
+            elif param.kind == "primitive" and param.cname == "float":
+                made.append("float")
+            else:
+                made = []
+                break
+        kinds = tuple(made) if made else None
+    _KINDS[kernel] = kinds
+    return kinds
 
 
 def _helpers(ffi: Any, lib: Any) -> tuple[ExchangeReader | None, Any]:
@@ -752,10 +821,32 @@ def _helpers(ffi: Any, lib: Any) -> tuple[ExchangeReader | None, Any]:
     except AttributeError:  # a hand-made build that does not declare them (tools/kernel_coverage.py)
         return None, None
     try:
-        read, match, place, launch = ctypes.PYFUNCTYPE(ctypes.py_object)(address)()
+        read, match, place, launch = _builtins(address)[:4]
     except (ValueError, TypeError):  # NULL (no memory) or not the four
         return None, None
     return ExchangeReader(read, match, launch), place
+
+
+def _memo_helpers(ffi: Any, lib: Any) -> tuple[Any, Any, Callable[[], int]]:
+    """The library's builtins for the launch memo (sc_dlpack.c): ``runner``
+    (a prepared launch as a builtin), ``prober`` (LaunchMemo.probe in C) and
+    the thread count (settings.num_threads in C, itself where the library
+    lacks them, as are the others then: None)."""
+    try:
+        address = int(ffi.cast("uintptr_t", ffi.addressof(lib, "sc_dlpack_functions")))
+    except AttributeError:
+        return None, None, settings.num_threads
+    try:
+        _, _, _, _, runner, prober, threader = _builtins(address)
+        threads = threader(vars(settings), vars(os), settings.num_threads, settings._threads_from(None))
+    except (ValueError, TypeError):  # NULL (no memory), or a library without them
+        return None, None, settings.num_threads
+    return runner, prober, threads
+
+
+def _builtins(address: int) -> tuple[Any, ...]:
+    """What sc_dlpack_functions at ``address`` returns (a tuple of builtins)."""
+    return tuple(ctypes.PYFUNCTYPE(ctypes.py_object)(address)())
 
 
 def _address(buf: Buffer) -> int:

@@ -89,55 +89,88 @@ static int team_for(int64_t bytes, int n_threads) {
     return bytes < SC_PARALLEL_MIN_BYTES ? 1 : n_threads;
 }
 
+/* The row calls run their bodies through sc_team_run, so that a call below
+ * SC_PARALLEL_MIN_BYTES (a decode step's rows) runs on the calling thread:
+ * an OpenMP region of one thread (`if (team > 1)`) still builds and ends a
+ * team, about 0.3 us of a gather that moves a few hundred bytes. */
+typedef struct {
+    const void *src;
+    sc_dtype src_dtype;
+    const int32_t *src_rows;
+    void *dst;
+    sc_dtype dst_dtype;
+    const int32_t *dst_rows;
+    int64_t n, row_elems;
+} copy_rows_job;
+
+static void copy_rows_thread(void *arg, int tid, int nt) {
+    const copy_rows_job *j = (const copy_rows_job *)arg;
+    const int64_t row_elems = j->row_elems;
+    const int64_t chunks_per_row = (row_elems + SC_ROW_CHUNK_ELEMS - 1) / SC_ROW_CHUNK_ELEMS;
+    const size_t ss = sc_dtype_size(j->src_dtype), ds = sc_dtype_size(j->dst_dtype);
+    int64_t lo, hi;
+    sc_split(j->n * chunks_per_row, tid, nt, &lo, &hi);
+    for (int64_t c = lo; c < hi; c++) {
+        int64_t i = c / chunks_per_row, e0 = (c % chunks_per_row) * SC_ROW_CHUNK_ELEMS;
+        int64_t m = row_elems - e0 < SC_ROW_CHUNK_ELEMS ? row_elems - e0 : SC_ROW_CHUNK_ELEMS;
+        int64_t rs = j->src_rows ? j->src_rows[i] : i, rd = j->dst_rows ? j->dst_rows[i] : i;
+        const char *s = (const char *)j->src + ((size_t)rs * (size_t)row_elems + (size_t)e0) * ss;
+        char *d = (char *)j->dst + ((size_t)rd * (size_t)row_elems + (size_t)e0) * ds;
+        sc_convert(s, j->src_dtype, d, j->dst_dtype, m);
+    }
+}
+
 void sc_copy_rows(const void *src, sc_dtype src_dtype, const int32_t *src_rows, void *dst, sc_dtype dst_dtype,
                   const int32_t *dst_rows, int64_t n, int64_t row_elems, int n_threads) {
-    const int64_t chunks_per_row = (row_elems + SC_ROW_CHUNK_ELEMS - 1) / SC_ROW_CHUNK_ELEMS;
-    const int64_t n_chunks = n * chunks_per_row;
     const size_t ss = sc_dtype_size(src_dtype), ds = sc_dtype_size(dst_dtype);
-    const int team = team_for(n * row_elems * (int64_t)(ss + ds), n_threads);
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-        int64_t lo, hi;
-        sc_split(n_chunks, sc_thread_id(), sc_team_size(), &lo, &hi);
-        for (int64_t c = lo; c < hi; c++) {
-            int64_t i = c / chunks_per_row, e0 = (c % chunks_per_row) * SC_ROW_CHUNK_ELEMS;
-            int64_t m = row_elems - e0 < SC_ROW_CHUNK_ELEMS ? row_elems - e0 : SC_ROW_CHUNK_ELEMS;
-            int64_t rs = src_rows ? src_rows[i] : i, rd = dst_rows ? dst_rows[i] : i;
-            const char *s = (const char *)src + ((size_t)rs * (size_t)row_elems + (size_t)e0) * ss;
-            char *d = (char *)dst + ((size_t)rd * (size_t)row_elems + (size_t)e0) * ds;
-            sc_convert(s, src_dtype, d, dst_dtype, m);
-        }
+    copy_rows_job job = {src, src_dtype, src_rows, dst, dst_dtype, dst_rows, n, row_elems};
+    sc_team_run(team_for(n * row_elems * (int64_t)(ss + ds), n_threads), copy_rows_thread, &job);
+}
+
+typedef struct {
+    void *dst;
+    sc_dtype dtype;
+    const int32_t *rows;
+    int64_t n, row_elems;
+} zero_rows_job;
+
+static void zero_rows_thread(void *arg, int tid, int nt) {
+    const zero_rows_job *j = (const zero_rows_job *)arg;
+    const int64_t row_elems = j->row_elems;
+    const size_t es = sc_dtype_size(j->dtype);
+    const int64_t chunks_per_row = (row_elems + SC_ROW_CHUNK_ELEMS - 1) / SC_ROW_CHUNK_ELEMS;
+    int64_t lo, hi;
+    sc_split(j->n * chunks_per_row, tid, nt, &lo, &hi);
+    for (int64_t c = lo; c < hi; c++) {
+        int64_t i = c / chunks_per_row, e0 = (c % chunks_per_row) * SC_ROW_CHUNK_ELEMS;
+        int64_t m = row_elems - e0 < SC_ROW_CHUNK_ELEMS ? row_elems - e0 : SC_ROW_CHUNK_ELEMS;
+        memset((char *)j->dst + ((size_t)j->rows[i] * (size_t)row_elems + (size_t)e0) * es, 0, (size_t)m * es);
     }
 }
 
 void sc_zero_rows(void *dst, sc_dtype dtype, const int32_t *rows, int64_t n, int64_t row_elems, int n_threads) {
-    const size_t es = sc_dtype_size(dtype);
-    const int64_t chunks_per_row = (row_elems + SC_ROW_CHUNK_ELEMS - 1) / SC_ROW_CHUNK_ELEMS;
-    const int64_t n_chunks = n * chunks_per_row;
     /* Duplicate rows are allowed: two threads may zero the same bytes, and
      * both write zeros, so the result is still defined. */
-    const int team = team_for(n * row_elems * (int64_t)es, n_threads);
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-        int64_t lo, hi;
-        sc_split(n_chunks, sc_thread_id(), sc_team_size(), &lo, &hi);
-        for (int64_t c = lo; c < hi; c++) {
-            int64_t i = c / chunks_per_row, e0 = (c % chunks_per_row) * SC_ROW_CHUNK_ELEMS;
-            int64_t m = row_elems - e0 < SC_ROW_CHUNK_ELEMS ? row_elems - e0 : SC_ROW_CHUNK_ELEMS;
-            memset((char *)dst + ((size_t)rows[i] * (size_t)row_elems + (size_t)e0) * es, 0, (size_t)m * es);
-        }
-    }
+    zero_rows_job job = {dst, dtype, rows, n, row_elems};
+    sc_team_run(team_for(n * row_elems * (int64_t)sc_dtype_size(dtype), n_threads), zero_rows_thread, &job);
+}
+
+typedef struct {
+    void *dst;
+    const void *src;
+    int64_t nbytes;
+} memcpy_job;
+
+static void memcpy_thread(void *arg, int tid, int nt) {
+    const memcpy_job *j = (const memcpy_job *)arg;
+    /* Split on 64-byte boundaries so no two threads share a cache line. */
+    int64_t lines = (j->nbytes + 63) / 64, lo, hi;
+    sc_split(lines, tid, nt, &lo, &hi);
+    int64_t b0 = lo * 64, b1 = hi * 64 < j->nbytes ? hi * 64 : j->nbytes;
+    if (b1 > b0) memcpy((char *)j->dst + b0, (const char *)j->src + b0, (size_t)(b1 - b0));
 }
 
 void sc_memcpy(void *dst, const void *src, int64_t nbytes, int n_threads) {
-    const int team = team_for(nbytes, n_threads);
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-        int nt = sc_team_size(), tid = sc_thread_id();
-        /* Split on 64-byte boundaries so no two threads share a cache line. */
-        int64_t lines = (nbytes + 63) / 64, lo, hi;
-        sc_split(lines, tid, nt, &lo, &hi);
-        int64_t b0 = lo * 64, b1 = hi * 64 < nbytes ? hi * 64 : nbytes;
-        if (b1 > b0) memcpy((char *)dst + b0, (const char *)src + b0, (size_t)(b1 - b0));
-    }
+    memcpy_job job = {dst, src, nbytes};
+    sc_team_run(team_for(nbytes, n_threads), memcpy_thread, &job);
 }

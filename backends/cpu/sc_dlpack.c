@@ -368,7 +368,17 @@ static PyObject *py_place(PyObject *self, PyObject *const *args, Py_ssize_t narg
  *   kernel's arguments but n_threads (pointers as addresses, integers as
  *   values), then per target (k, delta, address): store found[k] + delta at
  *   address (a pointer field of a struct, or one of the argument words). */
-enum { SC_LAUNCH_SSM_CONV = 1, SC_LAUNCH_SSM_SCAN = 2, SC_LAUNCH_GATED_DELTA_NET = 3 };
+enum {
+    SC_LAUNCH_SSM_CONV = 1,
+    SC_LAUNCH_SSM_SCAN = 2,
+    SC_LAUNCH_GATED_DELTA_NET = 3,
+    SC_LAUNCH_RWKV_WKV6 = 4,
+    SC_LAUNCH_RWKV_WKV7 = 5,
+    SC_LAUNCH_GATED_LINEAR_ATTN = 6,
+    SC_LAUNCH_COPY_ROWS = 7,
+    SC_LAUNCH_ZERO_ROWS = 8,
+    SC_LAUNCH_LAST = SC_LAUNCH_ZERO_ROWS
+};
 #define SC_LAUNCH_ARGS 16
 #define SC_LAUNCH_HEAD 3
 
@@ -379,6 +389,15 @@ enum { SC_LAUNCH_SSM_CONV = 1, SC_LAUNCH_SSM_SCAN = 2, SC_LAUNCH_GATED_DELTA_NET
  * would get the GIL for no longer than the kernel runs.  Larger calls
  * release it, as a cffi call does. */
 #define SC_LAUNCH_GIL_WORK ((int64_t)1 << 15)
+
+/* A float argument travels as its IEEE-754 bits in the word's low 32 (statecache.backends.cpu.device
+ * packs it from the same float32 cffi would pass). */
+static float word_float(int64_t w) {
+    uint32_t bits = (uint32_t)(uint64_t)w;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 /* The kernel of a block, called with its argument words as its declared
  * types (statecache_cpu.h: the compiler checks these calls against it). */
@@ -402,6 +421,45 @@ static void run_kernel(int64_t kernel, const int64_t *a, int n_threads) {
                            (void *)(uintptr_t)a[7], (sc_dtype)a[8], (const sc_delta_options *)(uintptr_t)a[9], a[10],
                            a[11], a[12], n_threads);
         break;
+    case SC_LAUNCH_RWKV_WKV6:
+        sc_rwkv_wkv6((const sc_state *)(uintptr_t)a[0], (const sc_view *)(uintptr_t)a[1], (const sc_view *)(uintptr_t)a[2],
+                     (const sc_view *)(uintptr_t)a[3], (const sc_view *)(uintptr_t)a[4], (const float *)(uintptr_t)a[5],
+                     (void *)(uintptr_t)a[6], (sc_dtype)a[7], word_float(a[8]), a[9], a[10], n_threads);
+        break;
+    case SC_LAUNCH_RWKV_WKV7:
+        sc_rwkv_wkv7((const sc_state *)(uintptr_t)a[0], (const sc_view *)(uintptr_t)a[1], (const sc_view *)(uintptr_t)a[2],
+                     (const sc_view *)(uintptr_t)a[3], (const sc_view *)(uintptr_t)a[4], (const sc_view *)(uintptr_t)a[5],
+                     (const sc_view *)(uintptr_t)a[6], (void *)(uintptr_t)a[7], (sc_dtype)a[8], word_float(a[9]), a[10],
+                     a[11], n_threads);
+        break;
+    case SC_LAUNCH_GATED_LINEAR_ATTN:
+        sc_gated_linear_attn((const sc_state *)(uintptr_t)a[0], (const sc_view *)(uintptr_t)a[1],
+                             (const sc_view *)(uintptr_t)a[2], (const sc_view *)(uintptr_t)a[3],
+                             (const sc_view *)(uintptr_t)a[4], (void *)(uintptr_t)a[5], (sc_dtype)a[6],
+                             word_float(a[7]), a[8], a[9], n_threads);
+        break;
+    case SC_LAUNCH_COPY_ROWS:
+        sc_copy_rows((const void *)(uintptr_t)a[0], (sc_dtype)a[1], (const int32_t *)(uintptr_t)a[2],
+                     (void *)(uintptr_t)a[3], (sc_dtype)a[4], (const int32_t *)(uintptr_t)a[5], a[6], a[7], n_threads);
+        break;
+    case SC_LAUNCH_ZERO_ROWS:
+        sc_zero_rows((void *)(uintptr_t)a[0], (sc_dtype)a[1], (const int32_t *)(uintptr_t)a[2], a[3], a[4], n_threads);
+        break;
+    }
+}
+
+/* Elements a block's call moves (its state elements times tokens, or its rows' elements): below
+ * SC_LAUNCH_GIL_WORK the call runs with the GIL held. */
+static int64_t block_work(int64_t kernel, const int64_t *a) {
+    switch (kernel) {
+    case SC_LAUNCH_COPY_ROWS:
+        return a[6] * a[7];
+    case SC_LAUNCH_ZERO_ROWS:
+        return a[3] * a[4];
+    default: { /* every stateful kernel's first argument */
+        const sc_state *st = (const sc_state *)(uintptr_t)a[0];
+        return st->n_tokens * st->row_elems;
+    }
     }
 }
 
@@ -433,7 +491,7 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_ValueError, "launch: n_threads must be a positive count");
         return NULL;
     }
-    if (block[1] < SC_LAUNCH_SSM_CONV || block[1] > SC_LAUNCH_GATED_DELTA_NET) {
+    if (block[1] < SC_LAUNCH_SSM_CONV || block[1] > SC_LAUNCH_LAST) {
         PyErr_SetString(PyExc_ValueError, "launch: the block names no kernel");
         return NULL;
     }
@@ -454,8 +512,7 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     /* The GIL is held from the check of busy to here, so no other thread can be between them. */
     block[0] = 1;
-    const sc_state *st = (const sc_state *)(uintptr_t)block[SC_LAUNCH_HEAD]; /* every kernel's first argument */
-    if (st->n_tokens * st->row_elems < SC_LAUNCH_GIL_WORK) {
+    if (block_work(block[1], block + SC_LAUNCH_HEAD) < SC_LAUNCH_GIL_WORK) {
         run_kernel(block[1], block + SC_LAUNCH_HEAD, (int)n_threads);
     } else {
         Py_BEGIN_ALLOW_THREADS
@@ -466,30 +523,364 @@ static PyObject *py_launch(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_TRUE;
 }
 
+/* -- the launch memo's fast path (statecache.launch_memo) ------------------------------------
+ *
+ * A decode step calls each primitive once per layer with the Buffers of the step before; the
+ * launch memo finds the call it validated then (probe) and runs the launch it prepared (a run).
+ * Both are the Python code they replace, done in C: about 0.3 us of Python each, several times
+ * a one-sequence decode kernel of a small layer. */
+
+/* threads(): statecache.settings.num_threads() without its Python frame, for the runs below.
+ * self is (settings' dict, os' dict, num_threads, cores, cache).  The common cases are answered
+ * here, reading what num_threads reads: STATECACHE_NUM_THREADS from os.environ's raw mapping
+ * (settings._raw_threads_var, while os.environ is the object it was found in), its count as
+ * num_threads parsed that value before (cache), else torch.get_num_threads() when torch is in
+ * sys.modules and answers a positive int, else the cores.  Anything else (a stand-in
+ * os.environ, a value not seen yet or not valid, torch odd or broken) asks num_threads itself,
+ * so that answers and errors are its own. */
+#define SC_THREADS_CACHE 8
+
+static PyObject *python_threads(PyObject *state, PyObject *cache, PyObject *value) {
+    PyObject *n = PyObject_CallNoArgs(PyTuple_GetItem(state, 2));
+    if (n != NULL && value != NULL && PyLong_CheckExact(n)) { /* a value's count depends on the value alone */
+        if (PyDict_Size(cache) >= SC_THREADS_CACHE) PyDict_Clear(cache);
+        if (PyDict_SetItem(cache, value, n) != 0) PyErr_Clear();
+    }
+    return n;
+}
+
+static PyObject *py_threads(PyObject *state, PyObject *unused) {
+    (void)unused;
+    static PyObject *s_raw = NULL, *s_environ = NULL, *s_torch = NULL, *s_get = NULL;
+    if (s_raw == NULL) {
+        s_raw = PyUnicode_InternFromString("_raw_threads_var");
+        s_environ = PyUnicode_InternFromString("environ");
+        s_torch = PyUnicode_InternFromString("torch");
+        s_get = PyUnicode_InternFromString("get_num_threads");
+        if (s_raw == NULL || s_environ == NULL || s_torch == NULL || s_get == NULL) {
+            Py_CLEAR(s_raw);
+            return NULL;
+        }
+    }
+    PyObject *settings = PyTuple_GetItem(state, 0), *os = PyTuple_GetItem(state, 1);
+    PyObject *cores = PyTuple_GetItem(state, 3), *cache = PyTuple_GetItem(state, 4);
+    if (settings == NULL || os == NULL || cores == NULL || cache == NULL) return NULL;
+    PyObject *var = PyDict_GetItemWithError(settings, s_raw); /* borrowed */
+    PyObject *environ = PyDict_GetItemWithError(os, s_environ);
+    if (var == NULL || environ == NULL || !PyTuple_Check(var) || PyTuple_Size(var) != 3 ||
+        PyTuple_GetItem(var, 0) != environ) {
+        PyErr_Clear();
+        return python_threads(state, cache, NULL); /* not looked up yet, or os.environ replaced */
+    }
+    PyObject *get = PyTuple_GetItem(var, 1), *key = PyTuple_GetItem(var, 2), *value;
+    PyObject *data = PyCFunction_Check(get) ? PyCFunction_GetSelf(get) : NULL;
+    if (data != NULL && PyDict_CheckExact(data)) { /* the raw mapping's get: look it up directly */
+        value = PyDict_GetItemWithError(data, key);
+        if (value == NULL && !PyErr_Occurred()) value = Py_None;
+        Py_XINCREF(value);
+    } else {
+        value = PyObject_CallFunctionObjArgs(get, key, NULL);
+    }
+    if (value == NULL) {
+        PyErr_Clear();
+        return python_threads(state, cache, NULL);
+    }
+    int set = PyObject_IsTrue(value);
+    if (set != 0) {
+        PyObject *n = set < 0 ? NULL : PyDict_GetItemWithError(cache, value);
+        if (n != NULL) {
+            Py_DECREF(value);
+            Py_INCREF(n);
+            return n;
+        }
+        PyErr_Clear();
+        n = python_threads(state, cache, set < 0 ? NULL : value);
+        Py_DECREF(value);
+        return n;
+    }
+    Py_DECREF(value);
+    PyObject *torch = PyDict_GetItemWithError(PyImport_GetModuleDict(), s_torch); /* borrowed */
+    if (torch == NULL) {
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            return python_threads(state, cache, NULL);
+        }
+        Py_INCREF(cores);
+        return cores;
+    }
+    Py_INCREF(torch);
+    PyObject *torch_get = PyObject_GetAttr(torch, s_get);
+    Py_DECREF(torch);
+    PyObject *n = torch_get == NULL ? NULL : PyObject_CallNoArgs(torch_get);
+    Py_XDECREF(torch_get);
+    if (n != NULL && PyLong_CheckExact(n)) {
+        long count = PyLong_AsLong(n);
+        if (count >= 1) return n;
+    }
+    Py_XDECREF(n);
+    PyErr_Clear();
+    return python_threads(state, cache, NULL); /* torch odd, broken or half imported: num_threads decides */
+}
+
+static PyMethodDef sc_threads_def = {"threads", (PyCFunction)py_threads, METH_NOARGS,
+                                     "statecache.settings.num_threads() in C"};
+
+/* threader(settings_dict, os_dict, num_threads, cores): the threads() of those. */
+static PyObject *py_threader(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4 || !PyDict_Check(args[0]) || !PyDict_Check(args[1]) || !PyCallable_Check(args[2]) ||
+        !PyLong_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "threader(settings_dict, os_dict, num_threads, cores: int)");
+        return NULL;
+    }
+    PyObject *cache = PyDict_New();
+    if (cache == NULL) return NULL;
+    PyObject *state = PyTuple_Pack(5, args[0], args[1], args[2], args[3], cache);
+    Py_DECREF(cache);
+    if (state == NULL) return NULL;
+    PyObject *threads = PyCFunction_NewEx(&sc_threads_def, state, NULL);
+    Py_DECREF(state);
+    return threads;
+}
+
+/* run(): a prepared call, with the thread count threads() returns.  self is the list
+ * [block, threads, keep, kernel, args, build]: kernel(*args, n_threads) is the call through
+ * cffi, build() makes its block (bytes: the layout above without targets) or None, keep holds
+ * everything the words point into.  The first run (the validated call) goes through cffi and
+ * leaves the block to be made by the next one (block None, then True): a call validated every
+ * time never pays for it.  With a block (bytes, never written: two threads may run it at once,
+ * as two cffi calls of the same arguments could) the kernel is called here, the GIL released
+ * unless the call is small (SC_LAUNCH_GIL_WORK); without one (False: build said None) through
+ * cffi. */
+enum { RUN_BLOCK, RUN_THREADS, RUN_KEEP, RUN_KERNEL, RUN_ARGS, RUN_BUILD, RUN_SLOTS };
+#define SC_BLOCK_BYTES ((Py_ssize_t)sizeof(int64_t) * (SC_LAUNCH_HEAD + SC_LAUNCH_ARGS))
+
+static PyObject *run_through_cffi(PyObject *self, PyObject *count) {
+    PyObject *args = PyList_GetItem(self, RUN_ARGS);
+    if (args == NULL || !PyTuple_Check(args)) return NULL;
+    Py_ssize_t n = PyTuple_Size(args);
+    PyObject *full = PyTuple_New(n + 1);
+    if (full == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GetItem(args, i);
+        Py_INCREF(item);
+        PyTuple_SetItem(full, i, item); /* steals the reference just taken */
+    }
+    Py_INCREF(count);
+    PyTuple_SetItem(full, n, count);
+    PyObject *r = PyObject_Call(PyList_GetItem(self, RUN_KERNEL), full, NULL);
+    Py_DECREF(full);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_run(PyObject *self, PyObject *unused) {
+    (void)unused;
+    PyObject *made = PyList_GetItem(self, RUN_BLOCK); /* borrowed */
+    if (made == NULL) return NULL;
+    PyObject *count = PyObject_CallNoArgs(PyList_GetItem(self, RUN_THREADS));
+    if (count == NULL) return NULL; /* the thread count's own error (a bad STATECACHE_NUM_THREADS) */
+    long n_threads = PyLong_AsLong(count);
+    if ((n_threads == -1 && PyErr_Occurred()) || n_threads < 1 || n_threads > 1 << 20) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "run: the thread count must be a positive count");
+        Py_DECREF(count);
+        return NULL;
+    }
+    if (made == Py_True) { /* met again: worth a block */
+        PyObject *block = PyObject_CallNoArgs(PyList_GetItem(self, RUN_BUILD));
+        if (block == NULL) {
+            Py_DECREF(count);
+            return NULL;
+        }
+        if (!PyBytes_Check(block) || PyBytes_Size(block) != SC_BLOCK_BYTES) {
+            Py_DECREF(block);
+            block = Py_False; /* a call no block carries: cffi from now on */
+            Py_INCREF(block);
+        }
+        if (PyList_SetItem(self, RUN_BLOCK, block) != 0) { /* steals block */
+            Py_DECREF(count);
+            return NULL;
+        }
+        made = block;
+    }
+    if (!PyBytes_Check(made)) {
+        if (made == Py_None) { /* the first run: the next one makes the block */
+            Py_INCREF(Py_True);
+            if (PyList_SetItem(self, RUN_BLOCK, Py_True) != 0) {
+                Py_DECREF(count);
+                return NULL;
+            }
+        }
+        PyObject *r = run_through_cffi(self, count);
+        Py_DECREF(count);
+        return r;
+    }
+    Py_DECREF(count);
+    int64_t block[SC_LAUNCH_HEAD + SC_LAUNCH_ARGS]; /* copied: bytes promise no alignment */
+    memcpy(block, PyBytes_AsString(made), sizeof block);
+    if (block[1] < SC_LAUNCH_SSM_CONV || block[1] > SC_LAUNCH_LAST || block[2] != 0) {
+        PyErr_SetString(PyExc_ValueError, "run: the block names no kernel, or has targets");
+        return NULL;
+    }
+    const int64_t *a = block + SC_LAUNCH_HEAD;
+    if (block_work(block[1], a) < SC_LAUNCH_GIL_WORK) {
+        run_kernel(block[1], a, (int)n_threads);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        run_kernel(block[1], a, (int)n_threads);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef sc_run_def = {"run", (PyCFunction)py_run, METH_NOARGS, "run a prepared call"};
+
+/* runner(kernel, args, threads, keep, build): the run() of kernel(*args, n_threads) (above), a
+ * builtin taking no arguments. */
+static PyObject *py_runner(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5 || !PyCallable_Check(args[0]) || !PyTuple_Check(args[1]) || !PyCallable_Check(args[2]) ||
+        !PyCallable_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "runner(kernel, args: tuple, threads: callable, keep, build: callable)");
+        return NULL;
+    }
+    PyObject *bound = PyList_New(RUN_SLOTS);
+    if (bound == NULL) return NULL;
+    PyObject *items[RUN_SLOTS] = {Py_None, args[2], args[3], args[0], args[1], args[4]};
+    for (int i = 0; i < RUN_SLOTS; i++) {
+        Py_INCREF(items[i]);
+        PyList_SetItem(bound, i, items[i]); /* steals the reference just taken */
+    }
+    PyObject *run = PyCFunction_NewEx(&sc_run_def, bound, NULL);
+    Py_DECREF(bound);
+    return run;
+}
+
+/* probe(key, caps): statecache.launch_memo.LaunchMemo.probe over self = (entries, writes), the
+ * memo's dict and STORAGE_WRITES: the entry of key when its capabilities are caps, it is probed
+ * (stamps not None), its buffers are alive (live[0]) and every (storage, count) of its stamps
+ * is the storage's count in writes; else None (also for an unhashable key). */
+static PyObject *py_probe(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    static PyObject *s_caps = NULL, *s_stamps = NULL, *s_live = NULL;
+    if (s_caps == NULL) {
+        s_caps = PyUnicode_InternFromString("caps");
+        s_stamps = PyUnicode_InternFromString("stamps");
+        s_live = PyUnicode_InternFromString("live");
+        if (s_caps == NULL || s_stamps == NULL || s_live == NULL) {
+            Py_CLEAR(s_caps);
+            Py_CLEAR(s_stamps);
+            Py_CLEAR(s_live);
+            return NULL;
+        }
+    }
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "probe(key, caps) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *entries = PyTuple_GetItem(self, 0), *writes = PyTuple_GetItem(self, 1);
+    if (entries == NULL || writes == NULL) return NULL;
+    PyObject *entry = PyDict_GetItemWithError(entries, args[0]); /* borrowed */
+    if (entry == NULL) {
+        if (PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) return NULL;
+            PyErr_Clear(); /* an unhashable scalar: validation says what is wrong */
+        }
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(entry);
+    PyObject *found = NULL, *caps = NULL, *stamps = NULL, *live = NULL;
+    if ((caps = PyObject_GetAttr(entry, s_caps)) == NULL) goto done;
+    if (caps != args[1]) goto miss;
+    if ((stamps = PyObject_GetAttr(entry, s_stamps)) == NULL) goto done;
+    if (stamps == Py_None) goto miss; /* not probed: matched by geometry, or index buffers of no known storage */
+    if ((live = PyObject_GetAttr(entry, s_live)) == NULL) goto done;
+    PyObject *flag = PyList_GetItem(live, 0); /* borrowed */
+    if (flag == NULL) goto done;
+    int alive = PyObject_IsTrue(flag);
+    if (alive < 0) goto done;
+    if (!alive) goto miss; /* a buffer died: its id may be another object's now */
+    Py_ssize_t n = PyTuple_Size(stamps);
+    if (n < 0) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *stamp = PyTuple_GetItem(stamps, i);
+        if (stamp == NULL) goto done;
+        PyObject *storage = PyTuple_GetItem(stamp, 0), *count = PyTuple_GetItem(stamp, 1);
+        if (storage == NULL || count == NULL) goto done;
+        PyObject *now = PyDict_GetItemWithError(writes, storage); /* borrowed */
+        if (now == NULL) {
+            if (PyErr_Occurred()) goto done;
+            goto miss; /* None != count */
+        }
+        int same = PyObject_RichCompareBool(now, count, Py_EQ);
+        if (same < 0) goto done;
+        if (!same) goto miss; /* written since: validate again */
+    }
+    found = entry;
+    Py_INCREF(found);
+    goto done;
+miss:
+    found = Py_None;
+    Py_INCREF(found);
+done:
+    Py_XDECREF(caps);
+    Py_XDECREF(stamps);
+    Py_XDECREF(live);
+    Py_DECREF(entry);
+    return found;
+}
+
+static PyMethodDef sc_probe_def = {"probe", (PyCFunction)(void (*)(void))py_probe, METH_FASTCALL,
+                                   "probe(key, caps): LaunchMemo.probe in C"};
+
+/* prober(entries, writes): the probe() of a memo's dict (the dict itself, so the memo must keep
+ * that dict, not replace it) and STORAGE_WRITES. */
+static PyObject *py_prober(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyDict_Check(args[0]) || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "prober(entries: dict, writes: dict)");
+        return NULL;
+    }
+    PyObject *bound = PyTuple_Pack(2, args[0], args[1]);
+    if (bound == NULL) return NULL;
+    PyObject *probe = PyCFunction_NewEx(&sc_probe_def, bound, NULL);
+    Py_DECREF(bound);
+    return probe;
+}
+
 static PyMethodDef sc_dlpack_defs[] = {
     {"read", (PyCFunction)(void (*)(void))py_read, METH_FASTCALL, "read(obj, from_py): a tensor's reading"},
     {"match", (PyCFunction)(void (*)(void))py_match, METH_FASTCALL, "match(given, plan): addresses, None or False"},
     {"place", (PyCFunction)(void (*)(void))py_place, METH_FASTCALL, "place(addresses, targets): set pointer fields"},
     {"launch", (PyCFunction)(void (*)(void))py_launch, METH_FASTCALL, "launch(given, plan, fixed, shadows, block, "
      "n_threads): match, place and run a prepared call"},
+    {"runner", (PyCFunction)(void (*)(void))py_runner, METH_FASTCALL, "runner(kernel, args, threads, keep, build): a prepared call's run()"},
+    {"prober", (PyCFunction)(void (*)(void))py_prober, METH_FASTCALL, "prober(entries, writes): a memo's probe()"},
+    {"threader", (PyCFunction)(void (*)(void))py_threader, METH_FASTCALL,
+     "threader(settings_dict, os_dict, num_threads, cores): num_threads() in C"},
 };
 
-/* (read, match, place, launch) as Python builtins (called like any builtin: the GIL held,
- * no ctypes conversions per call); made once, kept for the process.  Returns
- * a new reference (ctypes takes a py_object result as one), NULL on failure. */
+/* (read, match, place, launch, runner, prober, threader) as Python builtins (called like any builtin: the
+ * GIL held, no ctypes conversions per call); made once, kept for the process.  Returns a new
+ * reference (ctypes takes a py_object result as one), NULL on failure. */
 void *sc_dlpack_functions(void) {
     static PyObject *functions = NULL;
     if (functions == NULL) {
-        PyObject *read = PyCFunction_NewEx(&sc_dlpack_defs[0], NULL, NULL);
-        PyObject *match = PyCFunction_NewEx(&sc_dlpack_defs[1], NULL, NULL);
-        PyObject *place = PyCFunction_NewEx(&sc_dlpack_defs[2], NULL, NULL);
-        PyObject *launch = PyCFunction_NewEx(&sc_dlpack_defs[3], NULL, NULL);
-        if (read != NULL && match != NULL && place != NULL && launch != NULL)
-            functions = PyTuple_Pack(4, read, match, place, launch);
-        Py_XDECREF(read);
-        Py_XDECREF(match);
-        Py_XDECREF(place);
-        Py_XDECREF(launch);
+        enum { N = sizeof sc_dlpack_defs / sizeof sc_dlpack_defs[0] };
+        PyObject *made[N];
+        int ok = 1;
+        for (int i = 0; i < N; i++) {
+            made[i] = PyCFunction_NewEx(&sc_dlpack_defs[i], NULL, NULL);
+            ok = ok && made[i] != NULL;
+        }
+        if (ok) {
+            functions = PyTuple_New(N);
+            for (int i = 0; functions != NULL && i < N; i++) {
+                Py_INCREF(made[i]);
+                PyTuple_SetItem(functions, i, made[i]); /* steals the reference just taken */
+            }
+        }
+        for (int i = 0; i < N; i++) Py_XDECREF(made[i]);
         if (functions == NULL) return NULL;
     }
     Py_INCREF(functions);

@@ -6,7 +6,8 @@
  * call (launch).  Unlike the kernels these touch Python objects, so they are
  * Python builtins (called with the GIL held, which a cffi call would drop):
  * sc_dlpack_functions returns a new reference to the tuple
- * (read, match, place, launch), declared void * so that cffi can give its
+ * (read, match, place, launch, runner, prober, threader: the launch
+ * memo's prepared calls, probe and thread count in C), declared void * so that cffi can give its
  * address for ctypes to call once.  Not part of the kernels' ABI
  * (statecache_cpu.h). */
 #ifndef SC_DLPACK_H

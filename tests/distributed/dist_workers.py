@@ -200,6 +200,16 @@ def transfer(rank: int, world: int) -> Any:
             send_sequence(other, 0, 1, tag=8)
         except TransferError as exc:
             out["refused"] = str(exc)
+        # its rows followed the header at once (protocol 6) and the receiver drained them:
+        # the same tag carries the next transfer
+        out["blob_again"] = mem.state_write(2)
+        send_sequence(mem, 2, 1, tag=8)
+        # refused on the header (over the receiver's max_bytes): nothing told the receiver
+        # what to drain, so the rows stay posted on that tag, and both sides say so
+        try:
+            send_sequence(mem, 2, 1, tag=15)
+        except TransferError as exc:
+            out["too_large_eager"] = str(exc)
         # the sender cannot write the sequence (unknown id): the receiver is told at once
         try:
             send_sequence(mem, 9, 1, tag=9)
@@ -242,6 +252,10 @@ def transfer(rank: int, world: int) -> Any:
     for name, tag in (("bad_magic", 3), ("bad_hash", 4), ("too_large", 5), ("bad_crc", 6), ("bad_pos", 7)):
         out[name] = _expect_failure(mem, lambda tag=tag: recv_sequence(mem, 0, 0, tag=tag))
     out["refused"] = _expect_failure(mem, lambda: recv_sequence(mem, 0, 0, tag=8))
+    again = make_memory(cpu, spec, n_seq_max=1, n_ctx=32)
+    recv_sequence(again, 0, 0, tag=8)
+    out["blob_again"] = again.state_write(0)
+    out["too_large_eager"] = _expect_failure(mem, lambda: recv_sequence(mem, 0, 0, tag=15, max_bytes=1000))
     out["abort"] = _expect_failure(mem, lambda: recv_sequence(mem, 0, 0, tag=9))
     assert mem.seq_pos_max(0) >= 0  # the destination holds a state a write would change
     out["lost_rows"] = _expect_failure(mem, lambda: recv_sequence(mem, 0, 0, rows_side, tag=13, timeout=1.0))

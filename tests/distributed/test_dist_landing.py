@@ -95,28 +95,33 @@ def test_landed_rows_install_what_the_state_format_installs(fake, landings, kind
     assert dst.state_write() == ref.state_write()  # every sequence: the others untouched too
 
 
-def _stop_after(src, seq, n_rows_sent):
+def _stop_after(src, seq, n_rows_sent, eager=False):
     """A sender that sends the header, the metadata and the first ``n_rows_sent`` row
-    messages of sequence ``seq``, then stops (dies, stalls)."""
+    messages of sequence ``seq``, then stops (dies, stalls); ``eager``: without waiting
+    for the go (protocol 6's gloo path)."""
 
     def run():
         ch = transfer._Channel(1, None, 0, 10)
         out = transfer._Outgoing.of(src, seq, 0)
         header = transfer._header(
-            len(out.meta) + out.nbytes, src.seq_pos_min(seq), src.seq_pos_max(seq), 0, None, len(out.meta), out.sizes
-        )
+            len(out.meta) + out.nbytes, src.seq_pos_min(seq), src.seq_pos_max(seq), 0, None, len(out.meta), out.sizes,
+            eager=eager,
+        )  # fmt: skip
         ch.send(transfer._header_message(ch, header, out.meta), "header and metadata")
-        assert ch.hear("go") == transfer.OK
+        if not eager:
+            assert ch.hear("go") == transfer.OK
         for k in range(n_rows_sent):
             ch.send(torch.from_numpy(out.part(k).copy()), "rows")
 
     return run
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["on_go", "eager"])
 @pytest.mark.parametrize("held", [False, True], ids=["free_destination", "destination_holds_a_state"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_failure_after_rows_landed_changes_nothing_observable(fake, landings, kind, held):
-    """``held``: the destination sequence holds a state, whose rows are no landing space."""
+def test_a_failure_after_rows_landed_changes_nothing_observable(fake, landings, kind, held, eager):
+    """``held``: the destination sequence holds a state, whose rows are no landing space;
+    ``eager``: the sender posted its rows right behind the header."""
     src = garbage_memory(kind, statecache.get_device("cpu"), seed=41)
     dst, twin = receiver(kind), receiver(kind)
     if held:
@@ -126,7 +131,7 @@ def test_a_failure_after_rows_landed_changes_nothing_observable(fake, landings, 
     assert n_messages >= 3
     sent = n_messages - 1  # all but the last: most landed rows hold the sender's bytes now
     before = observable(dst)
-    thread, errors = run_sender(fake, _stop_after(src, 1, sent))
+    thread, errors = run_sender(fake, _stop_after(src, 1, sent, eager))
     with pytest.raises(TransferError, match="receiving the rows"):
         recv_sequence(dst, 0, 0, timeout=0.3)
     thread.join(10)
@@ -178,3 +183,31 @@ def test_a_failure_after_rows_landed_makes_an_earlier_undo_stale(fake, landings,
     with pytest.raises(ContextError, match="changed after"):
         ctx.undo(drop=True)
     assert same(observable(dst), before)
+
+
+@pytest.mark.parametrize("max_bytes", [None, 64], ids=["refused_state", "refused_header"])
+def test_a_refused_eager_payload_changes_nothing_and_says_whether_the_tag_is_spent(fake, max_bytes):
+    """Protocol 6: the rows follow the header without a go.  A receiver that refuses the
+    state (another layout) drains them, so the next transfer on the same tag installs
+    the sequence; one that refuses the header (over ``max_bytes``) cannot know what to
+    drain, and both sides say the tag is spent.  Either way the receiver is unchanged."""
+    src = garbage_memory("recurrent", statecache.get_device("cpu"), seed=41)
+    dst, ref = receiver("hybrid_iswa"), receiver("hybrid_iswa")
+    before = observable(dst)
+    thread, errors = run_sender(fake, lambda: send_sequence(src, 1, 1, timeout=10))
+    expected = ("StateError", "another kind") if max_bytes is None else ("TransferError", "fresh one")
+    with pytest.raises(Exception, match=expected[1]) as caught:
+        recv_sequence(dst, 0, 0, timeout=10, max_bytes=max_bytes)
+    assert type(caught.value).__name__ == expected[0]
+    thread.join(10)
+    assert same(observable(dst), before)
+    assert len(errors) == 1 and "refused" in str(errors[0])
+    assert ("fresh tag" in str(errors[0])) == (max_bytes is not None)
+    if max_bytes is None:  # drained: the same tag carries the next transfer
+        good = garbage_memory("hybrid_iswa", statecache.get_device("cpu"), seed=41)
+        thread, errors = run_sender(fake, lambda: send_sequence(good, 1, 1, timeout=10))
+        recv_sequence(dst, 0, 0, timeout=10)
+        thread.join(10)
+        assert not errors
+        ref.state_read(good.state_write(1), 0)
+        assert dst.state_write() == ref.state_write()

@@ -142,6 +142,30 @@ def test_a_refused_layout_raises_on_both_sides_and_changes_nothing(two_ranks):
     assert (error, unchanged) == ("StateError", True) and "type" in message
 
 
+def test_a_refused_eager_payload_is_drained_and_the_tag_carries_the_next_transfer(two_ranks):
+    """Protocol 6 posts the rows right behind the header; the receiver that refuses the
+    state drains them, so the next transfer on the same tag installs the sequence (the
+    same positions and rows as the sender's)."""
+    s, r = two_ranks[0]["transfer"], two_ranks[1]["transfer"]
+    assert "refused" in s["refused"] and r["refused"][2]
+    sent = [parse_section(t, p) for t, p in unpack_sections(s["blob_again"])[1]]
+    got = [parse_section(t, p) for t, p in unpack_sections(r["blob_again"])[1]]
+    assert [x.tag for x in sent] == [x.tag for x in got]
+    for a, b in zip(sent, got, strict=True):
+        assert a.positions == b.positions and a.positions
+        assert all(np.array_equal(x.rows, y.rows) and x.key == y.key for x, y in zip(a.blocks, b.blocks, strict=True))
+
+
+def test_an_eager_payload_refused_on_its_header_says_the_tag_is_spent(two_ranks):
+    """Over max_bytes: refused before the receiver knows what to drain; it is unchanged,
+    and both sides name the tag as out of step."""
+    error, message, unchanged = two_ranks[1]["transfer"]["too_large_eager"]
+    assert (error, unchanged) == ("TransferError", True)
+    assert "max_bytes" in message and "fresh" in message
+    assert "larger than the receiving memory" in two_ranks[0]["transfer"]["too_large_eager"]
+    assert "fresh tag" in two_ranks[0]["transfer"]["too_large_eager"]
+
+
 def test_a_sender_that_cannot_write_tells_the_receiver(two_ranks):
     assert two_ranks[0]["transfer"]["abort"] == "ArgumentError"
     error, message, unchanged = two_ranks[1]["transfer"]["abort"]
