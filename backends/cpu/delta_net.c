@@ -12,7 +12,7 @@
  * So, as in the Mamba-2 scan, a work unit is (sequence, value head) and it
  * walks a tile of rows (up to 32 KiB) through every token with the tile in
  * L1, vectorised over the key index; the AVX2 path takes four rows per pass
- * (see gdn_rows4).  Read-before-write per slice as in ssm_scan.c. */
+ * (see gdn_rows_impl).  Read-before-write per slice as in ssm_scan.c. */
 #include "sc_gemm.h"
 
 /* Rows per tile: 32 KiB of f32 at head size 128, L1-resident for all tokens. */
@@ -47,237 +47,196 @@ static const float *pack_tokens(const sc_view *v, int64_t t0, int64_t h, int64_t
 }
 
 #ifdef SC_HAVE_AVX2
-/* One token over four rows of the tile (S % 8 == 0): both passes (decay and
- * k-dot, then update and q-dot) handle the four rows together, so k, q and
- * the gate are loaded once for four rows and the four dot products are
- * independent FMA chains.  `et` is the per-key gate (KDA) or NULL for the
- * scalar gate `es`.  With `mid` (4 * S floats of scratch) the first pass
- * writes there and the second pass leaves for `out` with non-temporal stores:
- * `out` is then a pool row other than `in` in a large call or decode, whose
- * source the caller fetches ahead (see update_rows in ssm_scan.c). */
-static inline __attribute__((always_inline)) void gdn_rows4_impl(const float *in, float *out, float *mid, int64_t S,
-                                                                 const float *kt, const float *qt, const float *et,
-                                                                 float es, const float *vt, int64_t vstride,
-                                                                 float beta, float scale, float *ot,
-                                                                 const int stream) {
+/* One token over rows of a head, AVX2 (S % 8 == 0), as two passes per group
+ * of four rows.  The k-dot is taken on the state before the token, the
+ * decay folded into the vector it dots with,
+ *     kd = (g * M) . k = M . (g k),   delta = (v - kd) beta,
+ * so the first pass (gdn_kdots4) only reads the rows; the second
+ * (gdn_update4) reads them again from L1, writes M' = g * M + k delta once
+ * and dots M' with q.  The former form wrote every element twice (the
+ * decayed row, then the updated one): Zen 4 retires one 256-bit store per
+ * cycle, so those two stores per 8 elements cost as much as the four
+ * multiply-adds they came with.  The multiply-adds stay four (k-dot,
+ * decay, update, q-dot), with half the stores.  The output still comes
+ * from the updated row, so a NaN made in the state (inf - inf) reaches it
+ * as the definition says (an output taken as M . (g q) + delta (k . q)
+ * read inf where the reference has NaN).  The k-dots of the next group
+ * are taken before this group's update, so the update never waits on
+ * their horizontal sums.  16 heads of 128, decode, C calls on this host
+ * (Zen 4), fastest of 300-2000, old and new alternated: one sequence, one
+ * thread 25.4-25.8 -> 23.0-23.7 us, two threads 12.6-12.8 -> 11.9-12.5;
+ * eight sequences (8 MiB, from L3), one thread 226-230 -> 201-205 us, two
+ * threads 115-118 -> 102-104; KDA, eight sequences, one thread 276-280 ->
+ * 248-259.  The rounding of kd differs from the former form's
+ * (so the state's and the output's bits), within the conformance
+ * tolerances; every path of a head size (decode, the token loop of a
+ * prefill, streamed or not, any thread count) runs these functions, so
+ * they agree bit for bit. */
+static inline __attribute__((always_inline)) void gdn_kdots4(const float *in, int64_t S, const float *gk, float *kd,
+                                                             const float *pf) {
     const float *i0 = in, *i1 = i0 + S, *i2 = i1 + S, *i3 = i2 + S;
-    float *r0 = stream ? mid : out, *r1 = r0 + S, *r2 = r1 + S, *r3 = r2 + S;
-    __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
+    __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0, c0 = d0, c1 = d0, c2 = d0, c3 = d0;
+    int64_t i = 0;
+#pragma GCC unroll 8
+    for (; i + 16 <= S; i += 16) {
+        _mm_prefetch((const char *)(pf + 4 * i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pf + 4 * i + 16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pf + 4 * i + 32), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pf + 4 * i + 48), _MM_HINT_T0);
+        const __m256 a = _mm256_loadu_ps(gk + i), b = _mm256_loadu_ps(gk + i + 8);
+        d0 = _mm256_fmadd_ps(_mm256_loadu_ps(i0 + i), a, d0);
+        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(i0 + i + 8), b, c0);
+        d1 = _mm256_fmadd_ps(_mm256_loadu_ps(i1 + i), a, d1);
+        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(i1 + i + 8), b, c1);
+        d2 = _mm256_fmadd_ps(_mm256_loadu_ps(i2 + i), a, d2);
+        c2 = _mm256_fmadd_ps(_mm256_loadu_ps(i2 + i + 8), b, c2);
+        d3 = _mm256_fmadd_ps(_mm256_loadu_ps(i3 + i), a, d3);
+        c3 = _mm256_fmadd_ps(_mm256_loadu_ps(i3 + i + 8), b, c3);
+    }
+    if (i < S) { /* S % 16 == 8 */
+        _mm_prefetch((const char *)(pf + 4 * i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pf + 4 * i + 16), _MM_HINT_T0);
+        const __m256 a = _mm256_loadu_ps(gk + i);
+        d0 = _mm256_fmadd_ps(_mm256_loadu_ps(i0 + i), a, d0);
+        d1 = _mm256_fmadd_ps(_mm256_loadu_ps(i1 + i), a, d1);
+        d2 = _mm256_fmadd_ps(_mm256_loadu_ps(i2 + i), a, d2);
+        d3 = _mm256_fmadd_ps(_mm256_loadu_ps(i3 + i), a, d3);
+    }
+    _mm_storeu_ps(kd, sc_hsum4x8(_mm256_add_ps(d0, c0), _mm256_add_ps(d1, c1), _mm256_add_ps(d2, c2),
+                                 _mm256_add_ps(d3, c3)));
+}
+
+/* out row = in row * g + k * delta[row] for four rows, and the dots of the
+ * new rows with q into ot[0..4) (times scale).  `stream`: `out` is an
+ * aligned pool row other than `in` (a large call or decode, see
+ * sc_stream_rows) and S % 16 == 0: each 64-byte line leaves with two
+ * back-to-back non-temporal stores, finished as soon as it is started (see
+ * update_rows in ssm_scan.c).  The same values either way. */
+static inline __attribute__((always_inline)) void gdn_update4(const float *in, float *out, int64_t S, const float *kt,
+                                                              const float *qt, const float *et, float es,
+                                                              const float *delta, float scale, float *ot,
+                                                              const int stream) {
+    const float *i0 = in, *i1 = i0 + S, *i2 = i1 + S, *i3 = i2 + S;
+    float *w0 = out, *w1 = w0 + S, *w2 = w1 + S, *w3 = w2 + S;
+    const __m256 e0 = _mm256_set1_ps(delta[0]), e1 = _mm256_set1_ps(delta[1]);
+    const __m256 e2 = _mm256_set1_ps(delta[2]), e3 = _mm256_set1_ps(delta[3]);
     const __m256 gs = _mm256_set1_ps(es);
-    for (int64_t i = 0; i < S; i += 8) {
-        const __m256 g = et ? _mm256_loadu_ps(et + i) : gs, k = _mm256_loadu_ps(kt + i);
-        const __m256 m0 = _mm256_mul_ps(_mm256_loadu_ps(i0 + i), g), m1 = _mm256_mul_ps(_mm256_loadu_ps(i1 + i), g);
-        const __m256 m2 = _mm256_mul_ps(_mm256_loadu_ps(i2 + i), g), m3 = _mm256_mul_ps(_mm256_loadu_ps(i3 + i), g);
-        _mm256_storeu_ps(r0 + i, m0);
-        _mm256_storeu_ps(r1 + i, m1);
-        _mm256_storeu_ps(r2 + i, m2);
-        _mm256_storeu_ps(r3 + i, m3);
-        d0 = _mm256_fmadd_ps(m0, k, d0);
-        d1 = _mm256_fmadd_ps(m1, k, d1);
-        d2 = _mm256_fmadd_ps(m2, k, d2);
-        d3 = _mm256_fmadd_ps(m3, k, d3);
-    }
-    float kd[4];
-    _mm_storeu_ps(kd, sc_hsum4x8(d0, d1, d2, d3));
-    const __m256 e0 = _mm256_set1_ps((vt[0] - kd[0]) * beta), e1 = _mm256_set1_ps((vt[vstride] - kd[1]) * beta);
-    const __m256 e2 = _mm256_set1_ps((vt[2 * vstride] - kd[2]) * beta);
-    const __m256 e3 = _mm256_set1_ps((vt[3 * vstride] - kd[3]) * beta);
     __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
-    if (stream && S % 16 == 0) {
-        /* The updated rows go straight from `mid` to `out`, a whole 64-byte
-         * line of each row per step (the same operations in the same order
-         * as the loop below): every streamed line is finished as soon as it
-         * is started, and the stores are spread among the loads instead of
-         * leaving in one burst (see update_rows in ssm_scan.c). */
-        float *w0 = out, *w1 = w0 + S, *w2 = w1 + S, *w3 = w2 + S;
-        for (int64_t i = 0; i < S; i += 16) {
-            const __m256 k = _mm256_loadu_ps(kt + i), q = _mm256_loadu_ps(qt + i);
-            const __m256 k8 = _mm256_loadu_ps(kt + i + 8), q8 = _mm256_loadu_ps(qt + i + 8);
-            o0 = sc_stream_line(w0 + i, _mm256_fmadd_ps(k, e0, _mm256_loadu_ps(r0 + i)),
-                                _mm256_fmadd_ps(k8, e0, _mm256_loadu_ps(r0 + i + 8)), q, q8, o0);
-            o1 = sc_stream_line(w1 + i, _mm256_fmadd_ps(k, e1, _mm256_loadu_ps(r1 + i)),
-                                _mm256_fmadd_ps(k8, e1, _mm256_loadu_ps(r1 + i + 8)), q, q8, o1);
-            o2 = sc_stream_line(w2 + i, _mm256_fmadd_ps(k, e2, _mm256_loadu_ps(r2 + i)),
-                                _mm256_fmadd_ps(k8, e2, _mm256_loadu_ps(r2 + i + 8)), q, q8, o2);
-            o3 = sc_stream_line(w3 + i, _mm256_fmadd_ps(k, e3, _mm256_loadu_ps(r3 + i)),
-                                _mm256_fmadd_ps(k8, e3, _mm256_loadu_ps(r3 + i + 8)), q, q8, o3);
-        }
-        _mm_storeu_ps(ot, _mm_mul_ps(_mm_set1_ps(scale), sc_hsum4x8(o0, o1, o2, o3)));
-        return;
+#define SC_GDN_ROW(ir, wr, er, acc)                                                                                    \
+    {                                                                                                                  \
+        const __m256 lo = _mm256_fmadd_ps(k, er, _mm256_mul_ps(_mm256_loadu_ps(ir + i), g));                           \
+        const __m256 hi = _mm256_fmadd_ps(k8, er, _mm256_mul_ps(_mm256_loadu_ps(ir + i + 8), g8));                     \
+        if (stream) {                                                                                                  \
+            _mm256_stream_ps(wr + i, lo);                                                                              \
+            _mm256_stream_ps(wr + i + 8, hi);                                                                          \
+        } else {                                                                                                       \
+            _mm256_storeu_ps(wr + i, lo);                                                                              \
+            _mm256_storeu_ps(wr + i + 8, hi);                                                                          \
+        }                                                                                                              \
+        acc = _mm256_fmadd_ps(hi, _mm256_loadu_ps(qt + i + 8), _mm256_fmadd_ps(lo, _mm256_loadu_ps(qt + i), acc));    \
     }
-    for (int64_t i = 0; i < S; i += 8) {
-        const __m256 k = _mm256_loadu_ps(kt + i), q = _mm256_loadu_ps(qt + i);
-        const __m256 m0 = _mm256_fmadd_ps(k, e0, _mm256_loadu_ps(r0 + i));
-        const __m256 m1 = _mm256_fmadd_ps(k, e1, _mm256_loadu_ps(r1 + i));
-        const __m256 m2 = _mm256_fmadd_ps(k, e2, _mm256_loadu_ps(r2 + i));
-        const __m256 m3 = _mm256_fmadd_ps(k, e3, _mm256_loadu_ps(r3 + i));
-        _mm256_storeu_ps(r0 + i, m0);
-        _mm256_storeu_ps(r1 + i, m1);
-        _mm256_storeu_ps(r2 + i, m2);
-        _mm256_storeu_ps(r3 + i, m3);
+    int64_t i = 0;
+#pragma GCC unroll 8
+    for (; i + 16 <= S; i += 16) {
+        const __m256 g = et ? _mm256_loadu_ps(et + i) : gs, g8 = et ? _mm256_loadu_ps(et + i + 8) : gs;
+        const __m256 k = _mm256_loadu_ps(kt + i), k8 = _mm256_loadu_ps(kt + i + 8);
+        SC_GDN_ROW(i0, w0, e0, o0)
+        SC_GDN_ROW(i1, w1, e1, o1)
+        SC_GDN_ROW(i2, w2, e2, o2)
+        SC_GDN_ROW(i3, w3, e3, o3)
+    }
+#undef SC_GDN_ROW
+    if (i < S) { /* S % 16 == 8 (never streamed) */
+        const __m256 g = et ? _mm256_loadu_ps(et + i) : gs, k = _mm256_loadu_ps(kt + i), q = _mm256_loadu_ps(qt + i);
+        const __m256 m0 = _mm256_fmadd_ps(k, e0, _mm256_mul_ps(_mm256_loadu_ps(i0 + i), g));
+        const __m256 m1 = _mm256_fmadd_ps(k, e1, _mm256_mul_ps(_mm256_loadu_ps(i1 + i), g));
+        const __m256 m2 = _mm256_fmadd_ps(k, e2, _mm256_mul_ps(_mm256_loadu_ps(i2 + i), g));
+        const __m256 m3 = _mm256_fmadd_ps(k, e3, _mm256_mul_ps(_mm256_loadu_ps(i3 + i), g));
+        _mm256_storeu_ps(w0 + i, m0);
+        _mm256_storeu_ps(w1 + i, m1);
+        _mm256_storeu_ps(w2 + i, m2);
+        _mm256_storeu_ps(w3 + i, m3);
         o0 = _mm256_fmadd_ps(m0, q, o0);
         o1 = _mm256_fmadd_ps(m1, q, o1);
         o2 = _mm256_fmadd_ps(m2, q, o2);
         o3 = _mm256_fmadd_ps(m3, q, o3);
     }
     _mm_storeu_ps(ot, _mm_mul_ps(_mm_set1_ps(scale), sc_hsum4x8(o0, o1, o2, o3)));
-    /* S % 16 == 8: the four updated rows leave `mid` as one contiguous run
-     * of streamed stores, each line finished before the next begins:
-     * streamed 32 bytes per row in turn, four half-written lines stayed open
-     * at once and held the fill buffers the loads need. */
-    if (stream) sc_store_state(mid, out, SC_F32, 4 * S, 1);
 }
 
-static void gdn_rows4(const float *in, float *out, float *mid, int64_t S, const float *kt, const float *qt,
-                      const float *et, float es, const float *vt, int64_t vstride, float beta, float scale,
-                      float *ot) {
-    if (mid)
-        gdn_rows4_impl(in, out, mid, S, kt, qt, et, es, vt, vstride, beta, scale, ot, 1);
-    else
-        gdn_rows4_impl(in, out, NULL, S, kt, qt, et, es, vt, vstride, beta, scale, ot, 0);
-}
+/* The largest head size the AVX2 rows take (their g k vector lives on the
+ * stack); larger heads take the scalar loop of gdn_token_unit. */
+#define SC_GDN_ROWS_MAX_S 2048
+
+/* Rows ahead of the group whose k-dots run that those dots fetch (a group
+ * of 128-key rows is 2 KiB).  A 16-head decode of 8 sequences (8 MiB, from
+ * L3) on one thread, fastest of 300 calls, three runs alternated: rows
+ * ahead 0 (the rows being read: no help) 221-297 us, 4: 208-212, 8:
+ * 208-210, 16: 212-222. */
+#ifndef SC_GDN_AHEAD
+#define SC_GDN_AHEAD 8
 #endif
 
-#ifdef SC_HAVE_AVX2
-/* Rows ahead of the update pass that the decay pass runs (see gdn_rows_pipe). */
-#ifndef SC_GDN_LAG
-#define SC_GDN_LAG 4
-#endif
-
-/* One token over rows [0, n) (n % 2 == 0, S % 8 == 0; in and out the same
- * memory or disjoint), the same operations in the same order per row as
- * gdn_rows4 without `mid` (so the same bits), software-pipelined: one loop
- * over the keys runs the update and q-dot of rows r, r + 1 (from the decayed
- * rows already in `out`, in L1) together with the decay and k-dot of rows
- * r + SC_GDN_LAG, r + SC_GDN_LAG + 1 (from `in`), and one horizontal sum
- * gives the two outputs and the two k-dots.  As two passes per group of
- * rows, every group's update waited for its k-dot (a horizontal sum, the
- * delta, a broadcast); here the delta a pair of rows needs was formed
- * SC_GDN_LAG / 2 iterations earlier.  The loops unroll (#pragma): rolled,
- * GCC indexed every row with one register (base + index * 4), and such
- * loads and stores split into two micro-ops each, which the 6-wide rename
- * could not keep up with.  One thread, 16 heads of 128 (1 MiB in L2), one
- * token: 29-30 -> 28 us per call (an in-place pass over the same bytes: 18). */
-static inline __attribute__((always_inline)) void gdn_pass1_step(const float *i0, const float *i1, float *w0,
-                                                                 float *w1, int64_t i, __m256 g, __m256 k,
-                                                                 __m256 *d0, __m256 *d1) {
-    const __m256 m0 = _mm256_mul_ps(_mm256_loadu_ps(i0 + i), g), m1 = _mm256_mul_ps(_mm256_loadu_ps(i1 + i), g);
-    _mm256_storeu_ps(w0 + i, m0);
-    _mm256_storeu_ps(w1 + i, m1);
-    *d0 = _mm256_fmadd_ps(m0, k, *d0);
-    *d1 = _mm256_fmadd_ps(m1, k, *d1);
-}
-
-static inline __attribute__((always_inline)) void gdn_pass2_step(float *r0, float *r1, int64_t i, __m256 k, __m256 q,
-                                                                 __m256 e0, __m256 e1, __m256 *o0, __m256 *o1) {
-    const __m256 m0 = _mm256_fmadd_ps(k, e0, _mm256_loadu_ps(r0 + i));
-    const __m256 m1 = _mm256_fmadd_ps(k, e1, _mm256_loadu_ps(r1 + i));
-    _mm256_storeu_ps(r0 + i, m0);
-    _mm256_storeu_ps(r1 + i, m1);
-    *o0 = _mm256_fmadd_ps(m0, q, *o0);
-    *o1 = _mm256_fmadd_ps(m1, q, *o1);
-}
-
-/* gdn_pass1_step and gdn_pass2_step over 16 keys (i, i + 8): each row's two
- * stores to one 64-byte line leave back to back, which the L1 takes about
- * twice as fast as stores that alternate between lines (a loop of stores
- * alone: 0.6 against 1.0 cycles per store).  Each sum still takes key i
- * before key i + 8, so the bits are those of two 8-key steps (16 heads of
- * 128, one thread: 26 -> 25 us per call). */
-static inline __attribute__((always_inline)) void gdn_pass1_step16(const float *i0, const float *i1, float *w0,
-                                                                   float *w1, int64_t i, __m256 g, __m256 g8,
-                                                                   __m256 k, __m256 k8, __m256 *d0, __m256 *d1) {
-    const __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(i0 + i), g), a8 = _mm256_mul_ps(_mm256_loadu_ps(i0 + i + 8), g8);
-    _mm256_storeu_ps(w0 + i, a0);
-    _mm256_storeu_ps(w0 + i + 8, a8);
-    const __m256 b0 = _mm256_mul_ps(_mm256_loadu_ps(i1 + i), g), b8 = _mm256_mul_ps(_mm256_loadu_ps(i1 + i + 8), g8);
-    _mm256_storeu_ps(w1 + i, b0);
-    _mm256_storeu_ps(w1 + i + 8, b8);
-    *d0 = _mm256_fmadd_ps(a8, k8, _mm256_fmadd_ps(a0, k, *d0));
-    *d1 = _mm256_fmadd_ps(b8, k8, _mm256_fmadd_ps(b0, k, *d1));
-}
-
-static inline __attribute__((always_inline)) void gdn_pass2_step16(float *r0, float *r1, int64_t i, __m256 k,
-                                                                   __m256 k8, __m256 q, __m256 q8, __m256 e0,
-                                                                   __m256 e1, __m256 *o0, __m256 *o1) {
-    const __m256 a0 = _mm256_fmadd_ps(k, e0, _mm256_loadu_ps(r0 + i));
-    const __m256 a8 = _mm256_fmadd_ps(k8, e0, _mm256_loadu_ps(r0 + i + 8));
-    _mm256_storeu_ps(r0 + i, a0);
-    _mm256_storeu_ps(r0 + i + 8, a8);
-    const __m256 b0 = _mm256_fmadd_ps(k, e1, _mm256_loadu_ps(r1 + i));
-    const __m256 b8 = _mm256_fmadd_ps(k8, e1, _mm256_loadu_ps(r1 + i + 8));
-    _mm256_storeu_ps(r1 + i, b0);
-    _mm256_storeu_ps(r1 + i + 8, b8);
-    *o0 = _mm256_fmadd_ps(a8, q8, _mm256_fmadd_ps(a0, q, *o0));
-    *o1 = _mm256_fmadd_ps(b8, q8, _mm256_fmadd_ps(b0, q, *o1));
-}
-
-static inline __attribute__((always_inline)) void gdn_rows_pipe_impl(const float *in, float *out, int64_t n,
-                                                                     int64_t S, const float *kt, const float *qt,
-                                                                     const float *et, float es, const float *vt,
-                                                                     int64_t vstride, float beta, float scale,
-                                                                     float *ot) {
+/* One token over rows [0, n) (n % 4 == 0, S % 8 == 0, S <= SC_GDN_ROWS_MAX_S;
+ * in and out the same memory or disjoint): the two passes above, group by
+ * group, the k-dots of group r + 4 before the update of group r (streamed:
+ * of group r, see below).  `stream` as for gdn_update4. */
+static inline __attribute__((always_inline)) void gdn_rows_impl(const float *in, float *out, int64_t n, int64_t S,
+                                                                const float *kt, const float *qt, const float *et,
+                                                                float es, const float *vt, int64_t vstride,
+                                                                float beta, float scale, float *ot, const int stream) {
+    float gk[S] __attribute__((aligned(32)));
     const __m256 gs = _mm256_set1_ps(es);
-    float delta[16]; /* the delta of row r at delta[r % 16]: rows r .. r + SC_GDN_LAG + 1 are live */
-    float sums[4];
-    for (int64_t p = 0; p < SC_GDN_LAG && p < n; p += 2) {
-        __m256 d0 = _mm256_setzero_ps(), d1 = d0;
-        for (int64_t i = 0; i < S; i += 8)
-            gdn_pass1_step(in + p * S, in + (p + 1) * S, out + p * S, out + (p + 1) * S, i,
-                           et ? _mm256_loadu_ps(et + i) : gs, _mm256_loadu_ps(kt + i), &d0, &d1);
-        _mm_storeu_ps(sums, sc_hsum4x8(d0, d1, d0, d1));
-        delta[p % 16] = (vt[p * vstride] - sums[0]) * beta;
-        delta[(p + 1) % 16] = (vt[(p + 1) * vstride] - sums[1]) * beta;
+    for (int64_t i = 0; i < S; i += 8)
+        _mm256_store_ps(gk + i, _mm256_mul_ps(et ? _mm256_loadu_ps(et + i) : gs, _mm256_loadu_ps(kt + i)));
+    /* The passes load g k from memory: without this barrier GCC forwarded
+     * the stores above into vector values held across the unrolled
+     * passes, which spilled. */
+    __asm__ volatile("" ::: "memory");
+    float kd[8]; /* group r's k-dots at (r & 4) */
+    if (stream) {
+        /* Streamed rows come from memory (a rotated plane of a large call):
+         * each group's k-dots just before its update, its source fetched
+         * SC_STREAM_PREFETCH_BYTES ahead in one burst as before.  With the
+         * k-dots of the next group first (the in-place order below), the
+         * source's misses shared the fill buffers with the open streamed
+         * lines: a rotated decode over 16 pools of 8 x 1 MiB (from memory),
+         * one thread, 770-870 us per call against 460-515 before this
+         * change; in this order 490-560. */
+        for (int64_t r = 0; r < n; r += 4) {
+            float delta[4];
+            sc_prefetch_ahead(in + r * S, 4 * S * (int64_t)sizeof(float));
+            gdn_kdots4(in + r * S, S, gk, kd, in + r * S);
+            for (int j = 0; j < 4; j++) delta[j] = (vt[(r + j) * vstride] - kd[j]) * beta;
+            gdn_update4(in + r * S, out + r * S, S, kt, qt, et, es, delta, scale, ot + r, stream);
+        }
+        return;
     }
-    for (int64_t r = 0; r < n; r += 2) {
-        const int64_t p = r + SC_GDN_LAG;
-        float *r0 = out + r * S, *r1 = r0 + S;
-        const __m256 e0 = _mm256_set1_ps(delta[r % 16]), e1 = _mm256_set1_ps(delta[(r + 1) % 16]);
-        __m256 o0 = _mm256_setzero_ps(), o1 = o0, d0 = o0, d1 = o0;
-        if (p < n) {
-            const float *i0 = in + p * S, *i1 = i0 + S;
-            float *w0 = out + p * S, *w1 = w0 + S;
-            int64_t i = 0;
-#pragma GCC unroll 8
-            for (; i + 16 <= S; i += 16) {
-                const __m256 k = _mm256_loadu_ps(kt + i), k8 = _mm256_loadu_ps(kt + i + 8);
-                gdn_pass2_step16(r0, r1, i, k, k8, _mm256_loadu_ps(qt + i), _mm256_loadu_ps(qt + i + 8), e0, e1, &o0,
-                                 &o1);
-                gdn_pass1_step16(i0, i1, w0, w1, i, et ? _mm256_loadu_ps(et + i) : gs,
-                                 et ? _mm256_loadu_ps(et + i + 8) : gs, k, k8, &d0, &d1);
-            }
-#pragma GCC unroll 16
-            for (; i < S; i += 8) {
-                const __m256 k = _mm256_loadu_ps(kt + i);
-                gdn_pass2_step(r0, r1, i, k, _mm256_loadu_ps(qt + i), e0, e1, &o0, &o1);
-                gdn_pass1_step(i0, i1, w0, w1, i, et ? _mm256_loadu_ps(et + i) : gs, k, &d0, &d1);
-            }
-        } else {
-#pragma GCC unroll 16
-            for (int64_t i = 0; i < S; i += 8)
-                gdn_pass2_step(r0, r1, i, _mm256_loadu_ps(kt + i), _mm256_loadu_ps(qt + i), e0, e1, &o0, &o1);
-        }
-        _mm_storeu_ps(sums, sc_hsum4x8(o0, o1, d0, d1));
-        ot[r] = scale * sums[0];
-        ot[r + 1] = scale * sums[1];
-        if (p < n) {
-            delta[p % 16] = (vt[p * vstride] - sums[2]) * beta;
-            delta[(p + 1) % 16] = (vt[(p + 1) * vstride] - sums[3]) * beta;
-        }
+    if (n > 0) gdn_kdots4(in, S, gk, kd, in + SC_GDN_AHEAD * S);
+    for (int64_t r = 0; r < n; r += 4) {
+        const int64_t c = r & 4, nx = (r + 4) & 4;
+        float delta[4];
+        for (int j = 0; j < 4; j++) delta[j] = (vt[(r + j) * vstride] - kd[c + j]) * beta;
+        if (r + 4 < n) gdn_kdots4(in + (r + 4) * S, S, gk, kd + nx, in + (r + 4 + SC_GDN_AHEAD) * S);
+        gdn_update4(in + r * S, out + r * S, S, kt, qt, et, es, delta, scale, ot + r, stream);
     }
 }
 
-/* gdn_rows_pipe_impl with the model head sizes compiled apart (their loops
- * unroll; see wkv7_rows in linear_attn.c). */
-static void gdn_rows_pipe(const float *in, float *out, int64_t n, int64_t S, const float *kt, const float *qt,
-                          const float *et, float es, const float *vt, int64_t vstride, float beta, float scale,
-                          float *ot) {
-    if (S == 128)
-        gdn_rows_pipe_impl(in, out, n, 128, kt, qt, et, es, vt, vstride, beta, scale, ot);
+/* gdn_rows_impl with the model head sizes compiled apart (their loops
+ * unroll; see wkv7_rows in linear_attn.c), streamed or not. */
+static __attribute__((noinline)) void gdn_rows(const float *in, float *out, int64_t n, int64_t S, const float *kt,
+                                                const float *qt, const float *et, float es, const float *vt,
+                                                int64_t vstride, float beta, float scale, float *ot, int stream) {
+    if (stream && S == 128)
+        gdn_rows_impl(in, out, n, 128, kt, qt, et, es, vt, vstride, beta, scale, ot, 1);
+    else if (stream)
+        gdn_rows_impl(in, out, n, S, kt, qt, et, es, vt, vstride, beta, scale, ot, 1);
+    else if (S == 128)
+        gdn_rows_impl(in, out, n, 128, kt, qt, et, es, vt, vstride, beta, scale, ot, 0);
     else if (S == 64)
-        gdn_rows_pipe_impl(in, out, n, 64, kt, qt, et, es, vt, vstride, beta, scale, ot);
+        gdn_rows_impl(in, out, n, 64, kt, qt, et, es, vt, vstride, beta, scale, ot, 0);
     else
-        gdn_rows_pipe_impl(in, out, n, S, kt, qt, et, es, vt, vstride, beta, scale, ot);
+        gdn_rows_impl(in, out, n, S, kt, qt, et, es, vt, vstride, beta, scale, ot, 0);
 }
 #endif
 
@@ -313,13 +272,13 @@ typedef struct {
 /* The token loop over one unit (see the top of the file); g holds the
  * decays themselves (exp of the log decays). */
 static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, const gdn_unit *u, int64_t tile_rows,
-                           int stream, float *tile, float *mid) {
+                           int stream, float *tile) {
     const int64_t S = u->S, n_t = u->n_t;
     const int kda = u->per > 1;
     const sc_dtype pool_dtype = (sc_dtype)st->pool_dtype;
     const int64_t r0 = sc_snap_row(st, s, 0);
     /* One token from an f32 pool reads and writes pool rows and never the
-     * tile: the whole head is one span (one pipeline in gdn_rows_pipe, not
+     * tile: the whole head is one span (one run of gdn_rows, not
      * one per tile). */
     const int64_t span = n_t == 1 && pool_dtype == SC_F32 && r0 >= 0 ? S : tile_rows;
     for (int64_t j0 = 0; j0 < S; j0 += span) {
@@ -345,18 +304,11 @@ static void gdn_token_unit(const sc_state *st, int64_t s, int64_t head_off, cons
             float *out = j == 0 && direct && r0 >= 0 ? (float *)sc_pool_at(st, r0, off) : tile;
             int64_t r = 0;
 #ifdef SC_HAVE_AVX2
-            if (S % 8 == 0) {
+            if (S % 8 == 0 && S <= SC_GDN_ROWS_MAX_S) {
                 /* a disjoint, aligned pool row of a large call or decode (sc_stream_rows): streamed */
-                float *via = stream && out != tile && out != in && ((uintptr_t)out & 31) == 0 ? mid : NULL;
-                if (!via) {
-                    r = jr - jr % 4;
-                    gdn_rows_pipe(in, out, r, S, kt, qt, et, es_t, vt, u->ves, b, u->scale, ot);
-                }
-                for (; via && r + 4 <= jr; r += 4) {
-                    sc_prefetch_ahead(in + r * S, 4 * S * (int64_t)sizeof(float));
-                    gdn_rows4(in + r * S, out + r * S, via, S, kt, qt, et, es_t, vt + r * u->ves, u->ves, b, u->scale,
-                              ot + r);
-                }
+                const int via = stream && S % 16 == 0 && out != tile && out != in && ((uintptr_t)out & 31) == 0;
+                r = jr - jr % 4;
+                gdn_rows(in, out, r, S, kt, qt, et, es_t, vt, u->ves, b, u->scale, ot, via);
             }
 #endif
             for (; r < jr; r++) {
@@ -1007,7 +959,7 @@ static int delta_needs_tile(const sc_state *st) {
     return 0;
 }
 
-/* Floats of decode scratch a thread keeps on the stack (6 S + 1 at most). */
+/* Floats of decode scratch a thread keeps on the stack (3 S + 1 at most). */
 #define SC_GDN_DECODE_STACK 1600
 
 /* The units [lo, hi) of thread tid of nt (sc_split). */
@@ -1026,21 +978,19 @@ static void delta_thread(void *arg, int tid, int nt) {
      * six allocations per thread and call were a few percent of a one-head
      * call (see la_thread in linear_attn.c). */
     float stack_buf[SC_GDN_DECODE_STACK] __attribute__((aligned(SC_ALIGN)));
-    const size_t scratch = tmax * (size_t)(2 * S + per + 1) + (size_t)(4 * S);
+    const size_t scratch = tmax * (size_t)(2 * S + per + 1);
     const int on_stack = tmax == 1 && scratch <= SC_GDN_DECODE_STACK;
-    float *kpack, *qpack, *gbuf, *bt, *mid;
+    float *kpack, *qpack, *gbuf, *bt;
     if (on_stack) {
         kpack = stack_buf;
         qpack = kpack + S;
-        mid = qpack + S;
-        gbuf = mid + 4 * S;
+        gbuf = qpack + S;
         bt = gbuf + per;
     } else {
         kpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
         qpack = (float *)sc_alloc(sizeof(float) * tmax * (size_t)S);
         gbuf = (float *)sc_alloc(sizeof(float) * tmax * (size_t)per);
         bt = (float *)sc_alloc(sizeof(float) * tmax);
-        mid = (float *)sc_alloc(sizeof(float) * (size_t)(4 * S));
     }
     float *tile = a->need_tile ? (float *)sc_alloc(sizeof(float) * (size_t)(tile_rows * S)) : NULL;
 #ifdef SC_HAVE_AVX2
@@ -1102,14 +1052,13 @@ static void delta_thread(void *arg, int tid, int nt) {
         u.q = pack_tokens(q, t0, hk, n_t, S, eps, 0, qpack, &u.qts);
 #pragma omp simd
         for (int64_t i = 0; i < n_t * per; i++) gbuf[i] = sc_exp(gbuf[i]);
-        gdn_token_unit(st, s, head_off, &u, tile_rows, rows_stream, tile, mid);
+        gdn_token_unit(st, s, head_off, &u, tile_rows, rows_stream, tile);
     }
     if (!on_stack) {
         free(kpack);
         free(qpack);
         free(gbuf);
         free(bt);
-        free(mid);
     }
     free(tile);
 #ifdef SC_HAVE_AVX2

@@ -528,3 +528,56 @@ def test_streamed_destination_rows_pass_the_contract_cases() -> None:
             ran[case.ops[0]] += 1
     # the conv's windows of 24 channels are 288-byte rows: aligned, so its decode streams them too
     assert min(ran.values()) >= 8, ran
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("S", [128, 24])
+def test_delta_rule_streamed_rows_hold_the_bits_of_cached_ones(kda: bool, S: int) -> None:
+    """A delta-rule decode into another plane writes its rows with non-temporal
+    stores once a call streams enough state (lifted to every call here), and
+    runs its groups of rows in another order then (each group's k-dots just
+    before its update).  One packed call so streamed must keep the bits of
+    one call per sequence with normal stores (128 KiB each, below the decode
+    streaming size), and match the reference.  S = 24 (rows ending on half a
+    line) is never streamed."""
+    from statecache.conformance.cases import assert_close
+    from statecache.registry import get_device
+
+    rng = np.random.default_rng(7 * S + kda)
+    n_s, H = 3, 2
+    qk = rng.uniform(-1, 1, (2, n_s, 1, H, S))
+    qk /= np.linalg.norm(qk, axis=-1, keepdims=True)
+    inputs = [
+        qk[0],
+        qk[1],
+        rng.uniform(-1, 1, (n_s, 1, H, S)),
+        rng.uniform(-1.0, -1e-3, (n_s, 1, H, S) if kda else (n_s, 1, H)),
+        rng.uniform(0, 1, (n_s, 1, H)),
+    ]
+    pool0 = rng.uniform(-0.5, 0.5, (2 * n_s, H * S * S)).astype(np.float32)
+
+    def call(dev, groups: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
+        """One call per group of sequences, from plane 0 into plane 1 only."""
+        pool, outs = dev.upload(pool0), []
+        for rows in groups:
+            o = dev.upload(np.zeros((len(rows), 1, H, S), np.float32))
+            args = [dev.upload(np.asarray(a[rows], np.float32)) for a in inputs]
+            table = np.stack([n_s + rows, np.full(len(rows), -1)], 1)
+            dev.gated_delta_net(pool, dev.indices(rows), dev.indices(table), *args, o)
+            outs.append(dev.download(o))
+        return dev.download(pool), np.concatenate(outs)
+
+    dev = cpu_device()
+    lib = dev._lib
+    previous = lib.sc_set_stream_min_bytes(0)
+    try:
+        streamed = call(dev, [np.arange(n_s)])
+    finally:
+        lib.sc_set_stream_min_bytes(previous)
+    cached = call(dev, [np.array([s]) for s in range(n_s)])
+    assert_bitwise("rows, streamed vs cached", streamed[0], cached[0])
+    assert_bitwise("outputs, streamed vs cached", streamed[1], cached[1])
+    assert_bitwise("plane 0 (read only)", streamed[0][:n_s], pool0[:n_s])
+    want_pool, want_o = call(get_device("reference"), [np.arange(n_s)])
+    assert_close("rows", streamed[0][n_s:], want_pool[n_s:], 1e-10)
+    assert_close("outputs", streamed[1], want_o, 1e-10)
