@@ -426,18 +426,21 @@ class CpuDevice(Device):
 
     def _ssm_conv_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, x, weight, bias, y, apply_silu):  # type: ignore[no-untyped-def]
         st, keep = self._state(shp, pool, start_rows, snap_rows, cu_seqlens)
+        # The kernel indexes weight and bias densely; validation lets them be strided (a slice of a
+        # wider weight), as for A, D and dt_bias: copies when strided.
+        dense = [_contiguous(self, b) if b is not None else None for b in (weight, bias)]
         args = (
             st,
             self._sview(x),
-            self._ptr(weight, "float *"),
-            self._ffi.NULL if bias is None else self._ptr(bias, "float *"),
+            self._ptr(dense[0], "float *"),
+            self._ffi.NULL if dense[1] is None else self._ptr(dense[1], "float *"),
             self._ptr(y),
             _DTYPE_CODE[y.dtype],
             shp.channels,
             shp.d_conv,
             int(bool(apply_silu)),
         )
-        return self._lib.sc_ssm_conv, args, keep
+        return self._lib.sc_ssm_conv, args, (keep, dense)
 
     def _ssm_scan_call(self, shp, pool, start_rows, snap_rows, cu_seqlens, x, dt, A, B, C, y, D, z, dt_bias):  # type: ignore[no-untyped-def]
         st, keep = self._state(shp, pool, start_rows, snap_rows, cu_seqlens)
@@ -657,9 +660,9 @@ class CpuDevice(Device):
         self._launch(self._gated_linear_attn_call(*args))
 
     def _prepare_launch(self, op: str, call_args: tuple[Any, ...]) -> Any:
-        weights = {"ssm_scan": (7, 11, 13), "gated_delta_net": (11, 12), "rwkv_wkv6": (9,)}.get(op, ())
-        if any(call_args[i] is not None and not call_args[i].is_contiguous for i in weights):
-            return None  # A, D, dt_bias, A_log are packed per call: a kept copy would miss the caller's updates
+        weights = {"ssm_conv": (6, 7), "ssm_scan": (7, 11, 13), "gated_delta_net": (11, 12), "rwkv_wkv6": (9,)}
+        if any(call_args[i] is not None and not call_args[i].is_contiguous for i in weights.get(op, ())):
+            return None  # weights are packed per call when strided: a kept copy would miss the caller's updates
         kernel, args, keep = getattr(self, f"_{op}_call")(*call_args)
         num_threads = self._threads
         ffi = self._ffi

@@ -26,6 +26,37 @@
 #define SC_CONV_TOKEN_BYTES 96
 
 #ifdef SC_HAVE_AVX2
+/* x * sigmoid(x) on 8 lanes, the conv's own SiLU (every AVX2 conv path uses
+ * it, so decode, prefill rows and the general loop agree bitwise).  It is
+ * sc_silu8 (same clamps, range reduction -u = x + n ln2, 2^n from the
+ * shifter's bits, reciprocal estimate and Newton step, and so the same
+ * results for non-finite inputs) with a shorter polynomial for
+ * e^-u, u in [-ln2/2, ln2/2]: 1 - u + u^2 q(u), q cubic, fitted for the
+ * least maximum relative error (1.1e-7, under one float ulp, where the
+ * degree-7 Taylor polynomial of sc_silu8 gives 1e-9 that float rounding
+ * hides anyway).  Its two halves run side by side (Estrin), not as one
+ * Horner chain.  12 FMA-port operations instead of 15, which is what a
+ * prefill's conv is bound by, and a dependency chain ~20 cycles shorter,
+ * which is what a decode (a few vectors per sequence's window) waits on. */
+static inline __m256 conv_silu8(__m256 x) {
+    const __m256 shifter = _mm256_set1_ps(12582912.0f);
+    const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3f)), _mm256_set1_ps(87.3f));
+    const __m256 t = _mm256_fmadd_ps(xc, _mm256_set1_ps(-1.44269504088896341f), shifter);
+    const __m256 n = _mm256_sub_ps(t, shifter);
+    __m256 u = _mm256_fmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    u = _mm256_fmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), u);
+    const __m256 u2 = _mm256_mul_ps(u, u);
+    const __m256 q_lo = _mm256_fmadd_ps(u, _mm256_set1_ps(-0.16667111f), _mm256_set1_ps(0.49999243f));
+    const __m256 q_hi = _mm256_fmadd_ps(u, _mm256_set1_ps(-0.008312836f), _mm256_set1_ps(0.041889235f));
+    const __m256 q = _mm256_fmadd_ps(q_hi, u2, q_lo);
+    const __m256 p = _mm256_fmadd_ps(q, u2, _mm256_sub_ps(_mm256_set1_ps(1.0f), u));
+    const __m256i e = _mm256_add_epi32(_mm256_slli_epi32(_mm256_castps_si256(t), 23), _mm256_set1_epi32(127 << 23));
+    const __m256 d = _mm256_fmadd_ps(p, _mm256_castsi256_ps(e), _mm256_set1_ps(1.0f));
+    const __m256 r0 = _mm256_rcp_ps(d);
+    const __m256 xr0 = _mm256_mul_ps(x, r0);
+    return _mm256_fmadd_ps(xr0, _mm256_fnmadd_ps(d, r0, _mm256_set1_ps(1.0f)), xr0);
+}
+
 /* One token (decode) for channels [c0, c0 + cb) of sequence s.  The pool's
  * [ch][W] windows and the [ch][d_conv] weights are read with gathers, 8
  * channels per vector, instead of being transposed through scratch (at one
@@ -49,7 +80,7 @@ static void conv_decode_block(const float *win, float *nwin, const float *xr, in
             acc = _mm256_fmadd_ps(_mm256_i32gather_ps(wc + k, idx_w, 4), _mm256_i32gather_ps(kc + k, idx_k, 4), acc);
         if (W > 0) acc = _mm256_fmadd_ps(xv, _mm256_i32gather_ps(kc + W, idx_k, 4), acc);
         if (bias) acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + c0 + c));
-        if (apply_silu) acc = sc_silu8(acc);
+        if (apply_silu) acc = conv_silu8(acc);
         _mm256_storeu_ps(yr + c, acc);
     }
     for (int64_t c = c_vec; c < cb; c++) {
@@ -113,13 +144,12 @@ static inline __attribute__((always_inline)) void conv4_decode_loop(const float 
                                                                     const float *xr, const float *weight,
                                                                     const float *wT, const float *bias, float *yr,
                                                                     int64_t c_vec, const int transposed,
-                                                                    const int stream, const int silu) {
+                                                                    const int stream) {
     /* After the blends, tap k of channel j sits in lane perm_k[j]. */
     const __m256i perm0 = _mm256_setr_epi32(0, 3, 6, 1, 4, 7, 2, 5);
     const __m256i perm1 = _mm256_setr_epi32(1, 4, 7, 2, 5, 0, 3, 6);
     const __m256i perm2 = _mm256_setr_epi32(2, 5, 0, 3, 6, 1, 4, 7);
     const __m256i shift1 = _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 7);
-    __m256 pend = _mm256_setzero_ps(); /* the previous group's taps, before their SiLU */
     for (int64_t c = 0; c < c_vec; c += 8) {
         const float *wc = win + c * 3;
         const __m256 va = _mm256_loadu_ps(wc), vb = _mm256_loadu_ps(wc + 8), vc = _mm256_loadu_ps(wc + 16);
@@ -151,17 +181,8 @@ static inline __attribute__((always_inline)) void conv4_decode_loop(const float 
         conv_store8(nwin + c * 3, _mm256_blend_ps(na, xs, 0x24), stream);
         conv_store8(nwin + c * 3 + 8, _mm256_blend_ps(nb, xs, 0x49), stream);
         conv_store8(nwin + c * 3 + 16, _mm256_blend_ps(_mm256_permutevar8x32_ps(vc, shift1), xs, 0x92), stream);
-        if (silu) {
-            /* The SiLU of the previous group: its input is long ready, so its
-             * ~90-cycle chain runs on the FMA ports alongside this group's
-             * shuffles (see conv4_decode_block). */
-            if (c > 0) _mm256_storeu_ps(yr + c - 8, sc_silu8(pend));
-            pend = acc;
-        } else {
-            _mm256_storeu_ps(yr + c, acc);
-        }
+        _mm256_storeu_ps(yr + c, acc);
     }
-    if (silu && c_vec > 0) _mm256_storeu_ps(yr + c_vec - 8, sc_silu8(pend));
 }
 
 /* `stream`: nwin and old are pool rows other than win, 32-byte aligned, in a
@@ -179,31 +200,23 @@ static void conv4_decode_block(const float *win, float *nwin, float *old, const 
     }
     /* Copies of the loop, so that none tests the weights' source or the stores per group. */
     const float *b = bias ? bias + c0 : NULL;
-    /* The SiLU runs in the loop a group behind the taps: applied to the same
-     * group's taps, its ~90-cycle dependency chain per vector left the
-     * out-of-order window room for only two or three groups at a time (one
-     * 5376-channel decode: 9.8 us, 6.4 us in a second pass over the outputs);
-     * a group behind, it needs nothing of the group in flight, and the taps'
-     * shuffles and the SiLU's FMAs share the time instead of taking turns
-     * (the kernel alone, 5376 channels, 2 threads: 8 sequences 22-24 -> 18-20
-     * us, 32 sequences 80-82 -> 73 us than in a second pass). */
-    if (apply_silu) {
-        if (wT && stream)
-            conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 1, 1);
-        else if (wT)
-            conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 0, 1);
-        else if (stream)
-            conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 1, 1);
-        else
-            conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 0, 1);
-    } else if (wT && stream)
-        conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 1, 0);
+    if (wT && stream)
+        conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 1);
     else if (wT)
-        conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 0, 0);
+        conv4_decode_loop(win, nwin, old, xc, NULL, wT, b, yr, c_vec, 1, 0);
     else if (stream)
-        conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 1, 0);
+        conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 1);
     else
-        conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 0, 0);
+        conv4_decode_loop(win, nwin, old, xc, weight + c0 * 4, NULL, b, yr, c_vec, 0, 0);
+    /* The SiLU in a second pass over the block's outputs (in L1).  In the tap
+     * loop, even a group behind the taps, its dependency chain (~50 cycles)
+     * on top of the group's loads and shuffles left the reorder buffer room
+     * for only a few groups, so the loop ran at the latency of that chain;
+     * here every vector is independent and the pass runs at the FMA ports'
+     * rate.  Kernel alone, one thread, CPU clock, Zen 4: 5376 channels, one
+     * sequence 5.58 -> 4.88 us, 32 sequences 131 -> 122 us. */
+    if (apply_silu)
+        for (int64_t c = 0; c < c_vec; c += 8) _mm256_storeu_ps(yr + c, conv_silu8(_mm256_loadu_ps(yr + c)));
     for (int64_t c = c_vec; c < cb; c++) {
         const float *kc = weight + (c0 + c) * 4;
         const float w0 = win[c * 3], w1 = win[c * 3 + 1], w2 = win[c * 3 + 2], xt = xr[c * xs2];
@@ -255,14 +268,14 @@ static inline __attribute__((always_inline)) void conv4_row(const float *p0, con
         _mm256_store_ps(cur + c, a0);
         _mm256_store_ps(cur + c + 8, a1);
         if (silu) {
-            const __m256 s0 = sc_silu8(_mm256_load_ps(prev + c)), s1 = sc_silu8(_mm256_load_ps(prev + c + 8));
+            const __m256 s0 = conv_silu8(_mm256_load_ps(prev + c)), s1 = conv_silu8(_mm256_load_ps(prev + c + 8));
             conv_store8(y_prev + c, s0, nt);
             conv_store8(y_prev + c + 8, s1, nt);
         }
     }
     for (; c < c_vec; c += 8) {
         _mm256_store_ps(cur + c, conv4_taps8(p0, p1, p2, p3, wT, b, c, has_bias));
-        if (silu) conv_store8(y_prev + c, sc_silu8(_mm256_load_ps(prev + c)), nt);
+        if (silu) conv_store8(y_prev + c, conv_silu8(_mm256_load_ps(prev + c)), nt);
     }
 }
 
@@ -310,7 +323,7 @@ static void conv4_silu_rows(const float *ext, const float *xblock, int64_t xt, c
         nt_prev = stream && ((uintptr_t)yr & 31) == 0;
     }
     if (y_prev)
-        for (int64_t c = 0; c < c_vec; c += 8) conv_store8(y_prev + c, sc_silu8(_mm256_load_ps(prev + c)), nt_prev);
+        for (int64_t c = 0; c < c_vec; c += 8) conv_store8(y_prev + c, conv_silu8(_mm256_load_ps(prev + c)), nt_prev);
 }
 #endif
 
@@ -387,7 +400,7 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
                 _mm256_stream_ps(row + c, acc);
             else
                 _mm256_storeu_ps(row + c, acc);
-            if (y_prev) conv_store8(y_prev + c, sc_silu8(_mm256_load_ps(prev + c)), nt_prev);
+            if (y_prev) conv_store8(y_prev + c, conv_silu8(_mm256_load_ps(prev + c)), nt_prev);
         }
         if (apply_silu) {
             float *swap = prev;
@@ -398,7 +411,7 @@ static void conv_unit(const sc_state *st, int64_t s, int64_t c0, int64_t cb, con
         }
     }
     if (y_prev)
-        for (int64_t c = 0; c < c_vec; c += 8) conv_store8(y_prev + c, sc_silu8(_mm256_load_ps(prev + c)), nt_prev);
+        for (int64_t c = 0; c < c_vec; c += 8) conv_store8(y_prev + c, conv_silu8(_mm256_load_ps(prev + c)), nt_prev);
 #endif
     for (int64_t t = 0; t < n_t && c_vec < cb; t++) {
         float *yr = y + (t0 + t) * channels + c0;

@@ -82,3 +82,34 @@ def test_prefill_outputs_are_those_of_token_by_token_decode(with_bias: bool) -> 
         steps.append(dev.download(y_t))
     assert_bitwise("outputs, decoded token by token vs one call", np.concatenate(steps, axis=1), y_one)
     assert_bitwise("window after the last token", dev.download(pool), pool_one)
+
+
+@pytest.mark.parametrize("d_conv", [4, 3])
+@pytest.mark.parametrize("n_t", [1, 5])
+def test_silu_is_accurate_element_by_element_over_its_range(d_conv: int, n_t: int) -> None:
+    """With the last tap 1 and the others 0 the conv's output is silu(x), in the
+    decode shuffles (n_t 1, d_conv 4), the gathers (d_conv 3), the prefill
+    rows and the scalar channel tail (203 channels).  Each element within
+    1e-6 of x / (1 + exp(-x)) in float64, relative, over the range where that
+    is a normal float; past it only a tiny value.  The conformance NMSE bound
+    (1e-7) would let a SiLU off by 3e-4 everywhere pass."""
+    ch, n_s = 203, 2
+    rng = np.random.default_rng(d_conv * 10 + n_t)
+    x = rng.uniform(-12, 12, (n_s, n_t, ch)).astype(np.float32)
+    x.reshape(-1)[: 2 * ch] = np.linspace(-100, 100, 2 * ch, dtype=np.float32)  # the tails and the clamps
+    w = np.zeros((ch, d_conv), np.float32)
+    w[:, -1] = 1.0
+    dev = cpu_device()
+    rows = dev.indices(np.arange(n_s))
+    pool = dev.upload(_u(rng, (n_s, ch * (d_conv - 1))))
+    y = dev.alloc((n_s, n_t, ch))
+    dev.ssm_conv(pool, rows, rows, dev.upload(x), dev.upload(w), y, apply_silu=True)
+    got = dev.download(y).astype(np.float64)
+    x64 = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        want = x64 / (1.0 + np.exp(-x64))
+    normal = x64 >= -85.0
+    rel = np.abs(got - want)[normal] / np.abs(want[normal])
+    worst = int(np.argmax(rel))
+    assert rel[worst] <= 1e-6, f"silu({x64[normal][worst]!r}) = {got[normal][worst]!r}, want {want[normal][worst]!r}"
+    assert np.all(np.abs(got[~normal]) <= 1e-33), "silu of x < -85 is not tiny"

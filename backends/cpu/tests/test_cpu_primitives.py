@@ -225,6 +225,9 @@ SCAN_GRID = [
     (128, 16, 4, 2, 5, 2, 4, F16, "contig"),
     (128, 16, 4, 2, 2, 2, 4, BF16, "overlap"),
     (16, 1, 70, 1, 3, 2, 1, BF16, "contig"),
+    # Mamba-1 over units of 128 heads, eight at a time: 300 heads are two
+    # whole units and one of 44 (five groups of eight and four left over).
+    (16, 1, 300, 1, 5, 2, 1, F32, "contig"),
     # Mamba-2 prefill long enough for the chunked form: whole and partial
     # chunks, snapshot planes stepped after the chunks, strided B/C, f16 pools.
     (128, 64, 4, 2, 150, 2, 1, F32, "contig"),
