@@ -82,26 +82,52 @@ def check_against_oracle(toy: HybridToy, out: dict[Any, Any], tokens: dict[int, 
             np.testing.assert_allclose(out[(s, p + k)], np.concatenate([y_rec[-1], a]), atol=2e-4)
 
 
+class OracleRun:
+    """A hybrid toy over ``mem`` with the oracle's books: ``hist`` holds attention's
+    (position, token) of each sequence in decode order, ``rec`` the recurrent state's
+    tokens.  ``run`` decodes and checks the outputs against a recompute over both;
+    ``removed`` applies an accepted ``seq_rm`` to the books."""
+
+    def __init__(self, mem: Any, n_seq: int, apply_updates: bool = False) -> None:
+        for cache in mem.kv_caches:
+            cache.can_shift = False  # the toy's attention has no RoPE: a shift only moves positions
+        self.mem, self.apply_updates = mem, apply_updates
+        self.toy = HybridToy(DEV, mem)
+        self.hist: dict[int, list[tuple[int, int]]] = {s: [] for s in range(n_seq)}
+        self.rec: dict[int, list[int]] = {s: [] for s in range(n_seq)}
+
+    def run(self, tokens: dict[int, list[int]]) -> None:
+        if self.apply_updates:  # a pending shift is applied before the batch, as a runtime does
+            ctx = self.mem.init_update()
+            if ctx.status is MemoryStatus.SUCCESS:
+                assert ctx.apply()
+        out = self.toy.decode(tokens)
+        assert out is not None
+        check_against_oracle(self.toy, out, tokens, self.hist, self.rec)
+
+    def removed(self, s: int, q0: int, q1: int, P: int) -> None:
+        """The books after an accepted ``seq_rm(s, q0, q1)`` of a sequence ending at ``P``."""
+        hist, rec = self.hist, self.rec
+        kept = [(q, t) for q, t in hist[s] if not q0 <= q < q1]
+        if q0 <= P < q1 and q0 > 0:  # a rollback: the last k tokens decoded, in both parts
+            k = P - q0 + 1
+            assert len(hist[s]) - len(kept) == k and hist[s][:-k] == kept, ((q0, q1), hist[s])
+            rec[s] = rec[s][:-k]
+        elif q0 <= P < q1:  # from 0 through the end: everything goes
+            assert not kept, ((q0, q1), hist[s])
+            rec[s] = []
+        hist[s] = kept  # a hole or a head: the state keeps what attention drops
+
+
 @pytest.mark.parametrize("kind", ["hybrid", "hybrid_streams", "iswa_full", "idx"])
 @settings(max_examples=EXAMPLES)
 @given(program=st.lists(OPS, min_size=2, max_size=12))
 def test_hybrid_position_edits_match_a_recompute(kind: str, program: list[Any]) -> None:
     base = {"hybrid_streams": "hybrid", "iswa_full": "iswa"}.get(kind, kind)
     mem = make_hybrid(DEV, base, size=40, unified=kind != "hybrid_streams", swa_full=True, n_swa=3)
-    for cache in mem.kv_caches:
-        cache.can_shift = False  # the toy's attention has no RoPE: a shift only moves positions
-    toy = HybridToy(DEV, mem)
-    hist: dict[int, list[tuple[int, int]]] = {s: [] for s in range(N)}
-    rec: dict[int, list[int]] = {s: [] for s in range(N)}
+    o = OracleRun(mem, N, apply_updates=True)
+    hist, rec, run = o.hist, o.rec, o.run
     tok = iter(1 + k % 31 for k in range(10**6))  # the toy vocabulary: 32 tokens
-
-    def run(tokens: dict[int, list[int]]) -> None:
-        ctx = mem.init_update()
-        if ctx.status is MemoryStatus.SUCCESS:
-            assert ctx.apply()
-        out = toy.decode(tokens)
-        assert out is not None
-        check_against_oracle(toy, out, tokens, hist, rec)
 
     run({0: [next(tok) for _ in range(4)], 1: [next(tok) for _ in range(2)]})
     for op in program:
@@ -151,17 +177,9 @@ def test_rollback_after_position_edits_keeps_the_parts_in_step(kind: str, progra
     a prefix of the decode order), and the next output must match a recompute."""
     base = {"iswa_full": "iswa"}.get(kind, kind)
     mem = make_hybrid(DEV, base, size=40, n_seq_max=2, n_rs_seq=3, swa_full=True, n_swa=3)
-    for cache in mem.kv_caches:
-        cache.can_shift = False
-    toy = HybridToy(DEV, mem)
-    hist: dict[int, list[tuple[int, int]]] = {0: [], 1: []}  # decode order
-    rec: dict[int, list[int]] = {0: [], 1: []}
+    o = OracleRun(mem, 2)
+    hist, rec, run = o.hist, o.rec, o.run
     tok = iter(1 + k % 31 for k in range(10**6))
-
-    def run(tokens: dict[int, list[int]]) -> None:
-        out = toy.decode(tokens)
-        assert out is not None
-        check_against_oracle(toy, out, tokens, hist, rec)
 
     run({0: [next(tok) for _ in range(3)], 1: [next(tok)]})
     run({0: [next(tok)], 1: [next(tok)]})
@@ -209,16 +227,8 @@ def test_a_rollback_after_a_reordering_move_keeps_the_parts_in_step(kind: str) -
     decoded, and a full removal, are still accepted, and the next token matches a recompute."""
     base = {"iswa_full": "iswa"}.get(kind, kind)
     mem = make_hybrid(DEV, base, size=40, n_seq_max=2, n_rs_seq=3, swa_full=True, n_swa=3)
-    for cache in mem.kv_caches:
-        cache.can_shift = False
-    toy = HybridToy(DEV, mem)
-    hist: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
-    rec: dict[int, list[int]] = {0: [], 1: []}
-
-    def run(tokens: dict[int, list[int]]) -> None:
-        out = toy.decode(tokens)
-        assert out is not None
-        check_against_oracle(toy, out, tokens, hist, rec)
+    o = OracleRun(mem, 2)
+    hist, rec, run = o.hist, o.rec, o.run
 
     run({0: [1, 2, 3], 1: [4]})
     run({0: [5], 1: [6]})
@@ -258,16 +268,8 @@ def test_moves_below_the_state_keep_the_rollback_labels_true(kind: str) -> None:
     keeps them, and the rollback then matches a recompute."""
     base = {"iswa_full": "iswa"}.get(kind, kind)
     mem = make_hybrid(DEV, base, size=40, n_seq_max=2, n_rs_seq=4, swa_full=True, n_swa=3)
-    for cache in mem.kv_caches:
-        cache.can_shift = False
-    toy = HybridToy(DEV, mem)
-    hist: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
-    rec: dict[int, list[int]] = {0: [], 1: []}
-
-    def run(tokens: dict[int, list[int]]) -> None:
-        out = toy.decode(tokens)
-        assert out is not None
-        check_against_oracle(toy, out, tokens, hist, rec)
+    o = OracleRun(mem, 2)
+    hist, rec, run = o.hist, o.rec, o.run
 
     def move(*op: Any) -> None:
         getattr(mem, op[0])(*op[1:])
@@ -347,32 +349,10 @@ def test_every_accepted_removal_keeps_the_parts_in_step(kind: str, program: list
     mem = make_hybrid(
         DEV, base, size=40, n_seq_max=2, n_rs_seq=4, unified=kind != "hybrid_streams", swa_full=kind != "iswa", n_swa=3
     )
-    for cache in mem.kv_caches:
-        cache.can_shift = False
-    toy = HybridToy(DEV, mem)
-    hist: dict[int, list[tuple[int, int]]] = {0: [], 1: []}  # attention's (position, token), decode order
-    rec: dict[int, list[int]] = {0: [], 1: []}  # the recurrent state's tokens
+    o = OracleRun(mem, 2, apply_updates=True)
+    hist, rec, run = o.hist, o.rec, o.run
+    removed = o.removed
     tok = iter(1 + k % 31 for k in range(10**6))
-
-    def run(tokens: dict[int, list[int]]) -> None:
-        ctx = mem.init_update()
-        if ctx.status is MemoryStatus.SUCCESS:
-            assert ctx.apply()
-        out = toy.decode(tokens)
-        assert out is not None
-        check_against_oracle(toy, out, tokens, hist, rec)
-
-    def removed(s: int, q0: int, q1: int, P: int) -> None:
-        """The oracle of an accepted ``seq_rm(s, q0, q1)`` of a sequence ending at ``P``."""
-        kept = [(q, t) for q, t in hist[s] if not q0 <= q < q1]
-        if q0 <= P < q1 and q0 > 0:  # a rollback: the last k tokens decoded, in both parts
-            k = P - q0 + 1
-            assert len(hist[s]) - len(kept) == k and hist[s][:-k] == kept, ((q0, q1), hist[s])
-            rec[s] = rec[s][:-k]
-        elif q0 <= P < q1:  # from 0 through the end: everything goes
-            assert not kept, ((q0, q1), hist[s])
-            rec[s] = []
-        hist[s] = kept  # a hole or a head: the state keeps what attention drops
 
     run({0: [next(tok) for _ in range(4)], 1: [next(tok) for _ in range(2)]})
     run({0: [next(tok)], 1: [next(tok)]})

@@ -14,15 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hybrid_toy import HybridToy, make_hybrid
+from hybrid_toy import make_hybrid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_adversarial_traces import fingerprint
-from test_hunt27b_hybrid_positions import check_against_oracle, check_reach, edit, norm
+from test_hunt27b_hybrid_positions import OracleRun, check_reach, edit, norm
 
 import statecache
 from statecache.errors import ArgumentError, StateError
-from statecache.memory import MemoryStatus, StateFlags
+from statecache.memory import StateFlags
 
 DEV = statecache.get_device("reference")
 EXAMPLES = 20 if settings.default.max_examples <= 40 else settings.default.max_examples
@@ -51,31 +51,10 @@ def test_rollbacks_stay_in_step_through_copies_keeps_and_state_round_trips(kind:
     mem = make_hybrid(
         DEV, base, size=48, n_seq_max=N, n_rs_seq=4, unified=kind != "hybrid_streams", swa_full=kind != "iswa", n_swa=3
     )
-    for cache in mem.kv_caches:
-        cache.can_shift = False
-    toy = HybridToy(DEV, mem)
-    hist: dict[int, list[tuple[int, int]]] = {s: [] for s in range(N)}  # attention's (position, token), decode order
-    rec: dict[int, list[int]] = {s: [] for s in range(N)}  # the recurrent state's tokens
+    o = OracleRun(mem, N, apply_updates=True)
+    hist, rec, run = o.hist, o.rec, o.run
+    removed = o.removed
     tok = iter(1 + k % 31 for k in range(10**6))
-
-    def run(tokens: dict[int, list[int]]) -> None:
-        ctx = mem.init_update()
-        if ctx.status is MemoryStatus.SUCCESS:
-            assert ctx.apply()
-        out = toy.decode(tokens)
-        assert out is not None
-        check_against_oracle(toy, out, tokens, hist, rec)
-
-    def removed(s: int, q0: int, q1: int, P: int) -> None:
-        kept = [(q, t) for q, t in hist[s] if not q0 <= q < q1]
-        if q0 <= P < q1 and q0 > 0:  # a rollback: the last k tokens decoded, in both parts
-            k = P - q0 + 1
-            assert len(hist[s]) - len(kept) == k and hist[s][:-k] == kept, ((q0, q1), hist[s])
-            rec[s] = rec[s][:-k]
-        elif q0 <= P < q1:
-            assert not kept, ((q0, q1), hist[s])
-            rec[s] = []
-        hist[s] = kept
 
     run({0: [next(tok) for _ in range(4)], 1: [next(tok) for _ in range(2)]})
     run({0: [next(tok)], 1: [next(tok)], 2: [next(tok) for _ in range(3)]})
