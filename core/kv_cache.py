@@ -1928,19 +1928,22 @@ class KVCacheISWA(Memory):
     def rollback_reach(self, seq: int) -> RollbackReach:
         check_seq_id(seq, self.n_seq_max)
         P = self.seq_pos_max(seq)
-        if P < 0 or self.window_refusal(seq, 1, POS_MAX) is None:
+        # A removal from p <= the base cache's first position takes the whole sequence
+        # (accepted); above it, each p keeps at least that position.
+        whole = max(self.base.seq_pos_min(seq), 0)
+        if P < 0 or self.window_refusal(seq, whole + 1, POS_MAX) is None:
             return RollbackReach(int(seq), P, 0)  # everything back to the first token is held
         # A deeper rollback only needs more of what the window cache may have given up
         # (every window type reads further back from an earlier token), so the accepted
-        # p form [floor, P + 1]: bisect for the lowest with the refusal rule itself.
-        lo, hi = 2, P + 1
+        # p above `whole` form [floor, P + 1]: bisect for the lowest with the refusal rule.
+        lo, hi = whole + 2, P + 1
         while lo < hi:
             mid = (lo + hi) // 2
             if self.window_refusal(seq, mid, POS_MAX) is None:
                 hi = mid
             else:
                 lo = mid + 1
-        return RollbackReach(int(seq), P, hi)
+        return RollbackReach(int(seq), P, hi, whole)
 
     def seq_state(self, seq: int) -> SeqState:
         rr = self.rollback_reach(seq)

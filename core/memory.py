@@ -129,9 +129,9 @@ def refusal_of(check: Callable[[], object]) -> str | None:
 class RollbackReach:
     """How far a sequence can roll back right now (:meth:`Memory.rollback_reach`).
 
-    ``seq_rm(seq, p, -1)`` is accepted exactly for ``p <= 0`` (the whole
+    ``seq_rm(seq, p, -1)`` is accepted exactly for ``p <= whole`` (the whole
     sequence goes) and for ``p >= floor`` (``p > pos_max`` removes nothing), and
-    refused for ``0 < p < floor``.  ``floor == 0``: every position is accepted;
+    refused for ``whole < p < floor``.  ``floor == 0``: every position is accepted;
     ``floor == pos_max + 1``: no rollback is possible (only dropping it all).
     """
 
@@ -139,11 +139,15 @@ class RollbackReach:
     #: ``seq_pos_max(seq)`` now (-1: the sequence holds nothing).
     pos_max: int
     floor: int
+    #: A removal from any ``p <= whole`` takes every position the sequence holds, so it is
+    #: accepted whatever the floor: 0, or the lowest position held where a memory refuses
+    #: some rollbacks of a sequence whose head was removed (an iSWA pair).
+    whole: int = 0
 
     def accepts(self, p: int) -> bool:
         """Whether ``seq_rm(seq, p, -1)`` would be accepted (``p < 0`` means 0; a ``p``
         outside int32 is refused, as every position is)."""
-        return POS_MIN <= p <= POS_MAX and (p <= 0 or p >= self.floor)
+        return POS_MIN <= p <= POS_MAX and (p <= self.whole or p >= self.floor)
 
     @property
     def depth(self) -> int:

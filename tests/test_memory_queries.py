@@ -392,3 +392,20 @@ def test_allocator_sized_by_the_memory() -> None:
     assert balloc.n_seq_max == mem.n_seq_max == BatchAllocator.for_memory(mem).n_seq_max
     balloc.init(Batch.for_sequences({N_SEQ - 1: [1, 2]}), mem)
     assert mem.init_batch(balloc, 8).status is MemoryStatus.SUCCESS
+
+
+def test_iswa_reach_after_a_head_removal_matches_seq_rm() -> None:
+    """Found by the stress profile of the property above: after ``seq_rm(0, 0, 1)`` the
+    sequence starts at 1, so ``seq_rm(0, 1, -1)`` takes all of it (accepted) while a
+    rollback to 2 needs position 1, which the window cache gave up.  The reach said
+    floor 0 (every p accepted); it must accept p <= 1 and refuse 2."""
+    mem = build("kv_iswa")
+    decode(mem, {0: 6, 1: 4, 2: 5})
+    assert mem.seq_rm(0, 0, 1)
+    decode(mem, {0: 3})
+    decode(mem, {0: 1, 1: 1, 2: 6})
+    check_reach(mem)
+    reach = mem.rollback_reach(0)
+    for p in range(-1, reach.pos_max + 2):
+        assert reach.accepts(p) == mem.can_seq_rm(0, p, -1), (p, reach)
+    assert reach.accepts(1) and not reach.accepts(2)
