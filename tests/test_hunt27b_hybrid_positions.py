@@ -105,6 +105,22 @@ class OracleRun:
         assert out is not None
         check_against_oracle(self.toy, out, tokens, self.hist, self.rec)
 
+    def applied(self, op: tuple[Any, ...], n_seq: int) -> None:
+        """The books after an accepted ``seq_cp``, ``seq_keep``, ``seq_add`` or ``seq_div``."""
+        hist, rec = self.hist, self.rec
+        if op[0] == "seq_cp":
+            if op[1] != op[2]:
+                hist[op[2]], rec[op[2]] = list(hist[op[1]]), list(rec[op[1]])
+        elif op[0] == "seq_keep":
+            for s in range(n_seq):
+                if s != op[1]:
+                    hist[s], rec[s] = [], []
+        else:
+            s = op[1]
+            hist[s] = edit(hist[s], op)
+            if not hist[s]:
+                rec[s] = []  # every position gone: the state goes with them
+
     def removed(self, s: int, q0: int, q1: int, P: int) -> None:
         """The books after an accepted ``seq_rm(s, q0, q1)`` of a sequence ending at ``P``."""
         hist, rec = self.hist, self.rec
@@ -126,7 +142,7 @@ def test_hybrid_position_edits_match_a_recompute(kind: str, program: list[Any]) 
     base = {"hybrid_streams": "hybrid", "iswa_full": "iswa"}.get(kind, kind)
     mem = make_hybrid(DEV, base, size=40, unified=kind != "hybrid_streams", swa_full=True, n_swa=3)
     o = OracleRun(mem, N, apply_updates=True)
-    hist, rec, run = o.hist, o.rec, o.run
+    hist, run = o.hist, o.run
     tok = iter(1 + k % 31 for k in range(10**6))  # the toy vocabulary: 32 tokens
 
     run({0: [next(tok) for _ in range(4)], 1: [next(tok) for _ in range(2)]})
@@ -142,18 +158,7 @@ def test_hybrid_position_edits_match_a_recompute(kind: str, program: list[Any]) 
         except ArgumentError:
             assert fingerprint(mem) == before, op
             continue
-        if op[0] == "seq_cp":
-            if op[1] != op[2]:
-                hist[op[2]], rec[op[2]] = list(hist[op[1]]), list(rec[op[1]])
-        elif op[0] == "seq_keep":
-            for s in range(N):
-                if s != op[1]:
-                    hist[s], rec[s] = [], []
-        else:
-            s = op[1]
-            hist[s] = edit(hist[s], op)
-            if not hist[s]:
-                rec[s] = []  # every position gone: the state goes with them
+        o.applied(op, N)
         for s in range(N):
             top = max((q for q, _ in hist[s]), default=-1)
             assert mem.seq_pos_max(s) == top, (op, s, mem.seq_pos_max(s), top)
@@ -350,7 +355,7 @@ def test_every_accepted_removal_keeps_the_parts_in_step(kind: str, program: list
         DEV, base, size=40, n_seq_max=2, n_rs_seq=4, unified=kind != "hybrid_streams", swa_full=kind != "iswa", n_swa=3
     )
     o = OracleRun(mem, 2, apply_updates=True)
-    hist, rec, run = o.hist, o.rec, o.run
+    hist, run = o.hist, o.run
     removed = o.removed
     tok = iter(1 + k % 31 for k in range(10**6))
 
@@ -381,19 +386,13 @@ def test_every_accepted_removal_keeps_the_parts_in_step(kind: str, program: list
             except ArgumentError:
                 assert fingerprint(mem) == before, op
                 continue
-            if op[0] == "seq_cp":
-                if op[1] != op[2]:
-                    hist[op[2]], rec[op[2]] = list(hist[op[1]]), list(rec[op[1]])
-            elif op[0] == "context_shift":
+            if op[0] == "context_shift":
                 if op[2] < op[3]:  # the removal (it may reach the end: a rollback), then the move
                     s, q0, q1 = op[1:]
                     removed(s, q0, q1, P)
                     hist[s] = edit(hist[s], ("seq_add", s, q1, -1, q0 - q1))
             else:
-                s = op[1]
-                hist[s] = edit(hist[s], op)
-                if not hist[s]:
-                    rec[s] = []
+                o.applied(op, 2)
         for s in range(2):
             assert mem.seq_pos_max(s) == max((q for q, _ in hist[s]), default=-1), (op, s)
             check_reach(mem, s)

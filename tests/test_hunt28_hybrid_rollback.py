@@ -18,7 +18,7 @@ from hybrid_toy import make_hybrid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_adversarial_traces import fingerprint
-from test_hunt27b_hybrid_positions import OracleRun, check_reach, edit, norm
+from test_hunt27b_hybrid_positions import OracleRun, check_reach, norm
 
 import statecache
 from statecache.errors import ArgumentError, StateError
@@ -97,18 +97,7 @@ def test_rollbacks_stay_in_step_through_copies_keeps_and_state_round_trips(kind:
             except ArgumentError:
                 assert fingerprint(mem) == before, op
                 continue
-            if name == "seq_cp":
-                if op[1] != op[2]:
-                    hist[op[2]], rec[op[2]] = list(hist[op[1]]), list(rec[op[1]])
-            elif name == "seq_keep":
-                for s in range(N):
-                    if s != op[1]:
-                        hist[s], rec[s] = [], []
-            else:
-                s = op[1]
-                hist[s] = edit(hist[s], op)
-                if not hist[s]:
-                    rec[s] = []
+            o.applied(op, N)
         for s in range(N):
             assert mem.seq_pos_max(s) == max((q for q, _ in hist[s]), default=-1), (op, s)
             check_reach(mem, s)
